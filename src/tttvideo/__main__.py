@@ -1,0 +1,3 @@
+from tttvideo.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""Typed configuration: one dataclass per section, one field per knob.
+
+Every field has a type and a default; `Range`/`Choice` metadata in `field(metadata=...)` bounds its values, and the
+loader (`tttvideo.config.loader`) rejects unknown keys, wrong types and out-of-range values with a message that
+names the key, the file and what is allowed. Sections are owned by the parts of the pipeline that read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def choice(default: Any, *allowed: Any, help: str = "") -> Any:
+    return field(default=default, metadata={"choices": tuple(allowed), "help": help})
+
+
+def bounded(default: Any, lo: float | None = None, hi: float | None = None, help: str = "") -> Any:
+    return field(default=default, metadata={"min": lo, "max": hi, "help": help})
+
+
+def listed(default_factory: Any, help: str = "") -> Any:
+    return field(default_factory=default_factory, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = choice("tiny", "tiny", "cogvideox-5b", help="backbone size")
+    pretrained_path: str = field(default="", metadata={"help": "diffusers transformer/ folder ('' = random init)"})
+    dtype: str = choice("fp32", "fp32", "bf16", "fp16", help="parameter dtype at load")
+    adapter: str = choice("qkvo", "sft", "qkvo", "lora", help="what trains (SPEC section 4)")
+    lora_rank: int = bounded(64, 1, 4096)
+    lora_alpha: float = bounded(64.0, 0.0)
+    use_ttt: bool = field(default=True, metadata={"help": "False: local attention only (the no-TTT baseline)"})
+
+
+@dataclass
+class LayoutConfig:
+    duration: str = field(default="3s", metadata={"help": "3 + 3n seconds, e.g. '9s'"})
+    height: int = bounded(480, 1)
+    width: int = bounded(720, 1)
+    fps: int = bounded(16, 1)
+    vae_spatial: int = bounded(8, 1)
+    vae_temporal: int = bounded(4, 1)
+    patch_size: int = bounded(2, 1)
+    text_tokens: int = bounded(0, 0, 4096, help="text tokens per segment; 0 = the original's per-duration length")
+
+
+@dataclass
+class TTTConfig:
+    kind: str = choice("mlp", "mlp", "linear", help="inner model: TTT-MLP or TTT-Linear")
+    mini_batch_size: int = bounded(64, 1, 4096, help="64 for MLP, 16 for Linear in the original")
+    base_lr: float = bounded(0.1, 0.0, help="inner learning rate scale: 0.1 (MLP), 1.0 (Linear)")
+    scan_checkpoint_group_size: int = bounded(16, 0, help="mini-batches per scan checkpoint; 0 = no checkpointing")
+    backend: str = choice("auto", "auto", "triton", "reference", help="auto: Triton on CUDA, reference elsewhere")
+    gate_init: float = bounded(0.1, help="initial value of the tanh gates")
+    rope_theta: float = bounded(10000.0, 1.0)
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/train"
+    steps: int = bounded(1000, 1)
+    seed: int = bounded(0, 0)
+
+
+@dataclass
+class DataConfig:
+    manifest: str = field(default="", metadata={"help": "JSONL manifest of the latent cache ('' = built-in demo set)"})
+
+
+@dataclass
+class SampleConfig:
+    steps: int = bounded(50, 1)
+    seed: int = bounded(0, 0)
+
+
+@dataclass
+class MemoryConfig:
+    gpu_memory_gib: float = bounded(0.0, 0.0, help="budget to plan for; 0 = the card's own")
+
+
+@dataclass
+class ParallelConfig:
+    data_parallel_shard: int = bounded(1, 1)
+    tensor_parallel: int = bounded(1, 1)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,322 @@
+"""The long-video sequence layout, in one place.
+
+A video of n 3-second segments is one sequence ``[text_0 .. text_{n-1} | video frames 0 .. T-1]`` (the residual
+stream order), with T = 13 + 12 (n - 1) latent frames and F tokens per latent frame. Everything that depends on that
+arithmetic lives here: token counts, the attention window of every segment, the TTT interleave permutation and its
+inverse, the reversal used by the reverse TTT pass, padding to the TTT mini-batch, and RoPE positions.
+
+Every check fails with one sentence that says what was expected; the most common failure of the original system
+(counting ONE segment's text instead of all of them, which surfaced as an opaque RoPE shape assertion) is named
+explicitly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from tttvideo.errors import LayoutError
+
+SEGMENT_SECONDS = 3
+# Latent frames per segment window; consecutive windows share one frame.
+WINDOW_FRAMES = 13
+NEW_FRAMES_PER_SEGMENT = WINDOW_FRAMES - 1
+
+# Text tokens per segment chosen by the original system so that the total is a multiple of 64.
+ORIGINAL_TEXT_TOKENS: dict[int, int] = {1: 498, 3: 502, 6: 471, 10: 497, 21: 458}
+# Upper bound used when choosing a text length for durations the original did not train.
+MAX_AUTO_TEXT_TOKENS = 512
+
+
+def parse_duration(value: str | int | float) -> int:
+    """'63s', '63', 63 -> 63 (seconds); anything that is not 3 + 3n seconds is an error."""
+    text = str(value).strip().lower()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*s?", text)
+    if match is None:
+        raise LayoutError(f"duration {value!r} is not a number of seconds; give it as e.g. '9s' or 9")
+    seconds = float(match.group(1))
+    if seconds != int(seconds) or int(seconds) < SEGMENT_SECONDS or int(seconds) % SEGMENT_SECONDS:
+        raise LayoutError(
+            f"duration {value!r} is not 3 + 3n seconds; the model works in 3-second segments "
+            f"(3, 6, 9, ..., 63 s)"
+        )
+    return int(seconds)
+
+
+def latent_frames_for(num_segments: int) -> int:
+    return WINDOW_FRAMES + NEW_FRAMES_PER_SEGMENT * (num_segments - 1)
+
+
+def auto_text_tokens(num_segments: int, video_tokens: int, mini_batch_size: int) -> int:
+    """The original's text length where it has one, else the largest length <= 512 whose total needs no padding."""
+    if num_segments in ORIGINAL_TEXT_TOKENS and (
+        video_tokens + num_segments * ORIGINAL_TEXT_TOKENS[num_segments]
+    ) % mini_batch_size == 0:
+        return ORIGINAL_TEXT_TOKENS[num_segments]
+    for text in range(MAX_AUTO_TEXT_TOKENS, 0, -1):
+        if (video_tokens + num_segments * text) % mini_batch_size == 0:
+            return text
+    return MAX_AUTO_TEXT_TOKENS  # unreachable for mini-batch <= 512; padding covers it anyway
+
+
+@dataclass(frozen=True)
+class VideoLayout:
+    """Token arithmetic of one long video. Build it with `VideoLayout.create`.
+
+    Index tensors are over residual-stream positions: ``x[..., perm, :]`` reorders a sequence.
+    """
+
+    duration_s: int
+    height: int
+    width: int
+    fps: int
+    vae_spatial: int
+    vae_temporal: int
+    patch_size: int
+    text_tokens: int  # per segment
+    mini_batch_size: int  # TTT mini-batch; the TTT sequence is padded to a multiple of it
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(
+        cls,
+        duration: str | int = 3,
+        height: int = 480,
+        width: int = 720,
+        fps: int = 16,
+        vae_spatial: int = 8,
+        vae_temporal: int = 4,
+        patch_size: int = 2,
+        text_tokens: int = 0,
+        mini_batch_size: int = 64,
+    ) -> "VideoLayout":
+        """text_tokens=0 picks the original's per-duration length (SPEC section 2) or the largest one <= 512 that
+        makes the total a multiple of the mini-batch."""
+        seconds = parse_duration(duration)
+        cell = vae_spatial * patch_size
+        for name, value in (("height", height), ("width", width)):
+            if value <= 0 or value % cell:
+                raise LayoutError(
+                    f"resolution {height}x{width}: {name} {value} is not divisible by VAE compression x patch size "
+                    f"= {vae_spatial} x {patch_size} = {cell}; use a multiple of {cell} (e.g. {max(cell, value // cell * cell)})"
+                )
+        if fps != 16 or vae_temporal != 4:
+            # 3 s at 16 fps = 49 frames -> 13 latent frames is what the segment windows are built on.
+            if (SEGMENT_SECONDS * fps) % vae_temporal:
+                raise LayoutError(
+                    f"{fps} fps with temporal compression {vae_temporal} does not give whole latent frames per 3-s "
+                    f"segment; use 16 fps with compression 4"
+                )
+            if SEGMENT_SECONDS * fps // vae_temporal != NEW_FRAMES_PER_SEGMENT:
+                raise LayoutError(
+                    f"{fps} fps with temporal compression {vae_temporal} gives "
+                    f"{SEGMENT_SECONDS * fps // vae_temporal} new latent frames per 3 s; the segment windows need "
+                    f"{NEW_FRAMES_PER_SEGMENT} (16 fps, compression 4)"
+                )
+        if mini_batch_size <= 0:
+            raise LayoutError(f"TTT mini-batch size must be positive, got {mini_batch_size}")
+        if text_tokens < 0:
+            raise LayoutError(f"text tokens per segment must be >= 0 (0 = automatic), got {text_tokens}")
+        n = seconds // SEGMENT_SECONDS
+        tokens_per_frame = (height // cell) * (width // cell)
+        if text_tokens == 0:
+            text_tokens = auto_text_tokens(n, latent_frames_for(n) * tokens_per_frame, mini_batch_size)
+        return cls(seconds, height, width, fps, vae_spatial, vae_temporal, patch_size, text_tokens, mini_batch_size)
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_segments(self) -> int:
+        return self.duration_s // SEGMENT_SECONDS
+
+    @property
+    def num_frames(self) -> int:
+        """Pixel frames: 16 per second plus the first one (49 for 3 s)."""
+        return self.fps * self.duration_s + 1
+
+    @property
+    def latent_frames(self) -> int:
+        return latent_frames_for(self.num_segments)
+
+    @property
+    def latent_height(self) -> int:
+        return self.height // self.vae_spatial
+
+    @property
+    def latent_width(self) -> int:
+        return self.width // self.vae_spatial
+
+    @property
+    def grid_height(self) -> int:
+        return self.latent_height // self.patch_size
+
+    @property
+    def grid_width(self) -> int:
+        return self.latent_width // self.patch_size
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.grid_height * self.grid_width
+
+    @property
+    def video_tokens(self) -> int:
+        return self.latent_frames * self.tokens_per_frame
+
+    @property
+    def total_text_tokens(self) -> int:
+        return self.num_segments * self.text_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.total_text_tokens + self.video_tokens
+
+    @property
+    def ttt_padding(self) -> int:
+        """Tokens appended to the TTT sequence so that it is a whole number of mini-batches."""
+        return (-self.total_tokens) % self.mini_batch_size
+
+    @property
+    def ttt_tokens(self) -> int:
+        return self.total_tokens + self.ttt_padding
+
+    @property
+    def window_tokens(self) -> int:
+        """Tokens in one attention window: one segment's text and 13 latent frames."""
+        return self.text_tokens + WINDOW_FRAMES * self.tokens_per_frame
+
+    def segment_frames(self, i: int) -> range:
+        """Latent frames of segment i's attention window (13; later windows share their first with the previous)."""
+        start = NEW_FRAMES_PER_SEGMENT * i
+        return range(start, start + WINDOW_FRAMES)
+
+    def segment_own_frames(self, i: int) -> range:
+        """Frames that belong to segment i alone in the TTT interleave (the first segment carries the extra one)."""
+        if i == 0:
+            return range(0, WINDOW_FRAMES)
+        start = NEW_FRAMES_PER_SEGMENT * i + 1
+        return range(start, start + NEW_FRAMES_PER_SEGMENT)
+
+    # ------------------------------------------------------------------ index maps
+    def text_slice(self, i: int) -> slice:
+        return slice(i * self.text_tokens, (i + 1) * self.text_tokens)
+
+    def frames_slice(self, frames: range) -> slice:
+        """Residual-stream positions of a contiguous run of latent frames."""
+        start = self.total_text_tokens + frames.start * self.tokens_per_frame
+        return slice(start, start + len(frames) * self.tokens_per_frame)
+
+    def window_index(self, i: int) -> torch.Tensor:
+        """Residual positions of segment i's attention window: [text_i ; its 13 frames]."""
+        text = self.text_slice(i)
+        video = self.frames_slice(self.segment_frames(i))
+        return torch.cat([torch.arange(text.start, text.stop), torch.arange(video.start, video.stop)])
+
+    @cached_property
+    def window_overlap_count(self) -> torch.Tensor:
+        """How many windows cover each video token (1 or 2), shape [video_tokens]; outputs are averaged by it."""
+        count = torch.zeros(self.latent_frames, dtype=torch.int64)
+        for i in range(self.num_segments):
+            frames = self.segment_frames(i)
+            count[frames.start : frames.stop] += 1
+        return count.repeat_interleave(self.tokens_per_frame)
+
+    @cached_property
+    def interleave_perm(self) -> torch.Tensor:
+        """TTT order [text_0, frames of segment 0, text_1, frames of segment 1, ...] as residual positions."""
+        parts = []
+        for i in range(self.num_segments):
+            text = self.text_slice(i)
+            video = self.frames_slice(self.segment_own_frames(i))
+            parts += [torch.arange(text.start, text.stop), torch.arange(video.start, video.stop)]
+        return torch.cat(parts)
+
+    @cached_property
+    def deinterleave_perm(self) -> torch.Tensor:
+        return inverse_permutation(self.interleave_perm)
+
+    @cached_property
+    def reverse_perm(self) -> torch.Tensor:
+        """Reversal of the reverse TTT pass: text chunks in reversed segment order (each chunk keeps its order),
+        video tokens flipped one by one. It is its own inverse."""
+        text = torch.arange(self.total_text_tokens).view(self.num_segments, self.text_tokens).flip(0).reshape(-1)
+        video = torch.arange(self.total_text_tokens, self.total_tokens).flip(0)
+        return torch.cat([text, video])
+
+    # ------------------------------------------------------------------ RoPE positions
+    def _frame_grid(self, frames: int, first_frame: int = 0) -> torch.Tensor:
+        t = torch.arange(first_frame, first_frame + frames)
+        h = torch.arange(self.grid_height)
+        w = torch.arange(self.grid_width)
+        grid = torch.stack(torch.meshgrid(t, h, w, indexing="ij"), dim=-1)
+        return grid.reshape(-1, 3)
+
+    @cached_property
+    def global_positions(self) -> torch.Tensor:
+        """(t, h, w) of every video token in residual order, t global over the whole video: [video_tokens, 3].
+        The TTT layer applies RoPE by position in the sequence it is given (the reverse pass uses the same table)."""
+        return self._frame_grid(self.latent_frames)
+
+    @cached_property
+    def local_positions(self) -> torch.Tensor:
+        """(t, h, w) inside one attention window, t restarting at 0 as in pretraining: [13 * F, 3]."""
+        return self._frame_grid(WINDOW_FRAMES)
+
+    # ------------------------------------------------------------------ checks
+    def check_text_embeddings(self, count: int) -> None:
+        if count != self.num_segments:
+            raise LayoutError(
+                f"got {count} text embedding(s) for a {self.duration_s} s video, which has {self.num_segments} "
+                f"3-s segment(s): give exactly one text embedding per segment"
+            )
+
+    def check_sequence_length(self, length: int) -> None:
+        if length == self.total_tokens:
+            return
+        msg = (
+            f"sequence length {length:,} does not match the {self.duration_s} s layout: expected "
+            f"{self.num_segments} segment(s) x {self.text_tokens} text tokens + {self.video_tokens:,} video tokens "
+            f"= {self.total_tokens:,}"
+        )
+        if length == self.video_tokens + self.text_tokens:
+            msg += (
+                f"; {length:,} is the video plus ONE segment's text: count the text of all "
+                f"{self.num_segments} segments"
+            )
+        hints = explain_sequence_length(length, self.tokens_per_frame)
+        if hints:
+            msg += "; " + " or ".join(f"{n} segment(s) with {t} text tokens" for n, t in hints[:3])
+            msg += f" would give {length:,}"
+        raise LayoutError(msg)
+
+    # ------------------------------------------------------------------ report
+    def summary(self) -> dict[str, int]:
+        return {
+            "duration_s": self.duration_s,
+            "segments": self.num_segments,
+            "frames": self.num_frames,
+            "latent_frames": self.latent_frames,
+            "tokens_per_frame": self.tokens_per_frame,
+            "video_tokens": self.video_tokens,
+            "text_tokens_per_segment": self.text_tokens,
+            "total_tokens": self.total_tokens,
+            "window_tokens": self.window_tokens,
+            "ttt_padding": self.ttt_padding,
+        }
+
+
+def explain_sequence_length(length: int, tokens_per_frame: int, max_segments: int = 64) -> list[tuple[int, int]]:
+    """(segments, text tokens per segment) pairs that would produce `length` at this frame size."""
+    out = []
+    for n in range(1, max_segments + 1):
+        rest = length - latent_frames_for(n) * tokens_per_frame
+        if rest > 0 and rest % n == 0 and rest // n <= 4096:
+            out.append((n, rest // n))
+    return out
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv

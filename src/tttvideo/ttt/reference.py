@@ -1,0 +1,175 @@
+"""Reference TTT scan in plain PyTorch: TTT-MLP and TTT-Linear, non-causal mini-batch form (SPEC section 3).
+
+This is the ground truth every fast path is tested against. Shapes (B batch, H heads, L tokens, D head dim):
+
+    q, k, v   [B, H, L, D]  (v is the LayerNorm reconstruction target plus k, as in the original: the inner
+                             loss regresses LN(g(k)) onto v - k)
+    eta       [B, H, L]      per-token inner learning rate, already base_lr * sigmoid(.) / D / mini_batch
+    norm_w/b  [H, D]         ttt_norm, the per-head LayerNorm of the inner model
+    MLP:      w1 [H, D, E], b1 [H, E], w2 [H, E, D], b2 [H, D]   (E = 4 D)
+    Linear:   w1 [H, D, D], b1 [H, D]
+
+For mini-batch i every token's gradient is taken at W_{i-1}; W_i = W_{i-1} - sum_t eta_t grad_t; every token of
+mini-batch i is output as q + LN(g_{W_i}(q)). L must be a multiple of the mini-batch (the layer pads; padded tokens
+carry eta = 0). The inner state is fp32 whatever the input dtype; the output has q's dtype.
+
+The scan is checkpointed every `checkpoint_group_size` mini-batches: only the state at group boundaries is kept,
+and each group is recomputed in backward (torch.utils.checkpoint, non-reentrant). 0 disables it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# LayerNorm epsilon of the inner model, as in the original's fused LN/L2 kernels.
+INNER_LN_EPS = 1e-8
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def ln_fwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = INNER_LN_EPS) -> torch.Tensor:
+    mu = x.mean(dim=-1, keepdim=True)
+    var = x.var(dim=-1, keepdim=True, unbiased=False)
+    return w * ((x - mu) / torch.sqrt(var + eps)) + b
+
+
+def ln_l2_grad(
+    x: torch.Tensor, target: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = INNER_LN_EPS
+) -> torch.Tensor:
+    """d/dx of 1/2 ||LN(x) - target||^2, LayerNorm backward fused with the L2 loss (closed form)."""
+    d = x.shape[-1]
+    mu = x.mean(dim=-1, keepdim=True)
+    std = torch.sqrt(x.var(dim=-1, keepdim=True, unbiased=False) + eps)
+    x_hat = (x - mu) / std
+    g_hat = (w * x_hat + b - target) * w
+    return (
+        d * g_hat - g_hat.sum(dim=-1, keepdim=True) - x_hat * (g_hat * x_hat).sum(dim=-1, keepdim=True)
+    ) / (d * std)
+
+
+def gelu_tanh_grad(x: torch.Tensor) -> torch.Tensor:
+    """Derivative of GELU with the tanh approximation."""
+    inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+    t = torch.tanh(inner)
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+
+
+State = tuple[torch.Tensor, ...]
+
+
+def _mlp_minibatch(state: State, q, k, v, eta, norm_w, norm_b) -> tuple[State, torch.Tensor]:
+    w1, b1, w2, b2 = state
+    z1 = k @ w1 + b1
+    x2 = F.gelu(z1, approximate="tanh")
+    z2 = x2 @ w2 + b2
+    g2 = ln_l2_grad(z2, v - k, norm_w, norm_b) * eta
+    g1 = (g2 @ w2.transpose(-1, -2)) * gelu_tanh_grad(z1)
+    w1 = w1 - k.transpose(-1, -2) @ g1
+    b1 = b1 - g1.sum(dim=-2, keepdim=True)
+    w2 = w2 - x2.transpose(-1, -2) @ g2
+    b2 = b2 - g2.sum(dim=-2, keepdim=True)
+    out = q + ln_fwd(F.gelu(q @ w1 + b1, approximate="tanh") @ w2 + b2, norm_w, norm_b)
+    return (w1, b1, w2, b2), out
+
+
+def _linear_minibatch(state: State, q, k, v, eta, norm_w, norm_b) -> tuple[State, torch.Tensor]:
+    w1, b1 = state
+    g = ln_l2_grad(k @ w1 + b1, v - k, norm_w, norm_b) * eta
+    w1 = w1 - k.transpose(-1, -2) @ g
+    b1 = b1 - g.sum(dim=-2, keepdim=True)
+    out = q + ln_fwd(q @ w1 + b1, norm_w, norm_b)
+    return (w1, b1), out
+
+
+def _scan(
+    step: Callable[..., tuple[State, torch.Tensor]],
+    state: State,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor,
+    mini_batch_size: int,
+    checkpoint_group_size: int,
+) -> torch.Tensor:
+    B, H, L, D = q.shape
+    if L % mini_batch_size:
+        raise ValueError(f"TTT sequence length {L} is not a multiple of the mini-batch {mini_batch_size}; pad it")
+    if eta.shape != (B, H, L):
+        raise ValueError(f"eta must have shape {(B, H, L)}, got {tuple(eta.shape)}")
+    n = L // mini_batch_size
+    f32 = torch.float32
+    # [n, B, H, b, D] so that mini-batch i is one index
+    qs, ks, vs = (x.to(f32).view(B, H, n, mini_batch_size, D).movedim(2, 0) for x in (q, k, v))
+    etas = eta.to(f32).view(B, H, n, mini_batch_size, 1).movedim(2, 0)
+    nw = norm_w.to(f32)[:, None, :]
+    nb = norm_b.to(f32)[:, None, :]
+
+    def run(state: State, start: int, stop: int) -> tuple[State, torch.Tensor]:
+        outs = []
+        for i in range(start, stop):
+            state, out = step(state, qs[i], ks[i], vs[i], etas[i], nw, nb)
+            outs.append(out)
+        return state, torch.stack(outs)
+
+    group = n if checkpoint_group_size <= 0 else checkpoint_group_size
+    outs = []
+    for start in range(0, n, group):
+        stop = min(start + group, n)
+        if checkpoint_group_size > 0 and torch.is_grad_enabled():
+            state, out = checkpoint(run, state, start, stop, use_reentrant=False)
+        else:
+            state, out = run(state, start, stop)
+        outs.append(out)
+    out = torch.cat(outs).movedim(0, 2).reshape(B, H, L, D)
+    return out.to(q.dtype)
+
+
+def _initial_state(batch: int, *params: torch.Tensor) -> State:
+    """Per-head slow weights -> fp32 per-sample inner state [B, H, ...]; biases become row vectors [B, H, 1, .]."""
+    state = []
+    for p in params:
+        p = p.float()
+        if p.dim() == 2:  # bias [H, E]
+            p = p[:, None, :]
+        state.append(p.unsqueeze(0).expand(batch, *p.shape))
+    return tuple(state)
+
+
+def ttt_mlp_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    mini_batch_size: int,
+    checkpoint_group_size: int = 0,
+) -> torch.Tensor:
+    state = _initial_state(q.shape[0], w1, b1, w2, b2)
+    return _scan(_mlp_minibatch, state, q, k, v, eta, norm_w, norm_b, mini_batch_size, checkpoint_group_size)
+
+
+def ttt_linear_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    eta: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    mini_batch_size: int,
+    checkpoint_group_size: int = 0,
+) -> torch.Tensor:
+    state = _initial_state(q.shape[0], w1, b1)
+    return _scan(_linear_minibatch, state, q, k, v, eta, norm_w, norm_b, mini_batch_size, checkpoint_group_size)
