@@ -103,12 +103,14 @@ def _scan(
     if eta.shape != (B, H, L):
         raise ValueError(f"eta must have shape {(B, H, L)}, got {tuple(eta.shape)}")
     n = L // mini_batch_size
-    f32 = torch.float32
+    # fp32 state whatever the input dtype (float64 stays float64, for tests)
+    f32 = torch.promote_types(q.dtype, torch.float32)
     # [n, B, H, b, D] so that mini-batch i is one index
     qs, ks, vs = (x.to(f32).view(B, H, n, mini_batch_size, D).movedim(2, 0) for x in (q, k, v))
     etas = eta.to(f32).view(B, H, n, mini_batch_size, 1).movedim(2, 0)
     nw = norm_w.to(f32)[:, None, :]
     nb = norm_b.to(f32)[:, None, :]
+    state = tuple(s.to(f32) for s in state)
 
     def run(state: State, start: int, stop: int) -> tuple[State, torch.Tensor]:
         outs = []
@@ -134,7 +136,7 @@ def _initial_state(batch: int, *params: torch.Tensor) -> State:
     """Per-head slow weights -> fp32 per-sample inner state [B, H, ...]; biases become row vectors [B, H, 1, .]."""
     state = []
     for p in params:
-        p = p.float()
+        p = p.to(torch.promote_types(p.dtype, torch.float32))
         if p.dim() == 2:  # bias [H, E]
             p = p[:, None, :]
         state.append(p.unsqueeze(0).expand(batch, *p.shape))

@@ -1,0 +1,125 @@
+"""The TTT layer module: gates, interleave semantics, forward and reverse passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tttvideo.layout import VideoLayout
+from tttvideo.ttt.layer import BidirectionalTTT, TTTLayer
+
+DIM, HEADS = 64, 4
+
+
+def layout(duration, text=5, mb=16):
+    return VideoLayout.create(duration, height=32, width=48, text_tokens=text, mini_batch_size=mb)
+
+
+def block(kind="mlp", mb=16, **kw):
+    torch.manual_seed(0)
+    base_lr = 0.1 if kind == "mlp" else 1.0
+    return BidirectionalTTT(DIM, HEADS, kind=kind, mini_batch_size=mb, base_lr=base_lr,
+                            scan_checkpoint_group_size=2, **kw)
+
+
+def test_zero_gates_return_the_input_exactly():
+    lay = layout("9s")
+    m = block()
+    with torch.no_grad():
+        for g in (m.forward_gate_text, m.forward_gate_video, m.reverse_gate_text, m.reverse_gate_video):
+            g.zero_()
+    x = torch.randn(2, lay.total_tokens, DIM)
+    assert torch.equal(m(x, lay), x)
+
+
+def test_gates_start_at_0_1():
+    m = block()
+    assert torch.all(m.forward_gate_video == 0.1) and torch.all(m.reverse_gate_text == 0.1)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+@pytest.mark.parametrize("duration", ["3s", "9s"])
+def test_forward_and_backward_run(kind, duration):
+    lay = layout(duration)
+    assert lay.ttt_padding > 0  # exercise padding too
+    m = block(kind)
+    x = torch.randn(2, lay.total_tokens, DIM, requires_grad=True)
+    y = m(x, lay)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    y.square().mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"no gradient reaches {name}"
+
+
+def test_scan_order_is_the_segment_interleave():
+    """Across mini-batches TTT is causal in the interleaved order [text_0, frames_0, text_1, ...]: changing the
+    last segment's frames must leave text_0 untouched (its mini-batches come first) and change the last segment."""
+    lay = layout("9s", text=16, mb=16)
+    layer = TTTLayer(DIM, HEADS, mini_batch_size=16, scan_checkpoint_group_size=0)
+    x = torch.randn(1, lay.total_tokens, DIM)
+    x2 = x.clone()
+    last = lay.frames_slice(lay.segment_own_frames(2))
+    x2[:, last] += torch.randn_like(x2[:, last])
+    with torch.no_grad():
+        y, y2 = layer(x, lay), layer(x2, lay)
+    text0 = lay.text_slice(0)
+    assert torch.equal(y[:, text0], y2[:, text0])
+    first_frames = lay.frames_slice(range(0, 12))
+    assert torch.equal(y[:, first_frames], y2[:, first_frames])
+    assert not torch.allclose(y[:, last], y2[:, last])
+    # in residual order text_2 comes before all video, yet it follows segment 1's frames in the scan
+    mid = lay.frames_slice(lay.segment_own_frames(1))
+    x3 = x.clone()
+    x3[:, mid] += 1.0
+    with torch.no_grad():
+        y3 = layer(x3, lay)
+    assert not torch.allclose(y[:, lay.text_slice(2)], y3[:, lay.text_slice(2)])
+    assert torch.equal(y[:, lay.text_slice(0)], y3[:, lay.text_slice(0)])
+
+
+def test_reverse_pass_sees_the_future():
+    """With the forward gates at 0, only the reverse pass acts: the first frames now depend on the last ones."""
+    lay = layout("9s", text=16, mb=16)
+    m = block()
+    with torch.no_grad():
+        m.forward_gate_text.zero_()
+        m.forward_gate_video.zero_()
+    x = torch.randn(1, lay.total_tokens, DIM)
+    x2 = x.clone()
+    last = lay.frames_slice(range(lay.latent_frames - 2, lay.latent_frames))
+    x2[:, last] += 1.0
+    with torch.no_grad():
+        y, y2 = m(x, lay), m(x2, lay)
+    first = lay.frames_slice(range(0, 2))
+    assert not torch.allclose(y[:, first], y2[:, first])
+
+
+def test_eta_formula():
+    layer = TTTLayer(DIM, HEADS, mini_batch_size=16, base_lr=0.1)
+    with torch.no_grad():
+        layer.learnable_ttt_lr_weight.zero_()
+        layer.learnable_ttt_lr_bias.zero_()
+    eta = layer.eta(torch.randn(1, 3, DIM))
+    torch.testing.assert_close(eta, torch.full((1, 3, HEADS), 0.1 * 0.5 / (16 * 16)))
+
+
+def test_sequence_length_mismatch_is_a_sentence():
+    lay = layout("9s")
+    m = block()
+    with pytest.raises(Exception, match="does not match the 9 s layout"):
+        m(torch.randn(1, lay.total_tokens - 5, DIM), lay)
+
+
+def test_checkpointed_passes_match():
+    lay = layout("3s")
+    m = block()
+    x = torch.randn(1, lay.total_tokens, DIM, requires_grad=True)
+    y = m(x, lay)
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    m.checkpoint_forward = m.checkpoint_reverse = True
+    y2 = m(x, lay)
+    (g2,) = torch.autograd.grad(y2.square().sum(), x)
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+    torch.testing.assert_close(g2, g, rtol=1e-6, atol=1e-6)
