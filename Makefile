@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned to the local CPU wheel where one exists, so pip does not pull the CUDA build
 	$(PY) -m pip install -q "torch==$${TORCH_VERSION:-2.13.0}" || $(PY) -m pip install -q torch
+	# the Triton of the GPU machines we test on; on CPU it runs the kernels in its interpreter (TRITON_INTERPRET=1)
+	$(PY) -m pip install -q "triton==$${TRITON_VERSION:-3.6.0}" || true
 	$(PY) -m pip install -q -e ".[all]"
 	touch $(STAMP)
 
