@@ -12,6 +12,7 @@ from tttvideo.errors import UserError
 # subcommand -> module; modules are imported lazily so `tttv layout` does not pay for diffusers.
 COMMANDS: dict[str, str] = {
     "layout": "tttvideo.cli.layout_cmd",
+    "config": "tttvideo.cli.config_cmd",
 }
 
 

@@ -12,15 +12,23 @@ from typing import Any
 
 
 def choice(default: Any, *allowed: Any, help: str = "") -> Any:
+    # A default outside its own choices would make every config that omits the key invalid: fail at import instead.
+    if default not in allowed:
+        raise ValueError(f"choice default {default!r} is not one of its choices {allowed!r}")
     return field(default=default, metadata={"choices": tuple(allowed), "help": help})
 
 
 def bounded(default: Any, lo: float | None = None, hi: float | None = None, help: str = "") -> Any:
+    if (lo is not None and default < lo) or (hi is not None and default > hi):
+        raise ValueError(f"bounded default {default!r} is outside [{lo}, {hi}]")
     return field(default=default, metadata={"min": lo, "max": hi, "help": help})
 
 
-def listed(default_factory: Any, help: str = "") -> Any:
-    return field(default_factory=default_factory, metadata={"help": help})
+def listed(default_factory: Any, help: str = "", choices: tuple = (), lo: float | None = None,
+           hi: float | None = None) -> Any:
+    """A list field; `choices`/`lo`/`hi` constrain every element (the loader checks each one)."""
+    return field(default_factory=default_factory, metadata={"choices": tuple(choices), "min": lo, "max": hi,
+                                                            "help": help})
 
 
 @dataclass
