@@ -1,0 +1,103 @@
+"""Writing videos: frames streamed into an H.264 mp4 (imageio-ffmpeg), the story saved beside it.
+
+Frames arrive in chunks from the decoder ([n, H, W, 3] uint8) and go straight to ffmpeg's stdin, so a one-minute
+video (1009 frames at 480x720, about 1 GB of raw RGB) never has to sit in memory at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tttvideo.errors import UserError
+
+
+def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
+    """[n, 3, H, W] in [-1, 1] (the VAE's range) -> [n, H, W, 3] uint8, rounding to the nearest level."""
+    frames = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return frames.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+
+
+def scenes_path(video_path: str | Path) -> Path:
+    """out.mp4 -> out.scenes.json"""
+    video_path = Path(video_path)
+    return video_path.with_name(video_path.stem + ".scenes.json")
+
+
+class Mp4Writer:
+    """Streams uint8 frames into an mp4: `append(frames)` any number of times, then `close()` (or use `with`).
+
+    H.264 with yuv420p needs even sides; odd frame sizes are padded by repeating the last row/column instead of
+    being rescaled (ffmpeg's default), so decoded frames keep their pixels.
+    """
+
+    def __init__(self, path: str | Path, fps: int = 16, quality: float = 8.0):
+        import imageio_ffmpeg
+
+        self.path = Path(path)
+        self.fps = fps
+        self.quality = quality
+        self.frames_written = 0
+        self._ffmpeg = imageio_ffmpeg
+        self._gen = None
+        self._size: tuple[int, int] | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"cannot create the output folder {self.path.parent}: {err.strerror}") from None
+        if not os.access(self.path.parent, os.W_OK):
+            raise UserError(f"cannot write {self.path}: the folder {self.path.parent} is not writable")
+
+    def append(self, frames: np.ndarray) -> None:
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+            raise ValueError(f"expected [n, H, W, 3] uint8 frames, got {frames.shape} {frames.dtype}")
+        h, w = frames.shape[1:3]
+        pad_h, pad_w = h % 2, w % 2
+        if pad_h or pad_w:
+            frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+        size = (frames.shape[2], frames.shape[1])  # ffmpeg takes (width, height)
+        if self._gen is None:
+            self._size = size
+            self._gen = self._ffmpeg.write_frames(
+                str(self.path), size, fps=self.fps, quality=self.quality, codec="libx264", macro_block_size=1,
+                ffmpeg_log_level="error",
+            )
+            self._gen.send(None)  # starts ffmpeg
+        elif size != self._size:
+            raise ValueError(f"frame size changed from {self._size} to {size} inside one video")
+        for frame in frames:
+            self._gen.send(np.ascontiguousarray(frame))
+        self.frames_written += len(frames)
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
+            self._gen = None
+
+    def __enter__(self) -> "Mp4Writer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_scenes(video_path: str | Path, payload: dict[str, Any]) -> Path:
+    path = scenes_path(video_path)
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def read_video(path: str | Path) -> np.ndarray:
+    """All frames of a video as [n, H, W, 3] uint8 (tests and quick checks; holds the whole video in memory)."""
+    import imageio_ffmpeg
+
+    gen = imageio_ffmpeg.read_frames(str(path))
+    meta = gen.__next__()
+    w, h = meta["size"]
+    frames = [np.frombuffer(buf, dtype=np.uint8).reshape(h, w, 3) for buf in gen]
+    return np.stack(frames) if frames else np.zeros((0, h, w, 3), np.uint8)
