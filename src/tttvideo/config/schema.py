@@ -95,6 +95,34 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointRule:
+    """Activation checkpointing of a range of layers; replaces the section's settings for those layers."""
+
+    layers: str = field(default=":", metadata={"help": "layer indices as a Python slice: '0:14', '28:', '-4:', ':'"})
+    group_size: int = bounded(1, 1, help="consecutive blocks recomputed together when block = true")
+    block: bool = field(default=False, metadata={"help": "checkpoint whole blocks (in groups of group_size)"})
+    attention: bool = field(default=False, metadata={"help": "checkpoint adaLN + local attention"})
+    forward_ttt: bool = field(default=False, metadata={"help": "checkpoint the forward TTT pass"})
+    reverse_ttt: bool = field(default=False, metadata={"help": "checkpoint the reverse TTT pass"})
+    mlp: bool = field(default=False, metadata={"help": "checkpoint adaLN + MLP"})
+
+
+@dataclass
+class CheckpointingConfig:
+    """Activation checkpointing of the transformer (torch.utils.checkpoint, non-reentrant). The TTT scan has its own
+    knob, ttt.scan_checkpoint_group_size; both compose."""
+
+    group_size: int = bounded(1, 1, help="consecutive blocks recomputed together when block = true")
+    block: bool = field(default=False, metadata={"help": "checkpoint whole blocks (in groups of group_size)"})
+    attention: bool = field(default=False, metadata={"help": "checkpoint adaLN + local attention"})
+    forward_ttt: bool = field(default=False, metadata={"help": "checkpoint the forward TTT pass"})
+    reverse_ttt: bool = field(default=False, metadata={"help": "checkpoint the reverse TTT pass"})
+    mlp: bool = field(default=False, metadata={"help": "checkpoint adaLN + MLP"})
+    layers: list[CheckpointRule] = listed(list, help="per-layer rules ([[checkpointing.layers]]); the last rule "
+                                                     "covering a layer wins, uncovered layers use the settings above")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
@@ -104,3 +132,4 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)

@@ -1,0 +1,77 @@
+"""Segment-local self-attention of the long-video DiT (SPEC section 2).
+
+Segment i attends over [text_i ; latent frames 12i .. 12i+12] (`VideoLayout.window_index(i)`), plain non-causal,
+with CogVideoX's per-head q/k LayerNorm and 3D RoPE on the video q/k at LOCAL positions (every window restarts at
+t = 0, as in pretraining, so one table serves all windows). Text tokens take their output from their own window;
+a video frame shared by two windows takes the mean of the two outputs. With one segment this is exactly
+CogVideoX's full attention (diffusers' `CogVideoXAttnProcessor2_0`).
+
+All windows have the same length, so they are gathered into the batch dimension and go through ONE SDPA call
+(flash / memory-efficient kernels on CUDA) instead of a loop over segments. The output projection is affine, so it
+is applied after the overlap average, on L tokens rather than n x window tokens.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tttvideo.layout import VideoLayout
+from tttvideo.rope import apply_rope, rope_cos_sin
+
+
+@lru_cache(maxsize=16)
+def window_tensors(layout: VideoLayout, head_dim: int, theta: float, device: torch.device):
+    """Per layout and device, shared by every layer: window gather index [n, W], the window's RoPE cos/sin [W, D]
+    (identity rotation on the text prefix so that one elementwise op covers the whole window) and the reciprocal
+    overlap count over residual positions [L, 1] (1 for text, 1/1 or 1/2 for video)."""
+    n = layout.num_segments
+    index = torch.stack([layout.window_index(i) for i in range(n)])
+    cos, sin = rope_cos_sin(layout.local_positions, head_dim, theta)
+    text = layout.text_tokens
+    cos = torch.cat([torch.ones(text, head_dim), cos])
+    sin = torch.cat([torch.zeros(text, head_dim), sin])
+    inv_count = torch.cat([torch.ones(layout.total_text_tokens), 1.0 / layout.window_overlap_count.double()]).float()
+    return index.to(device), cos.to(device), sin.to(device), inv_count[:, None].to(device)
+
+
+class LocalAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool = True, qk_norm_eps: float = 1e-6,
+                 norm_elementwise_affine: bool = True, rope_theta: float = 10000.0):
+        super().__init__()
+        self.num_heads, self.head_dim, self.rope_theta = num_heads, head_dim, rope_theta
+        inner = num_heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=bias)
+        self.to_k = nn.Linear(dim, inner, bias=bias)
+        self.to_v = nn.Linear(dim, inner, bias=bias)
+        self.norm_q = nn.LayerNorm(head_dim, eps=qk_norm_eps, elementwise_affine=norm_elementwise_affine)
+        self.norm_k = nn.LayerNorm(head_dim, eps=qk_norm_eps, elementwise_affine=norm_elementwise_affine)
+        self.to_out = nn.Linear(inner, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
+        """x [B, L, dim] in residual order [all text | all video] -> [B, L, dim]."""
+        B, L, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        index, cos, sin, inv_count = window_tensors(layout, D, self.rope_theta, x.device)
+        n, W = index.shape
+
+        q = self.norm_q(self.to_q(x).view(B, L, H, D))
+        k = self.norm_k(self.to_k(x).view(B, L, H, D))
+        v = self.to_v(x).view(B, L, H, D)
+        if n > 1:
+            # windows into the batch dim: [B, L, H, D] -> [B n, W, H, D]
+            flat = index.reshape(-1)
+            q, k, v = (t[:, flat].reshape(B * n, W, H, D) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B n, H, W, D]
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(B, n * W, H * D)
+        if n > 1:
+            # sum the windows' outputs per residual position, then divide by how many windows cover it
+            out = torch.zeros(B, L, H * D, dtype=out.dtype, device=out.device).index_add(1, flat, out)
+            out = out * inv_count.to(out.dtype)
+        return self.to_out(out)

@@ -1,0 +1,110 @@
+"""One transformer block of the long-video DiT: CogVideoX's adaLN-zero block with the TTT layer after attention.
+
+    h  = adaLN1(x)                         (one LayerNorm, separate shift/scale for text and video tokens)
+    X' = LocalAttention(h)                 (the attention OUTPUT, after the o projection)
+    Z' = BidirectionalTTT(X')              (Z = X' + tanh(a) TTT(X'), Z' = Z + tanh(b) rev(TTT(rev(Z))))
+    x  = x + gate_msa * Z'                 (text gate on text tokens, video gate on video tokens)
+    x  = x + gate_ff * MLP(adaLN2(x))      (GELU-tanh, 4x)
+
+With the TTT gates at 0 (or `use_ttt=False`) this is diffusers' `CogVideoXBlock` on a single window. The residual
+stream is one tensor in the order [all text | all video]; the modulation is applied to its two parts in place of
+diffusers' split/concat of two streams.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tttvideo.layout import VideoLayout
+from tttvideo.models.attention import LocalAttention
+from tttvideo.models.checkpointing import maybe_checkpoint
+from tttvideo.models.presets import ModelSpec
+from tttvideo.ttt.layer import BidirectionalTTT
+
+
+def modulate(h: torch.Tensor, text_tokens: int, text: tuple[torch.Tensor, torch.Tensor],
+             video: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """h * (1 + scale) + shift with (shift, scale) [B, C] per modality."""
+    t_shift, t_scale = text
+    v_shift, v_scale = video
+    return torch.cat(
+        [
+            torch.addcmul(t_shift[:, None], h[:, :text_tokens], 1 + t_scale[:, None]),
+            torch.addcmul(v_shift[:, None], h[:, text_tokens:], 1 + v_scale[:, None]),
+        ],
+        dim=1,
+    )
+
+
+def gated_add(x: torch.Tensor, y: torch.Tensor, text_tokens: int, text_gate: torch.Tensor,
+              video_gate: torch.Tensor) -> torch.Tensor:
+    """x + gate * y with gates [B, C] per modality."""
+    return torch.cat(
+        [
+            torch.addcmul(x[:, :text_tokens], y[:, :text_tokens], text_gate[:, None]),
+            torch.addcmul(x[:, text_tokens:], y[:, text_tokens:], video_gate[:, None]),
+        ],
+        dim=1,
+    )
+
+
+class AdaLNZero(nn.Module):
+    """diffusers' CogVideoXLayerNormZero: Linear(SiLU(temb)) -> shift, scale, gate (video), then the same for text."""
+
+    def __init__(self, time_embed_dim: int, dim: int, eps: float, elementwise_affine: bool):
+        super().__init__()
+        self.linear = nn.Linear(time_embed_dim, 6 * dim)
+        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=elementwise_affine)
+
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor, text_tokens: int):
+        """temb_act = SiLU(time embedding) [B, time_dim] -> (modulated x, video gate [B, C], text gate [B, C])."""
+        shift, scale, gate, t_shift, t_scale, t_gate = self.linear(temb_act).chunk(6, dim=1)
+        return modulate(self.norm(x), text_tokens, (t_shift, t_scale), (shift, scale)), gate, t_gate
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, ttt_kwargs: dict[str, Any] | None):
+        """ttt_kwargs: arguments of BidirectionalTTT beyond (dim, heads); None builds the attention-only block."""
+        super().__init__()
+        dim = spec.dim
+        self.norm1 = AdaLNZero(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
+        self.attn = LocalAttention(dim, spec.num_attention_heads, spec.attention_head_dim, bias=spec.attention_bias,
+                                   qk_norm_eps=spec.qk_norm_eps, norm_elementwise_affine=spec.norm_elementwise_affine,
+                                   rope_theta=spec.rope_theta)
+        self.ttt = BidirectionalTTT(dim, spec.num_attention_heads, **ttt_kwargs) if ttt_kwargs is not None else None
+        self.norm2 = AdaLNZero(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
+        self.mlp = MLP(dim, 4 * dim)
+        # activation checkpointing of the two halves (set by tttvideo.models.checkpointing.apply_checkpointing);
+        # the TTT passes have their own switches on self.ttt
+        self.checkpoint_attention = False
+        self.checkpoint_mlp = False
+
+    def _attention(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout):
+        h, gate, t_gate = self.norm1(x, temb_act, layout.total_text_tokens)
+        return self.attn(h, layout), gate, t_gate
+
+    def _mlp(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
+        T = layout.total_text_tokens
+        h, gate, t_gate = self.norm2(x, temb_act, T)
+        return gated_add(x, self.mlp(h), T, t_gate, gate)
+
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
+        a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout)
+        if self.ttt is not None:
+            a = self.ttt(a, layout)
+        x = gated_add(x, a, layout.total_text_tokens, t_gate, gate)
+        return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, layout)

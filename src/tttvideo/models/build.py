@@ -1,0 +1,29 @@
+"""The model a config asks for: preset, weights (diffusers folder or random), dtype, adapter and checkpointing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tttvideo.models.adapters import apply_adapter
+from tttvideo.models.checkpointing import apply_checkpointing
+from tttvideo.models.presets import get_preset
+from tttvideo.models.transformer import CogVideoXTTT
+from tttvideo.models.weights import DTYPES, from_pretrained, init_model
+
+
+def build_model(cfg: Any, device: torch.device | str = "cpu") -> CogVideoXTTT:
+    """From a `tttvideo.config.schema.Config`: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha,
+    use_ttt), `cfg.ttt` and `cfg.checkpointing`. Random initialisation follows torch's current seed."""
+    m = cfg.model
+    spec = get_preset(m.preset)
+    dtype = DTYPES[m.dtype]
+    if m.pretrained_path:
+        model = from_pretrained(m.pretrained_path, spec=spec, ttt=cfg.ttt, use_ttt=m.use_ttt, dtype=dtype,
+                                device=device)
+    else:
+        model = init_model(spec, cfg.ttt, m.use_ttt, dtype=dtype, device=device)
+    apply_adapter(model, m.adapter, m.lora_rank, m.lora_alpha)
+    apply_checkpointing(model, cfg.checkpointing)
+    return model

@@ -1,0 +1,121 @@
+"""Activation checkpointing policy of the transformer (SPEC section 4, "rematerialisation knobs").
+
+Per layer: whole-block checkpointing in groups of `group_size` consecutive blocks, and per-module switches for
+adaLN + attention, the forward TTT pass, the reverse TTT pass and adaLN + MLP. A list of rules
+(``[[checkpointing.layers]]``, each with a Python-slice ``layers``) gives different settings to different layers,
+e.g. the first, middle and last thirds; the last rule covering a layer wins. Everything uses
+torch.utils.checkpoint non-reentrant, so it nests with itself and with the TTT scan's own checkpointing
+(`ttt.scan_checkpoint_group_size`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tttvideo.errors import ConfigError
+
+
+def maybe_checkpoint(fn: Callable[..., Any], enabled: bool, *args: Any) -> Any:
+    """fn(*args), recomputed in backward instead of keeping its activations when enabled and grad is on."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    group_size: int = 1
+    block: bool = False
+    attention: bool = False
+    forward_ttt: bool = False
+    reverse_ttt: bool = False
+    mlp: bool = False
+
+    @classmethod
+    def of(cls, section: Any) -> "LayerPolicy":
+        """From a CheckpointingConfig or a CheckpointRule (same field names)."""
+        return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__})
+
+    def label(self) -> str:
+        parts = [f"block x{self.group_size}"] if self.block else []
+        parts += [name for name in ("attention", "forward_ttt", "reverse_ttt", "mlp") if getattr(self, name)]
+        return ", ".join(parts) or "none"
+
+
+_SLICE = re.compile(r"\s*(-?\d+)?\s*(:)?\s*(-?\d+)?\s*")
+
+
+def parse_layers(text: str, num_layers: int) -> range:
+    """'0:14', '28:', '-4:', ':', '7' -> the layer indices it covers."""
+    m = _SLICE.fullmatch(text)
+    if m is None or (m.group(2) is None and m.group(1) is None):
+        raise ConfigError(
+            f"checkpointing.layers: {text!r} is not a layer range; write a Python slice such as '0:14', '28:' or '-4:'"
+        )
+    if m.group(2) is None:  # a single index
+        i = int(m.group(1))
+        covered = range(num_layers)[i : i + 1 if i != -1 else None]
+    else:
+        start = int(m.group(1)) if m.group(1) else None
+        stop = int(m.group(3)) if m.group(3) else None
+        covered = range(num_layers)[start:stop]
+    if len(covered) == 0:
+        raise ConfigError(f"checkpointing.layers: {text!r} covers none of the model's {num_layers} layers (0..{num_layers - 1})")
+    return covered
+
+
+def resolve_policy(cfg: Any, num_layers: int) -> list[LayerPolicy]:
+    """One LayerPolicy per layer from a CheckpointingConfig."""
+    policies = [LayerPolicy.of(cfg)] * num_layers
+    for rule in cfg.layers:
+        policy = LayerPolicy.of(rule)
+        for i in parse_layers(rule.layers, num_layers):
+            policies[i] = policy
+    return policies
+
+
+def block_units(policies: list[LayerPolicy]) -> list[tuple[int, int, bool]]:
+    """(start, stop, checkpointed) runs of blocks: consecutive layers of one block-checkpointing policy are grouped by
+    its group_size; every other layer is its own unchecked unit."""
+    units, i, n = [], 0, len(policies)
+    while i < n:
+        p = policies[i]
+        if not p.block:
+            units.append((i, i + 1, False))
+            i += 1
+            continue
+        j = i
+        while j < n and j - i < p.group_size and policies[j] == p:
+            j += 1
+        units.append((i, j, True))
+        i = j
+    return units
+
+
+def apply_checkpointing(model: Any, cfg: Any) -> list[LayerPolicy]:
+    """Set the switches of every block of a CogVideoXTTT model from a CheckpointingConfig; returns the per-layer
+    policies (for logging)."""
+    policies = resolve_policy(cfg, len(model.blocks))
+    for block, p in zip(model.blocks, policies):
+        block.checkpoint_attention = p.attention
+        block.checkpoint_mlp = p.mlp
+        if block.ttt is not None:
+            block.ttt.checkpoint_forward = p.forward_ttt
+            block.ttt.checkpoint_reverse = p.reverse_ttt
+    model.block_units = block_units(policies)
+    return policies
+
+
+def describe_policy(policies: list[LayerPolicy]) -> list[str]:
+    """Runs of layers with the same policy: ['0-13: block x2', '14-41: attention, mlp']."""
+    out, start = [], 0
+    for i in range(1, len(policies) + 1):
+        if i == len(policies) or policies[i] != policies[start]:
+            out.append(f"{start}-{i - 1}: {policies[start].label()}")
+            start = i
+    return out

@@ -1,0 +1,187 @@
+"""The long-video DiT: CogVideoX's transformer with segment-local attention and bidirectional TTT layers.
+
+Inputs are diffusers' layout: latents [B, T, C, H, W] (T = 13 + 12 (n - 1) latent frames), one text embedding per
+3-s segment ([B, n, text_len, text_dim] or a list of n [B, text_len, text_dim]) and the timestep. The residual
+stream is [all text | all video] (`tttvideo.layout`). The output is the prediction for the latents, [B, T, C, H, W].
+
+Numerically this is diffusers' `CogVideoXTransformer3DModel` (1.0, rotary) when there is one segment and the TTT
+gates are 0; `tests/test_model_equivalence.py` checks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tttvideo.errors import LayoutError
+from tttvideo.layout import NEW_FRAMES_PER_SEGMENT, SEGMENT_SECONDS, WINDOW_FRAMES, VideoLayout
+from tttvideo.models.block import Block
+from tttvideo.models.embeddings import PatchEmbed, TimestepEmbedding
+from tttvideo.models.presets import ModelSpec
+
+# CogVideoX's VAE: latents are 1/8 of the pixel size; layouts made from latent shapes use it.
+VAE_SPATIAL = 8
+
+
+class OutputNorm(nn.Module):
+    """diffusers' AdaLayerNorm with chunk_dim=1 as CogVideoX uses it: Linear(SiLU(temb)) -> (shift, scale)."""
+
+    def __init__(self, time_embed_dim: int, dim: int, eps: float, elementwise_affine: bool):
+        super().__init__()
+        self.linear = nn.Linear(time_embed_dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=elementwise_affine)
+
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.linear(temb_act).chunk(2, dim=1)
+        return torch.addcmul(shift[:, None], self.norm(x), 1 + scale[:, None])
+
+
+def ttt_kwargs_from_config(ttt: Any) -> dict[str, Any]:
+    """BidirectionalTTT keyword arguments from a TTTConfig."""
+    return dict(
+        gate_init=ttt.gate_init,
+        kind=ttt.kind,
+        mini_batch_size=ttt.mini_batch_size,
+        base_lr=ttt.base_lr,
+        scan_checkpoint_group_size=ttt.scan_checkpoint_group_size,
+        rope_theta=ttt.rope_theta,
+        backend=ttt.backend,
+    )
+
+
+class CogVideoXTTT(nn.Module):
+    def __init__(self, spec: ModelSpec, ttt: Any = None, use_ttt: bool = True):
+        """spec: backbone size; ttt: a TTTConfig (defaults when None); use_ttt=False: local attention only."""
+        super().__init__()
+        if ttt is None:
+            from tttvideo.config.schema import TTTConfig
+
+            ttt = TTTConfig()
+        spec.validate()
+        self.spec, self.ttt_config, self.use_ttt = spec, ttt, use_ttt
+        dim = spec.dim
+        self.embed = PatchEmbed(spec.in_channels, dim, spec.text_embed_dim, spec.patch_size, bias=spec.patch_bias)
+        self.time_embed = TimestepEmbedding(dim, spec.time_embed_dim, spec.flip_sin_to_cos, spec.freq_shift)
+        kwargs = ttt_kwargs_from_config(ttt) if use_ttt else None
+        self.blocks = nn.ModuleList([Block(spec, kwargs) for _ in range(spec.num_layers)])
+        self.norm_final = nn.LayerNorm(dim, eps=spec.norm_eps, elementwise_affine=spec.norm_elementwise_affine)
+        self.norm_out = OutputNorm(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
+        self.proj_out = nn.Linear(dim, spec.patch_size * spec.patch_size * spec.out_channels)
+        # (start, stop, checkpointed) runs of blocks; set by models.checkpointing.apply_checkpointing
+        self.block_units: list[tuple[int, int, bool]] = [(i, i + 1, False) for i in range(spec.num_layers)]
+
+    # ------------------------------------------------------------------ layout
+    def layout_for(self, latent_frames: int, latent_height: int, latent_width: int, text_tokens: int) -> VideoLayout:
+        """The layout of latents of this shape with `text_tokens` per segment."""
+        if latent_frames < WINDOW_FRAMES or (latent_frames - WINDOW_FRAMES) % NEW_FRAMES_PER_SEGMENT:
+            raise LayoutError(
+                f"{latent_frames} latent frames is not 13 + 12 (n - 1) for n 3-s segments "
+                f"(13 for 3 s, 25 for 6 s, 37 for 9 s, ...)"
+            )
+        p = self.spec.patch_size
+        if latent_height % p or latent_width % p:
+            raise LayoutError(f"latent size {latent_height}x{latent_width} is not divisible by the patch size {p}")
+        if text_tokens <= 0:
+            raise LayoutError("the text embeddings have 0 tokens; give at least one text token per segment")
+        n = (latent_frames - WINDOW_FRAMES) // NEW_FRAMES_PER_SEGMENT + 1
+        return VideoLayout.create(
+            duration=SEGMENT_SECONDS * n,
+            height=latent_height * VAE_SPATIAL,
+            width=latent_width * VAE_SPATIAL,
+            vae_spatial=VAE_SPATIAL,
+            patch_size=p,
+            text_tokens=text_tokens,
+            mini_batch_size=self.ttt_config.mini_batch_size,
+        )
+
+    def _check_inputs(self, latents: torch.Tensor, text: torch.Tensor, layout: VideoLayout) -> None:
+        spec = self.spec
+        B, T, C, H, W = latents.shape
+        if C != spec.in_channels:
+            raise LayoutError(f"latents have {C} channels; the model takes {spec.in_channels} (shape [B, T, C, H, W])")
+        expect = (layout.latent_frames, layout.latent_height, layout.latent_width)
+        if (T, H, W) != expect:
+            raise LayoutError(
+                f"latents of {T} frames x {H}x{W} do not match the {layout.duration_s} s layout at "
+                f"{layout.height}x{layout.width}, which has {expect[0]} latent frames of {expect[1]}x{expect[2]}"
+            )
+        layout.check_text_embeddings(text.shape[1])
+        if text.shape[0] != B:
+            raise LayoutError(f"text embeddings have batch {text.shape[0]} but the latents have batch {B}")
+        if text.shape[2] != layout.text_tokens:
+            raise LayoutError(
+                f"text embeddings have {text.shape[2]} tokens per segment but the layout has {layout.text_tokens}"
+            )
+        if text.shape[3] != spec.text_embed_dim:
+            raise LayoutError(
+                f"text embeddings are {text.shape[3]}-d; the model takes {spec.text_embed_dim}-d (T5-XXL is 4096)"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        latents: torch.Tensor,
+        text: torch.Tensor | Sequence[torch.Tensor],
+        timestep: torch.Tensor | int | float,
+        layout: VideoLayout | None = None,
+    ) -> torch.Tensor:
+        if latents.dim() != 5:
+            raise LayoutError(f"latents must be [B, T, C, H, W], got shape {tuple(latents.shape)}")
+        if not isinstance(text, torch.Tensor):
+            text = torch.stack(list(text), dim=1)
+        if text.dim() == 3:  # [B, len, dim]: one segment
+            text = text[:, None]
+        if text.dim() != 4:
+            raise LayoutError(f"text embeddings must be [B, segments, tokens, dim], got shape {tuple(text.shape)}")
+        B, T, C, H, W = latents.shape
+        if layout is None:
+            layout = self.layout_for(T, H, W, text.shape[2])
+        self._check_inputs(latents, text, layout)
+
+        timestep = torch.as_tensor(timestep, device=latents.device)
+        if timestep.dim() == 0:
+            timestep = timestep.expand(B)
+        temb_act = F.silu(self.time_embed(timestep))  # every adaLN applies SiLU first; do it once
+
+        dtype = self.embed.patch.weight.dtype
+        x = torch.cat([self.embed.text(text.reshape(B, -1, text.shape[-1]).to(dtype)),
+                       self.embed.video(latents.to(dtype))], dim=1)
+        layout.check_sequence_length(x.shape[1])
+
+        for start, stop, ckpt in self.block_units:
+            if ckpt and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(self._run_blocks, x, temb_act, layout, start, stop,
+                                                      use_reentrant=False)
+            else:
+                x = self._run_blocks(x, temb_act, layout, start, stop)
+
+        x = self.norm_out(self.norm_final(x[:, layout.total_text_tokens:]), temb_act)
+        x = self.proj_out(x)
+        return self.unpatchify(x, T, H, W)
+
+    def _run_blocks(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, start: int,
+                    stop: int) -> torch.Tensor:
+        for block in self.blocks[start:stop]:
+            x = block(x, temb_act, layout)
+        return x
+
+    def unpatchify(self, x: torch.Tensor, T: int, H: int, W: int) -> torch.Tensor:
+        """[B, T h w, C p p] -> [B, T, C, H, W], channel-major inside a patch as in diffusers."""
+        p = self.spec.patch_size
+        B = x.shape[0]
+        x = x.reshape(B, T, H // p, W // p, -1, p, p)
+        return x.permute(0, 1, 4, 2, 5, 3, 6).reshape(B, T, -1, H, W)
+
+    # ------------------------------------------------------------------ helpers
+    def ttt_modules(self) -> list[nn.Module]:
+        return [b.ttt for b in self.blocks if b.ttt is not None]
+
+    @torch.no_grad()
+    def set_ttt_gates(self, value: float) -> None:
+        """Fill every TTT gate (forward/reverse, text/video); 0 makes the model the pretrained backbone."""
+        for m in self.ttt_modules():
+            for g in (m.forward_gate_text, m.forward_gate_video, m.reverse_gate_text, m.reverse_gate_video):
+                g.fill_(value)

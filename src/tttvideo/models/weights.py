@@ -1,0 +1,291 @@
+"""Weights: diffusers CogVideoX folders in, our own safetensors checkpoints in and out, random initialisation.
+
+`from_pretrained(path)` reads the `transformer/` folder of a CogVideoX download (config.json plus
+`diffusion_pytorch_model-0000X-of-0000Y.safetensors` with its `.index.json`, or one `.safetensors` file). The model is
+built on the meta device and every tensor is read shard by shard with `safe_open` and assigned in place of its meta
+parameter, so the weights exist once in memory (plus one tensor in flight). Names go through an explicit map
+(`diffusers_name_map`). The TTT parameters, which diffusers does not have, are then materialised and initialised as
+SPEC section 3 says (`BidirectionalTTT.reset_parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from tttvideo.errors import UserError
+from tttvideo.models.presets import ModelSpec, describe_config
+from tttvideo.models.transformer import CogVideoXTTT
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
+CHECKPOINT_FORMAT = "tttvideo-model-1"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def diffusers_name_map(num_layers: int) -> dict[str, str]:
+    """diffusers parameter name -> ours, for every parameter a CogVideoX 1.0 transformer can have."""
+    pairs = {
+        "patch_embed.proj": "embed.patch",
+        "patch_embed.text_proj": "embed.text",
+        "time_embedding.linear_1": "time_embed.linear1",
+        "time_embedding.linear_2": "time_embed.linear2",
+        "norm_final": "norm_final",
+        "norm_out.linear": "norm_out.linear",
+        "norm_out.norm": "norm_out.norm",
+        "proj_out": "proj_out",
+    }
+    block = {
+        "norm1.linear": "norm1.linear",
+        "norm1.norm": "norm1.norm",
+        "attn1.to_q": "attn.to_q",
+        "attn1.to_k": "attn.to_k",
+        "attn1.to_v": "attn.to_v",
+        "attn1.to_out.0": "attn.to_out",
+        "attn1.norm_q": "attn.norm_q",
+        "attn1.norm_k": "attn.norm_k",
+        "norm2.linear": "norm2.linear",
+        "norm2.norm": "norm2.norm",
+        "ff.net.0.proj": "mlp.fc1",
+        "ff.net.2": "mlp.fc2",
+    }
+    for i in range(num_layers):
+        pairs.update({f"transformer_blocks.{i}.{d}": f"blocks.{i}.{o}" for d, o in block.items()})
+    return {f"{d}.{suffix}": f"{o}.{suffix}" for d, o in pairs.items() for suffix in ("weight", "bias")}
+
+
+def is_ttt_parameter(name: str) -> bool:
+    """TTT layer parameters and gates: absent from CogVideoX checkpoints, initialised by us."""
+    return ".ttt." in f".{name}"
+
+
+# ---------------------------------------------------------------------------------------------------- folders
+def find_transformer_folder(path: str | Path) -> Path:
+    """The folder holding the transformer's config.json: `path` itself or its `transformer/` subfolder."""
+    path = Path(path).expanduser()
+    for folder in (path, path / "transformer"):
+        if (folder / CONFIG_NAME).is_file() and (
+            (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))
+        ):
+            return folder
+    if not path.exists():
+        raise UserError(f"model folder {path} does not exist; point model.pretrained_path at a CogVideoX-5B download")
+    raise UserError(
+        f"{path} is not a diffusers transformer folder: expected config.json and diffusion_pytorch_model*.safetensors "
+        f"in it or in its transformer/ subfolder (the layout of a CogVideoX-5B download)"
+    )
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{folder / CONFIG_NAME} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    cls = config.get("_class_name")
+    if cls is not None and cls != DIFFUSERS_CLASS:
+        raise UserError(f"{folder} holds a {cls}, not a {DIFFUSERS_CLASS}; point at the transformer/ folder")
+    return config
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise UserError(f"{folder}: the shard index names {', '.join(absent)}, which is not there (incomplete download?)")
+        return files
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) == 1:
+        return files
+    raise UserError(f"{folder}: found {len(files)} .safetensors files and no {INDEX_NAME}; expected one file or an index")
+
+
+def spec_for_folder(config: dict[str, Any], folder: Path, spec: ModelSpec | None) -> ModelSpec:
+    """The folder's spec, checked against the requested preset; a folder of another model is an error saying which."""
+    try:
+        found = ModelSpec.from_diffusers_config(config, name=folder.name)
+    except UserError as e:
+        raise UserError(f"{folder} holds {describe_config(config)}: {e}") from None
+    if spec is None:
+        return found
+    diff = spec.mismatches(found)
+    if diff:
+        raise UserError(
+            f"{folder} holds {describe_config(config)}, not the {spec.name!r} preset: {'; '.join(diff)}; "
+            f"set model.preset to match the folder or point model.pretrained_path at a {spec.name} download"
+        )
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+def from_pretrained(
+    path: str | Path,
+    spec: ModelSpec | None = None,
+    ttt: Any = None,
+    use_ttt: bool = True,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> CogVideoXTTT:
+    """Our model with the backbone weights of a diffusers CogVideoX transformer folder and freshly initialised TTT.
+
+    spec: the preset the folder must match (None: take the folder's own config). ttt: a TTTConfig.
+    """
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    device = torch.device(device)
+    folder = find_transformer_folder(path)
+    config = read_config(folder)
+    spec = spec_for_folder(config, folder, spec)
+    files = weight_files(folder)
+
+    with torch.device("meta"):
+        model = CogVideoXTTT(spec, ttt, use_ttt)
+    expected = {n: p for n, p in model.named_parameters() if not is_ttt_parameter(n)}
+    name_map = diffusers_name_map(spec.num_layers)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                ours = name_map.get(key)
+                if ours is None or ours not in expected:
+                    unexpected.append(key)
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[ours].shape):
+                    wrong_shape.append(f"{key} {list(shape)} (model has {list(expected[ours].shape)})")
+                    continue
+                assign_tensor(model, ours, f.get_tensor(key).to(device=device, dtype=dtype))
+                loaded.add(ours)
+    inverse = {o: d for d, o in name_map.items()}
+    missing = [inverse.get(n, n) for n in expected if n not in loaded]
+    problems = []
+    if missing:
+        problems.append(f"missing {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_names(unexpected)}")
+    if wrong_shape:
+        problems.append(f"wrong shape {_names(wrong_shape)}")
+    if problems:
+        raise UserError(f"{folder} does not fit the {spec.name!r} model: {'; '.join(problems)}")
+    materialize(model, device, dtype)  # only the TTT parameters are still on meta
+    return model
+
+
+def init_model(spec: ModelSpec, ttt: Any = None, use_ttt: bool = True, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu") -> CogVideoXTTT:
+    """A randomly initialised model built directly on `device` in `dtype` (meta first, so no CPU copy of 5B)."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = CogVideoXTTT(spec, ttt, use_ttt)
+    materialize(model, torch.device(device), dtype)
+    return model
+
+
+def _reset_units(module: nn.Module) -> Iterator[nn.Module]:
+    """Modules whose reset_parameters initialises their whole subtree (Linear, LayerNorm, Conv2d, the TTT layer)."""
+    if callable(getattr(module, "reset_parameters", None)):
+        yield module
+        return
+    if any(True for _ in module.parameters(recurse=False)):
+        raise TypeError(f"{type(module).__name__} owns parameters but has no reset_parameters")
+    for child in module.children():
+        yield from _reset_units(child)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Allocate and initialise every parameter still on the meta device, one reset unit at a time (fp32 init, then
+    cast), so the peak is the model in `dtype` plus one unit in fp32."""
+    for unit in _reset_units(model):
+        if not any(p.is_meta for p in unit.parameters()):
+            continue
+        if not all(p.is_meta for p in unit.parameters()):
+            raise RuntimeError(f"{type(unit).__name__} is partly loaded; cannot initialise it alone")
+        unit.to_empty(device=device)
+        unit.float()
+        unit.reset_parameters()
+        unit.to(dtype)
+    left = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RuntimeError(f"still on the meta device after initialisation: {_names(left)}")
+
+
+def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace parameter `name` by `tensor` (no copy), keeping its requires_grad."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._parameters[attr]
+    module._parameters[attr] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+
+
+def _names(names: Iterable[str], limit: int = 8) -> str:
+    names = list(names)
+    text = ", ".join(names[:limit])
+    return f"{text} (+{len(names) - limit} more)" if len(names) > limit else text
+
+
+# ---------------------------------------------------------------------------------------------------- own checkpoints
+def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool = False) -> Path:
+    """Parameters (all, or only those with requires_grad) as one safetensors file with the spec in its metadata."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
+    metadata = {
+        "format": CHECKPOINT_FORMAT,
+        "spec": json.dumps(dataclasses.asdict(model.spec)),
+        "use_ttt": str(model.use_ttt),
+        "partial": str(trainable_only),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+@torch.no_grad()
+def load_checkpoint(model: CogVideoXTTT, path: str | Path) -> list[str]:
+    """Copy a save_checkpoint file into `model`. Every tensor must exist in the model with its shape; a full
+    checkpoint must also cover every parameter. Returns the names loaded."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    own = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise UserError(f"{path} is not a tttvideo model checkpoint (for diffusers folders use from_pretrained)")
+        saved = json.loads(meta["spec"])
+        ours = dataclasses.asdict(model.spec)
+        diff = [f"{k} {saved.get(k)!r} (model has {ours[k]!r})" for k in ModelSpec.SHAPE_FIELDS if saved.get(k) != ours[k]]
+        if diff:
+            raise UserError(f"{path} was saved from model {saved.get('name')!r}, not {model.spec.name!r}: {'; '.join(diff)}")
+        keys = list(f.keys())
+        unexpected = [k for k in keys if k not in own]
+        wrong = [k for k in keys if k in own and tuple(f.get_slice(k).get_shape()) != tuple(own[k].shape)]
+        missing = [] if meta.get("partial") == "True" else [n for n in own if n not in set(keys)]
+        if unexpected or wrong or missing:
+            parts = [f"{label} {_names(v)}" for label, v in
+                     (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if v]
+            raise UserError(
+                f"{path} does not fit this model ({'; '.join(parts)}); was it saved with another adapter or use_ttt?"
+            )
+        for k in keys:
+            p = own[k]
+            p.copy_(f.get_tensor(k).to(device=p.device, dtype=p.dtype))
+    return keys
