@@ -79,8 +79,27 @@ class DataConfig:
 
 @dataclass
 class SampleConfig:
-    steps: int = bounded(50, 1)
-    seed: int = bounded(0, 0)
+    steps: int = bounded(50, 1, 1000, help="denoising steps (trailing spacing over the 1000 training steps)")
+    seed: int = bounded(0, 0, help="initial noise (and DPM noise) seed; the same seed gives the same video")
+    solver: str = choice("ddim", "ddim", "dpm++2m", help="v-prediction DDIM (deterministic) or the stochastic "
+                                                         "DPM-Solver++(2M) CogVideoX and the original sample with")
+    cfg: float = bounded(4.0, 0.0, help="classifier-free guidance scale (the end value of a ramp)")
+    cfg_schedule: str = choice("ramp", "constant", "ramp", help="constant at cfg, or ramp from cfg_start to cfg")
+    cfg_start: float = bounded(1.0, 0.0, help="guidance at the first step of a ramp (the paper: 1 -> 4)")
+    cfg_ramp_exp: float = bounded(1.0, 0.0, help="shape of the half-cosine ramp: 1 smooth, larger stays low longer")
+    cfg_batched: bool = field(default=True, metadata={"help": "conditional and unconditional in one batch of 2 "
+                                                              "(faster) instead of two passes (less memory)"})
+    device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
+    text_encoder_path: str = field(default="", metadata={"help": "T5 folder ('' = data.text_encoder_path; both "
+                                                                 "empty = the demo text encoder)"})
+    text_encoder_device: str = choice("auto", "auto", "cpu", help="'cpu' keeps T5 off the GPU entirely; it always "
+                                                                  "leaves the GPU before denoising")
+    vae_path: str = field(default="", metadata={"help": "CogVideoX VAE folder ('' = data.vae_path; both empty = "
+                                                        "identity decode of demo latents)"})
+    vae_tiling: bool = field(default=True, metadata={"help": "decode in spatial tiles (bounded memory at 480x720)"})
+    offload_blocks: bool = field(default=False, metadata={"help": "keep transformer blocks on the CPU and prefetch "
+                                                                  "each onto the GPU on a side stream (CUDA only)"})
+    prefetch_blocks: int = bounded(1, 1, 8, help="with offload_blocks: blocks copied ahead of the one running")
 
 
 @dataclass

@@ -1,0 +1,113 @@
+"""`tttv sample --checkpoint PATH --scenes story.json --out out.mp4`: stories in, videos out.
+
+The config is the checkpoint's own (`config.toml` in its folder, written by `tttv train`) unless a CONFIG file is
+given; `--set` and the flags below override it. The duration follows the scene count (one scene per 3-s segment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from tttvideo.cli.common import SET_HELP
+from tttvideo.errors import UserError
+
+# flag -> config key it overrides
+FLAG_KEYS = {
+    "steps": "sample.steps",
+    "cfg": "sample.cfg",
+    "cfg_schedule": "sample.cfg_schedule",
+    "seed": "sample.seed",
+    "solver": "sample.solver",
+    "text_encoder": "sample.text_encoder_path",
+    "vae": "sample.vae_path",
+    "device": "sample.device",
+}
+
+
+def register(sub: argparse._SubParsersAction, name: str) -> None:
+    p = sub.add_parser(name, help="generate videos from stories (one scene per 3-s segment)",
+                       description="Generate one mp4 per story. A story is a JSON/JSONL list of scenes "
+                                   "{text, requires_scene_transition, neg_text}; see docs/sampling.md.")
+    p.add_argument("config", metavar="CONFIG", nargs="?", default=None,
+                   help="TOML config (default: the config.toml saved with the checkpoint, else the defaults)")
+    p.add_argument("--checkpoint", required=True,
+                   help="model file, checkpoint folder or training run folder (its newest checkpoint)")
+    p.add_argument("--scenes", required=True, help="story file (.json / .jsonl) or a folder of them")
+    p.add_argument("--out", required=True, help="output .mp4 (one story) or folder (several stories)")
+    p.add_argument("--duration", default=None, help="video length, e.g. 63s; must match the scene count")
+    p.add_argument("--steps", type=int, help="denoising steps (default 50)")
+    p.add_argument("--cfg", type=float, help="guidance scale (end of the ramp; default 4)")
+    p.add_argument("--cfg-schedule", choices=("ramp", "constant"), help="guidance ramp 1 -> cfg (default) or constant")
+    p.add_argument("--seed", type=int, help="noise seed (same seed, same video)")
+    p.add_argument("--solver", choices=("ddim", "dpm++2m"), help="sampler (default ddim)")
+    p.add_argument("--text-encoder", help="local T5 folder (default: the demo text encoder)")
+    p.add_argument("--vae", help="local CogVideoX VAE folder (default: identity decode of demo latents)")
+    p.add_argument("--device", help="'auto', 'cpu', 'cuda', ...")
+    p.add_argument("--offload-blocks", action="store_true", help="keep transformer blocks on the CPU, prefetched")
+    p.add_argument("--text-encoder-on-cpu", action="store_true", help="run T5 on the CPU")
+    p.add_argument("--no-vae-tiling", action="store_true", help="decode whole frames (more memory)")
+    p.add_argument("--set", dest="overrides", action="append", default=None, metavar="KEY=VALUE", help=SET_HELP)
+    p.set_defaults(run=run)
+
+
+def _config_file(args: argparse.Namespace) -> str | None:
+    if args.config:
+        return args.config
+    ckpt = Path(args.checkpoint)
+    beside = ckpt.parent / "config.toml" if ckpt.is_file() else ckpt / "config.toml"
+    if beside.is_file():
+        return str(beside)
+    if ckpt.is_dir():  # a run folder: its newest checkpoint's config
+        from tttvideo.train.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(ckpt)
+        if latest is not None and (latest / "config.toml").is_file():
+            return str(latest / "config.toml")
+    return None
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    out = list(args.overrides or [])
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            # a JSON string is a valid TOML basic string: paths with quotes or backslashes survive
+            out.append(f"{key}={json.dumps(value) if isinstance(value, str) else value}")
+    if args.offload_blocks:
+        out.append("sample.offload_blocks=true")
+    if args.text_encoder_on_cpu:
+        out.append('sample.text_encoder_device="cpu"')
+    if args.no_vae_tiling:
+        out.append("sample.vae_tiling=false")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from tttvideo.config.loader import load_config
+    from tttvideo.sample.pipeline import sample_stories
+    from tttvideo.sample.scenes import load_stories
+
+    # status and progress on stdout; stderr carries only problems (a bad input is one line there)
+    console = Console()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console,
+                                                                                           show_path=False)])
+    logging.getLogger("tttvideo").setLevel(logging.INFO)
+    if not Path(args.checkpoint).exists():
+        raise UserError(f"checkpoint {args.checkpoint} does not exist; give a model file, checkpoint folder or run "
+                        f"folder written by tttv train")
+    stories = load_stories(args.scenes)  # scene errors before the config and model are even read
+    cfg_path = _config_file(args)
+    cfg = load_config(cfg_path, _overrides(args))
+    console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")
+    results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
+                             console=console)
+    for r in results:
+        console.print(f"{r.video}: {r.frames} frames ({r.duration_s} s), denoise {r.denoise_s:.1f} s, decode "
+                      f"{r.decode_s:.1f} s; scenes in {r.scenes}")
+    return 0
