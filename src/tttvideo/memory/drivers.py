@@ -1,0 +1,247 @@
+"""What `tttv profile CONFIG --phase train|sample` runs under the profiler, and the report it leaves.
+
+train: optimizer steps as the trainer takes them (`tttvideo.train`): the model of `build_model(cfg)` (preset, dtype,
+adapter, checkpointing), AdamW with the trainer's parameter groups, random latents and text features standing in for
+the latent cache (training reads the cache; the text encoder and the VAE are never on the GPU then), the trainer's
+`diffusion_loss` (v-prediction MSE on ZeroSNR, under train.precision autocast), backward through the gradient
+scaler, clipping and the AdamW step. One micro-batch per step: accumulation adds nothing to the peak, gradients
+persist across micro-batches either way.
+
+sample: one story as `tttv sample` runs it (`tttvideo.sample.pipeline`): `load_model` (block offload if
+configured), `denoise` (the configured solver and guidance, `--steps` steps), the transformer released, the VAE
+decode (the identity decode when no VAE folder is configured).
+
+Components are recorded as they load, every transformer block through hooks, one phase per stage. Random inputs
+are enough: memory depends on shapes and dtypes, not on values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tttvideo.errors import UserError
+from tttvideo.memory.profiler import MemoryProfiler, is_oom
+from tttvideo.memory.report import write_report
+
+PHASES = ("train", "sample")
+# Exit status of a profile that ran out of memory; its report is complete and says where (the matrix reads it).
+EXIT_OOM = 3
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _resolve_device(cfg: Any, device: str) -> Any:
+    import torch
+
+    if device == "auto":
+        device = str(getattr(cfg.train, "device", "auto"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} asked for, but no CUDA device is visible; use --device cpu")
+    return torch.device(device)
+
+
+def _inputs(cfg: Any, model: Any, layout: Any, batch: int, device: Any) -> tuple[Any, Any]:
+    """Random latents [B, T, C, h, w] and text features [B, segments, tokens, dim] in the cache dtype."""
+    import torch
+
+    spec = model.spec
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        str(getattr(cfg.data, "cache_dtype", "bf16"))]
+    latents = torch.randn(batch, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width,
+                          device=device).to(dtype)
+    text = torch.randn(batch, layout.num_segments, layout.text_tokens, spec.text_embed_dim, device=device).to(dtype)
+    return latents, text
+
+
+def _build(cfg: Any, prof: MemoryProfiler, device: Any, train: bool) -> Any:
+    from tttvideo.models import build_model
+
+    with prof.component("transformer") as info:
+        model = build_model(cfg, device=device)
+        info["counted_bytes"] = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    prof.meta["parameters"] = {"total": sum(p.numel() for p in model.parameters()),
+                               "trainable": sum(p.numel() for p in trainable) if train else 0}
+    if train:
+        # The adapter's trainable parameters live inside the transformer's load; listed by count, not added again.
+        prof.add_component(f"trainable parameters ({cfg.model.adapter}, inside transformer)", _tensor_bytes(trainable))
+    else:
+        model.requires_grad_(False)
+    return model
+
+
+def drive_train(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> None:
+    import torch
+
+    from tttvideo.config.loader import layout_from_config
+    from tttvideo.diffusion import ZeroSNRSchedule
+    from tttvideo.train.loss import NoiseSource, diffusion_loss
+    from tttvideo.train.optim import build_optimizer
+
+    train = cfg.train
+    layout = layout_from_config(cfg)
+    torch.manual_seed(train.seed)
+    model = _build(cfg, prof, device, train=True)
+    model.train()
+    prof.attach_block_hooks(list(model.blocks))
+    optimizer = build_optimizer(model, train)
+    batch_size = int(train.batch_size)
+    with prof.component("inputs (cached latents + text features)"):
+        latents, text = _inputs(cfg, model, layout, batch_size, device)
+    batch = {"latents": latents, "text": text}
+    schedule, noise = ZeroSNRSchedule(), NoiseSource(train.seed, device)
+    # As the trainer: a gradient scaler only for fp16 (a no-op otherwise), clipping, then the AdamW step.
+    scaler = torch.amp.GradScaler(device.type, enabled=train.precision == "fp16")
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        prof.mark(f"before forward {step}")
+        with prof.phase("forward", step=step):
+            loss, _ = diffusion_loss(model, batch, schedule, noise, layout, train.text_dropout, 0, batch_size,
+                                     train.precision)
+        prof.mark(f"after forward {step}")
+        with prof.phase("backward", step=step):
+            scaler.scale(loss).backward()
+        if step == 0:
+            prof.add_component("gradients", _tensor_bytes(p.grad for p in params if p.grad is not None))
+        with prof.phase("optimizer step", step=step):
+            with prof.component("optimizer state") if step == 0 else contextlib.nullcontext() as info:
+                scaler.unscale_(optimizer)
+                if train.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
+                scaler.step(optimizer)
+                scaler.update()
+                if info is not None:
+                    info["counted_bytes"] = _tensor_bytes(
+                        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        prof.meta.setdefault("loss", []).append(float(loss.detach()))
+    optimizer.zero_grad(set_to_none=True)
+    prof.mark("gradients released")
+
+
+def drive_sample(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> None:
+    """As `tttv sample` runs one story, minus the text encoder (the sampler releases it before the transformer
+    loads, so it never adds to this peak): transformer (with block offload if configured), the solver loop, the
+    transformer released, then the VAE decode."""
+    import copy
+    import gc
+
+    import torch
+
+    from tttvideo.config.loader import layout_from_config
+    from tttvideo.sample.decode import make_decoder
+    from tttvideo.sample.pipeline import denoise, load_model
+
+    cfg = copy.deepcopy(cfg)
+    cfg.sample.steps = steps
+    layout = layout_from_config(cfg)
+    torch.manual_seed(cfg.sample.seed)
+    with prof.component("transformer") as info:
+        model = load_model(cfg, None, device, offload=cfg.sample.offload_blocks)
+        info["counted_bytes"] = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
+    prof.meta["parameters"] = {"total": sum(p.numel() for p in model.parameters()), "trainable": 0}
+    prof.attach_block_hooks(list(model.blocks), backward=False)
+    spec = model.spec
+    with prof.component("text features (cond + uncond)"):
+        cond = torch.randn(layout.num_segments, layout.text_tokens, spec.text_embed_dim)
+        uncond = torch.zeros_like(cond)
+    with prof.phase("denoise"):
+        latents = denoise(model, layout, cond, uncond, cfg.sample, device,
+                          on_step=lambda i, n: prof.mark(f"denoise step {i + 1}/{n}"))
+    prof.detach_hooks()
+    with prof.component("transformer released"):
+        offloader = getattr(model, "_offloader", None)
+        if offloader is not None:
+            offloader.close()
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    vae_path = cfg.sample.vae_path or cfg.data.vae_path
+    with prof.component("VAE" if vae_path else "VAE (identity decode: no sample.vae_path)"):
+        decoder = make_decoder(vae_path, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                               cfg.sample.vae_tiling, cfg.layout.vae_spatial, cfg.layout.vae_temporal)
+    with prof.phase("VAE decode"):
+        frames = 0
+        for chunk in decoder.frames(latents):
+            frames += int(chunk.shape[2])
+            del chunk
+    prof.meta["decoded_frames"] = frames
+
+
+DRIVERS: dict[str, Callable[[Any, MemoryProfiler, int, Any], None]] = {"train": drive_train, "sample": drive_sample}
+
+
+def profile(cfg: Any, phase: str, steps: int, out_dir: str | Path, *, device: str = "auto", snapshot: bool = False,
+            trace: bool = False, meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+    """Run one driver under a fresh profiler and write the report folder. Returns (summary dict, exit status):
+    0 ok, EXIT_OOM when the pipeline ran out of memory (the report then says where). Other errors propagate after
+    the partial report is written."""
+    import json
+
+    if phase not in DRIVERS:
+        raise UserError(f"unknown profile phase {phase!r}; use one of {', '.join(PHASES)}")
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    dev = _resolve_device(cfg, device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_grad_enabled(True)
+    import torch._dynamo  # noqa: F401  (optimizers import it lazily; keep that import out of the measured phases)
+
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    from tttvideo.config.loader import config_to_dict
+
+    prof = MemoryProfiler(device=str(dev) if dev.type == "cuda" else "cpu",
+                          meta={"phase": phase, "steps": steps, **(meta or {}), "resolved": config_to_dict(cfg)})
+    if snapshot and not prof.start_snapshot():
+        print("profile: --snapshot needs CUDA (torch's allocator history); skipped on CPU", file=sys.stderr)
+    tracer = _tracer(dev, out) if trace else contextlib.nullcontext()
+    status, code, error = "ok", 0, None
+    try:
+        with tracer:
+            DRIVERS[phase](cfg, prof, steps, dev)
+    except BaseException as exc:  # noqa: BLE001 - re-raised below unless it is an OOM
+        if is_oom(exc):
+            prof.record_oom(exc)
+            status, code = "oom", EXIT_OOM
+        else:
+            status, error = "error", exc
+            prof.meta["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        prof.close()
+        prof.dump_snapshot(out / "snapshot.pickle")
+    rec = prof.recording()
+    write_report(rec, out, status=status)
+    summary = json.loads((out / "summary.json").read_text())
+    if error is not None:
+        raise error
+    return summary, code
+
+
+@contextlib.contextmanager
+def _tracer(dev: Any, out: Path) -> Any:
+    """torch.profiler with memory events, exported as a Chrome trace (chrome://tracing, ui.perfetto.dev)."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    p = torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True)
+    try:
+        with p:
+            yield p
+    finally:
+        # Also after an OOM: the trace up to the failure is what explains it.
+        p.export_chrome_trace(str(out / "trace.json"))
