@@ -13,6 +13,7 @@ from tttvideo.errors import UserError
 COMMANDS: dict[str, str] = {
     "layout": "tttvideo.cli.layout_cmd",
     "config": "tttvideo.cli.config_cmd",
+    "profile": "tttvideo.cli.profile_cmd",
     "sample": "tttvideo.cli.sample_cmd",
 }
 
