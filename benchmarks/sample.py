@@ -183,6 +183,43 @@ def attach_ttt(model, saved, device):
         block.ttt = ttt.to(device) if ttt is not None else None
 
 
+@torch.no_grad()
+def offload_check(model, args, cfg, device, dtype) -> dict:
+    """Blocks offloaded to pinned host memory with side-stream prefetch: the guided step must give the same output
+    as the resident model; reports its time and peak memory next to the resident run."""
+    from tttvideo.sample.offload import BlockOffloader
+
+    layout = VideoLayout.create(args.offload_check, args.height, args.width, text_tokens=args.text_tokens,
+                                mini_batch_size=cfg.ttt.mini_batch_size)
+    spec = model.spec
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(1, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width,
+                    generator=gen).to(device, dtype)
+    text = torch.randn(1, layout.num_segments, layout.text_tokens, spec.text_embed_dim, generator=gen).to(device, dtype)
+    uncond = torch.zeros_like(text)
+    resident = guided_step(model, layout, x, text, uncond, True).float().cpu()
+    off = BlockOffloader(model.blocks, device, prefetch=cfg.sample.prefetch_blocks)
+    try:
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        guided_step(model, layout, x, text, uncond, True)  # warm-up
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t = time.perf_counter()
+        out = guided_step(model, layout, x, text, uncond, True).float().cpu()
+        sync(device)
+        result = {"duration_s": layout.duration_s, "step_s": time.perf_counter() - t,
+                  "max_abs_diff_vs_resident": float((out - resident).abs().max()),
+                  "prefetch_blocks": off.prefetch, "block_loads": off.loads}
+        if device.type == "cuda":
+            result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        return result
+    finally:
+        off.close()
+        for block in model.blocks:  # back onto the device for anything that follows
+            block.to(device)
+
+
 def git_commit() -> str:
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
@@ -221,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (ttt.*, ...)")
     ap.add_argument("--out", default="benchmarks/results/sample.json")
     ap.add_argument("--budget-s", type=float, default=0, help="skip measurements once this much time has passed")
+    ap.add_argument("--offload-check", default="3s", help="duration at which block offload is checked against the "
+                                                          "resident model (same output, time, peak); '' = skip")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -288,6 +327,14 @@ def main(argv=None) -> int:
         if "step_s" in on and "step_s" in off:
             report.setdefault("ratio_ttt_over_local", {})[f"{layout.duration_s}s"] = on["step_s"] / off["step_s"]
             save()
+
+    if args.offload_check and not (args.budget_s and time.perf_counter() - t0 > args.budget_s):
+        try:
+            report["offload"] = offload_check(model, args, cfg, device, dtype)
+        except Exception as err:
+            report["offload"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        save()
+        print(json.dumps(report["offload"]), flush=True)
 
     print(f"\n{'duration':>8} {'TTT':>4} {'tokens':>8} {'cfg':>22} {'step s':>8} {'attn s':>8} {'ttt s':>8} "
           f"{'rest s':>8} {'peak GiB':>9} {'blocks':>7}")

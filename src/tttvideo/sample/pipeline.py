@@ -200,7 +200,8 @@ def sample_stories(cfg: Any, stories: list[Story], out: str | Path, checkpoint: 
     from tttvideo.sample.decode import make_decoder
 
     console = console or Console()
-    device = resolve_device(cfg.sample.device)
+    # a model handed in (the trainer's end-of-run video) is sampled where it lives
+    device = next(model.parameters()).device if model is not None else resolve_device(cfg.sample.device)
     paths = output_paths(stories, out)
     if model is None and checkpoint:
         resolve_checkpoint(checkpoint)  # a wrong path fails now, not after the text encoder has run
@@ -229,6 +230,8 @@ def sample_stories(cfg: Any, stories: list[Story], out: str | Path, checkpoint: 
     own_model = model is None
     if own_model:
         model = load_model(cfg, checkpoint, device, offload=cfg.sample.offload_blocks)
+    was_training = model.training
+    model.eval()
     run_device = device
     latents, denoise_s = [], []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
@@ -242,6 +245,7 @@ def sample_stories(cfg: Any, stories: list[Story], out: str | Path, checkpoint: 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             denoise_s.append(time.perf_counter() - t0)
+    model.train(was_training)
     if own_model:
         offloader = getattr(model, "_offloader", None)
         if offloader is not None:
