@@ -70,11 +70,70 @@ class TrainConfig:
     output_dir: str = "runs/train"
     steps: int = bounded(1000, 1)
     seed: int = bounded(0, 0)
+    # batch (SPEC section 4: global batch 64)
+    batch_size: int = bounded(1, 1, help="micro-batch per GPU per forward pass")
+    grad_accum: int = bounded(0, 0, help="micro-batches per optimizer step; 0 = global_batch / (batch_size x GPUs)")
+    global_batch: int = bounded(0, 0, help="samples per optimizer step over all GPUs; 0 = batch_size x grad_accum "
+                                           "x GPUs (if both are set they must agree)")
+    # optimizer: AdamW with two learning rates
+    lr: float = bounded(1e-5, 0.0, help="peak learning rate of pretrained weights")
+    lr_ssm: float = bounded(1e-4, 0.0, help="peak learning rate of TTT parameters and gates")
+    lr_end: float = bounded(0.0, 0.0, help="final value of lr after decay; lr_ssm decays by the same factor")
+    warmup_steps: int = bounded(0, 0, help="linear warmup from 0 to the peak learning rates")
+    decay: str = choice("cosine", "cosine", "linear", "constant", help="decay after warmup, down to lr_end")
+    weight_decay: float = bounded(1e-4, 0.0, help="AdamW weight decay; never applied to biases and norms")
+    adam_beta1: float = bounded(0.9, 0.0, 1.0)
+    adam_beta2: float = bounded(0.95, 0.0, 1.0)
+    adam_eps: float = bounded(1e-8, 0.0)
+    grad_clip: float = bounded(0.1, 0.0, help="max global gradient norm; 0 = no clipping")
+    # loss
+    text_dropout: float = bounded(0.1, 0.0, 1.0, help="probability of zeroing a sample's text (for CFG)")
+    precision: str = choice("bf16", "bf16", "fp16", "fp32", help="autocast dtype; fp16 adds a gradient scaler")
+    device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
+    cpu_threads: int = bounded(0, 0, help="PyTorch CPU threads; 0 = its default (one per core). 1 is faster on a "
+                                          "busy machine, where spinning OpenMP threads stall each other")
+    # checkpoints
+    checkpoint_every: int = bounded(500, 1, help="optimizer steps between checkpoints (the last step always saves)")
+    keep_checkpoints: int = bounded(3, 1, help="checkpoints kept; older ones are deleted")
+    init_from: str = field(default="", metadata={"help": "checkpoint (file or run folder) of the previous stage to "
+                                                         "start from; optimizer and step start fresh"})
+    # failures
+    on_nonfinite: str = choice("stop", "stop", "skip", help="NaN/Inf loss: stop naming the last good checkpoint, "
+                                                          "or skip the step")
+    max_nonfinite_skips: int = bounded(10, 0, help="with on_nonfinite = 'skip': stop after this many skipped steps")
+    # logging
+    log_every: int = bounded(10, 1, help="optimizer steps between log lines / TensorBoard points")
+    tensorboard: bool = True
+    wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (needs `pip install wandb`)"})
+    wandb_project: str = "tttvideo"
+    validate_every: int = bounded(0, 0, help="optimizer steps between validation videos; 0 = only at the end (demo)")
+    sample_at_end: bool = field(default=False, metadata={"help": "sample one video from the stories of the data "
+                                                                 "set when training ends"})
 
 
 @dataclass
 class DataConfig:
     manifest: str = field(default="", metadata={"help": "JSONL manifest of the latent cache ('' = built-in demo set)"})
+    num_workers: int = bounded(0, 0, help="loader processes prefetching batches (order does not depend on it)")
+    # the built-in demo set (used when manifest is '')
+    demo_videos: int = bounded(32, 1, help="synthetic videos in the demo set")
+    demo_dir: str = field(default="", metadata={"help": "where the demo set is written ('' = <output_dir>/data)"})
+    demo_text_encoder: str = choice("auto", "auto", "minilm", "table",
+                                    help="demo text features: all-MiniLM-L6-v2 if installed (auto), or a fixed table")
+    # tttv precompute
+    videos: str = field(default="", metadata={"help": "precompute: folder of mp4 clips (16 fps, 16 x seconds + 1 "
+                                                      "frames, the layout's resolution)"})
+    captions: str = field(default="", metadata={"help": "precompute: JSONL, one line per clip with its captions"})
+    cache_dir: str = field(default="", metadata={"help": "precompute: output folder (manifest.jsonl, latents/, text/)"})
+    vae_path: str = field(default="", metadata={"help": "precompute: diffusers AutoencoderKLCogVideoX folder (or a "
+                                                        "pipeline folder with vae/)"})
+    text_encoder_path: str = field(default="", metadata={"help": "precompute: transformers T5 folder (or a pipeline "
+                                                                 "folder with text_encoder/ and tokenizer/)"})
+    precompute_batch_size: int = bounded(1, 1, help="clips per VAE call")
+    text_batch_size: int = bounded(8, 1, help="prompts per T5 call")
+    cache_dtype: str = choice("bf16", "bf16", "fp16", "fp32", help="dtype of stored latents and text features")
+    vae_tiling: bool = field(default=False, metadata={"help": "tiled VAE encoding (less memory, tiny seams)"})
+    device: str = field(default="auto", metadata={"help": "precompute device: 'auto', 'cpu', 'cuda', ..."})
 
 
 @dataclass

