@@ -54,7 +54,7 @@ class BlockRow:
 
 @dataclass
 class Fragmentation:
-    at_peak_reserved: int  # reserved - allocated at the sample where reserved is highest
+    at_peak: int  # peak reserved - peak allocated: what the allocator held beyond the tensors' own peak
     max: int
     mean: float
     std: float  # fluctuation over the timeline
@@ -181,11 +181,15 @@ def fragmentation(timeline: list[MemorySample]) -> Fragmentation:
     frag = [s.fragmentation for s in timeline]
     mean = sum(frag) / len(frag)
     std = math.sqrt(sum((f - mean) ** 2 for f in frag) / len(frag))
-    at_peak = max(timeline, key=lambda s: s.reserved)
+    # Peaks happen between samples; both run-wide peaks are exact (see `totals`), so their difference is the
+    # allocator's overhead at the high-water mark, whereas reserved - allocated at any one sample may be cache
+    # left over after the peak has passed.
+    peak_alloc = max(max(s.peak_allocated, s.allocated) for s in timeline)
+    peak_res = max(max(s.peak_reserved, s.reserved) for s in timeline)
     ratios = [s.fragmentation / s.reserved for s in timeline if s.reserved > 0]
     inactive = [s.inactive_split for s in timeline if s.inactive_split is not None]
     return Fragmentation(
-        at_peak_reserved=at_peak.fragmentation, max=max(frag), mean=mean, std=std,
+        at_peak=peak_res - peak_alloc, max=max(frag), mean=mean, std=std,
         max_ratio=max(ratios) if ratios else 0.0,
         inactive_split_max=max(inactive) if inactive else None,
         inactive_split_final=inactive[-1] if inactive else None,

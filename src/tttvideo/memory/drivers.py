@@ -200,6 +200,8 @@ def profile(cfg: Any, phase: str, steps: int, out_dir: str | Path, *, device: st
     import torch._dynamo  # noqa: F401  (optimizers import it lazily; keep that import out of the measured phases)
 
     if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     from tttvideo.config.loader import config_to_dict
 

@@ -213,7 +213,7 @@ def matrix_table(rows: list[MatrixRow]) -> tuple[list[str], list[list[str]]]:
             fmt_bytes(t.get("peak_reserved")) if t and not cpu else ("n/a" if t else ""),
             fmt_bytes(t.get("base_total")) if t else "",
             *[fmt_bytes(phases[p]["activation_peak"]) if p in phases else "" for p in phase_names],
-            fmt_bytes(f.get("at_peak_reserved")) if f and not cpu else ("n/a" if f else ""),
+            fmt_bytes(f.get("at_peak")) if f and not cpu else ("n/a" if f else ""),
             fmt_bytes(t.get("outside_torch_max")) if t.get("outside_torch_max") is not None else "",
             "" if f.get("alloc_retries") is None else str(f.get("alloc_retries")),
             f"{r.seconds:.1f}", r.note,

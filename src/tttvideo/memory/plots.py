@@ -41,7 +41,7 @@ def timeline(rec: Recording, s: Summary, path: Path) -> None:
     top = max(max(x.peak_reserved, x.reserved, x.driver_used or 0) for x in tl)
     div, unit = _scale(top)
     t = [x.t for x in tl]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 5.2))
     # One colour per phase name, so the steps of a run read as a repeating pattern.
     phase_events = [e for e in rec.events if e.kind == PHASE]
     names = list(dict.fromkeys(e.name for e in phase_events))
@@ -53,7 +53,9 @@ def timeline(rec: Recording, s: Summary, path: Path) -> None:
                    label=None if e.name in seen else f"phase: {e.name}")
         seen.add(e.name)
     ax.plot(t, [x.allocated / div for x in tl], color="C0", lw=1.5, label=s.labels.get("allocated", "allocated"))
-    ax.plot(t, [x.peak_allocated / div for x in tl], color="C0", lw=0.8, ls=":", label="peak since last reset")
+    # A sample's peak is the highest allocated since the previous sample: drawn as a step over that interval.
+    ax.plot(t, [x.peak_allocated / div for x in tl], color="C0", lw=0.7, alpha=0.6, drawstyle="steps-pre",
+            label="peak between samples")
     if s.backend != "cpu":
         ax.plot(t, [x.reserved / div for x in tl], color="C3", lw=1.2, label=s.labels.get("reserved", "reserved"))
     if any(x.driver_used is not None for x in tl):
@@ -66,7 +68,7 @@ def timeline(rec: Recording, s: Summary, path: Path) -> None:
     ax.set_ylabel(unit)
     ax.set_ylim(bottom=0)
     ax.set_title(f"Memory timeline ({s.labels.get('unit', s.backend)})")
-    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=7, ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -113,7 +115,7 @@ def blocks(s: Summary, path: Path) -> None:
     top = max(abs(v) for d in series.values() for v in d.values()) or 1
     div, unit = _scale(top)
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(names) * len(series)), 4))
+    fig, ax = plt.subplots(figsize=(min(16, max(8, 0.12 * len(names) * len(series) + 4)), 4))
     for j, (label, d) in enumerate(series.items()):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(names))]
         ax.bar(xs, [d.get(n, 0) / div for n in names], width=width, label=label)

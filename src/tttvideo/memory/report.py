@@ -80,7 +80,7 @@ def tables(s: Summary) -> list[Table]:
                           [[k, v] for k, v in s.marks.items()], {1}))
     na = s.backend == "cpu"
     frag = [
-        ["reserved - allocated at peak reserved", None if na else f.at_peak_reserved],
+        ["peak reserved - peak allocated", None if na else f.at_peak],
         ["reserved - allocated, max", None if na else f.max],
         ["reserved - allocated, mean", None if na else int(f.mean)],
         ["reserved - allocated, std (fluctuation)", None if na else int(f.std)],
@@ -118,7 +118,7 @@ def _header_lines(s: Summary) -> list[tuple[str, str]]:
         ("torch", str(backend.get("torch", ""))),
         ("git commit", str(s.meta.get("git_commit", ""))),
     ]
-    for key in ("phase", "config", "overrides", "steps"):
+    for key in ("phase", "config", "overrides", "steps", "note", "device_run"):
         if key in s.meta:
             lines.append((key, str(s.meta[key])))
     return lines
