@@ -109,3 +109,30 @@ def test_rejects_unpadded_length():
     tensors = make_inputs("mlp", L=20)
     with pytest.raises(ValueError, match="multiple of the mini-batch"):
         run_reference("mlp", tensors, 16)
+
+
+def test_scan_inputs_are_not_pinned_under_an_outer_checkpoint():
+    """Under an enclosing activation checkpoint (a checkpointed block) the scan must keep nothing of the sequence
+    alive after forward: its checkpoint groups take their inputs as arguments, which the outer checkpoint drops.
+    A closure over the inputs would pin the fp32 copies of q/k/v (seen on the GPU as +1.5 GiB per 5B block)."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    tensors = make_inputs("mlp", B=1, H=2, L=64, D=16, dtype=torch.bfloat16)
+
+    def fn(*ts):
+        return run_reference("mlp", list(ts), 16, group=2)
+
+    out = checkpoint(fn, *tensors, use_reentrant=False)
+    gc.collect()
+    inputs = {t.untyped_storage().data_ptr() for t in tensors}
+    big = tensors[0].numel()
+    pinned = [
+        o for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.numel() >= big
+        and o.untyped_storage().data_ptr() not in inputs and o.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    ]
+    assert not pinned, [tuple(p.shape) for p in pinned]
+    out.float().sum().backward()  # and the recomputation still works
+    assert tensors[0].grad is not None and torch.isfinite(tensors[0].grad.float()).all()

@@ -112,24 +112,34 @@ def _scan(
     nb = norm_b.to(f32)[:, None, :]
     state = tuple(s.to(f32) for s in state)
 
-    def run(state: State, start: int, stop: int) -> tuple[State, torch.Tensor]:
-        outs = []
-        for i in range(start, stop):
-            state, out = step(state, qs[i], ks[i], vs[i], etas[i], nw, nb)
-            outs.append(out)
-        return state, torch.stack(outs)
-
     group = n if checkpoint_group_size <= 0 else checkpoint_group_size
     outs = []
     for start in range(0, n, group):
         stop = min(start + group, n)
+        # The group's inputs go in as arguments, never through a closure: checkpoint saves arguments as saved
+        # tensors, which an enclosing activation checkpoint (of the block) can drop and recompute; a closure
+        # would pin the whole sequence's q/k/v for as long as the graph lives.
+        chunk = (qs[start:stop], ks[start:stop], vs[start:stop], etas[start:stop])
         if checkpoint_group_size > 0 and torch.is_grad_enabled():
-            state, out = checkpoint(run, state, start, stop, use_reentrant=False)
+            *state, out = checkpoint(_run_group, step, len(state), nw, nb, *state, *chunk, use_reentrant=False)
         else:
-            state, out = run(state, start, stop)
+            *state, out = _run_group(step, len(state), nw, nb, *state, *chunk)
+        state = tuple(state)
         outs.append(out)
     out = torch.cat(outs).movedim(0, 2).reshape(B, H, L, D)
     return out.to(q.dtype)
+
+
+def _run_group(step, n_state: int, nw: torch.Tensor, nb: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Scan a run of mini-batches: tensors = (*state, qs, ks, vs, etas) with a leading mini-batch dim on the inputs;
+    returns (*final state, outputs stacked over mini-batches)."""
+    state: State = tensors[:n_state]
+    qs, ks, vs, etas = tensors[n_state:]
+    outs = []
+    for i in range(qs.shape[0]):
+        state, out = step(state, qs[i], ks[i], vs[i], etas[i], nw, nb)
+        outs.append(out)
+    return (*state, torch.stack(outs))
 
 
 def _initial_state(batch: int, *params: torch.Tensor) -> State:
