@@ -35,6 +35,27 @@ def test_lr_schedule():
     assert lin[0] == 1.0 and lin[-1] == 0.0 and math.isclose(lin[5] - lin[6], 1 / 9)
 
 
+def test_stage_schedule_is_the_originals(tmp_path):
+    """3 s stage: lr 1e-5 linear to lr_end 1e-5 (constant after warmup), lr_ssm 1e-4 cosine down to 1e-5."""
+    from tttvideo.models import build_model
+    from tttvideo.train.optim import build_scheduler
+
+    cfg = load_config("configs/cogvideox-5b/stage1-3s.toml", ["model.preset=tiny", "model.pretrained_path="])
+    assert (cfg.train.lr, cfg.train.lr_ssm, cfg.train.lr_end, cfg.train.warmup_steps) == (1e-5, 1e-4, 1e-5, 100)
+    model = build_model(cfg)
+    opt = build_optimizer(model, cfg.train)
+    sched = build_scheduler(opt, cfg.train)
+    seen = []
+    for _ in range(cfg.train.steps):
+        seen.append({g["name"]: g["lr"] for g in opt.param_groups})
+        opt.step()
+        sched.step()
+    assert math.isclose(seen[0]["pretrained"], 1e-7) and math.isclose(seen[0]["ssm"], 1e-6)  # warmup 1 of 100
+    assert all(math.isclose(s["pretrained"], 1e-5) for s in seen[99:])
+    assert math.isclose(seen[99]["ssm"], 1e-4) and math.isclose(seen[-1]["ssm"], 1e-5)
+    assert math.isclose(seen[2550]["ssm"], 1e-5 + 0.5 * 9e-5, rel_tol=1e-3)  # half way down the cosine
+
+
 def test_param_groups_follow_the_recipe(tmp_path):
     from tttvideo.models import build_model
 

@@ -78,9 +78,12 @@ class TrainConfig:
     # optimizer: AdamW with two learning rates
     lr: float = bounded(1e-5, 0.0, help="peak learning rate of pretrained weights")
     lr_ssm: float = bounded(1e-4, 0.0, help="peak learning rate of TTT parameters and gates")
-    lr_end: float = bounded(0.0, 0.0, help="final value of lr after decay; lr_ssm decays by the same factor")
+    lr_end: float = bounded(1e-5, 0.0, help="learning rate both groups decay to by the last step (the original: "
+                                            "1e-5, so lr = 1e-5 stays constant)")
     warmup_steps: int = bounded(0, 0, help="linear warmup from 0 to the peak learning rates")
-    decay: str = choice("cosine", "cosine", "linear", "constant", help="decay after warmup, down to lr_end")
+    decay: str = choice("linear", "cosine", "linear", "constant", help="decay of lr after warmup, down to lr_end")
+    decay_ssm: str = choice("cosine", "cosine", "linear", "constant", help="decay of lr_ssm after warmup, down to "
+                                                                           "lr_end")
     weight_decay: float = bounded(1e-4, 0.0, help="AdamW weight decay; never applied to biases and norms")
     adam_beta1: float = bounded(0.9, 0.0, 1.0)
     adam_beta2: float = bounded(0.95, 0.0, 1.0)

@@ -6,12 +6,14 @@ Biases (`*.bias`, the inner model's `b1`/`b2`, `*_bias`) and normalisation weigh
 the TTT layer's `ttt_norm_*`) take no weight decay. Only parameters with requires_grad enter the optimizer, so the
 adapter (`model.adapter`) decides what trains.
 
-Schedule: linear warmup from 0 over `warmup_steps`, then cosine or linear decay so that `lr` reaches `lr_end` at the
-last step; `lr_ssm` follows the same multiplier (it ends at lr_end x lr_ssm / lr).
+Schedule (the original's, per group): linear warmup from 0 over `warmup_steps`, then `decay` (linear in the original)
+takes `lr` and `decay_ssm` (cosine) takes `lr_ssm` to the same absolute `lr_end` at the last step. A group whose
+peak is below lr_end rises to it; a peak of 0 stays 0.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -63,7 +65,8 @@ def build_optimizer(model: nn.Module, train: Any) -> torch.optim.AdamW:
 
 
 def lr_multiplier(step: int, total: int, warmup: int, decay: str, end_ratio: float) -> float:
-    """Multiplier of the peak learning rate for optimizer step `step` (0-based) of `total`."""
+    """Multiplier of a peak learning rate for optimizer step `step` (0-based) of `total`; `end_ratio` = lr_end / peak
+    is reached at the last step."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if decay == "constant":
@@ -76,7 +79,12 @@ def lr_multiplier(step: int, total: int, warmup: int, decay: str, end_ratio: flo
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: Any) -> torch.optim.lr_scheduler.LambdaLR:
-    end_ratio = train.lr_end / train.lr if train.lr > 0 else 0.0
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, train.steps, train.warmup_steps, train.decay, end_ratio)
-    )
+    """One multiplier function per parameter group: `decay` for pretrained groups, `decay_ssm` for TTT groups."""
+    fns = []
+    for group in optimizer.param_groups:
+        ssm = group["name"].startswith("ssm")
+        peak = train.lr_ssm if ssm else train.lr
+        end_ratio = train.lr_end / peak if peak > 0 else 1.0
+        fns.append(functools.partial(lr_multiplier, total=train.steps, warmup=train.warmup_steps,
+                                     decay=train.decay_ssm if ssm else train.decay, end_ratio=end_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fns)

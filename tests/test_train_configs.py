@@ -1,0 +1,51 @@
+"""The shipped training configs: the five CogVideoX-5B stages follow SPEC section 4, chain into each other, and their
+1-GPU versions keep the global batch of 64 by accumulation; the demo config is the tiny CPU run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tttvideo.config.loader import layout_from_config, load_config
+from tttvideo.train.trainer import batch_plan
+
+# SPEC section 4: duration, adapter, lr, lr_ssm, steps; SPEC section 2: text tokens per segment
+STAGES = [
+    ("stage1-3s", "3s", "sft", 1e-5, 1e-4, 5000, 498),
+    ("stage2-9s", "9s", "qkvo", 1e-5, 1e-5, 5000, 502),
+    ("stage3-18s", "18s", "qkvo", 1e-5, 1e-5, 1000, 471),
+    ("stage4-30s", "30s", "qkvo", 1e-5, 1e-5, 500, 497),
+    ("stage5-63s", "63s", "qkvo", 1e-5, 1e-5, 250, 458),
+]
+
+
+@pytest.mark.parametrize("one_gpu", [False, True])
+def test_stages_follow_the_recipe_and_chain(one_gpu):
+    previous = None
+    for name, duration, adapter, lr, lr_ssm, steps, text in STAGES:
+        cfg = load_config(f"configs/cogvideox-5b/{name}{'-1gpu' if one_gpu else ''}.toml")
+        t = cfg.train
+        assert (cfg.layout.duration, cfg.model.adapter, t.lr, t.lr_ssm, t.steps) == (duration, adapter, lr, lr_ssm,
+                                                                                     steps)
+        assert (t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.grad_clip) == (0.9, 0.95, 1e-8, 1e-4, 0.1)
+        assert (t.text_dropout, t.lr_end, cfg.model.preset, cfg.ttt.kind) == (0.1, 1e-5, "cogvideox-5b", "mlp")
+        assert layout_from_config(cfg).text_tokens == text and layout_from_config(cfg).ttt_padding == 0
+        assert batch_plan(t, 1) == (64, 64)  # one process: 64 micro-batches of 1 per optimizer step
+        if not one_gpu:
+            assert batch_plan(t, 64) == (1, 64)  # the paper's 64 GPUs: no accumulation
+        else:
+            assert t.grad_accum == 64 and cfg.checkpointing.block and cfg.checkpointing.forward_ttt
+        if previous is None:
+            assert cfg.model.pretrained_path and not t.init_from
+        else:
+            assert t.init_from == previous and not cfg.model.pretrained_path
+        assert t.output_dir.endswith(name + ("-1gpu" if one_gpu else ""))
+        assert cfg.data.manifest.startswith(cfg.data.cache_dir)  # precompute with the same config writes it
+        previous = t.output_dir
+
+
+def test_demo_config_is_the_tiny_cpu_run():
+    cfg = load_config("configs/demo.toml")
+    assert cfg.model.preset == "tiny" and cfg.train.device == "cpu" and cfg.train.precision == "fp32"
+    assert cfg.data.manifest == "" and cfg.train.sample_at_end
+    lay = layout_from_config(cfg)
+    assert lay.num_segments >= 2  # the demo video has scene cuts
