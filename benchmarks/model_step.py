@@ -164,8 +164,6 @@ def main() -> int:
     ops.ttt_mlp_reference = counted_reference
 
     spec = get_preset(args.preset)
-    if args.ttt_backend == "reference" and args.block_group > 0:
-        args.scan_group = 0  # see the fallback below: the reference's scan checkpointing leaks under block checkpoints
     ttt_cfg = TTTConfig(kind="mlp", mini_batch_size=64, base_lr=0.1, scan_checkpoint_group_size=args.scan_group,
                         backend=args.ttt_backend)
     torch.manual_seed(0)
@@ -214,13 +212,9 @@ def main() -> int:
         if row is None:
             # outside the except block, so that the traceback (and the graph it holds) is gone
             print(f"TTT backend {args.ttt_backend} failed ({failure}); rerunning with the reference", flush=True)
-            # The reference scan's own checkpointing keeps its fp32 q/k/v alive through the closure of every
-            # checkpointed group when it runs inside a block checkpoint (about 1.4 GB per block at 3 s), so under
-            # block checkpointing the reference runs without scan checkpointing.
             for m in model.ttt_modules():
                 m.ttt.backend = "reference"
-                m.ttt.scan_checkpoint_group_size = 0
-            args.ttt_backend, args.scan_group = "reference", 0
+            args.ttt_backend = "reference"
             model.zero_grad(set_to_none=True)
             gc.collect()
             if device.type == "cuda":
