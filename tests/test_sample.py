@@ -100,6 +100,36 @@ def test_denoise_seed_determinism(checkpoint, tmp_path):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_batch2_out_of_memory_falls_back_to_two_passes(checkpoint, tmp_path, caplog):
+    cfg = load_config(checkpoint / "config.toml", ["sample.steps=2", "sample.cfg=3", 'sample.cfg_schedule="constant"'])
+    model = load_model(cfg, checkpoint, torch.device("cpu"))
+    layout = story_layout(cfg, load_stories_from([RED]))
+    cond, uncond = torch.randn(1, 16, 64), torch.zeros(1, 16, 64)
+    cfg.sample.cfg_batched = False
+    two_pass = denoise(model, layout, cond, uncond, cfg.sample, torch.device("cpu"))
+
+    class NoBatchTwo(torch.nn.Module):
+        """The model, as a card too small for batch 2 would run it."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.spec, self.calls = inner, inner.spec, []
+
+        def forward(self, x, *args):
+            self.calls.append(x.shape[0])
+            if x.shape[0] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return self.inner(x, *args)
+
+    wrapped = NoBatchTwo(model)
+    cfg.sample.cfg_batched = True
+    with caplog.at_level(logging.WARNING, logger="tttvideo"):
+        got = denoise(wrapped, layout, cond, uncond, cfg.sample, torch.device("cpu"))
+    assert torch.equal(got, two_pass)
+    assert wrapped.calls == [2, 1, 1, 1, 1]  # tried batch 2 once, then two passes for every step
+    assert "two passes of batch 1" in caplog.text
+
+
 def test_block_offload_bookkeeping(checkpoint, caplog):
     cfg = load_config(checkpoint / "config.toml", [])
     model = load_model(cfg, checkpoint, torch.device("cpu"))

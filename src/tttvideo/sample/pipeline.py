@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from tttvideo.sample.scenes import Story, check_duration
 from tttvideo.sample.solvers import GuidanceSchedule, guide, make_solver
 from tttvideo.sample.text import check_token_counts, encode_story, make_text_encoder
 from tttvideo.sample.video import Mp4Writer, to_uint8_frames, write_scenes
+
+log = logging.getLogger(__name__)
 
 # a callback advanced once per denoising step: (story name, step index, number of steps)
 StepCallback = Callable[[str, int, int], None]
@@ -154,15 +157,26 @@ def denoise(model: torch.nn.Module, layout: VideoLayout, cond: torch.Tensor, unc
     cond = cond[None].to(device=device, dtype=dtype)
     uncond = uncond[None].to(device=device, dtype=dtype)
     both = torch.cat([uncond, cond])
+    batched = sample_cfg.cfg_batched
     last = len(solver.timesteps) - 1
     for i, t in enumerate(solver.timesteps):
         scale = scales[i]
+        v = None
         if scale == 1.0:  # guidance 1 is the conditional prediction alone: skip the unconditional pass
             v = model(x, cond, t, layout).float()
-        elif sample_cfg.cfg_batched:
-            v_u, v_c = model(torch.cat([x, x]), both, t, layout).float().chunk(2)
-            v = guide(v_u, v_c, scale)
-        else:
+        elif batched:
+            try:
+                v_u, v_c = model(torch.cat([x, x]), both, t, layout).float().chunk(2)
+                v = guide(v_u, v_c, scale)
+            except torch.OutOfMemoryError:
+                # batch 2 does not fit (CogVideoX-5B + TTT at 63 s on 80 GB): the same guidance in two passes, which
+                # halves the activations, for the rest of this video
+                batched = False
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log.warning("guidance at batch 2 ran out of memory; continuing with two passes of batch 1 "
+                            "(set sample.cfg_batched = false to start that way)")
+        if v is None:
             v_u = model(x, uncond, t, layout).float()
             v = guide(v_u, model(x, cond, t, layout).float(), scale)
         noise = torch.randn(shape, generator=gen, dtype=torch.float32) if solver.stochastic and i < last else None
