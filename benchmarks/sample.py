@@ -298,7 +298,8 @@ def main(argv=None) -> int:
         blocks = None if full else args.timed_blocks
         for use_ttt in (True, False):
             if args.budget_s and time.perf_counter() - t0 > args.budget_s:
-                report["runs"].append({"duration_s": layout.duration_s, "use_ttt": use_ttt, "tokens": layout.total_tokens,
+                report["runs"].append({"duration_s": layout.duration_s, "use_ttt": use_ttt,
+                                       "tokens": layout.total_tokens,
                                        "skipped": f"time budget of {args.budget_s:.0f} s spent"})
                 save()
                 continue

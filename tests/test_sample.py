@@ -161,7 +161,8 @@ def load_stories_from(scenes):
 
 
 def tiny_t5(folder, d_model=64):
-    """A word-level tokenizer + a one-layer random T5 encoder, saved as a pipeline folder (tokenizer/, text_encoder/)."""
+    """A word-level tokenizer + a one-layer random T5 encoder, saved as a pipeline folder (tokenizer/,
+    text_encoder/)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 

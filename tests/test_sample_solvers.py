@@ -140,3 +140,21 @@ def test_guidance_schedules():
     u, c = torch.zeros(3), torch.ones(3)
     torch.testing.assert_close(guide(u, c, 4.0), torch.full((3,), 4.0))
     torch.testing.assert_close(guide(u, c, 1.0), c)
+
+
+@pytest.mark.parametrize("name", ["ddim", "dpm++2m"])
+def test_oracle_model_recovers_the_clean_sample(name):
+    """A model that knows x0 answers with the exact v of the current x_t; any solver must then end on x0. This pins
+    the v-prediction convention itself (sign, sqrt(a) vs sqrt(1 - a)), independently of diffusers."""
+    schedule = ZeroSNRSchedule()
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    solver = make_solver(name, schedule, 25)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ac = schedule.alphas_cumprod.double()
+    for i, t in enumerate(solver.timesteps):
+        a = ac[t]
+        eps = (x - a.sqrt() * x0) / (1 - a).sqrt()
+        v = a.sqrt() * eps - (1 - a).sqrt() * x0
+        x = solver.step(i, x, v, torch.randn(SHAPE, generator=gen, dtype=torch.float64))
+    torch.testing.assert_close(x, x0, rtol=1e-9, atol=1e-9)

@@ -36,9 +36,6 @@ from tttvideo.sample.video import Mp4Writer, to_uint8_frames, write_scenes
 
 log = logging.getLogger(__name__)
 
-# a callback advanced once per denoising step: (story name, step index, number of steps)
-StepCallback = Callable[[str, int, int], None]
-
 
 @dataclass
 class SampleResult:
