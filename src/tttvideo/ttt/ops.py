@@ -1,30 +1,89 @@
 """TTT scan entry points that pick an implementation.
 
-`backend`: "reference" (plain PyTorch, any device), "triton" (fused kernels, CUDA), "auto" (Triton on CUDA when the
-shape is covered, the reference otherwise). Signatures match `tttvideo.ttt.reference`.
+`backend`: "reference" (plain PyTorch, any device), "triton" (fused kernels: CUDA, or CPU tensors inside the Triton
+interpreter, TRITON_INTERPRET=1, which is how CI tests them), "auto" (Triton on CUDA when the shape is covered, the
+reference otherwise, with the reason logged once). Signatures match `tttvideo.ttt.reference`.
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
 from tttvideo.ttt.reference import ttt_linear_reference, ttt_mlp_reference
 
 BACKENDS = ("auto", "triton", "reference")
+# Sizes the kernels are built and tested for: power-of-two tiles (tl.arange), at least 16 (tl.dot), and small
+# enough that one stream's state stays on-chip (MLP: W1 and W2 of D x E fp32 each).
+KERNEL_HEAD_DIMS = (16, 32, 64)
+KERNEL_MINI_BATCHES = (16, 32, 64)
+KERNEL_MAX_HIDDEN = 256
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 
 def ttt_mlp(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size: int, checkpoint_group_size: int = 0,
             backend: str = "auto") -> torch.Tensor:
-    _check_backend(backend)
+    if _use_triton("mlp", backend, q, w1.shape[-1], mini_batch_size):
+        from tttvideo.ttt.triton_mlp import TTTMLPFunction
+
+        return TTTMLPFunction.apply(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size,
+                                    checkpoint_group_size)
     return ttt_mlp_reference(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size)
 
 
 def ttt_linear(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size: int, checkpoint_group_size: int = 0,
                backend: str = "auto") -> torch.Tensor:
-    _check_backend(backend)
+    if _use_triton("linear", backend, q, w1.shape[-1], mini_batch_size):
+        from tttvideo.ttt.triton_linear import TTTLinearFunction
+
+        return TTTLinearFunction.apply(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size, checkpoint_group_size)
     return ttt_linear_reference(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size, checkpoint_group_size)
 
 
-def _check_backend(backend: str) -> None:
+def uncovered_reason(kind: str, q: torch.Tensor, hidden: int, mini_batch_size: int) -> str | None:
+    """Why the Triton kernels do not take this call (None when they do)."""
+    B, H, L, D = q.shape
+    if D not in KERNEL_HEAD_DIMS:
+        return f"head dim {D} is not one of {KERNEL_HEAD_DIMS}"
+    if mini_batch_size not in KERNEL_MINI_BATCHES:
+        return f"mini-batch {mini_batch_size} is not one of {KERNEL_MINI_BATCHES}"
+    if L % mini_batch_size:
+        return f"sequence length {L} is not a multiple of the mini-batch {mini_batch_size}"
+    if kind == "mlp" and (hidden & (hidden - 1) or not 16 <= hidden <= KERNEL_MAX_HIDDEN):
+        return f"MLP hidden size {hidden} is not a power of two in [16, {KERNEL_MAX_HIDDEN}]"
+    if kind == "linear" and hidden != D:
+        return f"TTT-Linear weight is {D} x {hidden}, not square"
+    return None
+
+
+def _use_triton(kind: str, backend: str, q: torch.Tensor, hidden: int, mini_batch_size: int) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"unknown TTT backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return False
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if q.device.type != "cuda" and not interpreting:
+        if backend == "triton":
+            raise RuntimeError(
+                f"TTT backend 'triton' needs CUDA tensors, got {q.device.type} (set backend 'auto' or 'reference'; "
+                "CPU runs the kernels only in the Triton interpreter, TRITON_INTERPRET=1 set before importing triton)"
+            )
+        return False  # auto on CPU: the reference is the CPU path, nothing to log
+    reason = uncovered_reason(kind, q, hidden, mini_batch_size)
+    if reason is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            reason = "triton is not installed"
+    if reason is None:
+        return True
+    if backend == "triton":
+        raise ValueError(f"TTT-{kind} Triton kernels do not cover this call: {reason}; use backend 'auto' or 'reference'")
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("TTT-%s falls back to the PyTorch reference: %s", kind, reason)
+    return False

@@ -1,0 +1,231 @@
+"""TTT scan kernels on one GPU: time, achieved TFLOP/s, accuracy, and the SDPA yardstick, in one run.
+
+    PYTHONPATH=src python3 benchmarks/ttt_kernel.py [--lengths 18048 51456 351168] [--out DIR] [--commit SHA]
+    PYTHONPATH=src python3 benchmarks/ttt_kernel.py --compile-only      # no GPU needed: sm_80 / sm_89 / sm_90
+
+B=1, H=48, head dim 64; TTT-MLP with mini-batch 64, TTT-Linear with 16; bf16 inputs, checkpoint group 16.
+"fwd" is the training forward (checkpoints saved, as under autograd), "fwd+bwd" adds the backward of a random
+output gradient. Medians of CUDA-event timings after warm-up. FLOP counts (per token, per head):
+  MLP forward 229.4 k (seven 64x64x256 GEMMs per mini-batch of 64: 7 * 2 * 64*64*256 / 64); the "model" count of
+  forward+backward is 3x that (the usual 1 + 2 convention); the kernels execute more (the backward recomputes).
+  Linear forward 24.6 k (three 16x64x64 GEMMs per mini-batch of 16).
+Writes ttt_kernel.json (device, versions, commit, every row) to --out and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # tests.gpu holds the input generator and the accuracy check
+
+B, H, D = 1, 48, 64
+MLP_FLOP = 7 * 2 * 64 * 64 * 256 / 64  # per token per head, forward
+LIN_FLOP = 3 * 2 * 16 * 64 * 64 / 16
+
+
+def bench(fn, min_runs=5, budget_s=2.0):
+    """Median ms over CUDA-event timed runs (after two warm-up calls), at least `min_runs`."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times, t_end = [], time.time() + budget_s
+    while len(times) < min_runs or (time.time() < t_end and len(times) < 50):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), len(times)
+
+
+def kernel_info(module, key):
+    k = module.LAUNCHED.get(key)
+    return None if k is None else dict(regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared,
+                                       warps=k.metadata.num_warps)
+
+
+def time_scan(kind, L, group=16, **tune):
+    from tests.gpu.test_ttt_triton_gpu import make_inputs
+    from tttvideo.ttt import triton_linear, triton_mlp
+
+    m = 64 if kind == "mlp" else 16
+    ins = make_inputs(kind, B, H, L, D, m, seed=L)
+    mod = triton_mlp if kind == "mlp" else triton_linear
+    fwd_fn = mod.mlp_forward if kind == "mlp" else mod.linear_forward
+    bwd_fn = mod.mlp_backward if kind == "mlp" else mod.linear_backward
+    x = [t.detach() for t in ins]
+    dout = torch.randn_like(x[0])
+    fwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("fwd_")}
+    bwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("bwd_")}
+    out_only = tune.get("output", True)
+
+    def fwd():
+        return fwd_fn(*x, m, group, True, output=out_only, **fwd_tune) if kind == "mlp" else \
+            fwd_fn(*x, m, group, True, **fwd_tune)
+
+    def fwd_bwd():
+        _, ck = fwd()
+        return bwd_fn(dout, *x[:6], ck, m, group, **bwd_tune)
+
+    def infer():
+        return fwd_fn(*x, m, group, False, **fwd_tune)
+
+    ms_f, n_f = bench(fwd)
+    row = dict(kind=kind, L=L, mini_batch=m, group=group, fwd_ms=ms_f, fwd_runs=n_f, fwd_kernel=kernel_info(mod, "fwd"))
+    if out_only:
+        ms_fb, n_fb = bench(fwd_bwd)
+        ms_i, _ = bench(infer)
+        row.update(fwdbwd_ms=ms_fb, fwdbwd_runs=n_fb, infer_ms=ms_i, bwd_kernel=kernel_info(mod, "bwd"))
+    flop = (MLP_FLOP if kind == "mlp" else LIN_FLOP) * B * H * L
+    row["fwd_tflops"] = flop / ms_f / 1e9
+    if "fwdbwd_ms" in row:
+        row["fwdbwd_model_tflops"] = 3 * flop / row["fwdbwd_ms"] / 1e9
+    row.update({k: str(v) for k, v in tune.items()})
+    del ins, x
+    torch.cuda.empty_cache()
+    return row
+
+
+def time_sdpa(L=18048):
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    g = torch.randn_like(f())
+    ms_f, _ = bench(f)
+    ms_fb, _ = bench(lambda: torch.autograd.grad(f(), (q, k, v), g))
+    return dict(kind="sdpa", L=L, fwd_ms=ms_f, fwdbwd_ms=ms_fb)
+
+
+def compile_only():
+    """Compile every kernel for sm_80, sm_89 and sm_90 (no GPU needed) and report ptxas's resource use."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tttvideo.ttt import triton_linear, triton_mlp
+    from tttvideo.ttt.triton_common import DOT_BF16, LN_EPS
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    act = {n: "*bf16" for n in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV")}
+    ints = ("H", "L", "NMB", "GROUP")
+    kernels = [
+        ("mlp_fwd", triton_mlp._mlp_fwd_kernel, triton_mlp.FWD_WARPS,
+         dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS, SAVE=True, OUTPUT=True)),
+        ("mlp_bwd", triton_mlp._mlp_bwd_kernel, triton_mlp.BWD_WARPS, dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS)),
+        ("linear_fwd", triton_linear._linear_fwd_kernel, triton_linear.FWD_WARPS,
+         dict(D=64, M=16, DOT=DOT_BF16, EPS=LN_EPS, SAVE=True)),
+        ("linear_bwd", triton_linear._linear_bwd_kernel, triton_linear.BWD_WARPS,
+         dict(D=64, M=16, DOT=DOT_BF16, EPS=LN_EPS)),
+    ]
+    rows = []
+    for cc in (90, 80, 89):
+        for name, fn, warps, consts in kernels:
+            sig = {n: "constexpr" if n in consts else "i32" if n in ints else act.get(n, "*fp32") for n in fn.arg_names}
+            t0 = time.time()
+            k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", cc, 32),
+                               options=dict(num_warps=warps, num_stages=1))
+            path = f"/tmp/ttt_{name}_{cc}.cubin"
+            with open(path, "wb") as f:
+                f.write(k.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+            line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
+            fields = dict(p.split(":") for p in line.split() if ":" in p)
+            mma = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync" if "mma.sync" in k.asm["ptx"] else "none"
+            row = dict(sm=cc, kernel=name, warps=warps, regs=int(fields.get("REG", -1)),
+                       stack_bytes=int(fields.get("STACK", -1)), shared_bytes=k.metadata.shared, mma=mma,
+                       compile_s=round(time.time() - t0, 1))
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="*", default=[18048, 51456, 351168])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--commit", default=os.environ.get("TTT_COMMIT", ""))
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--no-check", action="store_true", help="skip the accuracy check")
+    ap.add_argument("--variants", action="store_true", help="also time kernel variants at the first length")
+    args = ap.parse_args()
+    import triton
+
+    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or _git_commit())
+    if args.compile_only:
+        res = dict(meta, mode="compile-only", rows=compile_only())
+        _write(args.out, "ttt_kernel_compile.json", res)
+        return
+
+    from tests.gpu.test_ttt_triton_gpu import relative_errors
+
+    meta["device"] = torch.cuda.get_device_name()
+    rows = []
+    if not args.no_check:
+        for kind in ("mlp", "linear"):
+            t0 = time.time()
+            errs = relative_errors(kind)
+            rows.append(dict(kind=kind, check="bf16 vs fp32 reference, L=18048", errors=errs,
+                             max_error=max(errs.values()), seconds=time.time() - t0))
+            print(rows[-1], flush=True)
+    rows.append(time_sdpa())
+    print(rows[-1], flush=True)
+    for L in args.lengths:
+        for kind in ("mlp", "linear"):
+            rows.append(time_scan(kind, L))
+            print(rows[-1], flush=True)
+    if args.variants:
+        L = args.lengths[0]
+        for tune in (dict(output=False), dict(fwd_num_warps=8, bwd_num_warps=8)):
+            rows.append(time_scan("mlp", L, **tune))
+            print(rows[-1], flush=True)
+    res = dict(meta, rows=rows)
+    _write(args.out, "ttt_kernel.json", res)
+    _table(res)
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def _write(out, name, res):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def _table(res):
+    sdpa = next(r for r in res["rows"] if r["kind"] == "sdpa")
+    print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  commit {res['commit'][:10]}")
+    print(f"SDPA flash attention, 18,048 tokens, 48 x 64: fwd {sdpa['fwd_ms']:.2f} ms, fwd+bwd {sdpa['fwdbwd_ms']:.2f} ms")
+    print(f"{'kind':7} {'L':>8} {'fwd ms':>9} {'TFLOP/s':>8} {'infer ms':>9} {'fwd+bwd ms':>11} {'model TF/s':>10} "
+          f"{'fwd/SDPA':>9} {'f+b/SDPA':>9}")
+    for r in res["rows"]:
+        if r["kind"] in ("mlp", "linear") and "fwd_ms" in r:
+            tag = "" if "output" not in r and "fwd_num_warps" not in r else \
+                " (" + ",".join(f"{k}={v}" for k, v in r.items() if k in ("output", "fwd_num_warps")) + ")"
+            fb = r.get("fwdbwd_ms", float("nan"))
+            print(f"{r['kind']:7} {r['L']:>8} {r['fwd_ms']:>9.2f} {r['fwd_tflops']:>8.1f} {r.get('infer_ms', float('nan')):>9.2f} "
+                  f"{fb:>11.2f} {r.get('fwdbwd_model_tflops', float('nan')):>10.1f} {r['fwd_ms'] / sdpa['fwd_ms']:>9.2f} "
+                  f"{fb / sdpa['fwdbwd_ms']:>9.2f}{tag}")
+    for r in res["rows"]:
+        if "check" in r:
+            print(f"accuracy {r['kind']}: max relative error {r['max_error']:.2e} ({r['check']})")
+    for r in res["rows"]:
+        if r.get("L") == res["rows"][-1].get("L") and r.get("fwd_kernel"):
+            print(f"{r['kind']} kernels: fwd {r['fwd_kernel']}  bwd {r.get('bwd_kernel')}")
+
+
+if __name__ == "__main__":
+    main()

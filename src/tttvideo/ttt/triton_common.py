@@ -1,0 +1,209 @@
+"""Pieces shared by the Triton TTT kernels: element-wise math, LayerNorm pieces, dot precision, launch checks.
+
+Everything here is written once and inlined into the TTT-MLP and TTT-Linear kernels (`triton_mlp.py`,
+`triton_linear.py`). Row vectors are [rows, cols] tiles reduced along axis 1; the inner LayerNorm epsilon and the
+tanh-GELU constants are those of `tttvideo.ttt.reference`, which is the ground truth.
+
+Dot precision (`DOT` constexpr): the inner state and every accumulation are fp32 whatever the mode.
+    DOT_IEEE  fp32 operands, full-precision products (fp32 inputs; the CPU interpreter)
+    DOT_TF32  fp32 operands on tf32 tensor cores
+    DOT_BF16  operands rounded to bf16 (bf16/fp16 inputs: the fast path). bf16 rather than fp16 because the
+              inner gradients scale with eta ~ 1e-5 and would fall into fp16's subnormal range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tttvideo.ttt.reference import INNER_LN_EPS
+
+DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
+
+_GELU_C = tl.constexpr(math.sqrt(2.0 / math.pi))
+_GELU_A = tl.constexpr(0.044715)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 set before triton was imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with int(array of shape (1,)), which numpy >= 2.4
+    refuses, so every loop with a run-time bound fails there. Read the one element instead (interpreter only)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_tttvideo_index_fix", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._tttvideo_index_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_index()
+
+
+def dot_mode(dtype: torch.dtype) -> int:
+    """Tensor-core operand precision for inputs of `dtype` (see the module docstring)."""
+    if interpreting() or dtype == torch.float32:
+        return DOT_IEEE
+    return DOT_BF16
+
+
+def new_output(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """Allocate a kernel output. With TTT_TRITON_POISON=1 (the tests) it starts as NaN, so an element the kernel
+    fails to write shows up in the comparison instead of passing on whatever memory held."""
+    t = torch.empty(like.shape if shape is None else shape, device=like.device, dtype=dtype or like.dtype)
+    if os.environ.get("TTT_TRITON_POISON", "0") == "1":
+        t.fill_(float("nan"))
+    return t
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """The kernels run on CUDA, or on CPU tensors only inside the Triton interpreter."""
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        raise ValueError("TTT Triton kernels need every input on one device")
+    if dev.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            "the Triton TTT backend needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton, "
+            "for testing on CPU); use backend='reference' or 'auto' on this machine"
+        )
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    if DOT == 2:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == 1:
+        return tl.dot(a, b, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def dot(a, b, DOT: tl.constexpr, ON=True):
+    """a @ b with fp32 accumulation at the precision chosen by DOT.
+
+    The product sits in its own `if ON` region (ON is a run-time true, e.g. the mini-batch count > 0, that the compiler cannot fold). Triton gives a dot whose data flow reaches
+    another dot in the same region ("chained", as in attention) all warps along M; with 64-row tiles and more than
+    4 warps that replicates every tile over warpgroups. In a region of its own the dot gets warps spread over M and N."""
+    if ON:
+        r = _dot(a, b, DOT)
+    else:
+        r = tl.zeros([a.shape[0], b.shape[1]], tl.float32)
+    return r
+
+
+@triton.jit
+def op(x, DOT: tl.constexpr):
+    """x in the dtype the matrix instruction reads (bf16 when DOT is DOT_BF16): long-lived operands are cast once,
+    early, so they hold half the registers."""
+    if DOT == 2:
+        return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def dot_acc(a, b, acc, DOT: tl.constexpr, ON=True):
+    """acc + a @ b (acc fp32), fused into the matrix instruction's accumulator; own region as in `dot`."""
+    if ON:
+        if DOT == 2:
+            r = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        elif DOT == 1:
+            r = tl.dot(a, b, acc, input_precision="tf32")
+        else:
+            r = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        r = acc
+    return r
+
+
+@triton.jit
+def gelu_fwd(z):
+    """gelu_tanh(z) and its derivative. 0.5 (1 + tanh(s)) = sigmoid(2 s), which needs one exp and no tanh."""
+    C = _GELU_C
+    A = _GELU_A
+    sig = 1.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C * (z + A * z * z * z), 80.0)))  # no inf: sig -> 0 anyway
+    sp = C * (1.0 + 3.0 * A * z * z)
+    return z * sig, sig + 2.0 * z * sig * (1.0 - sig) * sp
+
+
+@triton.jit
+def gelu_fwd2(z):
+    """gelu_tanh(z), its first and its second derivative (the backward of the inner gradient needs gelu'')."""
+    C = _GELU_C
+    A = _GELU_A
+    sig = 1.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C * (z + A * z * z * z), 80.0)))  # no inf: sig -> 0 anyway
+    sp = C * (1.0 + 3.0 * A * z * z)
+    t = 2.0 * sig - 1.0  # tanh(s)
+    sech2 = 4.0 * sig * (1.0 - sig)  # 1 - tanh(s)^2
+    g1 = sig + 0.5 * z * sech2 * sp
+    g2 = sech2 * (sp + 0.5 * z * (6.0 * C * A * z - 2.0 * t * sp * sp))
+    return z * sig, g1, g2
+
+
+@triton.jit
+def ln_stats(x, D: tl.constexpr, EPS: tl.constexpr):
+    """Per-row normalised x and 1/std (biased variance + EPS), as in reference.ln_fwd."""
+    mu = tl.sum(x, 1) / D
+    xc = x - mu[:, None]
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 1) / D + EPS)
+    return xc * rstd[:, None], rstd
+
+
+@triton.jit
+def ln_l2_fwd(z, target, nw, nb, D: tl.constexpr, EPS: tl.constexpr):
+    """reference.ln_l2_grad(z, target, nw, nb) plus what its backward needs.
+
+    Returns (grad, xhat, rstd, y, ghat, a, c) with y = nw xhat + nb - target, ghat = nw y,
+    a = mean(ghat), c = mean(ghat xhat), grad = rstd (ghat - a - xhat c)."""
+    xh, rstd = ln_stats(z, D, EPS)
+    y = nw * xh + nb - target
+    gh = y * nw
+    a = tl.sum(gh, 1) / D
+    c = tl.sum(gh * xh, 1) / D
+    grad = rstd[:, None] * (gh - a[:, None] - xh * c[:, None])
+    return grad, xh, rstd, y, gh, a, c
+
+
+@triton.jit
+def ln_bwd(dy_hat, xh, rstd, D: tl.constexpr):
+    """d/dx of a LayerNorm (no affine) given d/dxhat."""
+    m1 = tl.sum(dy_hat, 1) / D
+    m2 = tl.sum(dy_hat * xh, 1) / D
+    return rstd[:, None] * (dy_hat - m1[:, None] - xh * m2[:, None])
+
+
+@triton.jit
+def ln_l2_bwd(u, xh, rstd, y, gh, a, c, nw, D: tl.constexpr):
+    """Backward of grad = ln_l2_fwd(z, target, nw, nb)[0] given u = d/dgrad.
+
+    Returns (dz, dy, dnw_rows): d/dtarget = -dy, d/dnb = sum of dy over rows, d/dnw = sum of dnw_rows over rows.
+    Derivation: grad = r P(ghat) with P the projection ghat - mean(ghat) - xhat mean(ghat xhat), which is symmetric,
+    so d/dghat = r P(u); the explicit xhat in P gives -r (c u + mean(u xhat) ghat); the explicit r gives
+    dr = sum(u (ghat - a - xhat c)), and r depends on z as dr/dz = -r^2 xhat / D."""
+    ub = tl.sum(u, 1) / D
+    ux = tl.sum(u * xh, 1) / D
+    dgh = rstd[:, None] * (u - ub[:, None] - xh * ux[:, None])
+    dy = dgh * nw
+    dnw_rows = dgh * y + dy * xh
+    dxh = dy * nw - rstd[:, None] * (c[:, None] * u + ux[:, None] * gh)
+    dr = tl.sum(u * (gh - a[:, None] - xh * c[:, None]), 1)
+    dz = ln_bwd(dxh, xh, rstd, D) - (rstd * rstd * dr / D)[:, None] * xh
+    return dz, dy, dnw_rows
+
+
+LN_EPS = INNER_LN_EPS
