@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -256,8 +257,15 @@ def test_layout_from_config():
 def test_describe_keys_covers_every_field():
     keys = {k.key: k for k in describe_keys()}
     defaults = Config()
-    expected = {f"{s.name}.{f.name}" for s in dataclasses.fields(defaults)
-                for f in dataclasses.fields(getattr(defaults, s.name))}
+    expected = set()
+    for s in dataclasses.fields(defaults):
+        section = getattr(defaults, s.name)
+        hints = typing.get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            expected.add(f"{s.name}.{f.name}")
+            args = typing.get_args(hints[f.name])
+            if len(args) == 1 and dataclasses.is_dataclass(args[0]):  # list of tables: element keys as a.b[].c
+                expected |= {f"{s.name}.{f.name}[].{g.name}" for g in dataclasses.fields(args[0])}
     assert set(keys) == expected
     assert keys["ttt.kind"].allowed == 'one of "mlp", "linear"' and keys["ttt.kind"].default == '"mlp"'
     assert keys["ttt.mini_batch_size"].type == "int" and "4096" in keys["ttt.mini_batch_size"].allowed
