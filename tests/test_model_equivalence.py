@@ -129,14 +129,10 @@ def test_one_segment_equals_diffusers(two_layer):
         assert rel(model(latents, text, t), expect) > 1e-4
 
 
-def test_three_segments_window_by_window():
-    torch.manual_seed(0)
+def test_three_segments_window_by_window(tmp_path):
     ref = diffusers_model(num_layers=1, seed=3)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ref.save_pretrained(tmp)
-        model = from_pretrained(tmp, ttt=TTT)
+    ref.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, ttt=TTT)
     model.set_ttt_gates(0.0)
     latents, text, t = inputs(segments=3)
     layout = model.layout_for(latents.shape[1], H_LAT, W_LAT, TEXT)
@@ -226,3 +222,30 @@ def test_load_dtype_and_ttt_init(two_layer):
     assert torch.all(ttt.forward_gate_video == 0.1) and torch.all(ttt.reverse_gate_text == 0.1)
     assert torch.all(ttt.ttt.b1 == 0) and torch.all(ttt.ttt.ttt_norm_weight == 1)
     assert 0.01 < ttt.ttt.W1.float().std().item() < 0.03  # N(0, 0.02)
+
+
+def test_tiny_preset_round_trips_through_a_diffusers_folder(tmp_path):
+    """build_model(cfg) with model.pretrained_path: the tiny preset written as a diffusers config, loaded through the
+    config path with the lora adapter, equals diffusers at the preset's native 64x96 (integer RoPE grid)."""
+    from tttvideo.config.schema import Config
+    from tttvideo.models import build_model
+
+    spec = get_preset("tiny")
+    torch.manual_seed(4)
+    ref = CogVideoXTransformer3DModel(**spec.to_diffusers_config()).eval()
+    ref.save_pretrained(tmp_path / "transformer")
+    cfg = Config()
+    cfg.model.pretrained_path = str(tmp_path)
+    cfg.model.adapter = "lora"
+    cfg.ttt.mini_batch_size = 16
+    model = build_model(cfg)
+    model.set_ttt_gates(0.0)
+    g = torch.Generator().manual_seed(2)
+    latents = torch.randn(1, 13, 16, 8, 12, generator=g)
+    text = torch.randn(1, 1, 8, 64, generator=g)
+    t = torch.tensor([250.0])
+    grid = get_resize_crop_region_for_grid((4, 6), spec.sample_width // 2, spec.sample_height // 2)
+    rope = get_3d_rotary_pos_embed(embed_dim=32, crops_coords=grid, grid_size=(4, 6), temporal_size=13)
+    with torch.no_grad():
+        expect = ref(latents, text[:, 0], t, image_rotary_emb=rope, return_dict=False)[0]
+        assert rel(model(latents, text, t), expect) < 1e-5
