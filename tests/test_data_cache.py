@@ -28,7 +28,8 @@ def make_cache(root, n=5, scaling=0.7, latent_shape=None, text_shape=None, segme
         texts = []
         for s in range(segments or LAYOUT.num_segments):
             rel = f"text/s{i}-{s}.safetensors"
-            save_text(root / rel, torch.full(text_shape or (LAYOUT.text_tokens, D), float(10 * i + s)), f"cap {i} {s}", 3)
+            emb = torch.full(text_shape or (LAYOUT.text_tokens, D), float(10 * i + s))
+            save_text(root / rel, emb, f"cap {i} {s}", 3)
             texts.append(rel)
         entries.append(CacheEntry(id=f"s{i}", latent=f"latents/s{i}.safetensors", text=texts,
                                   captions=[f"cap {i} {s}" for s in range(len(texts))],

@@ -116,7 +116,8 @@ def read_manifest(path: str | Path) -> list[CacheEntry]:
                 what = f"lacks {', '.join(missing)}" if missing else f"has unknown key {unknown[0]!r}"
                 raise UserError(f"manifest {path} line {lineno} {what}; a sample takes {', '.join(MANIFEST_KEYS)}")
             if not isinstance(row["text"], list) or not all(isinstance(t, str) for t in row["text"]):
-                raise UserError(f"manifest {path} line {lineno}: \"text\" must be a list of file paths, one per segment")
+                raise UserError(f"manifest {path} line {lineno}: \"text\" must be a list of file paths, one per "
+                                f"segment")
             entries.append(CacheEntry(**row))
     if not entries:
         raise UserError(f"manifest {path} lists no samples")
@@ -132,7 +133,8 @@ def _header(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, list[int]], di
             names = set(f.keys())
             missing = [k for k in keys if k not in names]
             if missing:
-                raise UserError(f"cache file {path} has no tensor {missing[0]!r}; it was not written by tttv precompute")
+                raise UserError(f"cache file {path} has no tensor {missing[0]!r}; it was not written by tttv "
+                                f"precompute")
             return {k: list(f.get_slice(k).get_shape()) for k in keys}, dict(f.metadata() or {})
     except UserError:
         raise

