@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tttvideo.data.cache import LatentCache
-from tttvideo.data.demo import (DemoTextEncoder, Scene, build_demo_cache, minilm_path, orthogonal_projection,
-                                random_video, render_scene)
+from tttvideo.data.demo import (DemoTextEncoder, Scene, build_demo_cache, channel_mix, minilm_path,
+                                orthogonal_projection, random_video, render_scene)
 from tttvideo.layout import VideoLayout
 
 LAYOUT = VideoLayout.create(9, 64, 96, text_tokens=24, mini_batch_size=16)
@@ -56,8 +56,11 @@ def test_demo_cache_is_a_valid_cache_and_is_reused(tmp_path):
     item = cache.sample(0, seed=5)
     lat = item["latents"]
     assert lat.shape == (37, 16, 8, 12)
-    # RGB in the first three channels, zeros elsewhere (up to the point-mass posterior, std e^-15)
-    assert lat[:, 3:].abs().max() < 1e-5 and lat[:, :3].abs().max() <= 1.0 + 1e-5
+    # RGB in the first three channels, fixed mixes of it elsewhere (up to the point-mass posterior, std e^-15)
+    assert lat[:, :3].abs().max() <= 1.0 + 1e-5
+    mix = torch.from_numpy(channel_mix(16))
+    torch.testing.assert_close(lat, torch.einsum("ck,tkhw->tchw", mix, lat[:, :3]), rtol=0, atol=1e-5)
+    assert torch.allclose(mix[:3], torch.eye(3)) and torch.allclose(mix.norm(dim=1), torch.ones(16))
     # the posterior is a point mass: the drawn latent is the rendered frame whatever the seed
     torch.testing.assert_close(cache.sample(0, seed=6)["latents"], lat, rtol=0, atol=1e-5)
     stories = json.loads((tmp_path / "stories.json").read_text())
