@@ -185,3 +185,13 @@ def test_nan_skipped_with_a_counter(tmp_path, monkeypatch):
     with pytest.raises(TrainingDiverged, match="at step 3 after 2 skipped step"):
         Trainer(tiny_config(tmp_path / "b", "train.on_nonfinite=skip", "train.max_nonfinite_skips=2"),
                 quiet=True).run()
+
+
+def test_validation_videos_and_one_process_only(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, "train.steps=3", "train.validate_every=2", "sample.steps=2", "train.checkpoint_every=3")
+    result = Trainer(cfg, quiet=True).run()
+    assert (tmp_path / "run/samples/step-000002.mp4").is_file()  # mid-run validation video
+    assert result.video == tmp_path / "run/samples/step-000003.mp4" and result.video.is_file()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="multi-GPU training .* is not implemented"):
+        Trainer(tiny_config(tmp_path / "b"), quiet=True)

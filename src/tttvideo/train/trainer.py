@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 import warnings
@@ -110,6 +111,14 @@ class Trainer:
                               "'fp32' on CPU")
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 or cfg.parallel.data_parallel_shard > 1 or cfg.parallel.tensor_parallel > 1:
+            raise UserError(
+                f"tttv train runs in one process on one device; multi-GPU training (torchrun with WORLD_SIZE={world}, "
+                f"parallel.data_parallel_shard={cfg.parallel.data_parallel_shard}, parallel.tensor_parallel="
+                f"{cfg.parallel.tensor_parallel}) is not implemented yet: use one GPU with gradient accumulation "
+                f"(configs/cogvideox-5b/*-1gpu.toml)"
+            )
         self.world_size, self.rank = 1, 0
         self.grad_accum, self.global_batch = batch_plan(self.train, self.world_size)
         self.layout = layout_from_config(cfg)
