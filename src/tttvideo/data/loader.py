@@ -82,8 +82,10 @@ def make_loader(source: LatentCache, seed: int, start_step: int, batch_size: int
     kwargs: dict[str, Any] = {}
     if num_workers > 0:
         kwargs.update(prefetch_factor=2, persistent_workers=False)
+    # an own generator: creating the iterator would otherwise draw from torch's global RNG, which a resumed run
+    # restores to the interrupted run's state
     return DataLoader(PositionDataset(source, seed), batch_sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, **kwargs)
+                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
