@@ -118,20 +118,26 @@ def compile_only():
     act = {n: "*bf16" for n in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV")}
     ints = ("H", "L", "NMB", "GROUP")
     kernels = [
-        ("mlp_fwd", triton_mlp._mlp_fwd_kernel, triton_mlp.FWD_WARPS,
-         dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS, SAVE=True, OUTPUT=True)),
-        ("mlp_bwd", triton_mlp._mlp_bwd_kernel, triton_mlp.BWD_WARPS, dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS)),
+        ("mlp_fwd", triton_mlp._mlp_fwd_kernel, triton_mlp.WARPS,
+         dict(D=64, E=256, M=64, NC=2, DOT=DOT_BF16, EPS=LN_EPS, SAVE=True, OUTPUT=True)),
+        ("mlp_bwd", triton_mlp._mlp_bwd_kernel, triton_mlp.WARPS,
+         dict(D=64, E=256, M=64, NC=2, DOT=DOT_BF16, EPS=LN_EPS)),
         ("linear_fwd", triton_linear._linear_fwd_kernel, triton_linear.FWD_WARPS,
-         dict(D=64, M=16, DOT=DOT_BF16, EPS=LN_EPS, SAVE=True)),
+         dict(D=64, M=16, DOT=triton_linear.DOT, EPS=LN_EPS, SAVE=True)),
         ("linear_bwd", triton_linear._linear_bwd_kernel, triton_linear.BWD_WARPS,
-         dict(D=64, M=16, DOT=DOT_BF16, EPS=LN_EPS)),
+         dict(D=64, M=16, DOT=triton_linear.DOT, EPS=LN_EPS)),
     ]
     rows = []
-    for cc in (90, 80, 89):
+    for cc in [int(x) for x in os.environ.get("TTT_COMPILE_SM", "90,80,89").split(",")]:
         for name, fn, warps, consts in kernels:
             sig = {n: "constexpr" if n in consts else "i32" if n in ints else act.get(n, "*fp32") for n in fn.arg_names}
+            if "XS" in sig:
+                sig["XS"] = "*bf16"
             t0 = time.time()
-            k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", cc, 32),
+            # the launcher's specialisation: 16-byte aligned pointers, sizes divisible by 16 (H=48, L, group 16)
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                     if sig[n].startswith("*") or n in ("H", "L", "GROUP")}
+            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", cc, 32),
                                options=dict(num_warps=warps, num_stages=1))
             path = f"/tmp/ttt_{name}_{cc}.cubin"
             with open(path, "wb") as f:
