@@ -214,17 +214,18 @@ def _write(out, name, res):
 def _table(res):
     sdpa = next(r for r in res["rows"] if r["kind"] == "sdpa")
     print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  commit {res['commit'][:10]}")
-    print(f"SDPA flash attention, 18,048 tokens, 48 x 64: fwd {sdpa['fwd_ms']:.2f} ms, fwd+bwd {sdpa['fwdbwd_ms']:.2f} ms")
+    print(f"SDPA flash attention, 18,048 tokens, 48 x 64: fwd {sdpa['fwd_ms']:.2f} ms, "
+          f"fwd+bwd {sdpa['fwdbwd_ms']:.2f} ms")
     print(f"{'kind':7} {'L':>8} {'fwd ms':>9} {'TFLOP/s':>8} {'infer ms':>9} {'fwd+bwd ms':>11} {'model TF/s':>10} "
           f"{'fwd/SDPA':>9} {'f+b/SDPA':>9}")
     for r in res["rows"]:
         if r["kind"] in ("mlp", "linear") and "fwd_ms" in r:
             tag = "" if "output" not in r and "fwd_num_warps" not in r else \
                 " (" + ",".join(f"{k}={v}" for k, v in r.items() if k in ("output", "fwd_num_warps")) + ")"
-            fb = r.get("fwdbwd_ms", float("nan"))
-            print(f"{r['kind']:7} {r['L']:>8} {r['fwd_ms']:>9.2f} {r['fwd_tflops']:>8.1f} {r.get('infer_ms', float('nan')):>9.2f} "
-                  f"{fb:>11.2f} {r.get('fwdbwd_model_tflops', float('nan')):>10.1f} {r['fwd_ms'] / sdpa['fwd_ms']:>9.2f} "
-                  f"{fb / sdpa['fwdbwd_ms']:>9.2f}{tag}")
+            fb, nan = r.get("fwdbwd_ms", float("nan")), float("nan")
+            print(f"{r['kind']:7} {r['L']:>8} {r['fwd_ms']:>9.2f} {r['fwd_tflops']:>8.1f} "
+                  f"{r.get('infer_ms', nan):>9.2f} {fb:>11.2f} {r.get('fwdbwd_model_tflops', nan):>10.1f} "
+                  f"{r['fwd_ms'] / sdpa['fwd_ms']:>9.2f} {fb / sdpa['fwdbwd_ms']:>9.2f}{tag}")
     for r in res["rows"]:
         if "check" in r:
             print(f"accuracy {r['kind']}: max relative error {r['max_error']:.2e} ({r['check']})")

@@ -74,6 +74,9 @@ def _use_triton(kind: str, backend: str, q: torch.Tensor, hidden: int, mini_batc
             )
         return False  # auto on CPU: the reference is the CPU path, nothing to log
     reason = uncovered_reason(kind, q, hidden, mini_batch_size)
+    if reason is None and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
+        # bf16 matrix instructions start at Ampere; the kernels are built and checked for sm_80, sm_89, sm_90
+        reason = f"GPU compute capability {torch.cuda.get_device_capability(q.device)} is below 8.0"
     if reason is None:
         try:
             import triton  # noqa: F401
@@ -82,7 +85,9 @@ def _use_triton(kind: str, backend: str, q: torch.Tensor, hidden: int, mini_batc
     if reason is None:
         return True
     if backend == "triton":
-        raise ValueError(f"TTT-{kind} Triton kernels do not cover this call: {reason}; use backend 'auto' or 'reference'")
+        raise ValueError(
+            f"TTT-{kind} Triton kernels do not cover this call: {reason}; use backend 'auto' or 'reference'"
+        )
     if reason not in _logged:
         _logged.add(reason)
         log.warning("TTT-%s falls back to the PyTorch reference: %s", kind, reason)

@@ -83,27 +83,14 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 @triton.jit
-def _dot(a, b, DOT: tl.constexpr):
+def dot(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 accumulation at the precision chosen by DOT."""
     if DOT == 2:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif DOT == 1:
         return tl.dot(a, b, input_precision="tf32")
     else:
         return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def dot(a, b, DOT: tl.constexpr, ON=True):
-    """a @ b with fp32 accumulation at the precision chosen by DOT.
-
-    The product sits in its own `if ON` region (ON is a run-time true, e.g. the mini-batch count > 0, that the compiler cannot fold). Triton gives a dot whose data flow reaches
-    another dot in the same region ("chained", as in attention) all warps along M; with 64-row tiles and more than
-    4 warps that replicates every tile over warpgroups. In a region of its own the dot gets warps spread over M and N."""
-    if ON:
-        r = _dot(a, b, DOT)
-    else:
-        r = tl.zeros([a.shape[0], b.shape[1]], tl.float32)
-    return r
 
 
 @triton.jit
@@ -117,18 +104,14 @@ def op(x, DOT: tl.constexpr):
 
 
 @triton.jit
-def dot_acc(a, b, acc, DOT: tl.constexpr, ON=True):
-    """acc + a @ b (acc fp32), fused into the matrix instruction's accumulator; own region as in `dot`."""
-    if ON:
-        if DOT == 2:
-            r = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-        elif DOT == 1:
-            r = tl.dot(a, b, acc, input_precision="tf32")
-        else:
-            r = tl.dot(a, b, acc, input_precision="ieee")
+def dot_acc(a, b, acc, DOT: tl.constexpr):
+    """acc + a @ b (acc fp32), fused into the matrix instruction's accumulator."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    elif DOT == 1:
+        return tl.dot(a, b, acc, input_precision="tf32")
     else:
-        r = acc
-    return r
+        return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit

@@ -1,7 +1,9 @@
 """Fused Triton TTT-Linear scan, forward and backward (math: `tttvideo.ttt.reference._linear_minibatch`).
 
-Same structure as `triton_mlp` (one program per (batch, head) stream, fp32 state W [D, D], b [D] on-chip, group
-checkpoints, backward recomputing each group into a scratch and walking it in reverse). The step and its backward:
+One program per (batch, head) stream; the fp32 state W [D, D], b [D] stays in registers for the whole scan (at
+D = 64 it fits at 4 warps without spilling, unlike TTT-MLP's). Group checkpoints as in `triton_mlp`; the backward
+recomputes each group into a scratch and walks it in reverse with the state gradient in registers. The step and
+its backward:
 
     G = eta * lnl2(K W + b, V - K);  W' = W - K^T G;  b' = b - sum G;  O = Q + LN(Q W' + b')
     output path   dZq = LN'(dO)  ->  dW' += Q^T dZq, db' += sum dZq, dQ = dO + dZq W'^T
@@ -16,7 +18,8 @@ import triton
 import triton.language as tl
 
 from tttvideo.ttt.triton_common import (
-    DOT_TF32, LN_EPS, check_device, dot, dot_acc, dot_mode, ln_bwd, ln_l2_bwd, ln_l2_fwd, ln_stats, new_output,
+    DOT_TF32, LN_EPS, check_device, dot, dot_acc, dot_mode, interpreting, ln_bwd, ln_l2_bwd, ln_l2_fwd, ln_stats,
+    new_output,
 )
 
 FWD_WARPS = 4
@@ -176,6 +179,11 @@ def _linear_bwd_kernel(
     tl.store(DNB + pid * D + rd, dnb)
 
 
+def _dot(q: torch.Tensor) -> int:
+    """Product precision: tf32 for half-precision inputs (see DOT), full fp32 for fp32 inputs and the interpreter."""
+    return DOT if q.dtype != torch.float32 and not interpreting() else dot_mode(q.dtype)
+
+
 def _group(n_minibatches: int, checkpoint_group_size: int) -> int:
     return n_minibatches if checkpoint_group_size <= 0 else min(checkpoint_group_size, n_minibatches)
 
@@ -196,7 +204,7 @@ def linear_forward(q, k, v, eta, norm_w, norm_b, w, b, mini_batch_size, checkpoi
     LAUNCHED["fwd"] = _linear_fwd_kernel[(B * H,)](
         q, k, v, eta, norm_w, norm_b, w, b, out, *ck,
         H, L, n, group,
-        D=D, M=mini_batch_size, DOT=tune.get("DOT", DOT if q.dtype != torch.float32 else dot_mode(q.dtype)), EPS=LN_EPS, SAVE=save,
+        D=D, M=mini_batch_size, DOT=tune.get("DOT", _dot(q)), EPS=LN_EPS, SAVE=save,
         num_warps=tune.get("num_warps", FWD_WARPS), num_stages=1,
     )
     return out, (ck if save else None)
@@ -217,7 +225,7 @@ def linear_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, che
         q, k, v, eta, norm_w, norm_b, *ck, dout.contiguous(),
         dq, dk, dv, deta, dnw, dnb, dw, db, sw, sb,
         H, L, n, group,
-        D=D, M=mini_batch_size, DOT=tune.get("DOT", DOT if q.dtype != torch.float32 else dot_mode(q.dtype)), EPS=LN_EPS,
+        D=D, M=mini_batch_size, DOT=tune.get("DOT", _dot(q)), EPS=LN_EPS,
         num_warps=tune.get("num_warps", BWD_WARPS), num_stages=1,
     )
     per_head = lambda t: t.view(B, H, *t.shape[1:]).sum(0)  # noqa: E731 - slow weights are shared over batch

@@ -1,21 +1,29 @@
 """Fused Triton TTT-MLP scan, forward and backward (math: `tttvideo.ttt.reference._mlp_minibatch`).
 
-One program per (batch, head) stream walks the serial chain of mini-batches with the fp32 inner state
-W1 [D, E], b1 [E], W2 [E, D], b2 [D] held on-chip for the whole scan.
+One program per (batch, head) stream walks the serial chain of mini-batches. Layout: the state is kept transposed,
+W1^T and W2 as [E, D] fp32, and the hidden activations as [E, M], so every product over the hidden dim has E rows
+and spreads over the warps without replicating tiles; the hidden dim is handled in two chunks of E / 2 rows at
+8 warps, so that one chunk's tiles sit in registers at a time. The fp32 state lives in per-stream working slots in
+global memory (L1/L2-resident), read chunk by chunk as each product needs it: holding all of it in registers,
+with the activations, spilled far more (benchmarks/NOTES-ttt-kernel.md has the measurements).
 
 Forward: per mini-batch, the inner gradient at the old state, the update, and the output at the new state; the
-state is written every `group` mini-batches (and once more at the end) when a backward will follow.
+state is copied out every `group` mini-batches (and once more at the end) when a backward will follow.
 
 Backward: groups in reverse. For each group the program reloads its checkpoint, recomputes the group's states
-into a per-stream scratch (group + 1 states), then walks the group's mini-batches in reverse, carrying the
-gradient w.r.t. the state (fp32, on-chip) and writing d q, d k, d v, d eta per token. The step's backward is
-derived by hand (it is checked against autograd of the reference in tests/test_ttt_triton.py):
+into a per-stream scratch (group + 1 states), then walks the group's mini-batches in reverse, accumulating the
+gradient w.r.t. the state (fp32, two working slots) and writing d q, d k, d v, d eta per token. The step's
+backward is derived by hand (checked against autograd of the reference in tests/test_ttt_triton.py), written here
+untransposed:
 
     output path   O = Q + LN(gelu(Q W1' + b1') W2' + b2')            -> dQ, and adds to dW1', db1', dW2', db2'
     update path   W1' = W1 - K^T G1, b1' = b1 - sum G1, W2' = W2 - X2^T G2, b2' = b2 - sum G2
                   dG1 = -(K dW1' + db1'), dK = -G1 dW1'^T, dG2 = -(X2 dW2' + db2'), dX2 = -G2 dW2'^T
     inner grad    G1 = P * gelu'(Z1), P = G2 W2^T, G2 = eta * lnl2(Z2, V - K), Z2 = X2 W2 + b2, X2 = gelu(Z1),
                   Z1 = K W1 + b1        -> backpropagated term by term (gelu'' and the LN-L2 second derivative)
+
+Shapes covered: D and M powers of two >= 16, E = 4 D (ops.uncovered_reason). Shared memory at D = 64: 64 KiB
+forward, 80 KiB backward on sm_90 (docs/kernels.md lists sm_80 / sm_89).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from tttvideo.ttt.triton_common import (
     ln_stats, new_output, op,
 )
 
-# Launch shape for one stream's program (measured on H100: benchmarks/NOTES-ttt-kernel.md).
+# Warps of one stream's program (8 measured best against 4 and 16: benchmarks/NOTES-ttt-kernel.md).
 WARPS = 8
 
 # the last compiled kernel of each launcher (its n_regs / n_spills are read by the benchmark)
