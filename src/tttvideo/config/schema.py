@@ -98,6 +98,8 @@ class TrainConfig:
     # checkpoints
     checkpoint_every: int = bounded(500, 1, help="optimizer steps between checkpoints (the last step always saves)")
     keep_checkpoints: int = bounded(3, 1, help="checkpoints kept; older ones are deleted")
+    overwrite: bool = field(default=False, metadata={"help": "without --resume, delete an earlier run's checkpoints, "
+                                                             "metrics and logs in output_dir instead of refusing"})
     init_from: str = field(default="", metadata={"help": "checkpoint (file or run folder) of the previous stage to "
                                                          "start from; optimizer and step start fresh"})
     # failures

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -132,10 +133,17 @@ class Trainer:
                 self.console.print(f"--resume: no checkpoint in {ckpt.checkpoint_root(self.output_dir)}; starting at "
                                    f"step 0")
             return latest
+        if latest is not None and self.train.overwrite:
+            # only what a run writes; the demo set under output_dir/data is kept (it is reused when it matches)
+            for name in ("checkpoints", "tensorboard", "samples", "metrics.jsonl"):
+                path = self.output_dir / name
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            self.console.print(f"train.overwrite: removed the earlier run in {self.output_dir}")
+            return None
         if latest is not None:
             raise UserError(
                 f"{self.output_dir} already holds checkpoints (newest {latest.name}); pass --resume to continue that "
-                f"run or set train.output_dir to a new folder"
+                f"run, set train.output_dir to a new folder, or set train.overwrite = true to start over"
             )
         return None
 
