@@ -35,6 +35,7 @@ from tttvideo.data.captions import ClipCaptions, read_captions
 from tttvideo.data.video import VideoInfo, VideoReadError, layout_problems, probe, read_frames
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
+from tttvideo.device import resolve_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
@@ -106,13 +107,6 @@ def clip_id(rel: str) -> str:
     stem = rel.rsplit(".", 1)[0] if "." in Path(rel).name else rel
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem.replace("/", "__").replace("\\", "__"))
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"data.device is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")
-    return torch.device(name)
 
 
 def _subfolder(path: Path, name: str) -> Path:
@@ -197,7 +191,7 @@ def load_vae(path: Path, device: torch.device, dtype: torch.dtype, tiling: bool)
 def encode_latents(opts: PrecomputeOptions, clips: list[Clip], report: Report,
                    progress: Callable[[int], None] | None = None) -> list[Clip]:
     """Encode clips whose latent file is missing or stale; returns the clips that have a latent afterwards."""
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, "data.device")
     vae_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     todo, ready = [], []
     vae_tag = str(opts.vae_path.resolve())
@@ -260,7 +254,7 @@ def load_text_encoder(path: Path, device: torch.device, dtype: torch.dtype):
 @torch.no_grad()
 def encode_texts(opts: PrecomputeOptions, clips: list[Clip], report: Report,
                  progress: Callable[[int], None] | None = None) -> None:
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, "data.device")
     length = opts.layout.text_tokens
     tag = f"{opts.text_encoder_path.resolve()}|{length}"
     todo: list[tuple[Clip, int, str]] = []

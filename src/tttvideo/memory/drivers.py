@@ -37,15 +37,12 @@ def _tensor_bytes(tensors: Any) -> int:
 
 
 def _resolve_device(cfg: Any, device: str) -> Any:
-    import torch
+    """--device wins; 'auto' falls back to the config's train.device, then to what is visible."""
+    from tttvideo.device import resolve_device
 
     if device == "auto":
         device = str(getattr(cfg.train, "device", "auto"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device {device!r} asked for, but no CUDA device is visible; use --device cpu")
-    return torch.device(device)
+    return resolve_device(device, "--device")
 
 
 def _inputs(cfg: Any, model: Any, layout: Any, batch: int, device: Any) -> tuple[Any, Any]:

@@ -33,6 +33,7 @@ from tttvideo.sample.scenes import Story, check_duration
 from tttvideo.sample.solvers import GuidanceSchedule, guide, make_solver
 from tttvideo.sample.text import check_token_counts, encode_story, make_text_encoder
 from tttvideo.sample.video import Mp4Writer, to_uint8_frames, write_scenes
+from tttvideo.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,6 @@ class SampleResult:
     denoise_s: float
     decode_s: float
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"sample.device is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")
-    return torch.device(name)
 
 
 def story_layout(cfg: Any, story: Story, duration: str | int | None = None) -> VideoLayout:
@@ -212,7 +206,7 @@ def sample_stories(cfg: Any, stories: list[Story], out: str | Path, checkpoint: 
 
     console = console or Console()
     # a model handed in (the trainer's end-of-run video) is sampled where it lives
-    device = next(model.parameters()).device if model is not None else resolve_device(cfg.sample.device)
+    device = next(model.parameters()).device if model is not None else resolve_device(cfg.sample.device, "sample.device")
     paths = output_paths(stories, out)
     if model is None and checkpoint:
         resolve_checkpoint(checkpoint)  # a wrong path fails now, not after the text encoder has run

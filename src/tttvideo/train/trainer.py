@@ -34,6 +34,7 @@ from tttvideo.train import checkpoint as ckpt
 from tttvideo.train.loss import NoiseSource, diffusion_loss
 from tttvideo.train.monitor import TrainMonitor, memory_gib
 from tttvideo.train.optim import build_optimizer, build_scheduler
+from tttvideo.device import resolve_device
 
 
 class TrainingDiverged(UserError):
@@ -51,13 +52,6 @@ class TrainResult:
     seconds: float = 0.0
     video: Path | None = None
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")
-    return torch.device(name)
 
 
 def batch_plan(train: Any, world_size: int) -> tuple[int, int]:
@@ -106,7 +100,7 @@ class Trainer:
         self.console = console or Console()
         self.quiet = quiet
         self.output_dir = Path(self.train.output_dir)
-        self.device = resolve_device(self.train.device)
+        self.device = resolve_device(self.train.device, "train.device")
         if self.train.precision == "fp16" and self.device.type == "cpu":
             raise ConfigError("train.precision 'fp16' needs a GPU (the gradient scaler is CUDA only); use 'bf16' or "
                               "'fp32' on CPU")
