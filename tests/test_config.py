@@ -326,3 +326,16 @@ def test_cli_bad_input_exits_2_with_one_line(argv, needle, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tttv config: error: ") and "Traceback" not in captured.err
     assert needle in lines[0]
+
+
+def test_base_toml_lists_every_key():
+    """configs/base.toml is the documented reference: every key of every section appears in it."""
+    import dataclasses
+    import tomllib
+
+    written = tomllib.loads((REPO / "configs" / "base.toml").read_text())
+    for section in dataclasses.fields(Config):
+        keys = {f.name for f in dataclasses.fields(section.type if isinstance(section.type, type) else
+                                                  type(getattr(Config(), section.name)))}
+        missing = keys - set(written.get(section.name, {}))
+        assert not missing, f"[{section.name}] in configs/base.toml lacks {sorted(missing)}"
