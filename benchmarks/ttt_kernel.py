@@ -162,6 +162,8 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-check", action="store_true", help="skip the accuracy check")
     ap.add_argument("--variants", action="store_true", help="also time kernel variants at the first length")
+    ap.add_argument("--variant", action="append", default=[], type=json.loads,
+                    help='a variant to time instead of the default ones, as JSON: {"fwd_SCR": true, "output": false}')
     args = ap.parse_args()
     import triton
 
@@ -188,9 +190,9 @@ def main():
         for kind in ("mlp", "linear"):
             rows.append(time_scan(kind, L))
             print(rows[-1], flush=True)
-    if args.variants:
+    if args.variants or args.variant:
         L = args.lengths[0]
-        for tune in (dict(output=False), dict(fwd_num_warps=8, bwd_num_warps=8)):
+        for tune in args.variant or (dict(output=False), dict(fwd_num_warps=8, bwd_num_warps=8)):
             rows.append(time_scan("mlp", L, **tune))
             print(rows[-1], flush=True)
     res = dict(meta, rows=rows)
@@ -220,8 +222,9 @@ def _table(res):
           f"{'fwd/SDPA':>9} {'f+b/SDPA':>9}")
     for r in res["rows"]:
         if r["kind"] in ("mlp", "linear") and "fwd_ms" in r:
-            tag = "" if "output" not in r and "fwd_num_warps" not in r else \
-                " (" + ",".join(f"{k}={v}" for k, v in r.items() if k in ("output", "fwd_num_warps")) + ")"
+            keys = [k for k in r if k == "output" or k.startswith(("fwd_", "bwd_")) and not k.endswith(("_ms", "_kernel"))
+                    and k != "fwd_runs" and k != "fwd_tflops"]
+            tag = "" if not keys else " (" + ",".join(f"{k}={r[k]}" for k in keys) + ")"
             fb, nan = r.get("fwdbwd_ms", float("nan")), float("nan")
             print(f"{r['kind']:7} {r['L']:>8} {r['fwd_ms']:>9.2f} {r['fwd_tflops']:>8.1f} "
                   f"{r.get('infer_ms', nan):>9.2f} {fb:>11.2f} {r.get('fwdbwd_model_tflops', nan):>10.1f} "
@@ -230,8 +233,8 @@ def _table(res):
         if "check" in r:
             print(f"accuracy {r['kind']}: max relative error {r['max_error']:.2e} ({r['check']})")
     for r in res["rows"]:
-        if r.get("L") == res["rows"][-1].get("L") and r.get("fwd_kernel"):
-            print(f"{r['kind']} kernels: fwd {r['fwd_kernel']}  bwd {r.get('bwd_kernel')}")
+        if r.get("fwd_kernel"):
+            print(f"{r['kind']} {r['L']} kernels: fwd {r['fwd_kernel']}  bwd {r.get('bwd_kernel')}")
 
 
 if __name__ == "__main__":
