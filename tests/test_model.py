@@ -19,13 +19,7 @@ TTT = TTTConfig(mini_batch_size=16, scan_checkpoint_group_size=2)
 H_LAT, W_LAT, TEXT = 4, 6, 5  # 2 x 3 tokens per frame
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: one intra-op thread is several times faster than two on a shared 2-core CI machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spec(layers: int = 2):

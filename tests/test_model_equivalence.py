@@ -30,13 +30,7 @@ H_LAT, W_LAT = 4, 6  # latent size: 2 x 3 tokens per frame after the 2x2 patch
 TTT = TTTConfig(mini_batch_size=16, scan_checkpoint_group_size=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: one intra-op thread is several times faster than two on a shared 2-core CI machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def diffusers_model(num_layers: int, seed: int = 0) -> CogVideoXTransformer3DModel:
