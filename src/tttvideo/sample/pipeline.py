@@ -106,16 +106,11 @@ def load_model(cfg: Any, checkpoint: str | Path | None, device: torch.device, of
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest checkpoint)."""
-    from tttvideo.train.checkpoint import MODEL_FILE, latest_checkpoint
+    from tttvideo.train.checkpoint import MODEL_FILE, find_model_file
 
-    p = Path(path)
-    if p.is_file():
-        return p
-    if (p / MODEL_FILE).is_file():
-        return p / MODEL_FILE
-    latest = latest_checkpoint(p) if p.is_dir() else None
-    if latest is not None:
-        return latest / MODEL_FILE
+    found = find_model_file(path)
+    if found is not None:
+        return found
     raise UserError(f"checkpoint {path} is neither a model file, a checkpoint folder ({MODEL_FILE} inside) nor a "
                     f"training run folder with checkpoints/; point --checkpoint at what tttv train wrote")
 

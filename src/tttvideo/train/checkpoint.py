@@ -110,15 +110,22 @@ def load_state(folder: Path) -> dict[str, Any]:
     return torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
 
 
-def resolve_init_from(path: str | Path) -> Path:
-    """`init_from` may name a model file, a checkpoint folder or a run folder (its newest checkpoint)."""
+def find_model_file(path: str | Path) -> Path | None:
+    """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest checkpoint) -> the
+    model file; None when `path` is none of these."""
     p = Path(path)
     if p.is_file():
         return p
     if (p / MODEL_FILE).is_file():
         return p / MODEL_FILE
-    latest = latest_checkpoint(p)
-    if latest is not None:
-        return latest / MODEL_FILE
-    raise UserError(f"train.init_from {str(path)!r} is neither a model file, a checkpoint folder nor a run folder "
-                    f"with checkpoints; point it at the previous stage's output_dir")
+    latest = latest_checkpoint(p) if p.is_dir() else None
+    return latest / MODEL_FILE if latest is not None else None
+
+
+def resolve_init_from(path: str | Path) -> Path:
+    """`init_from` may name a model file, a checkpoint folder or a run folder (its newest checkpoint)."""
+    found = find_model_file(path)
+    if found is None:
+        raise UserError(f"train.init_from {str(path)!r} is neither a model file, a checkpoint folder nor a run folder "
+                        f"with checkpoints; point it at the previous stage's output_dir")
+    return found
