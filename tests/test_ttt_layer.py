@@ -123,3 +123,30 @@ def test_checkpointed_passes_match():
     (g2,) = torch.autograd.grad(y2.square().sum(), x)
     torch.testing.assert_close(y2, y, rtol=0, atol=0)
     torch.testing.assert_close(g2, g, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+@pytest.mark.parametrize("duration,text", [("3s", 5), ("9s", 7)])
+def test_layer_equals_the_plain_composition(kind, duration, text):
+    """Forward and every gradient of the layer equal the plain composition (tests/ttt_layer_plain.py), fp32."""
+    from tests.ttt_layer_plain import plain_ttt_layer
+
+    lay = layout(duration, text=text)
+    torch.manual_seed(1)
+    layer = TTTLayer(DIM, HEADS, kind=kind, mini_batch_size=16, scan_checkpoint_group_size=2,
+                     base_lr=0.1 if kind == "mlp" else 1.0, backend="reference")
+    with torch.no_grad():  # non-trivial norms and biases, so that every path matters
+        for p in (layer.ttt_norm_weight, layer.ttt_norm_bias, layer.b1, layer.learnable_ttt_lr_bias,
+                  layer.wq.bias, layer.wk.bias, layer.wv.bias):
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, lay.total_tokens, DIM, requires_grad=True)
+    y = layer(x, lay)
+    y_ref = plain_ttt_layer(layer, x, lay)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn_like(y)
+    params = [x, *layer.parameters()]
+    grads = torch.autograd.grad((y * w).sum(), params)
+    grads_ref = torch.autograd.grad((y_ref * w).sum(), params)
+    names = ["x", *(n for n, _ in layer.named_parameters())]
+    for name, a, b in zip(names, grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"gradient w.r.t. {name}")

@@ -49,6 +49,7 @@ def ttt_kwargs_from_config(ttt: Any) -> dict[str, Any]:
         scan_checkpoint_group_size=ttt.scan_checkpoint_group_size,
         rope_theta=ttt.rope_theta,
         backend=ttt.backend,
+        compile_glue=ttt.compile_glue,
     )
 
 

@@ -29,15 +29,57 @@ TARGET_LN_EPS = 1e-8
 
 @lru_cache(maxsize=16)
 def _layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: torch.device):
-    """Index maps and RoPE tables of a layout on a device, shared by every layer of the model."""
+    """Index maps and RoPE tables of a layout on a device, shared by every layer of the model.
+
+    The RoPE tables are in scan (interleaved) order over all tokens, with the identity rotation (cos 1, sin 0) on
+    text tokens, so that one elementwise op rotates a whole scan-order sequence."""
     cos, sin = rope_cos_sin(layout.global_positions, head_dim, theta)
+    text = layout.total_text_tokens
+    cos = torch.cat([torch.ones(text, head_dim), cos])[layout.interleave_perm]
+    sin = torch.cat([torch.zeros(text, head_dim), sin])[layout.interleave_perm]
     return (
         layout.interleave_perm.to(device),
         layout.deinterleave_perm.to(device),
         layout.reverse_perm.to(device),
-        cos.to(device),
-        sin.to(device),
+        cos[:, None, :].to(device),  # [L, 1, D]: broadcast over heads
+        sin[:, None, :].to(device),
     )
+
+
+def scan_inputs(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor,
+    pad: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The elementwise glue between the projections and the scan, in one function so that torch.compile can fuse
+    it into a few kernels: qkv [B, L, 3, H, D] (scan order) -> [3, B, H, L + pad, D] in `dtype`, zero-padded:
+    L2-normalised q/k with RoPE, and v replaced by the reconstruction target LN_ttt(v - k) + k, with the original's
+    (unbiased std + eps) normalisation. Math in fp32."""
+    q, k, v = qkv.float().unbind(2)
+    q = apply_rope(F.normalize(q, dim=-1), cos, sin)
+    k = apply_rope(F.normalize(k, dim=-1), cos, sin)
+    d = v - k
+    d = (d - d.mean(dim=-1, keepdim=True)) / (d.std(dim=-1, keepdim=True) + TARGET_LN_EPS)
+    v = norm_w * d + norm_b + k
+    out = torch.stack([q, k, v]).to(dtype).transpose(2, 3)  # [3, B, H, L, D]
+    return F.pad(out, (0, 0, 0, pad)).contiguous()
+
+
+_compiled_scan_inputs = None
+
+
+def _scan_inputs_fn(x: torch.Tensor, compile_glue: bool):
+    """torch.compile'd glue on CUDA (one-time compile per layout shape); plain eager elsewhere."""
+    global _compiled_scan_inputs
+    if not (compile_glue and x.is_cuda):
+        return scan_inputs
+    if _compiled_scan_inputs is None:
+        _compiled_scan_inputs = torch.compile(scan_inputs, dynamic=False)
+    return _compiled_scan_inputs
 
 
 class TTTLayer(nn.Module):
@@ -52,6 +94,7 @@ class TTTLayer(nn.Module):
         rope_theta: float = 10000.0,
         backend: str = "auto",
         mlp_expansion: int = 4,
+        compile_glue: bool = True,
     ):
         super().__init__()
         if dim % num_heads:
@@ -65,6 +108,7 @@ class TTTLayer(nn.Module):
         self.scan_checkpoint_group_size = scan_checkpoint_group_size
         self.rope_theta = rope_theta
         self.backend = backend
+        self.compile_glue = compile_glue
 
         H, D = num_heads, self.head_dim
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=True) for _ in range(4))
@@ -102,12 +146,6 @@ class TTTLayer(nn.Module):
     def inner_params(self) -> tuple[torch.Tensor, ...]:
         return (self.W1, self.b1, self.W2, self.b2) if self.kind == "mlp" else (self.W1, self.b1)
 
-    def _reconstruction_target(self, v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """LN_ttt(v - k) + k, with the original's (unbiased std + eps) normalisation; the scan regresses onto v - k."""
-        d = v - k
-        d = (d - d.mean(dim=-1, keepdim=True)) / (d.std(dim=-1, keepdim=True) + TARGET_LN_EPS)
-        return self.ttt_norm_weight * d + self.ttt_norm_bias + k
-
     def eta(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token, per-head inner learning rate [B, L, H]: base_lr * sigmoid(theta_h . x + b_h) / D / b."""
         gate = F.linear(x, self.learnable_ttt_lr_weight.to(x.dtype), self.learnable_ttt_lr_bias.to(x.dtype))
@@ -122,22 +160,18 @@ class TTTLayer(nn.Module):
             )
         H, D = self.num_heads, self.head_dim
         interleave, deinterleave, _, cos, sin = _layout_tensors(layout, D, self.rope_theta, x.device)
-        T = layout.total_text_tokens
-
-        q = F.normalize(self.wq(x).view(B, L, H, D).float(), dim=-1)
-        k = F.normalize(self.wk(x).view(B, L, H, D).float(), dim=-1)
-        v = self.wv(x).view(B, L, H, D).float()
-        # RoPE on video tokens only, positions by place in the sequence (heads move out of the way first)
-        q_video = apply_rope(q[:, T:].transpose(1, 2), cos, sin).transpose(1, 2)
-        k_video = apply_rope(k[:, T:].transpose(1, 2), cos, sin).transpose(1, 2)
-        q = torch.cat([q[:, :T], q_video], dim=1)
-        k = torch.cat([k[:, :T], k_video], dim=1)
-        v = self._reconstruction_target(v, k)
-        eta = self.eta(x)
-
         pad = layout.ttt_padding
-        q, k, v = (self._to_scan_order(t.to(x.dtype), interleave, pad) for t in (q, k, v))
-        eta = F.pad(eta[:, interleave].transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
+
+        # Everything runs in scan order: one gather of x replaces a gather of each of q, k, v and eta, and all
+        # per-token ops commute with the permutation.
+        xs = x[:, interleave]
+        w_qkv = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
+        b_qkv = torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
+        qkv = F.linear(xs, w_qkv, b_qkv).view(B, L, 3, H, D)
+        q, k, v = _scan_inputs_fn(x, self.compile_glue)(
+            qkv, cos, sin, self.ttt_norm_weight, self.ttt_norm_bias, pad, x.dtype
+        )
+        eta = F.pad(self.eta(xs).transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
 
         scan = ops.ttt_mlp if self.kind == "mlp" else ops.ttt_linear
         out = scan(
@@ -149,12 +183,6 @@ class TTTLayer(nn.Module):
         out = out[:, :, :L].transpose(1, 2).reshape(B, L, C).to(x.dtype)
         out = self.wo(self.post_norm(out))
         return out[:, deinterleave]
-
-    @staticmethod
-    def _to_scan_order(t: torch.Tensor, interleave: torch.Tensor, pad: int) -> torch.Tensor:
-        """[B, L, H, D] residual order -> [B, H, L + pad, D] interleaved, zero-padded."""
-        t = t[:, interleave].transpose(1, 2)
-        return F.pad(t, (0, 0, 0, pad)).contiguous()
 
 
 class BidirectionalTTT(nn.Module):

@@ -1,0 +1,104 @@
+"""Time the TTT layer around the scan: the plain composition vs the scan-order forward, eager and torch.compile'd.
+
+One CogVideoX-5B-sized TTT layer (3072 wide, 48 heads of 64, TTT-MLP, mini-batch 64, scan checkpoint group 16,
+bf16, the dispatching scan backend) at 3 s and 63 s: forward (inference) and, at 3 s, forward+backward. Checks
+that every variant matches the plain composition (relative error of the output, bf16). Prints a table; writes JSON.
+
+    PYTHONPATH=src:. python3 benchmarks/ttt_layer_glue.py --out benchmarks/results/ttt_layer_glue.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+
+import torch
+
+from tests.ttt_layer_plain import plain_ttt_layer
+from tttvideo.layout import VideoLayout
+from tttvideo.ttt.layer import TTTLayer
+
+
+def median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--durations", nargs="+", default=["3s", "63s"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/ttt_layer_glue.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    # all parameters in bf16, as the model loads them (the scan keeps its inner state in fp32)
+    layer = TTTLayer(3072, 48, kind="mlp", mini_batch_size=64, scan_checkpoint_group_size=16).to(dev, torch.bfloat16)
+
+    def plain(x, lay):
+        return plain_ttt_layer(layer, x, lay, backend="auto")
+
+    def scan_order(compile_glue):
+        def run(x, lay):
+            layer.compile_glue = compile_glue
+            return layer(x, lay)
+        return run
+
+    variants = {"plain": plain, "scan-order eager": scan_order(False), "scan-order compiled": scan_order(True)}
+    rows = []
+    for duration in args.durations:
+        lay = VideoLayout.create(duration)
+        x = torch.randn(1, lay.total_tokens, 3072, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref = plain(x, lay).float()
+        for name, fn in variants.items():
+            with torch.no_grad():
+                out = fn(x, lay).float()  # warm-up (and compile)
+                rel = ((out - ref).norm() / ref.norm()).item()
+                torch.cuda.reset_peak_memory_stats()
+                fwd = median_ms(lambda: fn(x, lay), args.reps)
+                peak = torch.cuda.max_memory_allocated() / 2**30
+            row = {"duration": duration, "tokens": lay.total_tokens, "variant": name, "forward_ms": fwd,
+                   "forward_peak_gib": peak, "rel_err_vs_plain": rel}
+            if lay.total_tokens < 100_000:
+                xg = x.clone().requires_grad_()
+
+                def step():
+                    fn(xg, lay).float().square().mean().backward()
+
+                step()
+                row["forward_backward_ms"] = median_ms(step, args.reps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del out
+        del x, ref
+        torch.cuda.empty_cache()
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+              "git_commit": commit or "unknown (no .git on the device copy)", "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nTTT layer (3072 wide, 48 heads, TTT-MLP, bf16) on {result['device']}")
+    print(f"{'duration':>8} {'variant':>20} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak GiB':>9} {'rel err':>9}")
+    for r in rows:
+        fb = f"{r['forward_backward_ms']:.1f}" if "forward_backward_ms" in r else "-"
+        print(f"{r['duration']:>8} {r['variant']:>20} {r['forward_ms']:9.1f} {fb:>11} {r['forward_peak_gib']:9.2f} "
+              f"{r['rel_err_vs_plain']:9.2e}")
+
+
+if __name__ == "__main__":
+    main()

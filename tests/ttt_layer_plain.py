@@ -1,0 +1,38 @@
+"""The TTT layer's forward written the plain way (gather q, k, v one by one, RoPE on the video slice, pad each),
+kept as an independent reference for the fused-glue forward of `tttvideo.ttt.layer.TTTLayer`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tttvideo.rope import apply_rope, rope_cos_sin
+from tttvideo.ttt import ops
+from tttvideo.ttt.layer import TARGET_LN_EPS
+
+
+def plain_ttt_layer(layer, x, layout, backend: str = "reference"):
+    B, L, C = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    T = layout.total_text_tokens
+    cos, sin = rope_cos_sin(layout.global_positions, D, layer.rope_theta)
+    q = F.normalize(layer.wq(x).view(B, L, H, D).float(), dim=-1)
+    k = F.normalize(layer.wk(x).view(B, L, H, D).float(), dim=-1)
+    v = layer.wv(x).view(B, L, H, D).float()
+    q = torch.cat([q[:, :T], apply_rope(q[:, T:].transpose(1, 2), cos, sin).transpose(1, 2)], dim=1)
+    k = torch.cat([k[:, :T], apply_rope(k[:, T:].transpose(1, 2), cos, sin).transpose(1, 2)], dim=1)
+    d = v - k
+    d = (d - d.mean(dim=-1, keepdim=True)) / (d.std(dim=-1, keepdim=True) + TARGET_LN_EPS)
+    v = layer.ttt_norm_weight * d + layer.ttt_norm_bias + k
+    eta = layer.base_lr * torch.sigmoid(
+        F.linear(x, layer.learnable_ttt_lr_weight, layer.learnable_ttt_lr_bias).float()
+    ) / (D * layer.mini_batch_size)
+    perm, pad = layout.interleave_perm, layout.ttt_padding
+    q, k, v = (F.pad(t.to(x.dtype)[:, perm].transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
+    eta = F.pad(eta[:, perm].transpose(1, 2), (0, pad))
+    scan = ops.ttt_mlp if layer.kind == "mlp" else ops.ttt_linear
+    out = scan(q, k, v, eta, layer.ttt_norm_weight, layer.ttt_norm_bias, *layer.inner_params(),
+               mini_batch_size=layer.mini_batch_size, checkpoint_group_size=layer.scan_checkpoint_group_size,
+               backend=backend)
+    out = out[:, :, :L].transpose(1, 2).reshape(B, L, C).to(x.dtype)
+    return layer.wo(layer.post_norm(out))[:, layout.deinterleave_perm]
