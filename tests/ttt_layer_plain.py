@@ -15,7 +15,7 @@ def plain_ttt_layer(layer, x, layout, backend: str = "reference"):
     B, L, C = x.shape
     H, D = layer.num_heads, layer.head_dim
     T = layout.total_text_tokens
-    cos, sin = rope_cos_sin(layout.global_positions, D, layer.rope_theta)
+    cos, sin = (t.to(x.device) for t in rope_cos_sin(layout.global_positions, D, layer.rope_theta))
     q = F.normalize(layer.wq(x).view(B, L, H, D).float(), dim=-1)
     k = F.normalize(layer.wk(x).view(B, L, H, D).float(), dim=-1)
     v = layer.wv(x).view(B, L, H, D).float()
@@ -27,7 +27,7 @@ def plain_ttt_layer(layer, x, layout, backend: str = "reference"):
     eta = layer.base_lr * torch.sigmoid(
         F.linear(x, layer.learnable_ttt_lr_weight, layer.learnable_ttt_lr_bias).float()
     ) / (D * layer.mini_batch_size)
-    perm, pad = layout.interleave_perm, layout.ttt_padding
+    perm, pad = layout.interleave_perm.to(x.device), layout.ttt_padding
     q, k, v = (F.pad(t.to(x.dtype)[:, perm].transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
     eta = F.pad(eta[:, perm].transpose(1, 2), (0, pad))
     scan = ops.ttt_mlp if layer.kind == "mlp" else ops.ttt_linear
@@ -35,4 +35,4 @@ def plain_ttt_layer(layer, x, layout, backend: str = "reference"):
                mini_batch_size=layer.mini_batch_size, checkpoint_group_size=layer.scan_checkpoint_group_size,
                backend=backend)
     out = out[:, :, :L].transpose(1, 2).reshape(B, L, C).to(x.dtype)
-    return layer.wo(layer.post_norm(out))[:, layout.deinterleave_perm]
+    return layer.wo(layer.post_norm(out))[:, layout.deinterleave_perm.to(x.device)]

@@ -59,14 +59,18 @@ def scan_inputs(
     it into a few kernels: qkv [B, L, 3, H, D] (scan order) -> [3, B, H, L + pad, D] in `dtype`, zero-padded:
     L2-normalised q/k with RoPE, and v replaced by the reconstruction target LN_ttt(v - k) + k, with the original's
     (unbiased std + eps) normalisation. Math in fp32."""
-    q, k, v = qkv.float().unbind(2)
-    q = apply_rope(F.normalize(q, dim=-1), cos, sin)
-    k = apply_rope(F.normalize(k, dim=-1), cos, sin)
-    d = v - k
+    q, k, v = qkv.unbind(2)  # fp32 per tensor: no fp32 copy of the whole q/k/v block at once
+    q = apply_rope(F.normalize(q.float(), dim=-1), cos, sin)
+    k = apply_rope(F.normalize(k.float(), dim=-1), cos, sin)
+    d = v.float() - k
     d = (d - d.mean(dim=-1, keepdim=True)) / (d.std(dim=-1, keepdim=True) + TARGET_LN_EPS)
     v = norm_w * d + norm_b + k
-    out = torch.stack([q, k, v]).to(dtype).transpose(2, 3)  # [3, B, H, L, D]
-    return F.pad(out, (0, 0, 0, pad)).contiguous()
+    B, L, H, D = q.shape
+    # cast, transpose and pad in one write per tensor, never a stacked fp32 copy of all three
+    out = q.new_zeros((3, B, H, L + pad, D), dtype=dtype)
+    for i, t in enumerate((q, k, v)):
+        out[i, :, :, :L] = t.transpose(1, 2)
+    return out
 
 
 _compiled_scan_inputs = None
