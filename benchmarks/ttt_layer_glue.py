@@ -16,22 +16,10 @@ import subprocess
 
 import torch
 
+from benchmarks.ttt_kernel import bench
 from tests.ttt_layer_plain import plain_ttt_layer
 from tttvideo.layout import VideoLayout
 from tttvideo.ttt.layer import TTTLayer
-
-
-def median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main() -> None:
@@ -66,7 +54,7 @@ def main() -> None:
                 out = fn(x, lay).float()  # warm-up (and compile)
                 rel = ((out - ref).norm() / ref.norm()).item()
                 torch.cuda.reset_peak_memory_stats()
-                fwd = median_ms(lambda: fn(x, lay), args.reps)
+                fwd, _ = bench(lambda: fn(x, lay), min_runs=args.reps)
                 peak = torch.cuda.max_memory_allocated() / 2**30
             row = {"duration": duration, "tokens": lay.total_tokens, "variant": name, "forward_ms": fwd,
                    "forward_peak_gib": peak, "rel_err_vs_plain": rel}
@@ -76,8 +64,7 @@ def main() -> None:
                 def step():
                     fn(xg, lay).float().square().mean().backward()
 
-                step()
-                row["forward_backward_ms"] = median_ms(step, args.reps)
+                row["forward_backward_ms"], _ = bench(step, min_runs=args.reps)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del out
