@@ -181,10 +181,9 @@ class ParallelConfig:
 
 
 @dataclass
-class CheckpointRule:
-    """Activation checkpointing of a range of layers; replaces the section's settings for those layers."""
+class CheckpointSwitches:
+    """What is recomputed in backward: the section's settings for every layer, and each rule's for its range."""
 
-    layers: str = field(default=":", metadata={"help": "layer indices as a Python slice: '0:14', '28:', '-4:', ':'"})
     group_size: int = bounded(1, 1, help="consecutive blocks recomputed together when block = true")
     block: bool = field(default=False, metadata={"help": "checkpoint whole blocks (in groups of group_size)"})
     attention: bool = field(default=False, metadata={"help": "checkpoint adaLN + local attention"})
@@ -194,16 +193,17 @@ class CheckpointRule:
 
 
 @dataclass
-class CheckpointingConfig:
+class CheckpointRule(CheckpointSwitches):
+    """Activation checkpointing of a range of layers; replaces the section's settings for those layers."""
+
+    layers: str = field(default=":", metadata={"help": "layer indices as a Python slice: '0:14', '28:', '-4:', ':'"})
+
+
+@dataclass
+class CheckpointingConfig(CheckpointSwitches):
     """Activation checkpointing of the transformer (torch.utils.checkpoint, non-reentrant). The TTT scan has its own
     knob, ttt.scan_checkpoint_group_size; both compose."""
 
-    group_size: int = bounded(1, 1, help="consecutive blocks recomputed together when block = true")
-    block: bool = field(default=False, metadata={"help": "checkpoint whole blocks (in groups of group_size)"})
-    attention: bool = field(default=False, metadata={"help": "checkpoint adaLN + local attention"})
-    forward_ttt: bool = field(default=False, metadata={"help": "checkpoint the forward TTT pass"})
-    reverse_ttt: bool = field(default=False, metadata={"help": "checkpoint the reverse TTT pass"})
-    mlp: bool = field(default=False, metadata={"help": "checkpoint adaLN + MLP"})
     layers: list[CheckpointRule] = listed(list, help="per-layer rules ([[checkpointing.layers]]); the last rule "
                                                      "covering a layer wins, uncovered layers use the settings above")
 
