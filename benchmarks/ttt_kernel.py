@@ -48,19 +48,32 @@ def bench(fn, min_runs=5, budget_s=2.0):
     return statistics.median(times), len(times)
 
 
-def kernel_info(module, key):
-    k = module.LAUNCHED.get(key)
-    return None if k is None else dict(regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared,
-                                       warps=k.metadata.num_warps)
+def kernel_info(module, *keys):
+    info = {}
+    for key in keys:
+        k = module.LAUNCHED.get(key)
+        if k is not None:
+            info[key] = dict(regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared, warps=k.metadata.num_warps)
+    return info or None
 
 
-def time_scan(kind, L, group=16, **tune):
+def load_baseline(path):
+    """A kernel module from a file (an earlier version of triton_mlp.py, for a same-run comparison)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ttt_baseline_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def time_scan(kind, L, group=16, module=None, **tune):
     from tests.gpu.test_ttt_triton_gpu import make_inputs
     from tttvideo.ttt import triton_linear, triton_mlp
 
     m = 64 if kind == "mlp" else 16
     ins = make_inputs(kind, B, H, L, D, m, seed=L)
-    mod = triton_mlp if kind == "mlp" else triton_linear
+    mod = module or (triton_mlp if kind == "mlp" else triton_linear)
     fwd_fn = mod.mlp_forward if kind == "mlp" else mod.linear_forward
     bwd_fn = mod.mlp_backward if kind == "mlp" else mod.linear_backward
     x = [t.detach() for t in ins]
@@ -82,10 +95,13 @@ def time_scan(kind, L, group=16, **tune):
 
     ms_f, n_f = bench(fwd)
     row = dict(kind=kind, L=L, mini_batch=m, group=group, fwd_ms=ms_f, fwd_runs=n_f, fwd_kernel=kernel_info(mod, "fwd"))
+    if module is not None:
+        row["baseline"] = os.path.basename(getattr(module, "__file__", ""))
     if out_only:
         ms_fb, n_fb = bench(fwd_bwd)
         ms_i, _ = bench(infer)
-        row.update(fwdbwd_ms=ms_fb, fwdbwd_runs=n_fb, infer_ms=ms_i, bwd_kernel=kernel_info(mod, "bwd"))
+        row.update(fwdbwd_ms=ms_fb, fwdbwd_runs=n_fb, infer_ms=ms_i, bwd_kernel=kernel_info(mod, "bwd", "bwd_recompute", "bwd_output", "bwd_reverse",
+                                                                            "bwd_dk"))
     flop = (MLP_FLOP if kind == "mlp" else LIN_FLOP) * B * H * L
     row["fwd_tflops"] = flop / ms_f / 1e9
     if "fwdbwd_ms" in row:
@@ -93,6 +109,38 @@ def time_scan(kind, L, group=16, **tune):
     row.update({k: str(v) for k, v in tune.items()})
     del ins, x
     torch.cuda.empty_cache()
+    return row
+
+
+def profile_scan(L, group=16, **tune):
+    """GPU time per kernel name over one MLP forward+backward (torch.profiler), to see where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.gpu.test_ttt_triton_gpu import make_inputs
+    from tttvideo.ttt import triton_mlp
+
+    m = 64
+    x = [t.detach() for t in make_inputs("mlp", B, H, L, D, m, seed=L)]
+    dout = torch.randn_like(x[0])
+    fwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("fwd_")}
+    bwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("bwd_")}
+
+    def run():
+        _, ck = triton_mlp.mlp_forward(*x, m, group, True, **fwd_tune)
+        triton_mlp.mlp_backward(dout, *x[:6], ck, m, group, **bwd_tune)
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    totals = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
+            totals[e.key] = (getattr(e, "self_device_time_total", 0) / 1e3, e.count)
+    row = dict(kind="profile", L=L, kernels={k: dict(ms=v[0], calls=v[1]) for k, v in
+                                            sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]})
+    row.update({k: str(v) for k, v in tune.items()})
     return row
 
 
@@ -114,25 +162,40 @@ def compile_only():
     from tttvideo.ttt import triton_linear, triton_mlp
     from tttvideo.ttt.triton_common import DOT_BF16, LN_EPS
 
+    from tttvideo.ttt import triton_mlp_bwd
+
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     act = {n: "*bf16" for n in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV")}
-    ints = ("H", "L", "NMB", "GROUP")
+    ints = ("H", "L", "NMB", "GROUP", "HW", "S_W1", "S_B1", "S_W2", "S_B2", "W1_SD", "W1_SE", "NSLOT", "I0", "CNT",
+            "GSLOT")
+    split = triton_mlp.split_for(256, 64, 64) if not os.environ.get("TTT_SPLIT") else int(os.environ["TTT_SPLIT"])
+    warps = triton_mlp.warps_for(256, split)
+    mlp = dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS)
     kernels = [
-        ("mlp_fwd", triton_mlp._mlp_fwd_kernel, triton_mlp.WARPS,
-         dict(D=64, E=256, M=64, NC=2, DOT=DOT_BF16, EPS=LN_EPS, SAVE=True, OUTPUT=True)),
-        ("mlp_bwd", triton_mlp._mlp_bwd_kernel, triton_mlp.WARPS,
-         dict(D=64, E=256, M=64, NC=2, DOT=DOT_BF16, EPS=LN_EPS)),
+        ("mlp_fwd", triton_mlp._mlp_fwd_kernel, warps,
+         dict(mlp, SPLIT=split, SAVE=True, OUTPUT=True, SAVE_ACT=False)),
+        ("mlp_bwd_recompute", triton_mlp._mlp_fwd_kernel, warps,
+         dict(mlp, SPLIT=split, SAVE=True, OUTPUT=False, SAVE_ACT=True)),
+        ("mlp_bwd_output", triton_mlp_bwd._output_path_kernel, 8, dict(mlp, NC=2)),
+        ("mlp_bwd_reverse", triton_mlp_bwd._reverse_kernel, warps, dict(mlp, SPLIT=split, DIAG=0)),
+        ("mlp_bwd_dk", triton_mlp_bwd._dk_kernel, 8, dict(mlp, NC=2)),
         ("linear_fwd", triton_linear._linear_fwd_kernel, triton_linear.FWD_WARPS,
          dict(D=64, M=16, DOT=triton_linear.DOT, EPS=LN_EPS, SAVE=True)),
         ("linear_bwd", triton_linear._linear_bwd_kernel, triton_linear.BWD_WARPS,
          dict(D=64, M=16, DOT=triton_linear.DOT, EPS=LN_EPS)),
     ]
     rows = []
+    only = os.environ.get("TTT_COMPILE_KERNELS", "")
     for cc in [int(x) for x in os.environ.get("TTT_COMPILE_SM", "90,80,89").split(",")]:
         for name, fn, warps, consts in kernels:
+            if only and name not in only.split(","):
+                continue
             sig = {n: "constexpr" if n in consts else "i32" if n in ints else act.get(n, "*fp32") for n in fn.arg_names}
-            if "XS" in sig:
-                sig["XS"] = "*bf16"
+            if "SYNC" in sig:
+                sig["SYNC"] = "*i32"
+            for n in ("GK1", "DZ1"):  # the reverse pass's d K operands, in the operand dtype
+                if n in sig:
+                    sig[n] = "*bf16"
             t0 = time.time()
             # the launcher's specialisation: 16-byte aligned pointers, sizes divisible by 16 (H=48, L, group 16)
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -161,6 +224,9 @@ def main():
     ap.add_argument("--commit", default=os.environ.get("TTT_COMMIT", ""))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-check", action="store_true", help="skip the accuracy check")
+    ap.add_argument("--baseline", default="", help="an earlier triton_mlp.py to time at the first length too")
+    ap.add_argument("--kinds", nargs="*", default=["mlp", "linear"])
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the MLP at the first length")
     ap.add_argument("--variants", action="store_true", help="also time kernel variants at the first length")
     ap.add_argument("--variant", action="append", default=[], type=json.loads,
                     help='a variant to time instead of the default ones, as JSON: {"fwd_SCR": true, "output": false}')
@@ -178,7 +244,7 @@ def main():
     meta["device"] = torch.cuda.get_device_name()
     rows = []
     if not args.no_check:
-        for kind in ("mlp", "linear"):
+        for kind in args.kinds:
             t0 = time.time()
             errs = relative_errors(kind)
             rows.append(dict(kind=kind, check="bf16 vs fp32 reference, L=18048", errors=errs,
@@ -186,14 +252,21 @@ def main():
             print(rows[-1], flush=True)
     rows.append(time_sdpa())
     print(rows[-1], flush=True)
+    if args.baseline:
+        rows.append(time_scan("mlp", args.lengths[0], module=load_baseline(args.baseline)))
+        print(rows[-1], flush=True)
     for L in args.lengths:
-        for kind in ("mlp", "linear"):
+        for kind in args.kinds:
             rows.append(time_scan(kind, L))
             print(rows[-1], flush=True)
     if args.variants or args.variant:
         L = args.lengths[0]
         for tune in args.variant or (dict(output=False), dict(fwd_num_warps=8, bwd_num_warps=8)):
             rows.append(time_scan("mlp", L, **tune))
+            print(rows[-1], flush=True)
+    if args.profile:
+        for tune in [{}] + args.variant:
+            rows.append(profile_scan(args.lengths[0], **tune))
             print(rows[-1], flush=True)
     res = dict(meta, rows=rows)
     _write(args.out, "ttt_kernel.json", res)
@@ -222,13 +295,18 @@ def _table(res):
           f"{'fwd/SDPA':>9} {'f+b/SDPA':>9}")
     for r in res["rows"]:
         if r["kind"] in ("mlp", "linear") and "fwd_ms" in r:
-            keys = [k for k in r if k == "output" or k.startswith(("fwd_", "bwd_")) and not k.endswith(("_ms", "_kernel"))
+            keys = [k for k in r if k in ("output", "baseline") or k.startswith(("fwd_", "bwd_")) and not k.endswith(("_ms", "_kernel"))
                     and k != "fwd_runs" and k != "fwd_tflops"]
             tag = "" if not keys else " (" + ",".join(f"{k}={r[k]}" for k in keys) + ")"
             fb, nan = r.get("fwdbwd_ms", float("nan")), float("nan")
             print(f"{r['kind']:7} {r['L']:>8} {r['fwd_ms']:>9.2f} {r['fwd_tflops']:>8.1f} "
                   f"{r.get('infer_ms', nan):>9.2f} {fb:>11.2f} {r.get('fwdbwd_model_tflops', nan):>10.1f} "
                   f"{r['fwd_ms'] / sdpa['fwd_ms']:>9.2f} {fb / sdpa['fwdbwd_ms']:>9.2f}{tag}")
+    for r in res["rows"]:
+        if r["kind"] == "profile":
+            tag = ",".join(f"{k}={v}" for k, v in r.items() if k.startswith(("fwd_", "bwd_")))
+            print(f"profile L={r['L']} {tag}: " + "; ".join(f"{k[:40]} {v['ms']:.2f} ms/{v['calls']}"
+                                                         for k, v in r["kernels"].items()))
     for r in res["rows"]:
         if "check" in r:
             print(f"accuracy {r['kind']}: max relative error {r['max_error']:.2e} ({r['check']})")

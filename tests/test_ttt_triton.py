@@ -28,6 +28,7 @@ CASES = [
     ("mlp", 1, 2, 16, 16, 4, 2),  # two full groups
     ("mlp", 2, 1, 16, 16, 5, 2),  # batch 2 (slow-weight gradients sum over it), a partial last group
     ("mlp", 1, 1, 16, 16, 3, 0),  # no checkpointing: one group
+    ("mlp", 1, 1, 16, 16, 1, 2),  # one mini-batch: the forward's output path has no step before it
     ("linear", 2, 2, 16, 16, 5, 2),
     ("linear", 1, 1, 32, 16, 3, 0),
 ]

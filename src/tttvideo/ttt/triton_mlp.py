@@ -1,326 +1,189 @@
-"""Fused Triton TTT-MLP scan, forward and backward (math: `tttvideo.ttt.reference._mlp_minibatch`).
+"""Fused Triton TTT-MLP scan: the forward kernel, the host side of forward and backward, and the autograd Function.
 
-One program per (batch, head) stream walks the serial chain of mini-batches. Layout: the state is kept transposed,
-W1^T and W2 as [E, D] fp32, and the hidden activations as [E, M], so every product over the hidden dim has E rows
-and spreads over the warps without replicating tiles; the hidden dim is handled in two chunks of E / 2 rows at
-8 warps, so that one chunk's tiles sit in registers at a time. The fp32 state lives in per-stream working slots in
-global memory (L1/L2-resident), read chunk by chunk as each product needs it: holding all of it in registers,
-with the activations, spilled far more (benchmarks/NOTES-ttt-kernel.md has the measurements).
+Math: `tttvideo.ttt.reference._mlp_minibatch`. Layout: the state is kept transposed, W1^T and W2 as [E, D] fp32,
+and the hidden activations as [E, M], so every product over the hidden dim has hidden rows.
 
-Forward: per mini-batch, the inner gradient at the old state, the update, and the output at the new state; the
-state is copied out every `group` mini-batches (and once more at the end) when a backward will follow.
+Each (batch, head) stream is split over SPLIT cooperating programs (`triton_exchange`): a program holds E / SPLIT
+hidden rows of the fp32 state in registers for the whole scan and exchanges the [M, D] partial sums over the hidden
+dim with the other roles once per mini-batch. That spreads the serial chain of one stream over SPLIT SMs, and a
+quarter or half of the state fits in registers, where the whole of it spilled (benchmarks/NOTES-ttt-kernel.md).
 
-Backward: groups in reverse. For each group the program reloads its checkpoint, recomputes the group's states
-into a per-stream scratch (group + 1 states), then walks the group's mini-batches in reverse, accumulating the
-gradient w.r.t. the state (fp32, two working slots) and writing d q, d k, d v, d eta per token. The step's
-backward is derived by hand (checked against autograd of the reference in tests/test_ttt_triton.py), written here
-untransposed:
+Forward, per mini-batch: Z1^T = W1^T K^T + b1, X2 = gelu(Z1), partial Z2 = X2 W2 -> exchange (with the previous
+mini-batch's output partial) -> the LN-L2 gradient G2 (every role, identical), P^T = W2 G2^T, G1 = P gelu'(Z1),
+the update of the role's rows, then the role's partial of the output gelu(Q W1' + b1') W2'. Each role writes
+M / SPLIT rows of the output after the next exchange.
 
-    output path   O = Q + LN(gelu(Q W1' + b1') W2' + b2')            -> dQ, and adds to dW1', db1', dW2', db2'
-    update path   W1' = W1 - K^T G1, b1' = b1 - sum G1, W2' = W2 - X2^T G2, b2' = b2 - sum G2
-                  dG1 = -(K dW1' + db1'), dK = -G1 dW1'^T, dG2 = -(X2 dW2' + db2'), dX2 = -G2 dW2'^T
-    inner grad    G1 = P * gelu'(Z1), P = G2 W2^T, G2 = eta * lnl2(Z2, V - K), Z2 = X2 W2 + b2, X2 = gelu(Z1),
-                  Z1 = K W1 + b1        -> backpropagated term by term (gelu'' and the LN-L2 second derivative)
+The same kernel recomputes a checkpoint group for the backward: then it starts from the group's checkpoint, skips
+the output, and saves every state and the activations Z1, Z2 that the backward's reverse pass reads
+(`triton_mlp_bwd.py`). The backward, per group in reverse: that recompute, the output path of every mini-batch
+of the group in parallel, then the serial reverse through the updates.
 
-Shapes covered: D and M powers of two >= 16, E = 4 D (ops.uncovered_reason). Shared memory at D = 64: 64 KiB
-forward, 80 KiB backward on sm_90 (docs/kernels.md lists sm_80 / sm_89).
+Shapes covered: D and M powers of two >= 16, E = 4 D (ops.uncovered_reason).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from tttvideo.ttt.triton_common import (
-    DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, ln_bwd, ln_l2_bwd, ln_l2_fwd,
-    ln_stats, new_output, op,
+    DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, interpreting, ln_l2_fwd, ln_stats, new_output,
+    op,
 )
-
-# Warps of one stream's program (8 measured best against 4 and 16: benchmarks/NOTES-ttt-kernel.md).
-WARPS = 8
+from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, stage, take_ticket, wait_all
 
 # the last compiled kernel of each launcher (its n_regs / n_spills are read by the benchmark)
 LAUNCHED: dict = {}
 
 
 @triton.jit
-def _ld(PTR, R: tl.constexpr, C: tl.constexpr):
-    """Load a contiguous row-major [R, C] fp32 tile."""
-    return tl.load(PTR + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :])
+def _store_rows(SW1, SB1, SW2, SB2, slot, w1t, b1, w2, b2, role, rows, rd, D: tl.constexpr, E: tl.constexpr):
+    """Write this role's rows of a state slot (W1^T [E, D], b1 [E], W2 [E, D]); role 0 also writes b2 [D]."""
+    tl.store(SW1 + slot * (E * D) + rows[:, None] * D + rd[None, :], w1t)
+    tl.store(SB1 + slot * E + rows, b1)
+    tl.store(SW2 + slot * (E * D) + rows[:, None] * D + rd[None, :], w2)
+    tl.store(SB2 + slot * D + rd, b2, mask=(rd < D) & (role == 0))
 
 
 @triton.jit
-def _st(PTR, x, R: tl.constexpr, C: tl.constexpr):
-    tl.store(PTR + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], x)
+def _out_partial(Q, off, w1t, b1, w2, b2, role, DOT: tl.constexpr):
+    """This role's partial of the pre-LN output gelu(Q W1' + b1') W2' (+ b2' from role 0), at the current state."""
+    q = tl.load(Q + off)
+    xq2t, _g = gelu_fwd(dot(op(w1t, DOT), tl.trans(q), DOT) + b1[:, None])
+    zq2p = dot(tl.trans(op(xq2t, DOT)), op(w2, DOT), DOT)
+    return tl.where(role == 0, zq2p + b2[None, :], zq2p)
 
 
 @triton.jit
-def _st_state(W1T, B1, W2, B2, w1t, b1, w2, b2, D: tl.constexpr, E: tl.constexpr):
-    """Write one state slot: W1^T [E, D], b1 [E], W2 [E, D], b2 [D] (fp32)."""
-    _st(W1T, w1t, E, D)
-    tl.store(B1 + tl.arange(0, E), b1)
-    _st(W2, w2, E, D)
-    tl.store(B2 + tl.arange(0, D), b2)
-
-
-@triton.jit
-def _step(SW1, SB1, SW2, SB2, r, w, k, v, q, eta, nw, nb,
-          D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, NC: tl.constexpr, DOT: tl.constexpr,
-          EPS: tl.constexpr, OUTPUT: tl.constexpr):
-    """One mini-batch of the scan: the state in slot r -> the updated state in slot w.
-
-    Transposed layout: W1^T and W2 are [E, D], the hidden activations [E, M], so the products that carry the
-    hidden dim have E rows, spread over the warps without replication. The hidden dim is processed in NC chunks of
-    E / NC rows so that one chunk's tiles are in registers at a time. Returns Zq2 [M, D], the pre-LN output of the
-    updated inner model on Q (b2 only, unless OUTPUT)."""
-    EC: tl.constexpr = E // NC
-    rc = tl.arange(0, EC)
-    rd = tl.arange(0, D)
-    r1, r2 = SW1 + r * (E * D), SW2 + r * (E * D)
-    w1, w2 = SW1 + w * (E * D), SW2 + w * (E * D)
-    # inner gradient at the old state: Z2 = b2 + sum_c gelu(W1_c^T K^T + b1_c)^T W2_c
-    b2 = tl.load(SB2 + r * D + rd)
-    z2 = tl.zeros([M, D], tl.float32) + b2[None, :]
-    x2s = ()
-    gps = ()
-    for c in tl.static_range(NC):
-        z1t = dot(op(_ld(r1 + c * EC * D, EC, D), DOT), tl.trans(k), DOT) + tl.load(SB1 + r * E + c * EC + rc)[:, None]
-        x2t, gp1t = gelu_fwd(z1t)
-        x2s = x2s + (op(x2t, DOT),)
-        gps = gps + (op(gp1t, DOT),)
-        z2 = dot_acc(tl.trans(x2s[c]), op(_ld(r2 + c * EC * D, EC, D), DOT), z2, DOT)
-    lg, xh, rstd, y, gh, a, cc = ln_l2_fwd(z2, v.to(tl.float32) - k.to(tl.float32), nw, nb, D, EPS)
-    g2 = op(eta[:, None] * lg, DOT)
-    b2 = b2 - tl.sum(g2.to(tl.float32), 0)
-    tl.store(SB2 + w * D + rd, b2)
-    # update chunk by chunk, then the output at the new state
-    zq2 = tl.zeros([M, D], tl.float32) + b2[None, :]
-    for c in tl.static_range(NC):
-        w2c = _ld(r2 + c * EC * D, EC, D)
-        g1t = op(dot(op(w2c, DOT), tl.trans(g2), DOT) * gps[c], DOT)
-        w1c = dot_acc(-g1t, k, _ld(r1 + c * EC * D, EC, D), DOT)
-        b1c = tl.load(SB1 + r * E + c * EC + rc) - tl.sum(g1t.to(tl.float32), 1)
-        w2c = dot_acc(-x2s[c], g2, w2c, DOT)
-        _st(w1 + c * EC * D, w1c, EC, D)
-        _st(w2 + c * EC * D, w2c, EC, D)
-        tl.store(SB1 + w * E + c * EC + rc, b1c)
-        if OUTPUT:
-            xq2t, _g = gelu_fwd(dot(op(w1c, DOT), tl.trans(q), DOT) + b1c[:, None])
-            zq2 = dot_acc(tl.trans(op(xq2t, DOT)), op(w2c, DOT), zq2, DOT)
-    return zq2
-
-
-@triton.jit
-def _copy_slot(SW1, SB1, SW2, SB2, src, C1, CB1, C2, CB2, dst, D: tl.constexpr, E: tl.constexpr):
-    _st_state(C1 + dst * (E * D), CB1 + dst * E, C2 + dst * (E * D), CB2 + dst * D,
-              _ld(SW1 + src * (E * D), E, D), tl.load(SB1 + src * E + tl.arange(0, E)),
-              _ld(SW2 + src * (E * D), E, D), tl.load(SB2 + src * D + tl.arange(0, D)), D, E)
+def _write_out(Q, OUT, XB, stream, seq, role, tok, ib, nw, nb,
+               M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, EPS: tl.constexpr):
+    """Output rows [role * M / SPLIT, ...) of mini-batch ib, from the summed partials (tile 1) of exchange seq."""
+    MS: tl.constexpr = M // SPLIT
+    row0 = role * MS
+    xq, _r = ln_stats(gather(XB, stream, seq, 1, row0, MS, M, D, SPLIT), D, EPS)
+    off = tok + ib * (M * D) + (row0 + tl.arange(0, MS))[:, None] * D + tl.arange(0, D)[None, :]
+    q = tl.load(Q + off).to(tl.float32)
+    tl.store(OUT + off, (q + nw * xq + nb).to(OUT.dtype.element_ty))
 
 
 @triton.jit
 def _mlp_fwd_kernel(
-    Q, K, V, ETA, NW, NB, W1, B1, W2, B2, OUT, CW1, CB1, CW2, CB2, SW1, SB1, SW2, SB2,
-    H, L, NMB, GROUP,
-    D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, NC: tl.constexpr, DOT: tl.constexpr, EPS: tl.constexpr,
-    SAVE: tl.constexpr, OUTPUT: tl.constexpr,
+    Q, K, V, ETA, NW, NB,
+    W1, B1, W2, B2, HW, S_W1, S_B1, S_W2, S_B2, W1_SD, W1_SE,
+    OUT, CW1, CB1, CW2, CB2, NSLOT, GROUP, ZS, Z2S, XB, SYNC,
+    H, L, I0, NMB,
+    D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    EPS: tl.constexpr, SAVE: tl.constexpr, OUTPUT: tl.constexpr, SAVE_ACT: tl.constexpr,
 ):
-    """One program per (batch, head) stream. The fp32 state lives in two working slots of the stream (SW*, read
-    from L1/L2 as each chunk needs it): mini-batch i reads slot i % 2 and writes the other, so no thread overwrites
-    state another thread has yet to read. A register-resident state was measured slower (it spilled)."""
-    pid = tl.program_id(0).to(tl.int64)
-    h = pid % H
+    """NMB mini-batches from I0, per (stream, role).
+
+    Initial state: W1 (element (d, e) at W1 + idx S_W1 + d W1_SD + e W1_SE), B1, W2 ([E, D] rows), B2 with
+    idx = stream % HW (HW = H: the layer's weights, shared over batch; HW = streams: a checkpoint per stream).
+    SAVE: the state goes to slot stream * NSLOT + s after every GROUP mini-batches (s = 0 is the initial state,
+    the last mini-batch always closes a slot). SAVE_ACT: Z1^T [E, M] and Z2 [M, D] (fp32) of mini-batch i go to
+    ZS / Z2S at stream * (NSLOT - 1) + i.
+
+    Exchange s (s = i + 1) carries the partial Z2 of mini-batch i and the partial output of mini-batch i - 1: that
+    output is computed after this role raised its flag for s and before it waits, while the other roles catch up,
+    and written after exchange s + 1."""
+    stream, role = take_ticket(SYNC, SPLIT)
+    EC: tl.constexpr = E // SPLIT
+    h = stream % H
+    idx = stream % HW
     rm = tl.arange(0, M)
     rd = tl.arange(0, D)
-    re = tl.arange(0, E)
+    rows = role * EC + tl.arange(0, EC)
     nw = tl.load(NW + h * D + rd).to(tl.float32)[None, :]
     nb = tl.load(NB + h * D + rd).to(tl.float32)[None, :]
-    tok = pid * L * D
-    ck = pid * ((NMB + GROUP - 1) // GROUP + 1)  # this stream's first checkpoint slot
-    ws = pid * 2
-    # initial state; W1 [D, E] is read transposed
-    _st_state(SW1 + ws * (E * D), SB1 + ws * E, SW2 + ws * (E * D), SB2 + ws * D,
-              tl.load(W1 + h * (D * E) + rd[None, :] * E + re[:, None]).to(tl.float32),
-              tl.load(B1 + h * E + re).to(tl.float32),
-              tl.load(W2 + h * (E * D) + re[:, None] * D + rd[None, :]).to(tl.float32),
-              tl.load(B2 + h * D + rd).to(tl.float32), D, E)
-    tl.debug_barrier()
+    w1t = tl.load(W1 + idx * S_W1 + rows[:, None] * W1_SE + rd[None, :] * W1_SD).to(tl.float32)
+    b1 = tl.load(B1 + idx * S_B1 + rows).to(tl.float32)
+    w2 = tl.load(W2 + idx * S_W2 + rows[:, None] * D + rd[None, :]).to(tl.float32)
+    b2 = tl.load(B2 + idx * S_B2 + rd).to(tl.float32)
     if SAVE:
-        _copy_slot(SW1, SB1, SW2, SB2, ws, CW1, CB1, CW2, CB2, ck, D, E)
+        _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT, w1t, b1, w2, b2, role, rows, rd, D, E)
+    tok = stream * L * D
     tile = rm[:, None] * D + rd[None, :]
-    for i in range(NMB):
-        off = tok + i * (M * D) + tile
-        q = tl.load(Q + off)
-        zq2 = _step(SW1, SB1, SW2, SB2, ws + i % 2, ws + (i + 1) % 2, tl.load(K + off), tl.load(V + off), q,
-                    tl.load(ETA + pid * L + i * M + rm).to(tl.float32), nw, nb, D, E, M, NC, DOT, EPS, OUTPUT)
-        if OUTPUT:
-            xq, _r = ln_stats(zq2, D, EPS)
-            tl.store(OUT + off, (q.to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty))
-        tl.debug_barrier()  # the next mini-batch reads the state this one wrote, in other threads
-        if SAVE:
-            if ((i + 1) % GROUP == 0) | (i + 1 == NMB):
-                _copy_slot(SW1, SB1, SW2, SB2, ws + (i + 1) % 2, CW1, CB1, CW2, CB2, ck + (i + GROUP) // GROUP, D, E)
-
-
-@triton.jit
-def _mlp_bwd_kernel(
-    Q, K, V, ETA, NW, NB, CW1, CB1, CW2, CB2, DO,
-    DQ, DK, DV, DETA, DNW, DNB, DW1, DB1, DW2, DB2,
-    SW1, SB1, SW2, SB2, XS,
-    H, L, NMB, GROUP,
-    D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, NC: tl.constexpr, DOT: tl.constexpr, EPS: tl.constexpr,
-):
-    """Gradients, groups in reverse: recompute the group's states into the scratch slots SW*, then walk back.
-
-    DW1 (as W1^T [E, D]), DB1, DW2, DB2 hold two slots per stream for the gradient w.r.t. the state after the
-    current mini-batch: slot 0 between steps (and at the end: the output), slot 1 after a step's output path.
-    Each phase reads one slot and writes the other. XS is a per-stream scratch of four [E, M] operand-dtype tiles
-    (X2^T, dG1 * P * gelu''(Z1), dP^T, gelu'(Z1)) carried between the passes over the chunks."""
-    EC: tl.constexpr = E // NC
-    pid = tl.program_id(0).to(tl.int64)
-    h = pid % H
-    rm = tl.arange(0, M)
-    rd = tl.arange(0, D)
-    re = tl.arange(0, E)
-    rc = tl.arange(0, EC)
-    tile = rm[:, None] * D + rd[None, :]
-    tec = rc[:, None] * M + rm[None, :]  # one chunk of an [E, M] scratch tile
-    nw = tl.load(NW + h * D + rd).to(tl.float32)[None, :]
-    nb = tl.load(NB + h * D + rd).to(tl.float32)[None, :]
-    tok = pid * L * D
-    ng = (NMB + GROUP - 1) // GROUP
-    ck = pid * (ng + 1)
-    sc = pid * (GROUP + 1)  # this stream's scratch state slots
-    G0 = pid * 2  # gradient slot 0; slot 1 is G0 + 1
-    xs = XS + pid * (4 * E * M)
-
-    _st_state(DW1 + G0 * (E * D), DB1 + G0 * E, DW2 + G0 * (E * D), DB2 + G0 * D, tl.zeros([E, D], tl.float32),
-              tl.zeros([E], tl.float32), tl.zeros([E, D], tl.float32), tl.zeros([D], tl.float32), D, E)
-    dnw = tl.zeros([D], tl.float32)
-    dnb = tl.zeros([D], tl.float32)
-    for gg in range(ng):
-        g = ng - 1 - gg
-        start = g * GROUP
-        cnt = tl.minimum(GROUP, NMB - start)
-        # 1. recompute the group's states from its checkpoint into the scratch slots
-        _copy_slot(CW1, CB1, CW2, CB2, ck + g, SW1, SB1, SW2, SB2, sc, D, E)
-        tl.debug_barrier()
-        for j in range(cnt):
-            off = tok + (start + j) * (M * D) + tile
-            k = tl.load(K + off)
-            _step(SW1, SB1, SW2, SB2, sc + j, sc + j + 1, k, tl.load(V + off), k,
-                  tl.load(ETA + pid * L + (start + j) * M + rm).to(tl.float32), nw, nb, D, E, M, NC, DOT, EPS, False)
-            tl.debug_barrier()  # the next step reads this slot in other threads
-
-        # 2. reverse through the group
-        for jj in range(cnt):
-            j = cnt - 1 - jj
-            i = start + j
-            p1, p2 = SW1 + (sc + j) * (E * D), SW2 + (sc + j) * (E * D)  # state before the step
-            pb1, pb2 = SB1 + (sc + j) * E, SB2 + (sc + j) * D
-            n1, n2 = SW1 + (sc + j + 1) * (E * D), SW2 + (sc + j + 1) * (E * D)  # state after it
-            nb1, nb2 = SB1 + (sc + j + 1) * E, SB2 + (sc + j + 1) * D
-            gw1_0, gw2_0 = DW1 + G0 * (E * D), DW2 + G0 * (E * D)
-            gw1_1, gw2_1 = DW1 + (G0 + 1) * (E * D), DW2 + (G0 + 1) * (E * D)
-            off = tok + i * (M * D) + tile
-            k = tl.load(K + off)
-            q = tl.load(Q + off)
-            do = tl.load(DO + off).to(tl.float32)
-
-            # output path, O = Q + LN(Zq2), Zq2 = b2' + sum_c gelu(W1'_c^T Q^T + b1'_c)^T W2'_c: slot 0 -> slot 1
-            zq2 = tl.zeros([M, D], tl.float32) + tl.load(nb2 + rd)[None, :]
-            xqs = ()
-            gqs = ()
-            for c in tl.static_range(NC):
-                xq2t, gpqt = gelu_fwd(dot(op(_ld(n1 + c * EC * D, EC, D), DOT), tl.trans(q), DOT)
-                                      + tl.load(nb1 + c * EC + rc)[:, None])
-                xqs = xqs + (op(xq2t, DOT),)
-                gqs = gqs + (op(gpqt, DOT),)
-                zq2 = dot_acc(tl.trans(xqs[c]), op(_ld(n2 + c * EC * D, EC, D), DOT), zq2, DOT)
-            xq, rq = ln_stats(zq2, D, EPS)
-            dnw += tl.sum(do * xq, 0)
-            dnb += tl.sum(do, 0)
-            dzq2 = op(ln_bwd(do * nw, xq, rq, D), DOT)
-            tl.store(DB2 + (G0 + 1) * D + rd, tl.load(DB2 + G0 * D + rd) + tl.sum(dzq2.to(tl.float32), 0))
-            dq = do
-            for c in tl.static_range(NC):
-                _st(gw2_1 + c * EC * D, dot_acc(xqs[c], dzq2, _ld(gw2_0 + c * EC * D, EC, D), DOT), EC, D)
-                dzq1t = op(dot(op(_ld(n2 + c * EC * D, EC, D), DOT), tl.trans(dzq2), DOT) * gqs[c], DOT)
-                _st(gw1_1 + c * EC * D, dot_acc(dzq1t, q, _ld(gw1_0 + c * EC * D, EC, D), DOT), EC, D)
-                tl.store(DB1 + (G0 + 1) * E + c * EC + rc,
-                         tl.load(DB1 + G0 * E + c * EC + rc) + tl.sum(dzq1t.to(tl.float32), 1))
-                dq = dot_acc(tl.trans(dzq1t), op(_ld(n1 + c * EC * D, EC, D), DOT), dq, DOT)
-            tl.store(DQ + off, dq.to(DQ.dtype.element_ty))
-            tl.debug_barrier()  # slot 1 is read below in other threads
-
-            # update path: slot 1 (the gradient w.r.t. the state after this step) -> slot 0
+    zrows = rows[:, None] * M + rm[None, :]
+    # mini-batch 0's partial Z2 = gelu(K W1 + b1) W2 over this role's hidden rows
+    off = tok + I0 * (M * D) + tile
+    k = tl.load(K + off)
+    z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
+    if SAVE_ACT:
+        tl.store(ZS + stream * (NSLOT - 1) * (E * M) + zrows, z1t)
+    x2t, gpt = gelu_fwd(z1t)
+    x2t = op(x2t, DOT)
+    gpt = op(gpt, DOT)
+    seq = 1
+    stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
+    for i0 in range(0, NMB, GROUP):  # the checkpoint store sits between groups, not inside the step loop
+        for i in range(i0, tl.minimum(i0 + GROUP, NMB)):
+            ib = I0 + i
+            off = tok + ib * (M * D) + tile
+            raise_flag(SYNC, stream, role, seq, SPLIT)
+            if OUTPUT:
+                if i > 0:  # the state is still the one after mini-batch ib - 1
+                    stage(XB, stream, role, seq + 1, 1, _out_partial(Q, off - M * D, w1t, b1, w2, b2, role, DOT),
+                          M, D, SPLIT)
             v = tl.load(V + off)
-            eta = tl.load(ETA + pid * L + i * M + rm).to(tl.float32)
-            target = v.to(tl.float32) - k.to(tl.float32)
-            # (a) recompute the inner gradient at the old state
-            z2 = tl.zeros([M, D], tl.float32) + tl.load(pb2 + rd)[None, :]
-            for c in tl.static_range(NC):
-                x2t, _gp = gelu_fwd(dot(op(_ld(p1 + c * EC * D, EC, D), DOT), tl.trans(k), DOT)
-                                    + tl.load(pb1 + c * EC + rc)[:, None])
-                x2t = op(x2t, DOT)
-                tl.store(xs + c * EC * M + tec, x2t)
-                z2 = dot_acc(tl.trans(x2t), op(_ld(p2 + c * EC * D, EC, D), DOT), z2, DOT)
-            lg, _xh, _r, _y, _gh, _a, _c = ln_l2_fwd(z2, target, nw, nb, D, EPS)
+            eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
+            wait_all(SYNC, stream, seq, SPLIT)
+            z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
+            if OUTPUT:
+                if i > 1:
+                    _write_out(Q, OUT, XB, stream, seq, role, tok, ib - 2, nw, nb, M, D, SPLIT, EPS)
+            if SAVE_ACT:
+                tl.store(Z2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, z2, mask=(tile >= 0) & (role == 0))
+            lg, _xh, _rs, _y, _gh, _a, _c = ln_l2_fwd(z2, v.to(tl.float32) - k.to(tl.float32), nw, nb, D, EPS)
             g2 = op(eta[:, None] * lg, DOT)
-            tl.debug_barrier()  # X2^T written above is read below in other threads
-            # (b) through G1 = P * gelu'(Z1) and the updates' use of G1, G2, X2
-            gb2 = tl.load(DB2 + (G0 + 1) * D + rd)
-            dg2 = tl.zeros([M, D], tl.float32) - gb2[None, :]
-            dk = tl.zeros([M, D], tl.float32)
-            for c in tl.static_range(NC):
-                w2c = op(_ld(p2 + c * EC * D, EC, D), DOT)
-                gw1c = op(_ld(gw1_1 + c * EC * D, EC, D), DOT)
-                _x, gp1t, gpp1t = gelu_fwd2(dot(op(_ld(p1 + c * EC * D, EC, D), DOT), tl.trans(k), DOT)
-                                            + tl.load(pb1 + c * EC + rc)[:, None])
-                pt = dot(w2c, tl.trans(g2), DOT)
-                dg1t = -(dot(gw1c, tl.trans(k), DOT) + tl.load(DB1 + (G0 + 1) * E + c * EC + rc)[:, None])
-                dpt = op(dg1t * gp1t, DOT)
-                tl.store(xs + E * M + c * EC * M + tec, op(dg1t * pt * gpp1t, DOT))
-                tl.store(xs + 2 * E * M + c * EC * M + tec, dpt)
-                tl.store(xs + 3 * E * M + c * EC * M + tec, op(gp1t, DOT))
-                dk = dot_acc(tl.trans(op(-(pt * gp1t), DOT)), gw1c, dk, DOT)  # dK = -G1 dW1'^T
-                dg2 = dot_acc(tl.trans(dpt), w2c, dg2, DOT)
-                x2t = tl.load(xs + c * EC * M + tec)
-                dg2 = dot_acc(tl.trans(-x2t), op(_ld(gw2_1 + c * EC * D, EC, D), DOT), dg2, DOT)
-            # (c) the LN-L2 gradient (its forward pieces recomputed: [M, D] tiles are replicated over the two
-            # warpgroups, so keeping them through (b) cost more registers than the arithmetic)
-            lg, xh, rstd, y, gh, a, cc = ln_l2_fwd(z2, target, nw, nb, D, EPS)
-            deta = tl.sum(dg2 * lg, 1)
-            dz2, dy, dnw_rows = ln_l2_bwd(eta[:, None] * dg2, xh, rstd, y, gh, a, cc, nw, D)
-            dnw += tl.sum(dnw_rows, 0)
-            dnb += tl.sum(dy, 0)
-            dz2 = op(dz2, DOT)
-            tl.store(DB2 + G0 * D + rd, gb2 + tl.sum(dz2.to(tl.float32), 0))
-            tl.debug_barrier()  # the scratch tiles written in (b) are read in other threads
-            # (d) through X2 into Z1 and K; the state gradient before the step
-            for c in tl.static_range(NC):
-                w2c = op(_ld(p2 + c * EC * D, EC, D), DOT)
-                gw2c = _ld(gw2_1 + c * EC * D, EC, D)
-                dx2t = dot(w2c, tl.trans(dz2), DOT) - dot(op(gw2c, DOT), tl.trans(g2), DOT)
-                dz1t = op(tl.load(xs + E * M + c * EC * M + tec).to(tl.float32)
-                          + dx2t * tl.load(xs + 3 * E * M + c * EC * M + tec).to(tl.float32), DOT)
-                dk = dot_acc(tl.trans(dz1t), op(_ld(p1 + c * EC * D, EC, D), DOT), dk, DOT)
-                _st(gw1_0 + c * EC * D, dot_acc(dz1t, k, _ld(gw1_1 + c * EC * D, EC, D), DOT), EC, D)
-                tl.store(DB1 + G0 * E + c * EC + rc,
-                         tl.load(DB1 + (G0 + 1) * E + c * EC + rc) + tl.sum(dz1t.to(tl.float32), 1))
-                gw2c = dot_acc(tl.load(xs + 2 * E * M + c * EC * M + tec), g2, gw2c, DOT)
-                gw2c = dot_acc(tl.load(xs + c * EC * M + tec), dz2, gw2c, DOT)
-                _st(gw2_0 + c * EC * D, gw2c, EC, D)
-            tl.store(DK + off, (dk + dy).to(DK.dtype.element_ty))  # + dy: the target is V - K
-            tl.store(DV + off, (-dy).to(DV.dtype.element_ty))
-            tl.store(DETA + pid * L + i * M + rm, deta.to(DETA.dtype.element_ty))
-            tl.debug_barrier()  # the next step reads slot 0 and the scratch in other threads
-    tl.store(DNW + pid * D + rd, dnw)
-    tl.store(DNB + pid * D + rd, dnb)
+            # the update of this role's rows (b2 is shared: every role computes the same)
+            g1t = op(dot(op(w2, DOT), tl.trans(g2), DOT) * gpt.to(tl.float32), DOT)
+            w1t = dot_acc(-g1t, k, w1t, DOT)
+            b1 = b1 - tl.sum(g1t.to(tl.float32), 1)
+            w2 = dot_acc(-x2t, g2, w2, DOT)
+            b2 = b2 - tl.sum(g2.to(tl.float32), 0)
+            seq += 1
+            if i + 1 < NMB:  # the next mini-batch's partial Z2, at the new state
+                k = tl.load(K + off + M * D)
+                z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
+                if SAVE_ACT:
+                    tl.store(ZS + (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows, z1t)
+                x2t, gpt = gelu_fwd(z1t)
+                x2t = op(x2t, DOT)
+                gpt = op(gpt, DOT)
+                stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
+        if SAVE:
+            _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
+    if OUTPUT:  # exchange seq carries the output of NMB - 2, exchange seq + 1 that of NMB - 1
+        last = I0 + NMB - 1
+        raise_flag(SYNC, stream, role, seq, SPLIT)
+        stage(XB, stream, role, seq + 1, 1, _out_partial(Q, tok + last * (M * D) + tile, w1t, b1, w2, b2, role, DOT),
+              M, D, SPLIT)
+        wait_all(SYNC, stream, seq, SPLIT)
+        if NMB > 1:
+            _write_out(Q, OUT, XB, stream, seq, role, tok, last - 1, nw, nb, M, D, SPLIT, EPS)
+        raise_flag(SYNC, stream, role, seq + 1, SPLIT)
+        wait_all(SYNC, stream, seq + 1, SPLIT)
+        _write_out(Q, OUT, XB, stream, seq + 1, role, tok, last, nw, nb, M, D, SPLIT, EPS)
 
 
-def _group(n_minibatches: int, checkpoint_group_size: int) -> int:
-    return n_minibatches if checkpoint_group_size <= 0 else min(checkpoint_group_size, n_minibatches)
+def split_for(E: int, M: int, D: int) -> int:
+    """Programs per stream. The interpreter runs programs one after another, so it takes 1 (see triton_exchange).
+    On a GPU, 2 roles: at E = 256 each holds 128 hidden rows at 8 warps (its state rows, 64 KiB, in registers).
+    Measured on an H200 at L = 18,048 (benchmarks/NOTES-ttt-kernel.md): 2 roles at 8 warps 3.19 / 27.9 ms
+    forward / forward+backward, 4 roles at 4 warps 3.94 / 33.8, 4 at 8 warps 6.38 / 36.6."""
+    if interpreting():
+        return 1
+    if os.environ.get("TTT_MLP_SPLIT"):  # for measurements and device tests of the other splits
+        return int(os.environ["TTT_MLP_SPLIT"])
+    return max(1, min(2, E // 64, M // 16))
+
+
+def warps_for(E: int, split: int) -> int:
+    """16 hidden rows per warp: one MMA tile of rows per warp, no replicated tiles."""
+    return max(1, min(8, E // split // 16))
 
 
 def _state_buffers(slots: int, D: int, E: int, device) -> tuple[torch.Tensor, ...]:
@@ -328,56 +191,103 @@ def _state_buffers(slots: int, D: int, E: int, device) -> tuple[torch.Tensor, ..
     return tuple(torch.empty(slots, *s, device=device, dtype=torch.float32) for s in ((E, D), (E,), (E, D), (D,)))
 
 
+def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots, nslot, group, acts, i0, nmb, M,
+                output, split, num_warps, key):
+    """Launch the forward kernel over mini-batches [i0, i0 + nmb) of every stream.
+
+    init: (W1, b1, W2, b2) with a leading index that is the head ([H, D, E], [H, E], [H, E, D], [H, D]: the layer's
+    weights) or the stream (views of state slots, W1^T [S, E, D] when init_transposed). slots: state slot buffers
+    to save into, nslot slots per stream (None: no saving); acts: (ZS, Z2S) or None; out: None without output."""
+    B, H, L, D = q.shape
+    E = init[1].shape[-1]
+    w1, b1, w2, b2 = init
+    sd, se = (w1.stride(2), w1.stride(1)) if init_transposed else (w1.stride(1), w1.stride(2))
+    streams = B * H
+    sync, xb = exchange_buffers(streams, split, M, D, q.device)
+    save = slots is not None
+    dummy = q  # stands in for unused pointers (never dereferenced: their constexpr switch is off)
+    LAUNCHED[key] = _mlp_fwd_kernel[(streams * split,)](
+        q, k, v, eta, norm_w, norm_b,
+        w1, b1, w2, b2, w1.shape[0], w1.stride(0), b1.stride(0), w2.stride(0), b2.stride(0), sd, se,
+        out if output else dummy, *(slots if save else (dummy,) * 4), nslot, group,
+        *(acts if acts is not None else (dummy, dummy)), xb, sync,
+        H, L, i0, nmb,
+        D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(q.dtype), EPS=LN_EPS, SAVE=save, OUTPUT=output,
+        SAVE_ACT=acts is not None, num_warps=num_warps, num_stages=1,
+    )
+
+
+def _group(n_minibatches: int, checkpoint_group_size: int) -> int:
+    return n_minibatches if checkpoint_group_size <= 0 else min(checkpoint_group_size, n_minibatches)
+
+
 def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size, save,
                 output=True, **tune):
-    """Run the forward kernel. Returns (out, checkpoints) with checkpoints None unless `save`.
-    `tune` overrides the launch shape for measurements: num_warps, NC (hidden-dim chunks)."""
+    """Run the forward scan. Returns (out, checkpoints) with checkpoints None unless `save`: state slots with
+    ceil(n / group) + 1 per stream (the initial state, then one after every group).
+    `tune` overrides the launch shape for measurements: split (programs per stream), num_warps."""
     check_device(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2)
     B, H, L, D = q.shape
     E = w1.shape[-1]
-    n = L // mini_batch_size
+    M = mini_batch_size
+    n = L // M
     group = _group(n, checkpoint_group_size)
-    out = new_output(q)
-    ck = _state_buffers(B * H * ((n + group - 1) // group + 1), D, E, q.device) if save else (out,) * 4
-    work = _state_buffers(B * H * 2, D, E, q.device)
-    LAUNCHED["fwd"] = _mlp_fwd_kernel[(B * H,)](
-        q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, out, *ck, *work,
-        H, L, n, group,
-        D=D, E=E, M=mini_batch_size, NC=tune.get("NC", _chunks(E)), DOT=dot_mode(q.dtype), EPS=LN_EPS,
-        SAVE=save, OUTPUT=output, num_warps=tune.get("num_warps", WARPS), num_stages=1,
-    )
-    return out, (ck if save else None)
+    split = tune.get("split", split_for(E, M, D))
+    out = new_output(q) if output else None
+    nslot = (n + group - 1) // group + 1
+    ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
+    _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
+                output, split, tune.get("num_warps", warps_for(E, split)), "fwd")
+    return out, ck
 
 
 def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkpoint_group_size, **tune):
-    """Run the backward kernel. Returns per-input gradients (slow-weight and norm gradients summed over batch)."""
+    """Gradients of every input, groups in reverse: recompute the group (states and activations), the output path
+    of all its mini-batches in parallel, the serial reverse through its updates, then d K of all its mini-batches
+    in parallel. Slow-weight and norm
+    gradients are summed over batch. `tune`: split, num_warps (both serial kernels), reverse_split, reverse_warps, out_warps, diag (timing
+    only: see triton_mlp_bwd._reverse_kernel)."""
+    from tttvideo.ttt import triton_mlp_bwd
+
     B, H, L, D = q.shape
     E = ck[1].shape[-1]
     M = mini_batch_size
     n = L // M
+    S = B * H
     group = _group(n, checkpoint_group_size)
-    DOT = dot_mode(q.dtype)
+    ng = (n + group - 1) // group
+    split = tune.get("split", split_for(E, M, D))
+    warps = tune.get("num_warps", warps_for(E, split))
+    dev = q.device
+    dout = dout.contiguous()
     dq, dk, dv, deta = new_output(q), new_output(k), new_output(v), new_output(eta)
-    dnw, dnb = new_output(q, (B * H, D), torch.float32), new_output(q, (B * H, D), torch.float32)
-    grads = _state_buffers(B * H * 2, D, E, q.device)
-    scratch = _state_buffers(B * H * (group + 1), D, E, q.device)
-    xs = torch.empty(B * H, 4, E, M, device=q.device, dtype=torch.bfloat16 if DOT == DOT_BF16 else torch.float32)
-    LAUNCHED["bwd"] = _mlp_bwd_kernel[(B * H,)](
-        q, k, v, eta, norm_w, norm_b, *ck, dout.contiguous(),
-        dq, dk, dv, deta, dnw, dnb, *grads, *scratch, xs,
-        H, L, n, group,
-        D=D, E=E, M=M, NC=tune.get("NC", _chunks(E)), DOT=DOT, EPS=LN_EPS,
-        num_warps=tune.get("num_warps", WARPS), num_stages=1,
-    )
+    dnw = torch.zeros(S, D, device=dev, dtype=torch.float32)
+    dnb = torch.zeros(S, D, device=dev, dtype=torch.float32)
+    states = _state_buffers(S * (group + 1), D, E, dev)  # the group's states, slot j = before mini-batch j
+    acts = (torch.empty(S * group, E, M, device=dev, dtype=torch.float32),
+            torch.empty(S * group, M, D, device=dev, dtype=torch.float32))
+    out_grads = _state_buffers(S * group, D, E, dev)  # d loss / d state through each mini-batch's output
+    carried = tuple(torch.zeros_like(t[:S]) for t in states)  # d loss / d state after the group, via later groups
+    operand = torch.bfloat16 if dot_mode(q.dtype) == DOT_BF16 else torch.float32
+    dk_operands = (torch.empty(S * group, E, D, device=dev, dtype=operand),  # dW1'^T and dZ1^T of each mini-batch
+                   torch.empty(S * group, E, M, device=dev, dtype=operand))
+    views = tuple(t.view(S, ng + 1, *t.shape[1:]) for t in ck)
+    for g in reversed(range(ng)):
+        i0 = g * group
+        cnt = min(group, n - i0)
+        init = tuple(t[:, g] for t in views)
+        _launch_fwd(q, k, v, eta, norm_w, norm_b, init, True, None, states, group + 1, 1, acts, i0, cnt, M,
+                    False, split, warps, "bwd_recompute")
+        triton_mlp_bwd.output_path(dout, q, norm_w, norm_b, states, group + 1, out_grads, group, dq, dnw, dnb,
+                                   i0, cnt, M, tune.get("out_warps", 8), LAUNCHED)
+        triton_mlp_bwd.reverse(k, v, eta, norm_w, norm_b, states, group + 1, acts, out_grads, carried,
+                               dk_operands, dv, deta, dnw, dnb, i0, cnt, M, tune.get("reverse_split", split),
+                               tune.get("reverse_warps", warps), LAUNCHED, tune.get("diag", 0))
+        triton_mlp_bwd.grad_k(k, v, eta, norm_w, norm_b, states, group + 1, acts, dk_operands, dv, dk, i0, cnt, M,
+                              tune.get("out_warps", 8), LAUNCHED)
     per_head = lambda t: t.view(B, H, *t.shape[1:]).sum(0)  # noqa: E731 - slow weights are shared over batch
-    dw1t, db1, dw2, db2 = (per_head(t.view(B * H, 2, *t.shape[1:])[:, 0]) for t in grads)  # slot 0
+    dw1t, db1, dw2, db2 = (per_head(t) for t in carried)
     return dq, dk, dv, deta, per_head(dnw), per_head(dnb), dw1t.transpose(1, 2), db1, dw2, db2
-
-
-def _chunks(E: int) -> int:
-    """Hidden-dim chunks: two, so E / 2 = 128 rows at E = 256 (one 16-row MMA tile per warp at 8 warps). Measured
-    against 1 chunk at 16 warps and 4 at 4 warps (benchmarks/NOTES-ttt-kernel.md)."""
-    return 2 if E >= 32 else 1
 
 
 class TTTMLPFunction(torch.autograd.Function):
