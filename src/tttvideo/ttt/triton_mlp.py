@@ -5,18 +5,18 @@ and the hidden activations as [E, M], so every product over the hidden dim has h
 
 Each (batch, head) stream is split over SPLIT cooperating programs (`triton_exchange`): a program holds E / SPLIT
 hidden rows of the fp32 state in registers for the whole scan and exchanges the [M, D] partial sums over the hidden
-dim with the other roles once per mini-batch. That spreads the serial chain of one stream over SPLIT SMs, and a
-quarter or half of the state fits in registers, where the whole of it spilled (benchmarks/NOTES-ttt-kernel.md).
+dim with the other roles once per mini-batch. That spreads the serial chain of one stream over SPLIT SMs, and
+half of the state fits in registers, where the whole of it spilled (benchmarks/NOTES-ttt-kernel.md).
 
-Forward, per mini-batch: Z1^T = W1^T K^T + b1, X2 = gelu(Z1), partial Z2 = X2 W2 -> exchange (with the previous
-mini-batch's output partial) -> the LN-L2 gradient G2 (every role, identical), P^T = W2 G2^T, G1 = P gelu'(Z1),
-the update of the role's rows, then the role's partial of the output gelu(Q W1' + b1') W2'. Each role writes
-M / SPLIT rows of the output after the next exchange.
+Forward, per mini-batch: Z1^T = W1^T K^T + b1, X2 = gelu(Z1), partial Z2 = X2 W2 -> exchange -> the LN-L2
+gradient G2 (every role, identical), P^T = W2 G2^T, G1 = P gelu'(Z1), the update of the role's rows. The role's
+partial of the output gelu(Q W1' + b1') W2' is computed while it waits on the next exchange and rides on the one
+after; each role then writes M / SPLIT rows of that output.
 
 The same kernel recomputes a checkpoint group for the backward: then it starts from the group's checkpoint, skips
 the output, and saves every state and the activations Z1, Z2 that the backward's reverse pass reads
 (`triton_mlp_bwd.py`). The backward, per group in reverse: that recompute, the output path of every mini-batch
-of the group in parallel, then the serial reverse through the updates.
+of the group in parallel, the serial reverse through the updates, then d K of every mini-batch in parallel.
 
 Shapes covered: D and M powers of two >= 16, E = 4 D (ops.uncovered_reason).
 """
