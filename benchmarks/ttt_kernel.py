@@ -57,6 +57,12 @@ def kernel_info(module, *keys):
     return info or None
 
 
+def split_tune(tune):
+    """A variant's launch overrides for the forward ("fwd_*") and the backward ("bwd_*"), prefixes removed."""
+    return ({k[4:]: v for k, v in tune.items() if k.startswith("fwd_")},
+            {k[4:]: v for k, v in tune.items() if k.startswith("bwd_")})
+
+
 def load_baseline(path):
     """A kernel module from a file (an earlier version of triton_mlp.py, for a same-run comparison)."""
     import importlib.util
@@ -78,8 +84,7 @@ def time_scan(kind, L, group=16, module=None, **tune):
     bwd_fn = mod.mlp_backward if kind == "mlp" else mod.linear_backward
     x = [t.detach() for t in ins]
     dout = torch.randn_like(x[0])
-    fwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("fwd_")}
-    bwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("bwd_")}
+    fwd_tune, bwd_tune = split_tune(tune)
     out_only = tune.get("output", True)
 
     def fwd():
@@ -100,8 +105,8 @@ def time_scan(kind, L, group=16, module=None, **tune):
     if out_only:
         ms_fb, n_fb = bench(fwd_bwd)
         ms_i, _ = bench(infer)
-        row.update(fwdbwd_ms=ms_fb, fwdbwd_runs=n_fb, infer_ms=ms_i, bwd_kernel=kernel_info(mod, "bwd", "bwd_recompute", "bwd_output", "bwd_reverse",
-                                                                            "bwd_dk"))
+        bwd = kernel_info(mod, "bwd", "bwd_recompute", "bwd_output", "bwd_reverse", "bwd_dk")
+        row.update(fwdbwd_ms=ms_fb, fwdbwd_runs=n_fb, infer_ms=ms_i, bwd_kernel=bwd)
     flop = (MLP_FLOP if kind == "mlp" else LIN_FLOP) * B * H * L
     row["fwd_tflops"] = flop / ms_f / 1e9
     if "fwdbwd_ms" in row:
@@ -122,8 +127,7 @@ def profile_scan(L, group=16, **tune):
     m = 64
     x = [t.detach() for t in make_inputs("mlp", B, H, L, D, m, seed=L)]
     dout = torch.randn_like(x[0])
-    fwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("fwd_")}
-    bwd_tune = {k[4:]: v for k, v in tune.items() if k.startswith("bwd_")}
+    fwd_tune, bwd_tune = split_tune(tune)
 
     def run():
         _, ck = triton_mlp.mlp_forward(*x, m, group, True, **fwd_tune)
@@ -168,7 +172,7 @@ def compile_only():
     act = {n: "*bf16" for n in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV")}
     ints = ("H", "L", "NMB", "GROUP", "HW", "S_W1", "S_B1", "S_W2", "S_B2", "W1_SD", "W1_SE", "NSLOT", "I0", "CNT",
             "GSLOT")
-    split = triton_mlp.split_for(256, 64, 64) if not os.environ.get("TTT_SPLIT") else int(os.environ["TTT_SPLIT"])
+    split = triton_mlp.split_for(256, 64, 64)  # TTT_MLP_SPLIT overrides it, as at run time
     warps = triton_mlp.warps_for(256, split)
     mlp = dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS)
     kernels = [
@@ -176,9 +180,9 @@ def compile_only():
          dict(mlp, SPLIT=split, SAVE=True, OUTPUT=True, SAVE_ACT=False)),
         ("mlp_bwd_recompute", triton_mlp._mlp_fwd_kernel, warps,
          dict(mlp, SPLIT=split, SAVE=True, OUTPUT=False, SAVE_ACT=True)),
-        ("mlp_bwd_output", triton_mlp_bwd._output_path_kernel, 8, dict(mlp, NC=2)),
+        ("mlp_bwd_output", triton_mlp_bwd._output_path_kernel, 8, dict(mlp, NC=triton_mlp_bwd.chunks_for(256, 8))),
         ("mlp_bwd_reverse", triton_mlp_bwd._reverse_kernel, warps, dict(mlp, SPLIT=split, DIAG=0)),
-        ("mlp_bwd_dk", triton_mlp_bwd._dk_kernel, 8, dict(mlp, NC=2)),
+        ("mlp_bwd_dk", triton_mlp_bwd._dk_kernel, 8, dict(mlp, NC=triton_mlp_bwd.chunks_for(256, 8))),
         ("linear_fwd", triton_linear._linear_fwd_kernel, triton_linear.FWD_WARPS,
          dict(D=64, M=16, DOT=triton_linear.DOT, EPS=LN_EPS, SAVE=True)),
         ("linear_bwd", triton_linear._linear_bwd_kernel, triton_linear.BWD_WARPS,
@@ -295,7 +299,8 @@ def _table(res):
           f"{'fwd/SDPA':>9} {'f+b/SDPA':>9}")
     for r in res["rows"]:
         if r["kind"] in ("mlp", "linear") and "fwd_ms" in r:
-            keys = [k for k in r if k in ("output", "baseline") or k.startswith(("fwd_", "bwd_")) and not k.endswith(("_ms", "_kernel"))
+            keys = [k for k in r if k in ("output", "baseline")
+                    or k.startswith(("fwd_", "bwd_")) and not k.endswith(("_ms", "_kernel"))
                     and k != "fwd_runs" and k != "fwd_tflops"]
             tag = "" if not keys else " (" + ",".join(f"{k}={r[k]}" for k in keys) + ")"
             fb, nan = r.get("fwdbwd_ms", float("nan")), float("nan")

@@ -244,9 +244,8 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
 def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkpoint_group_size, **tune):
     """Gradients of every input, groups in reverse: recompute the group (states and activations), the output path
     of all its mini-batches in parallel, the serial reverse through its updates, then d K of all its mini-batches
-    in parallel. Slow-weight and norm
-    gradients are summed over batch. `tune`: split, num_warps (both serial kernels), reverse_split, reverse_warps, out_warps, diag (timing
-    only: see triton_mlp_bwd._reverse_kernel)."""
+    in parallel. Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial
+    kernels), reverse_split, reverse_warps, out_warps, diag (timing only: see triton_mlp_bwd._reverse_kernel)."""
     from tttvideo.ttt import triton_mlp_bwd
 
     B, H, L, D = q.shape

@@ -223,6 +223,11 @@ def _dk_kernel(
     tl.store(DK + off, dk.to(DK.dtype.element_ty))
 
 
+def chunks_for(E: int, warps: int) -> int:
+    """Hidden-dim chunks of the parallel kernels (full hidden dim per program): 16 rows per warp in a chunk."""
+    return max(1, E // (16 * warps))
+
+
 def output_path(dout, q, norm_w, norm_b, states, nslot, out_grads, gslot, dq, dnw, dnb, i0, cnt, M, warps,
                 launched):
     B, H, L, D = q.shape
@@ -230,7 +235,7 @@ def output_path(dout, q, norm_w, norm_b, states, nslot, out_grads, gslot, dq, dn
     launched["bwd_output"] = _output_path_kernel[(B * H * cnt,)](
         q, dout, norm_w, *states, nslot, *out_grads, gslot, dq, dnw, dnb,
         H, L, i0, cnt,
-        D=D, E=E, M=M, NC=max(1, E // (16 * warps)), DOT=dot_mode(q.dtype), EPS=LN_EPS,
+        D=D, E=E, M=M, NC=chunks_for(E, warps), DOT=dot_mode(q.dtype), EPS=LN_EPS,
         num_warps=warps, num_stages=1,
     )
 
@@ -255,6 +260,6 @@ def grad_k(k, v, eta, norm_w, norm_b, states, nslot, acts, dk_operands, dv, dk, 
     launched["bwd_dk"] = _dk_kernel[(B * H * cnt,)](
         k, v, eta, norm_w, norm_b, states[0], states[2], nslot, *acts, *dk_operands, nslot - 1, dv, dk,
         H, L, i0, cnt,
-        D=D, E=E, M=M, NC=max(1, E // (16 * warps)), DOT=dot_mode(k.dtype), EPS=LN_EPS,
+        D=D, E=E, M=M, NC=chunks_for(E, warps), DOT=dot_mode(k.dtype), EPS=LN_EPS,
         num_warps=warps, num_stages=1,
     )
