@@ -69,6 +69,7 @@ def load_baseline(path):
 
     spec = importlib.util.spec_from_file_location("ttt_baseline_kernel", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # the module finds its own backward kernels through sys.modules
     spec.loader.exec_module(mod)
     return mod
 
@@ -157,6 +158,10 @@ def time_sdpa(L=18048):
     return dict(kind="sdpa", L=L, fwd_ms=ms_f, fwdbwd_ms=ms_fb)
 
 
+# the backward's scratch buffers held in the operand dtype (triton_mlp_bwd's docstring)
+OPERAND_BUFFERS = ("GK1", "DZ1", "XS", "GPS", "GPPS", "G2S", "DQ1", "XQ", "S1", "DQ2")
+
+
 def compile_only():
     """Compile every kernel for sm_80, sm_89 and sm_90 (no GPU needed) and report ptxas's resource use."""
     import triton
@@ -181,8 +186,9 @@ def compile_only():
         ("mlp_bwd_recompute", triton_mlp._mlp_fwd_kernel, warps,
          dict(mlp, SPLIT=split, SAVE=True, OUTPUT=False, SAVE_ACT=True)),
         ("mlp_bwd_output", triton_mlp_bwd._output_path_kernel, 8, dict(mlp, NC=triton_mlp_bwd.chunks_for(256, 8))),
-        ("mlp_bwd_reverse", triton_mlp_bwd._reverse_kernel, warps, dict(mlp, SPLIT=split, DIAG=0)),
-        ("mlp_bwd_dk", triton_mlp_bwd._dk_kernel, 8, dict(mlp, NC=triton_mlp_bwd.chunks_for(256, 8))),
+        ("mlp_bwd_reverse", triton_mlp_bwd._reverse_kernel, warps, dict(mlp, SPLIT=split)),
+        ("mlp_bwd_dk", triton_mlp_bwd._dk_kernel, 8,
+         dict(D=64, E=256, M=64, DOT=DOT_BF16, NC=triton_mlp_bwd.chunks_for(256, 8))),
         ("linear_fwd", triton_linear._linear_fwd_kernel, triton_linear.FWD_WARPS,
          dict(D=64, M=16, DOT=triton_linear.DOT, EPS=LN_EPS, SAVE=True)),
         ("linear_bwd", triton_linear._linear_bwd_kernel, triton_linear.BWD_WARPS,
@@ -197,9 +203,13 @@ def compile_only():
             sig = {n: "constexpr" if n in consts else "i32" if n in ints else act.get(n, "*fp32") for n in fn.arg_names}
             if "SYNC" in sig:
                 sig["SYNC"] = "*i32"
-            for n in ("GK1", "DZ1"):  # the reverse pass's d K operands, in the operand dtype
+            for n in OPERAND_BUFFERS:  # the backward's scratch kept in the operand dtype
                 if n in sig:
                     sig[n] = "*bf16"
+            if name in ("mlp_bwd_output", "mlp_bwd_reverse", "mlp_bwd_dk", "mlp_bwd_recompute"):
+                for n in ("SW1", "SW2"):  # the recomputed group states (the forward's checkpoints stay fp32)
+                    if n in sig:
+                        sig[n] = "*bf16"
             t0 = time.time()
             # the launcher's specialisation: 16-byte aligned pointers, sizes divisible by 16 (H=48, L, group 16)
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -29,6 +29,7 @@ CASES = [
     ("mlp", 2, 1, 16, 16, 5, 2),  # batch 2 (slow-weight gradients sum over it), a partial last group
     ("mlp", 1, 1, 16, 16, 3, 0),  # no checkpointing: one group
     ("mlp", 1, 1, 16, 16, 1, 2),  # one mini-batch: the forward's output path has no step before it
+    ("mlp", 1, 1, 16, 16, 9, 2),  # five groups: the backward's scratch sets rotate (three and two of them)
     ("linear", 2, 2, 16, 16, 5, 2),
     ("linear", 1, 1, 32, 16, 3, 0),
 ]

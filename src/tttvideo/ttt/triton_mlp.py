@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from tttvideo.ttt.triton_common import (
-    DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, interpreting, ln_l2_fwd, ln_stats, new_output,
-    op,
+    DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting, ln_l2_fwd, ln_stats,
+    new_output, op,
 )
 from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, stage, take_ticket, wait_all
 
@@ -42,16 +42,31 @@ LAUNCHED: dict = {}
 @triton.jit
 def _store_rows(SW1, SB1, SW2, SB2, slot, w1t, b1, w2, b2, role, rows, rd, D: tl.constexpr, E: tl.constexpr):
     """Write this role's rows of a state slot (W1^T [E, D], b1 [E], W2 [E, D]); role 0 also writes b2 [D]."""
-    tl.store(SW1 + slot * (E * D) + rows[:, None] * D + rd[None, :], w1t)
+    tl.store(SW1 + slot * (E * D) + rows[:, None] * D + rd[None, :], w1t.to(SW1.dtype.element_ty))
     tl.store(SB1 + slot * E + rows, b1)
-    tl.store(SW2 + slot * (E * D) + rows[:, None] * D + rd[None, :], w2)
+    tl.store(SW2 + slot * (E * D) + rows[:, None] * D + rd[None, :], w2.to(SW2.dtype.element_ty))
     tl.store(SB2 + slot * D + rd, b2, mask=(rd < D) & (role == 0))
 
 
 @triton.jit
-def _out_partial(Q, off, w1t, b1, w2, b2, role, DOT: tl.constexpr):
+def _activation(z1t, XS, GPS, GPPS, off, SAVE_ACT: tl.constexpr, DOT: tl.constexpr):
+    """X2^T = gelu(Z1^T) and gelu'(Z1^T) in the operand dtype. A recompute (SAVE_ACT) also stores them and gelu''
+    for the backward, which then needs no GELU of its own."""
+    if SAVE_ACT:
+        _x, _g, gppt = gelu_fwd2(z1t)
+        tl.store(GPPS + off, op(gppt, DOT))
+    x2t, gpt = gelu_fwd(z1t)
+    x2t = op(x2t, DOT)
+    gpt = op(gpt, DOT)
+    if SAVE_ACT:
+        tl.store(XS + off, x2t)
+        tl.store(GPS + off, gpt)
+    return x2t, gpt
+
+
+@triton.jit
+def _out_partial(q, w1t, b1, w2, b2, role, DOT: tl.constexpr):
     """This role's partial of the pre-LN output gelu(Q W1' + b1') W2' (+ b2' from role 0), at the current state."""
-    q = tl.load(Q + off)
     xq2t, _g = gelu_fwd(dot(op(w1t, DOT), tl.trans(q), DOT) + b1[:, None])
     zq2p = dot(tl.trans(op(xq2t, DOT)), op(w2, DOT), DOT)
     return tl.where(role == 0, zq2p + b2[None, :], zq2p)
@@ -73,22 +88,23 @@ def _write_out(Q, OUT, XB, stream, seq, role, tok, ib, nw, nb,
 def _mlp_fwd_kernel(
     Q, K, V, ETA, NW, NB,
     W1, B1, W2, B2, HW, S_W1, S_B1, S_W2, S_B2, W1_SD, W1_SE,
-    OUT, CW1, CB1, CW2, CB2, NSLOT, GROUP, ZS, Z2S, XB, SYNC,
+    OUT, CW1, CB1, CW2, CB2, NSLOT, GROUP, XS, GPS, GPPS, Z2S, G2S, XB, SYNC,
     H, L, I0, NMB,
     D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    EPS: tl.constexpr, SAVE: tl.constexpr, OUTPUT: tl.constexpr, SAVE_ACT: tl.constexpr,
+    EPS: tl.constexpr, SAVE: tl.constexpr, OUTPUT: tl.constexpr, SAVE_ACT: tl.constexpr, PREFETCH: tl.constexpr = 1,
 ):
     """NMB mini-batches from I0, per (stream, role).
 
     Initial state: W1 (element (d, e) at W1 + idx S_W1 + d W1_SD + e W1_SE), B1, W2 ([E, D] rows), B2 with
     idx = stream % HW (HW = H: the layer's weights, shared over batch; HW = streams: a checkpoint per stream).
     SAVE: the state goes to slot stream * NSLOT + s after every GROUP mini-batches (s = 0 is the initial state,
-    the last mini-batch always closes a slot). SAVE_ACT: Z1^T [E, M] and Z2 [M, D] (fp32) of mini-batch i go to
-    ZS / Z2S at stream * (NSLOT - 1) + i.
+    the last mini-batch always closes a slot; W1^T and W2 in the slot buffers' dtype). SAVE_ACT: what the
+    backward reads of mini-batch i (triton_mlp_bwd: X2^T, gelu'(Z1)^T, gelu''(Z1)^T, Z2, G2) goes to index
+    stream * (NSLOT - 1) + i of XS, GPS, GPPS, Z2S, G2S.
 
-    Exchange s (s = i + 1) carries the partial Z2 of mini-batch i and the partial output of mini-batch i - 1: that
-    output is computed after this role raised its flag for s and before it waits, while the other roles catch up,
-    and written after exchange s + 1."""
+    Exchange s (s = i + 1) carries the partial Z2 of mini-batch i and the partial output of mini-batch i - 2, which
+    was computed after this role raised its flag for s - 1 and before it waited (while the other roles caught up),
+    and is written after exchange s."""
     stream, role = take_ticket(SYNC, SPLIT)
     EC: tl.constexpr = E // SPLIT
     h = stream % H
@@ -111,13 +127,11 @@ def _mlp_fwd_kernel(
     off = tok + I0 * (M * D) + tile
     k = tl.load(K + off)
     z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
-    if SAVE_ACT:
-        tl.store(ZS + stream * (NSLOT - 1) * (E * M) + zrows, z1t)
-    x2t, gpt = gelu_fwd(z1t)
-    x2t = op(x2t, DOT)
-    gpt = op(gpt, DOT)
+    x2t, gpt = _activation(z1t, XS, GPS, GPPS, stream * (NSLOT - 1) * (E * M) + zrows, SAVE_ACT, DOT)
     seq = 1
     stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
+    if PREFETCH:  # K and Q of the next mini-batch are loaded one step ahead, off the chain
+        q_next = tl.zeros([M, D], Q.dtype.element_ty)
     for i0 in range(0, NMB, GROUP):  # the checkpoint store sits between groups, not inside the step loop
         for i in range(i0, tl.minimum(i0 + GROUP, NMB)):
             ib = I0 + i
@@ -125,10 +139,17 @@ def _mlp_fwd_kernel(
             raise_flag(SYNC, stream, role, seq, SPLIT)
             if OUTPUT:
                 if i > 0:  # the state is still the one after mini-batch ib - 1
-                    stage(XB, stream, role, seq + 1, 1, _out_partial(Q, off - M * D, w1t, b1, w2, b2, role, DOT),
-                          M, D, SPLIT)
+                    if PREFETCH:
+                        q = q_next
+                    else:
+                        q = tl.load(Q + off - M * D)
+                    stage(XB, stream, role, seq + 1, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
+                if PREFETCH:
+                    q_next = tl.load(Q + off)
             v = tl.load(V + off)
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
+            if PREFETCH:
+                k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
             wait_all(SYNC, stream, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:
@@ -138,6 +159,8 @@ def _mlp_fwd_kernel(
                 tl.store(Z2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, z2, mask=(tile >= 0) & (role == 0))
             lg, _xh, _rs, _y, _gh, _a, _c = ln_l2_fwd(z2, v.to(tl.float32) - k.to(tl.float32), nw, nb, D, EPS)
             g2 = op(eta[:, None] * lg, DOT)
+            if SAVE_ACT:
+                tl.store(G2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, g2, mask=(tile >= 0) & (role == 0))
             # the update of this role's rows (b2 is shared: every role computes the same)
             g1t = op(dot(op(w2, DOT), tl.trans(g2), DOT) * gpt.to(tl.float32), DOT)
             w1t = dot_acc(-g1t, k, w1t, DOT)
@@ -146,21 +169,21 @@ def _mlp_fwd_kernel(
             b2 = b2 - tl.sum(g2.to(tl.float32), 0)
             seq += 1
             if i + 1 < NMB:  # the next mini-batch's partial Z2, at the new state
-                k = tl.load(K + off + M * D)
+                if PREFETCH:
+                    k = k_next
+                else:
+                    k = tl.load(K + off + M * D)
                 z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
-                if SAVE_ACT:
-                    tl.store(ZS + (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows, z1t)
-                x2t, gpt = gelu_fwd(z1t)
-                x2t = op(x2t, DOT)
-                gpt = op(gpt, DOT)
+                x2t, gpt = _activation(z1t, XS, GPS, GPPS, (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows,
+                                       SAVE_ACT, DOT)
                 stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries the output of NMB - 2, exchange seq + 1 that of NMB - 1
         last = I0 + NMB - 1
         raise_flag(SYNC, stream, role, seq, SPLIT)
-        stage(XB, stream, role, seq + 1, 1, _out_partial(Q, tok + last * (M * D) + tile, w1t, b1, w2, b2, role, DOT),
-              M, D, SPLIT)
+        stage(XB, stream, role, seq + 1, 1,
+              _out_partial(tl.load(Q + tok + last * (M * D) + tile), w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
         wait_all(SYNC, stream, seq, SPLIT)
         if NMB > 1:
             _write_out(Q, OUT, XB, stream, seq, role, tok, last - 1, nw, nb, M, D, SPLIT, EPS)
@@ -192,12 +215,13 @@ def _state_buffers(slots: int, D: int, E: int, device) -> tuple[torch.Tensor, ..
 
 
 def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots, nslot, group, acts, i0, nmb, M,
-                output, split, num_warps, key):
+                output, split, num_warps, key, prefetch=1):
     """Launch the forward kernel over mini-batches [i0, i0 + nmb) of every stream.
 
     init: (W1, b1, W2, b2) with a leading index that is the head ([H, D, E], [H, E], [H, E, D], [H, D]: the layer's
     weights) or the stream (views of state slots, W1^T [S, E, D] when init_transposed). slots: state slot buffers
-    to save into, nslot slots per stream (None: no saving); acts: (ZS, Z2S) or None; out: None without output."""
+    to save into, nslot slots per stream (None: no saving); acts: the five activation buffers of a recompute
+    (triton_mlp_bwd) or None; out: None without output."""
     B, H, L, D = q.shape
     E = init[1].shape[-1]
     w1, b1, w2, b2 = init
@@ -210,10 +234,10 @@ def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots,
         q, k, v, eta, norm_w, norm_b,
         w1, b1, w2, b2, w1.shape[0], w1.stride(0), b1.stride(0), w2.stride(0), b2.stride(0), sd, se,
         out if output else dummy, *(slots if save else (dummy,) * 4), nslot, group,
-        *(acts if acts is not None else (dummy, dummy)), xb, sync,
+        *(acts if acts is not None else (dummy,) * 5), xb, sync,
         H, L, i0, nmb,
         D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(q.dtype), EPS=LN_EPS, SAVE=save, OUTPUT=output,
-        SAVE_ACT=acts is not None, num_warps=num_warps, num_stages=1,
+        SAVE_ACT=acts is not None, PREFETCH=prefetch, num_warps=num_warps, num_stages=1,
     )
 
 
@@ -225,7 +249,8 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
                 output=True, **tune):
     """Run the forward scan. Returns (out, checkpoints) with checkpoints None unless `save`: state slots with
     ceil(n / group) + 1 per stream (the initial state, then one after every group).
-    `tune` overrides the launch shape for measurements: split (programs per stream), num_warps."""
+    `tune` overrides the launch shape for measurements: split (programs per stream), num_warps, prefetch (0: load K
+    and Q of a mini-batch in its own step instead of one step ahead)."""
     check_device(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2)
     B, H, L, D = q.shape
     E = w1.shape[-1]
@@ -237,15 +262,73 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
     _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
-                output, split, tune.get("num_warps", warps_for(E, split)), "fwd")
+                output, split, tune.get("num_warps", warps_for(E, split)), "fwd", tune.get("prefetch", 1))
     return out, ck
 
 
+class _Lanes:
+    """Two CUDA streams for the backward: the serial kernels (recompute, reverse) on a high-priority one and the
+    parallel kernels (output path, d K) on a low-priority one, where they fill the SMs the serial kernels leave
+    idle. `after` names the launches (keys) a launch must follow across lanes. Without CUDA (the interpreter), or
+    with `overlap` off (for measurements), everything runs inline on the current stream, in call order."""
+
+    _streams: dict = {}
+
+    def __init__(self, device, overlap=True):
+        self.cuda = device.type == "cuda" and overlap
+        self.events = {}
+        if self.cuda:
+            if device not in self._streams:
+                self._streams[device] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=0))
+            self.serial, self.parallel = self._streams[device]
+            self.entry = torch.cuda.current_stream(device)
+            self.serial.wait_stream(self.entry)
+            self.parallel.wait_stream(self.entry)
+
+    def run(self, lane, key, fn, after=()):
+        if not self.cuda:
+            fn()
+            return
+        stream = self.serial if lane == "serial" else self.parallel
+        with torch.cuda.stream(stream):
+            for a in after:
+                if a in self.events:
+                    stream.wait_event(self.events[a])
+            fn()
+            self.events[key] = torch.cuda.Event()
+            self.events[key].record(stream)
+
+    def join(self):
+        if self.cuda:
+            self.entry.wait_stream(self.serial)
+            self.entry.wait_stream(self.parallel)
+
+
+def _backward_buffers(S, group, D, E, M, operand, device, sets):
+    """The scratch of one checkpoint group (layouts: triton_mlp_bwd's docstring), `sets` copies of each part."""
+    def new(*shape, dtype=operand):
+        return torch.empty(*shape, device=device, dtype=dtype)
+
+    f32 = torch.float32
+    rows = S * group
+    states = [(new(S * (group + 1), E, D), new(S * (group + 1), E, dtype=f32), new(S * (group + 1), E, D),
+               new(S * (group + 1), D, dtype=f32)) for _ in range(sets["states"])]
+    acts = [(new(rows, E, M), new(rows, E, M), new(rows, E, M), new(rows, M, D, dtype=f32), new(rows, M, D))
+            for _ in range(sets["states"])]
+    outs = [(new(rows, E, M), new(rows, E, M), new(rows, E, M), new(rows, M, D), new(rows, E, dtype=f32),
+             new(rows, D, dtype=f32)) for _ in range(sets["outs"])]
+    dk_ops = [(new(rows, E, D), new(rows, E, M)) for _ in range(sets["outs"])]
+    return states, acts, outs, dk_ops
+
+
 def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkpoint_group_size, **tune):
-    """Gradients of every input, groups in reverse: recompute the group (states and activations), the output path
-    of all its mini-batches in parallel, the serial reverse through its updates, then d K of all its mini-batches
-    in parallel. Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial
-    kernels), reverse_split, reverse_warps, out_warps, diag (timing only: see triton_mlp_bwd._reverse_kernel)."""
+    """Gradients of every input, groups in reverse. Per group g: recompute it from its checkpoint (states and
+    activations), the output path of all its mini-batches in parallel, the serial reverse through its updates, then
+    d K of all its mini-batches in parallel. The serial kernels run one group ahead on one stream (recompute g - 1,
+    then reverse g) and the parallel ones on another, so the output path of g - 1 and d K of g overlap the reverse
+    of g; the group scratch rotates over three sets (recomputed states and activations) and two (the rest).
+    Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial kernels),
+    reverse_split, reverse_warps, out_warps, overlap (False: one stream), prefetch (the forward kernel's)."""
     from tttvideo.ttt import triton_mlp_bwd
 
     B, H, L, D = q.shape
@@ -257,33 +340,57 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     ng = (n + group - 1) // group
     split = tune.get("split", split_for(E, M, D))
     warps = tune.get("num_warps", warps_for(E, split))
+    out_warps = tune.get("out_warps", 8)
     dev = q.device
     dout = dout.contiguous()
     dq, dk, dv, deta = new_output(q), new_output(k), new_output(v), new_output(eta)
     dnw = torch.zeros(S, D, device=dev, dtype=torch.float32)
     dnb = torch.zeros(S, D, device=dev, dtype=torch.float32)
-    states = _state_buffers(S * (group + 1), D, E, dev)  # the group's states, slot j = before mini-batch j
-    acts = (torch.empty(S * group, E, M, device=dev, dtype=torch.float32),
-            torch.empty(S * group, M, D, device=dev, dtype=torch.float32))
-    out_grads = _state_buffers(S * group, D, E, dev)  # d loss / d state through each mini-batch's output
-    carried = tuple(torch.zeros_like(t[:S]) for t in states)  # d loss / d state after the group, via later groups
     operand = torch.bfloat16 if dot_mode(q.dtype) == DOT_BF16 else torch.float32
-    dk_operands = (torch.empty(S * group, E, D, device=dev, dtype=operand),  # dW1'^T and dZ1^T of each mini-batch
-                   torch.empty(S * group, E, M, device=dev, dtype=operand))
+    states, acts, outs, dk_ops = _backward_buffers(S, group, D, E, M, operand, dev,
+                                                   dict(states=min(3, ng), outs=min(2, ng)))
+    carried = tuple(torch.zeros(S, *t.shape[1:], device=dev, dtype=torch.float32) for t in states[0])
     views = tuple(t.view(S, ng + 1, *t.shape[1:]) for t in ck)
-    for g in reversed(range(ng)):
-        i0 = g * group
-        cnt = min(group, n - i0)
+    lanes = _Lanes(dev, tune.get("overlap", True))
+
+    def span(g):
+        return g * group, min(group, n - g * group)
+
+    def recompute(g):  # reuses the set of group g + 3, last read by d K of g + 3
+        i0, cnt = span(g)
         init = tuple(t[:, g] for t in views)
-        _launch_fwd(q, k, v, eta, norm_w, norm_b, init, True, None, states, group + 1, 1, acts, i0, cnt, M,
-                    False, split, warps, "bwd_recompute")
-        triton_mlp_bwd.output_path(dout, q, norm_w, norm_b, states, group + 1, out_grads, group, dq, dnw, dnb,
-                                   i0, cnt, M, tune.get("out_warps", 8), LAUNCHED)
-        triton_mlp_bwd.reverse(k, v, eta, norm_w, norm_b, states, group + 1, acts, out_grads, carried,
-                               dk_operands, dv, deta, dnw, dnb, i0, cnt, M, tune.get("reverse_split", split),
-                               tune.get("reverse_warps", warps), LAUNCHED, tune.get("diag", 0))
-        triton_mlp_bwd.grad_k(k, v, eta, norm_w, norm_b, states, group + 1, acts, dk_operands, dv, dk, i0, cnt, M,
-                              tune.get("out_warps", 8), LAUNCHED)
+        lanes.run("serial", ("rc", g), lambda: _launch_fwd(
+            q, k, v, eta, norm_w, norm_b, init, True, None, states[g % 3], group + 1, 1, acts[g % 3], i0, cnt, M,
+            False, split, warps, "bwd_recompute", tune.get("prefetch", 1)), after=[("dk", g + 3)])
+
+    def output_path(g):  # reuses the set of group g + 2, read by the reverse of g + 2 (before the recompute of g)
+        i0, cnt = span(g)
+        lanes.run("parallel", ("op", g), lambda: triton_mlp_bwd.output_path(
+            dout, q, norm_w, states[g % 3], group + 1, acts[g % 3], outs[g % 2], group, dq, dnw, dnb, i0, cnt, M,
+            out_warps, LAUNCHED), after=[("rc", g)])
+
+    def reverse(g):  # writes the d K operands of g % 2, last read by d K of g + 2
+        i0, cnt = span(g)
+        lanes.run("serial", ("rev", g), lambda: triton_mlp_bwd.reverse(
+            q, k, v, eta, norm_w, norm_b, states[g % 3], group + 1, acts[g % 3], outs[g % 2], carried, dk_ops[g % 2],
+            dv, deta, dnw, dnb, i0, cnt, M, tune.get("reverse_split", split), tune.get("reverse_warps", warps),
+            LAUNCHED), after=[("op", g), ("dk", g + 2)])
+
+    def grad_k(g):
+        i0, cnt = span(g)
+        lanes.run("parallel", ("dk", g), lambda: triton_mlp_bwd.grad_k(
+            states[g % 3], group + 1, acts[g % 3], dk_ops[g % 2], dv, dk, i0, cnt, M, out_warps, LAUNCHED),
+            after=[("rev", g)])
+
+    recompute(ng - 1)
+    output_path(ng - 1)
+    for g in reversed(range(ng)):
+        if g > 0:
+            recompute(g - 1)
+            output_path(g - 1)
+        reverse(g)
+        grad_k(g)
+    lanes.join()
     per_head = lambda t: t.view(B, H, *t.shape[1:]).sum(0)  # noqa: E731 - slow weights are shared over batch
     dw1t, db1, dw2, db2 = (per_head(t) for t in carried)
     return dq, dk, dv, deta, per_head(dnw), per_head(dnb), dw1t.transpose(1, 2), db1, dw2, db2
