@@ -182,9 +182,9 @@ def compile_only():
     mlp = dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS)
     kernels = [
         ("mlp_fwd", triton_mlp._mlp_fwd_kernel, warps,
-         dict(mlp, SPLIT=split, SAVE=True, OUTPUT=True, SAVE_ACT=False)),
+         dict(mlp, SPLIT=split, SAVE=True, OUTPUT=True, SAVE_ACT=False, PREFETCH=1)),
         ("mlp_bwd_recompute", triton_mlp._mlp_fwd_kernel, warps,
-         dict(mlp, SPLIT=split, SAVE=True, OUTPUT=False, SAVE_ACT=True)),
+         dict(mlp, SPLIT=split, SAVE=True, OUTPUT=False, SAVE_ACT=True, PREFETCH=1)),
         ("mlp_bwd_output", triton_mlp_bwd._output_path_kernel, 8, dict(mlp, NC=triton_mlp_bwd.chunks_for(256, 8))),
         ("mlp_bwd_reverse", triton_mlp_bwd._reverse_kernel, warps, dict(mlp, SPLIT=split)),
         ("mlp_bwd_dk", triton_mlp_bwd._dk_kernel, 8,

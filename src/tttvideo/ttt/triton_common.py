@@ -61,10 +61,10 @@ def dot_mode(dtype: torch.dtype) -> int:
     return DOT_BF16
 
 
-def new_output(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+def new_output(like: torch.Tensor | None, shape=None, dtype=None, device=None) -> torch.Tensor:
     """Allocate a kernel output. With TTT_TRITON_POISON=1 (the tests) it starts as NaN, so an element the kernel
     fails to write shows up in the comparison instead of passing on whatever memory held."""
-    t = torch.empty(like.shape if shape is None else shape, device=like.device, dtype=dtype or like.dtype)
+    t = torch.empty(like.shape if shape is None else shape, device=device or like.device, dtype=dtype or like.dtype)
     if os.environ.get("TTT_TRITON_POISON", "0") == "1":
         t.fill_(float("nan"))
     return t

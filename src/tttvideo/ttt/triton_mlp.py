@@ -306,8 +306,8 @@ class _Lanes:
 
 def _backward_buffers(S, group, D, E, M, operand, device, sets):
     """The scratch of one checkpoint group (layouts: triton_mlp_bwd's docstring), `sets` copies of each part."""
-    def new(*shape, dtype=operand):
-        return torch.empty(*shape, device=device, dtype=dtype)
+    def new(*shape, dtype=operand):  # NaN-filled under TTT_TRITON_POISON: a read of an unwritten element shows
+        return new_output(None, shape, dtype, device)
 
     f32 = torch.float32
     rows = S * group
