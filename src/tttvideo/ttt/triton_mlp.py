@@ -14,9 +14,10 @@ partial of the output gelu(Q W1' + b1') W2' is computed while it waits on the ne
 after; each role then writes M / SPLIT rows of that output.
 
 The same kernel recomputes a checkpoint group for the backward: then it starts from the group's checkpoint, skips
-the output, and saves every state and the activations Z1, Z2 that the backward's reverse pass reads
+the output, and saves every state and the activations the backward reads, as operands in bf16
 (`triton_mlp_bwd.py`). The backward, per group in reverse: that recompute, the output path of every mini-batch
-of the group in parallel, the serial reverse through the updates, then d K of every mini-batch in parallel.
+of the group in parallel, the serial reverse through the updates, then d K of every mini-batch in parallel; the
+serial and the parallel kernels run on two CUDA streams, one group apart (`_Lanes`).
 
 Shapes covered: D and M powers of two >= 16, E = 4 D (ops.uncovered_reason).
 """
