@@ -105,15 +105,19 @@ def guided_step(model, layout, x, text, uncond, batched: bool):
     return v_u + 4.0 * (v_c - v_u)
 
 
-@torch.no_grad()
-def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batched: bool | None) -> dict:
-    """Time one guided step (mean of `repeats` after one warm-up), optionally over the first `blocks` blocks."""
-    spec = model.spec
-    gen = torch.Generator(device="cpu").manual_seed(0)
+def step_inputs(spec, layout, device, dtype, seed: int):
+    """Random latents and text features of one guided step (seeded on the CPU), and the empty negative prompt."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(1, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width,
                     generator=gen).to(device, dtype)
     text = torch.randn(1, layout.num_segments, layout.text_tokens, spec.text_embed_dim, generator=gen).to(device, dtype)
-    uncond = torch.zeros_like(text)
+    return x, text, torch.zeros_like(text)
+
+
+@torch.no_grad()
+def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batched: bool | None) -> dict:
+    """Time one guided step (mean of `repeats` after one warm-up), optionally over the first `blocks` blocks."""
+    x, text, uncond = step_inputs(model.spec, layout, device, dtype, seed=0)
     n_layers = len(model.blocks)
     saved_units = model.block_units
     k = n_layers if blocks is None else min(blocks, n_layers)
@@ -191,12 +195,7 @@ def offload_check(model, args, cfg, device, dtype) -> dict:
 
     layout = VideoLayout.create(args.offload_check, args.height, args.width, text_tokens=args.text_tokens,
                                 mini_batch_size=cfg.ttt.mini_batch_size)
-    spec = model.spec
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(1, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width,
-                    generator=gen).to(device, dtype)
-    text = torch.randn(1, layout.num_segments, layout.text_tokens, spec.text_embed_dim, generator=gen).to(device, dtype)
-    uncond = torch.zeros_like(text)
+    x, text, uncond = step_inputs(model.spec, layout, device, dtype, seed=1)
     resident = guided_step(model, layout, x, text, uncond, True).float().cpu()
     off = BlockOffloader(model.blocks, device, prefetch=cfg.sample.prefetch_blocks)
     try:

@@ -115,27 +115,27 @@ def dot_acc(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _gelu_parts(z):
+    """sigmoid(2 s) = 0.5 (1 + tanh(s)) with s = C (z + A z^3), which needs one exp and no tanh, and ds/dz."""
+    sig = 1.0 / (1.0 + tl.exp(tl.minimum(-2.0 * _GELU_C * (z + _GELU_A * z * z * z), 80.0)))  # no inf: sig -> 0
+    return sig, _GELU_C * (1.0 + 3.0 * _GELU_A * z * z)
+
+
+@triton.jit
 def gelu_fwd(z):
-    """gelu_tanh(z) and its derivative. 0.5 (1 + tanh(s)) = sigmoid(2 s), which needs one exp and no tanh."""
-    C = _GELU_C
-    A = _GELU_A
-    sig = 1.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C * (z + A * z * z * z), 80.0)))  # no inf: sig -> 0 anyway
-    sp = C * (1.0 + 3.0 * A * z * z)
+    """gelu_tanh(z) and its derivative."""
+    sig, sp = _gelu_parts(z)
     return z * sig, sig + 2.0 * z * sig * (1.0 - sig) * sp
 
 
 @triton.jit
 def gelu_fwd2(z):
-    """gelu_tanh(z), its first and its second derivative (the backward of the inner gradient needs gelu'')."""
-    C = _GELU_C
-    A = _GELU_A
-    sig = 1.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C * (z + A * z * z * z), 80.0)))  # no inf: sig -> 0 anyway
-    sp = C * (1.0 + 3.0 * A * z * z)
+    """gelu_fwd(z) and the second derivative (the backward of the inner gradient needs gelu'')."""
+    sig, sp = _gelu_parts(z)
     t = 2.0 * sig - 1.0  # tanh(s)
     sech2 = 4.0 * sig * (1.0 - sig)  # 1 - tanh(s)^2
-    g1 = sig + 0.5 * z * sech2 * sp
-    g2 = sech2 * (sp + 0.5 * z * (6.0 * C * A * z - 2.0 * t * sp * sp))
-    return z * sig, g1, g2
+    x, g1 = gelu_fwd(z)
+    return x, g1, sech2 * (sp + 0.5 * z * (6.0 * _GELU_C * _GELU_A * z - 2.0 * t * sp * sp))
 
 
 @triton.jit

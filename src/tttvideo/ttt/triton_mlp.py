@@ -54,9 +54,10 @@ def _activation(z1t, XS, GPS, GPPS, off, SAVE_ACT: tl.constexpr, DOT: tl.constex
     """X2^T = gelu(Z1^T) and gelu'(Z1^T) in the operand dtype. A recompute (SAVE_ACT) also stores them and gelu''
     for the backward, which then needs no GELU of its own."""
     if SAVE_ACT:
-        _x, _g, gppt = gelu_fwd2(z1t)
+        x2t, gpt, gppt = gelu_fwd2(z1t)
         tl.store(GPPS + off, op(gppt, DOT))
-    x2t, gpt = gelu_fwd(z1t)
+    else:
+        x2t, gpt = gelu_fwd(z1t)
     x2t = op(x2t, DOT)
     gpt = op(gpt, DOT)
     if SAVE_ACT:
