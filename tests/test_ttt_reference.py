@@ -138,3 +138,31 @@ def test_scan_inputs_are_not_pinned_under_an_outer_checkpoint():
     assert not pinned, [tuple(p.shape) for p in pinned]
     out.float().sum().backward()  # and the recomputation still works
     assert tensors[0].grad is not None and torch.isfinite(tensors[0].grad.float()).all()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_operand_dtype_of_the_inputs_changes_nothing(kind):
+    """The rounded-operand path with the inputs' own dtype is the plain scan: its hand-written matmul backward is
+    the true gradient."""
+    tensors = make_inputs(kind, L=16 * 3)
+    plain = run_reference(kind, tensors, 16)
+    fn = ttt_mlp_reference if kind == "mlp" else ttt_linear_reference
+    same = fn(*tensors, mini_batch_size=16, checkpoint_group_size=2, operand_dtype=torch.float64)
+    torch.testing.assert_close(same, plain, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(NAMES, grads_of(same, tensors), grads_of(plain, tensors)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"gradient w.r.t. {name}")
+
+
+def test_rounded_operand_matmul_rounds_every_operand():
+    from tttvideo.ttt.reference import _rounded_matmul
+
+    g = torch.Generator().manual_seed(0)
+    a, b, up = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((5, 7), (7, 3), (5, 3)))
+    a.requires_grad_(), b.requires_grad_()
+    r = lambda x: x.to(torch.bfloat16).double()  # noqa: E731
+    out = _rounded_matmul(torch.bfloat16)(a, b)
+    da, db = torch.autograd.grad(out, (a, b), up)
+    torch.testing.assert_close(out, r(a) @ r(b), rtol=0, atol=1e-14)
+    torch.testing.assert_close(da, r(up) @ r(b).T, rtol=0, atol=1e-14)
+    torch.testing.assert_close(db, r(a).T @ r(up), rtol=0, atol=1e-14)
+    assert (out - a.detach() @ b.detach()).abs().max() > 1e-4  # it did round

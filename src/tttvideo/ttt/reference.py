@@ -15,10 +15,15 @@ carry eta = 0). The inner state is fp32 whatever the input dtype; the output has
 
 The scan is checkpointed every `checkpoint_group_size` mini-batches: only the state at group boundaries is kept,
 and each group is recomputed in backward (torch.utils.checkpoint, non-reentrant). 0 disables it.
+
+`operand_dtype=torch.bfloat16` rounds both operands of every product to bf16, in forward and backward, and keeps
+everything else in fp32: the precision of a tensor-core kernel, without its bugs. Accuracy studies use it to tell
+what bf16 products cost from what a kernel gets wrong (benchmarks/ttt_accuracy.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -61,28 +66,57 @@ def gelu_tanh_grad(x: torch.Tensor) -> torch.Tensor:
 State = tuple[torch.Tensor, ...]
 
 
-def _mlp_minibatch(state: State, q, k, v, eta, norm_w, norm_b) -> tuple[State, torch.Tensor]:
+class _RoundedOperandMatmul(torch.autograd.Function):
+    """a @ b with both operands rounded to `dtype` and the product accumulated in a's dtype; the backward's two
+    products round their operands the same way (the saved operands as rounded, the incoming gradient anew)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        a, b = (x.to(dtype).to(x.dtype) for x in (a, b))
+        ctx.save_for_backward(a, b)
+        ctx.dtype = dtype
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        grad = grad.to(ctx.dtype).to(grad.dtype)
+        return grad @ b.transpose(-1, -2), a.transpose(-1, -2) @ grad, None
+
+
+def _rounded_matmul(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _RoundedOperandMatmul.apply(a, b, dtype)
+
+    return mm
+
+
+def _mlp_minibatch(state: State, q, k, v, eta, norm_w, norm_b, mm=torch.matmul) -> tuple[State, torch.Tensor]:
     w1, b1, w2, b2 = state
-    z1 = k @ w1 + b1
+    z1 = mm(k, w1) + b1
     x2 = F.gelu(z1, approximate="tanh")
-    z2 = x2 @ w2 + b2
+    z2 = mm(x2, w2) + b2
     g2 = ln_l2_grad(z2, v - k, norm_w, norm_b) * eta
-    g1 = (g2 @ w2.transpose(-1, -2)) * gelu_tanh_grad(z1)
-    w1 = w1 - k.transpose(-1, -2) @ g1
+    g1 = mm(g2, w2.transpose(-1, -2)) * gelu_tanh_grad(z1)
+    w1 = w1 - mm(k.transpose(-1, -2), g1)
     b1 = b1 - g1.sum(dim=-2, keepdim=True)
-    w2 = w2 - x2.transpose(-1, -2) @ g2
+    w2 = w2 - mm(x2.transpose(-1, -2), g2)
     b2 = b2 - g2.sum(dim=-2, keepdim=True)
-    out = q + ln_fwd(F.gelu(q @ w1 + b1, approximate="tanh") @ w2 + b2, norm_w, norm_b)
+    out = q + ln_fwd(mm(F.gelu(mm(q, w1) + b1, approximate="tanh"), w2) + b2, norm_w, norm_b)
     return (w1, b1, w2, b2), out
 
 
-def _linear_minibatch(state: State, q, k, v, eta, norm_w, norm_b) -> tuple[State, torch.Tensor]:
+def _linear_minibatch(state: State, q, k, v, eta, norm_w, norm_b, mm=torch.matmul) -> tuple[State, torch.Tensor]:
     w1, b1 = state
-    g = ln_l2_grad(k @ w1 + b1, v - k, norm_w, norm_b) * eta
-    w1 = w1 - k.transpose(-1, -2) @ g
+    g = ln_l2_grad(mm(k, w1) + b1, v - k, norm_w, norm_b) * eta
+    w1 = w1 - mm(k.transpose(-1, -2), g)
     b1 = b1 - g.sum(dim=-2, keepdim=True)
-    out = q + ln_fwd(q @ w1 + b1, norm_w, norm_b)
+    out = q + ln_fwd(mm(q, w1) + b1, norm_w, norm_b)
     return (w1, b1), out
+
+
+def _with_operand_dtype(step: Callable[..., tuple[State, torch.Tensor]], operand_dtype: torch.dtype | None):
+    return step if operand_dtype is None else functools.partial(step, mm=_rounded_matmul(operand_dtype))
 
 
 def _scan(
@@ -166,9 +200,11 @@ def ttt_mlp_reference(
     b2: torch.Tensor,
     mini_batch_size: int,
     checkpoint_group_size: int = 0,
+    operand_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     state = _initial_state(q.shape[0], w1, b1, w2, b2)
-    return _scan(_mlp_minibatch, state, q, k, v, eta, norm_w, norm_b, mini_batch_size, checkpoint_group_size)
+    step = _with_operand_dtype(_mlp_minibatch, operand_dtype)
+    return _scan(step, state, q, k, v, eta, norm_w, norm_b, mini_batch_size, checkpoint_group_size)
 
 
 def ttt_linear_reference(
@@ -182,6 +218,8 @@ def ttt_linear_reference(
     b1: torch.Tensor,
     mini_batch_size: int,
     checkpoint_group_size: int = 0,
+    operand_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     state = _initial_state(q.shape[0], w1, b1)
-    return _scan(_linear_minibatch, state, q, k, v, eta, norm_w, norm_b, mini_batch_size, checkpoint_group_size)
+    step = _with_operand_dtype(_linear_minibatch, operand_dtype)
+    return _scan(step, state, q, k, v, eta, norm_w, norm_b, mini_batch_size, checkpoint_group_size)
