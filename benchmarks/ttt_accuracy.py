@@ -1,6 +1,6 @@
 """How accurate the Triton TTT scans are at full size, and how accurate they can be: one table over fresh draws.
 
-    PYTHONPATH=src python3 benchmarks/ttt_accuracy.py [--draws 16] [--regimes spec-init biased-eta16] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/ttt_accuracy.py [--draws 16] [--regimes spec-init drawn-norm] [--out DIR]
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/ttt_accuracy.py --length 256 --heads 2   # CPU smoke run
 
 Per fresh draw (inputs from tests/gpu/test_ttt_triton_gpu.py's `make_inputs`, a fresh upstream gradient), the
@@ -64,7 +64,7 @@ def one_draw(kind, regime, H, L, group):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draws", type=int, default=16, help="fresh draws per regime and kind")
-    ap.add_argument("--regimes", nargs="*", default=["spec-init", "biased-eta16"])
+    ap.add_argument("--regimes", nargs="*", default=["spec-init", "drawn-norm", "biased-eta16"])
     ap.add_argument("--kinds", nargs="*", default=["mlp", "linear"])
     ap.add_argument("--linear-draws", type=int, default=4, help="draws per regime for TTT-Linear")
     ap.add_argument("--heads", type=int, default=48)

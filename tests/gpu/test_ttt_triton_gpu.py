@@ -5,12 +5,16 @@ fp32 reference on the same (upcast) inputs, relative error ||a-b|| / ||b|| <= 2e
 kernel outputs start as NaN (TTT_TRITON_POISON=1) so an unwritten element fails. Also a small uncovered-by-default
 shape (head dim 32) to check that the kernels are right off the 64/64 path.
 
-Inputs come from the layer's own operating point (`REGIMES`, default "spec-init"): the slow weights as the SPEC
-initialises them (W ~ N(0, 0.02), b = 0), ttt_norm drawn around its init (1, 0), and eta from the SPEC's formula.
-The earlier draw ("biased-eta16": biases N(0, 0.01), eta x16, 8x above the largest eta the layer can produce) puts
-some heads in an unstable transient where the fp32 reference itself moves by up to 55% when its slow weights get a
-bf16-sized (2^-9 relative) perturbation; no computation with bf16 (or fp16 / tf32) products can match it there.
-`benchmarks/ttt_accuracy.py` measures both regimes, with that sensitivity beside the kernels' error.
+Inputs (`REGIMES`): q, k, v and eta as the layer produces them (eta by the SPEC's formula), and the slow weights
+as the SPEC initialises them ("spec-init": W ~ N(0, 0.02), zero biases, ttt_norm (1, 0)); the full-size test uses
+that. Two other draws are ill-conditioned: with ttt_norm drawn around (1, 0) ("drawn-norm"), or with biases
+N(0, 0.01) and eta x16 ("biased-eta16", 8x above the largest eta the layer can produce), some heads go through an
+unstable transient of the inner updates, and the fp32 reference itself moves by up to 10-50% when its slow weights
+get a perturbation of one bf16 rounding's size (2^-9 relative). There no computation with bf16 (or fp16 / tf32)
+products can be held to the fp32 answer, and a plain PyTorch scan with bf16 products misses it as far as the
+kernels do. `benchmarks/ttt_accuracy.py` measures all three, with that sensitivity beside the kernels' error; the
+small tests below use "biased-eta16" on short chains, which stay well conditioned, to cover non-zero initial
+biases and norms.
 
 Run: `pytest tests/gpu/test_ttt_triton_gpu.py`, or `python tests/gpu/test_ttt_triton_gpu.py` (prints the errors).
 """
@@ -28,13 +32,12 @@ except ImportError:  # the device image may lack pytest: the module also runs as
 
 TOL = 2e-2
 NAMES = ["out", "q", "k", "v", "eta", "norm_w", "norm_b", "W1", "b1", "W2", "b2"]
-REGIMES = ("spec-init", "biased-eta16")
+REGIMES = ("spec-init", "drawn-norm", "biased-eta16")
 
 
 def make_inputs(kind, B, H, L, D, m, dtype=torch.bfloat16, seed=None, device="cuda", regime="spec-init"):
     """Inputs of the sizes the TTT layer produces: L2-normalised q/k, v of unit spread, eta = base_lr sigmoid(.) /
-    (D m) per the SPEC, ttt_norm around (1, 0), slow weights N(0, 0.02) with zero biases (the SPEC's init).
-    regime "biased-eta16": biases N(0, 0.01) and eta x16 (the ill-conditioned draw described above)."""
+    (D m) per the SPEC; slow weights per `regime` (see the module docstring)."""
     if regime not in REGIMES:
         raise ValueError(f"unknown input regime {regime!r}; use one of {REGIMES}")
     g = torch.Generator(device=device).manual_seed(seed if seed is not None else int(torch.seed() % 2**31))
@@ -45,7 +48,10 @@ def make_inputs(kind, B, H, L, D, m, dtype=torch.bfloat16, seed=None, device="cu
     v = r(B, H, L, D).to(dtype)
     base_lr = 0.1 if kind == "mlp" else 1.0
     eta = (16 if biased else 1) * base_lr * torch.sigmoid(r(B, H, L)) / (D * m)
-    norm_w, norm_b = 1 + 0.1 * r(H, D), 0.1 * r(H, D)
+    if regime == "spec-init":
+        norm_w, norm_b = torch.ones(H, D, device=device), torch.zeros(H, D, device=device)
+    else:
+        norm_w, norm_b = 1 + 0.1 * r(H, D), 0.1 * r(H, D)
     E = 4 * D if kind == "mlp" else D
     bias = (lambda *s: 0.01 * r(*s)) if biased else (lambda *s: torch.zeros(*s, device=device))  # noqa: E731
     params = [0.02 * r(H, D, E), bias(H, E)]
