@@ -152,7 +152,7 @@ def _mlp_fwd_kernel(
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
             if PREFETCH:
                 k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
-            wait_all(SYNC, stream, seq, SPLIT)
+            wait_all(SYNC, stream, role, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:
                 if i > 1:
@@ -186,11 +186,11 @@ def _mlp_fwd_kernel(
         raise_flag(SYNC, stream, role, seq, SPLIT)
         stage(XB, stream, role, seq + 1, 1,
               _out_partial(tl.load(Q + tok + last * (M * D) + tile), w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
-        wait_all(SYNC, stream, seq, SPLIT)
+        wait_all(SYNC, stream, role, seq, SPLIT)
         if NMB > 1:
             _write_out(Q, OUT, XB, stream, seq, role, tok, last - 1, nw, nb, M, D, SPLIT, EPS)
         raise_flag(SYNC, stream, role, seq + 1, SPLIT)
-        wait_all(SYNC, stream, seq + 1, SPLIT)
+        wait_all(SYNC, stream, role, seq + 1, SPLIT)
         _write_out(Q, OUT, XB, stream, seq + 1, role, tok, last, nw, nb, M, D, SPLIT, EPS)
 
 

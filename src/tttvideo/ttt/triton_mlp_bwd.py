@@ -172,7 +172,7 @@ def _reverse_kernel(
         s1 = op(dg1t * tl.load(S1 + g * (E * M) + zrows).to(tl.float32), DOT)
         v = tl.load(V + off)
         eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
-        wait_all(SYNC, stream, seq, SPLIT)
+        wait_all(SYNC, stream, role, seq, SPLIT)
         dg2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) - gb2[None, :]
         # the LN-L2 gradient (every role computes the same; role 0 writes)
         target = v.to(tl.float32) - k.to(tl.float32)
