@@ -9,9 +9,9 @@ dim with the other roles once per mini-batch. That spreads the serial chain of o
 half of the state fits in registers, where the whole of it spilled (benchmarks/NOTES-ttt-kernel.md).
 
 Forward, per mini-batch: Z1^T = W1^T K^T + b1, X2 = gelu(Z1), partial Z2 = X2 W2 -> exchange -> the LN-L2
-gradient G2 (every role, identical), P^T = W2 G2^T, G1 = P gelu'(Z1), the update of the role's rows. The role's
-partial of the output gelu(Q W1' + b1') W2' is computed while it waits on the next exchange and rides on the one
-after; each role then writes M / SPLIT rows of that output.
+gradient G2 (every role, identical), P^T = W2 G2^T, G1 = P gelu'(Z1), the update of the role's rows. Right after
+the next mini-batch's partial Z2, at the same new state, the role computes its partial of the output
+gelu(Q W1' + b1') W2', which rides on the same exchange; each role then writes M / SPLIT rows of that output.
 
 The same kernel recomputes a checkpoint group for the backward: then it starts from the group's checkpoint, skips
 the output, and saves every state and the activations the backward reads, as operands in bf16
@@ -104,9 +104,9 @@ def _mlp_fwd_kernel(
     backward reads of mini-batch i (triton_mlp_bwd: X2^T, gelu'(Z1)^T, gelu''(Z1)^T, Z2, G2) goes to index
     stream * (NSLOT - 1) + i of XS, GPS, GPPS, Z2S, G2S.
 
-    Exchange s (s = i + 1) carries the partial Z2 of mini-batch i and the partial output of mini-batch i - 2, which
-    was computed after this role raised its flag for s - 1 and before it waited (while the other roles caught up),
-    and is written after exchange s."""
+    Exchange s (s = i + 1) carries the partial Z2 of mini-batch i and the partial output of mini-batch i - 1, both
+    computed at the state after mini-batch i - 1 (their first products share the converted W1^T), and is waited on
+    in step i, which writes that output."""
     stream, role = take_ticket(SYNC, SPLIT)
     EC: tl.constexpr = E // SPLIT
     h = stream % H
@@ -132,31 +132,23 @@ def _mlp_fwd_kernel(
     x2t, gpt = _activation(z1t, XS, GPS, GPPS, stream * (NSLOT - 1) * (E * M) + zrows, SAVE_ACT, DOT)
     seq = 1
     stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
-    if PREFETCH:  # K and Q of the next mini-batch are loaded one step ahead, off the chain
-        q_next = tl.zeros([M, D], Q.dtype.element_ty)
     for i0 in range(0, NMB, GROUP):  # the checkpoint store sits between groups, not inside the step loop
         for i in range(i0, tl.minimum(i0 + GROUP, NMB)):
             ib = I0 + i
             off = tok + ib * (M * D) + tile
             raise_flag(SYNC, stream, role, seq, SPLIT)
             if OUTPUT:
-                if i > 0:  # the state is still the one after mini-batch ib - 1
-                    if PREFETCH:
-                        q = q_next
-                    else:
-                        q = tl.load(Q + off - M * D)
-                    stage(XB, stream, role, seq + 1, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
-                if PREFETCH:
-                    q_next = tl.load(Q + off)
+                if PREFETCH:  # used after the update, so its load is off the chain
+                    q = tl.load(Q + off)
             v = tl.load(V + off)
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
-            if PREFETCH:
+            if PREFETCH:  # K of the next mini-batch is loaded one step ahead, off the chain
                 k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
             wait_all(SYNC, stream, role, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:
-                if i > 1:
-                    _write_out(Q, OUT, XB, stream, seq, role, tok, ib - 2, nw, nb, M, D, SPLIT, EPS)
+                if i > 0:
+                    _write_out(Q, OUT, XB, stream, seq, role, tok, ib - 1, nw, nb, M, D, SPLIT, EPS)
             if SAVE_ACT:
                 tl.store(Z2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, z2, mask=(tile >= 0) & (role == 0))
             lg, _xh, _rs, _y, _gh, _a, _c = ln_l2_fwd(z2, v.to(tl.float32) - k.to(tl.float32), nw, nb, D, EPS)
@@ -179,19 +171,16 @@ def _mlp_fwd_kernel(
                 x2t, gpt = _activation(z1t, XS, GPS, GPPS, (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows,
                                        SAVE_ACT, DOT)
                 stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
+            if OUTPUT:  # this mini-batch's output partial, at the same new state: it rides on the same exchange
+                if not PREFETCH:
+                    q = tl.load(Q + off)
+                stage(XB, stream, role, seq, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
-    if OUTPUT:  # exchange seq carries the output of NMB - 2, exchange seq + 1 that of NMB - 1
-        last = I0 + NMB - 1
+    if OUTPUT:  # exchange seq carries only the output of the last mini-batch
         raise_flag(SYNC, stream, role, seq, SPLIT)
-        stage(XB, stream, role, seq + 1, 1,
-              _out_partial(tl.load(Q + tok + last * (M * D) + tile), w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
         wait_all(SYNC, stream, role, seq, SPLIT)
-        if NMB > 1:
-            _write_out(Q, OUT, XB, stream, seq, role, tok, last - 1, nw, nb, M, D, SPLIT, EPS)
-        raise_flag(SYNC, stream, role, seq + 1, SPLIT)
-        wait_all(SYNC, stream, role, seq + 1, SPLIT)
-        _write_out(Q, OUT, XB, stream, seq + 1, role, tok, last, nw, nb, M, D, SPLIT, EPS)
+        _write_out(Q, OUT, XB, stream, seq, role, tok, I0 + NMB - 1, nw, nb, M, D, SPLIT, EPS)
 
 
 def split_for(E: int, M: int, D: int) -> int:
