@@ -241,7 +241,8 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     """Run the forward scan. Returns (out, checkpoints) with checkpoints None unless `save`: state slots with
     ceil(n / group) + 1 per stream (the initial state, then one after every group).
     `tune` overrides the launch shape for measurements: split (programs per stream), num_warps, prefetch (0: load K
-    and Q of a mini-batch in its own step instead of one step ahead)."""
+    of a mini-batch in its own step instead of one step ahead, and Q right before its output product instead of at
+    the start of its step)."""
     check_device(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2)
     B, H, L, D = q.shape
     E = w1.shape[-1]
