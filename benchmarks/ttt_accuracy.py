@@ -75,7 +75,7 @@ def main():
     args = ap.parse_args()
     import triton
 
-    from ttt_kernel import _git_commit, _write
+    from benchmarks.ttt_kernel import _git_commit, _write
 
     meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or _git_commit(),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)")

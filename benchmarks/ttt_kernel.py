@@ -168,10 +168,8 @@ def compile_only():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tttvideo.ttt import triton_linear, triton_mlp
+    from tttvideo.ttt import triton_linear, triton_mlp, triton_mlp_bwd
     from tttvideo.ttt.triton_common import DOT_BF16, LN_EPS
-
-    from tttvideo.ttt import triton_mlp_bwd
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     act = {n: "*bf16" for n in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV")}

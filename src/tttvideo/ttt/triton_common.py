@@ -122,19 +122,26 @@ def _gelu_parts(z):
 
 
 @triton.jit
-def gelu_fwd(z):
-    """gelu_tanh(z) and its derivative."""
-    sig, sp = _gelu_parts(z)
+def _gelu_value_slope(z, sig, sp):
+    """gelu_tanh(z) and its derivative from `_gelu_parts`."""
     return z * sig, sig + 2.0 * z * sig * (1.0 - sig) * sp
 
 
 @triton.jit
+def gelu_fwd(z):
+    """gelu_tanh(z) and its derivative."""
+    sig, sp = _gelu_parts(z)
+    return _gelu_value_slope(z, sig, sp)
+
+
+@triton.jit
 def gelu_fwd2(z):
-    """gelu_fwd(z) and the second derivative (the backward of the inner gradient needs gelu'')."""
+    """gelu_fwd(z) and the second derivative (the backward of the inner gradient needs gelu''), from one
+    `_gelu_parts`."""
     sig, sp = _gelu_parts(z)
     t = 2.0 * sig - 1.0  # tanh(s)
     sech2 = 4.0 * sig * (1.0 - sig)  # 1 - tanh(s)^2
-    x, g1 = gelu_fwd(z)
+    x, g1 = _gelu_value_slope(z, sig, sp)
     return x, g1, sech2 * (sp + 0.5 * z * (6.0 * _GELU_C * _GELU_A * z - 2.0 * t * sp * sp))
 
 
