@@ -134,3 +134,11 @@ def test_cli_layout_bad_duration_exits_2(capsys):
     assert main(["layout", "--duration", "10s"]) == 2
     err = capsys.readouterr().err
     assert "3 + 3n seconds" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_duration_rule_and_message_agree():
+    """Any multiple of 3 s is a layout (66 s included); the message for one that is not says exactly that."""
+    assert parse_duration("66s") == 66 and parse_duration(129) == 129
+    with pytest.raises(LayoutError) as err:
+        parse_duration("10s")
+    assert "any multiple of 3" in str(err.value) and "..., 63 s)" not in str(err.value)

@@ -233,3 +233,30 @@ def test_bad_input_exits_2_with_one_line(tmp_path, checkpoint, capsys, scenes, e
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("tttv sample: error:") and words in err[0]
     assert not (tmp_path / "o.mp4").exists()
+
+
+def test_story_longer_than_training_warns_in_the_command_format(tmp_path, checkpoint, capsys):
+    """The fixture's checkpoint was trained on 3-s videos (its config.toml); a 6-s story still samples, with one
+    warning line on stderr in the command's own format (`tttv sample: warning: ...`, no log-handler columns)."""
+    out = tmp_path / "long.mp4"
+    assert run_cli("--checkpoint", checkpoint, "--scenes", story_file(tmp_path, [RED, BLUE]), "--out", out,
+                   "--steps", 1) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if "trained on videos of at most 3 s" in line]
+    assert len(lines) == 1 and lines[0].startswith("tttv sample: warning: story 'story' is 6 s long")
+    assert "WARNING" not in captured.out + captured.err and out.is_file()
+
+
+def test_trained_duration_comes_from_the_model_file_first(tmp_path, checkpoint, caplog):
+    """A model file that carries its trained duration needs no config beside it; within that length, no word."""
+    from tttvideo.models import build_model
+    from tttvideo.models.weights import trained_duration
+    from tttvideo.sample.pipeline import warn_beyond_training
+
+    cfg = load_config(checkpoint / "config.toml", [])
+    alone = save_checkpoint(build_model(cfg), tmp_path / "alone" / "model.safetensors", trained_duration_s=6)
+    assert trained_duration(alone) == 6 and trained_duration(checkpoint / "model.safetensors") == 3
+    stories = [load_stories_from([RED, BLUE]), load_stories_from([RED, BLUE, RED])]
+    with caplog.at_level(logging.WARNING, logger="tttvideo"):
+        warn_beyond_training(alone, stories, [story_layout(cfg, s) for s in stories])
+    assert len(caplog.records) == 1 and "is 9 s long" in caplog.text and "at most 6 s" in caplog.text

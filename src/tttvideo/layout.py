@@ -40,8 +40,8 @@ def parse_duration(value: str | int | float) -> int:
     seconds = float(match.group(1))
     if seconds != int(seconds) or int(seconds) < SEGMENT_SECONDS or int(seconds) % SEGMENT_SECONDS:
         raise LayoutError(
-            f"duration {value!r} is not 3 + 3n seconds; the model works in 3-second segments "
-            f"(3, 6, 9, ..., 63 s)"
+            f"duration {value!r} is not 3 + 3n seconds; the model works in 3-second segments, so any multiple of 3 "
+            f"from 3 s up (3, 6, 9, 12, ... s; the reference system trained up to 63 s)"
         )
     return int(seconds)
 

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from tttvideo import __version__
+from tttvideo.cli.common import setup_logging
 from tttvideo.errors import UserError
 
 # subcommand -> module; modules are imported lazily so `tttv layout` does not pay for diffusers.
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    setup_logging(args.command)
     try:
         return int(args.run(args) or 0)
     except UserError as err:

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from typing import Any
 
 from tttvideo.config.loader import load_config
@@ -38,3 +40,35 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The resolved `Config` of a command line parsed with `add_config_arguments`."""
     return load_config(getattr(args, "config", None), getattr(args, "overrides", None) or [])
+
+
+class CommandLogHandler(logging.Handler):
+    """Log records in the format of the command's own lines: INFO as a plain line on stdout, warnings and errors as
+    `tttv COMMAND: warning: ...` on stderr (the format of its error line). The streams are looked up at each record,
+    so a rich progress bar that redirects them keeps its place."""
+
+    def __init__(self, command: str):
+        super().__init__(logging.INFO)
+        self.command = command
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.levelno >= logging.WARNING:
+                print(f"tttv {self.command}: {record.levelname.lower()}: {text}", file=sys.stderr, flush=True)
+            else:
+                print(text, file=sys.stdout, flush=True)
+        except Exception:  # logging must never take the command down
+            self.handleError(record)
+
+
+def setup_logging(command: str) -> None:
+    """The `tttvideo` loggers print through `CommandLogHandler` (INFO and up), once per process. Records still
+    propagate to the root logger, which has no handler in the CLI (and pytest's capture in the tests)."""
+    logger = logging.getLogger("tttvideo")
+    logger.setLevel(logging.INFO)
+    for handler in logger.handlers:
+        if isinstance(handler, CommandLogHandler):
+            handler.command = command
+            return
+    logger.addHandler(CommandLogHandler(command))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
 
 from tttvideo.cli.common import SET_HELP
@@ -87,17 +86,13 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.logging import RichHandler
 
     from tttvideo.config.loader import load_config
     from tttvideo.sample.pipeline import sample_stories
     from tttvideo.sample.scenes import load_stories
 
-    # status and progress on stdout; stderr carries only problems (a bad input is one line there)
+    # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
     console = Console()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console,
-                                                                                           show_path=False)])
-    logging.getLogger("tttvideo").setLevel(logging.INFO)
     if not Path(args.checkpoint).exists():
         raise UserError(f"checkpoint {args.checkpoint} does not exist; give a model file, checkpoint folder or run "
                         f"folder written by tttv train")

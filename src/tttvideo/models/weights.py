@@ -239,8 +239,10 @@ def _names(names: Iterable[str], limit: int = 8) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- own checkpoints
-def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool = False) -> Path:
-    """Parameters (all, or only those with requires_grad) as one safetensors file with the spec in its metadata."""
+def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool = False,
+                    trained_duration_s: int | None = None) -> Path:
+    """Parameters (all, or only those with requires_grad) as one safetensors file with the spec in its metadata,
+    and the longest video duration the weights were trained on when known (`checkpoint_info`)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -252,8 +254,35 @@ def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool 
         "use_ttt": str(model.use_ttt),
         "partial": str(trainable_only),
     }
+    if trained_duration_s is not None:
+        metadata["trained_duration_s"] = str(int(trained_duration_s))
     save_file(tensors, str(path), metadata=metadata)
     return path
+
+
+def trained_duration(path: str | Path) -> int | None:
+    """The longest video (seconds) the weights of a tttvideo model file were trained on: its metadata, else the
+    `layout.duration` of the `config.toml` the trainer writes beside it; None when neither says."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            value = (f.metadata() or {}).get("trained_duration_s")
+    except Exception:  # an unreadable file is the loader's to report, with its own message
+        return None
+    if value is not None:
+        return int(value)
+    beside = path.parent / "config.toml"
+    if beside.is_file():
+        from tttvideo.config.loader import load_config
+        from tttvideo.layout import parse_duration
+
+        try:
+            return parse_duration(load_config(beside).layout.duration)
+        except UserError:
+            return None
+    return None
 
 
 @torch.no_grad()

@@ -115,6 +115,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
                     f"training run folder with checkpoints/; point --checkpoint at what tttv train wrote")
 
 
+def warn_beyond_training(model_file: Path, stories: list[Story], layouts: list[VideoLayout]) -> None:
+    """Say so when a story is longer than any video the checkpoint was trained on: TTT carries state across the
+    whole video, and lengths it never saw in training are untested."""
+    from tttvideo.models.weights import trained_duration
+
+    trained = trained_duration(model_file)
+    if trained is None:
+        return
+    for story, layout in zip(stories, layouts):
+        if layout.duration_s > trained:
+            log.warning("story %r is %d s long, but %s was trained on videos of at most %d s; expect the quality of "
+                        "the later segments to suffer (train a longer stage, e.g. configs/cogvideox-5b/)",
+                        story.name, layout.duration_s, model_file, trained)
+
+
 def _is_full_checkpoint(path: Path) -> bool:
     from safetensors import safe_open
 
@@ -203,9 +218,10 @@ def sample_stories(cfg: Any, stories: list[Story], out: str | Path, checkpoint: 
     # a model handed in (the trainer's end-of-run video) is sampled where it lives
     device = next(model.parameters()).device if model is not None else resolve_device(cfg.sample.device, "sample.device")
     paths = output_paths(stories, out)
-    if model is None and checkpoint:
-        resolve_checkpoint(checkpoint)  # a wrong path fails now, not after the text encoder has run
     layouts = [story_layout(cfg, s, duration) for s in stories]
+    if model is None and checkpoint:
+        # a wrong path fails now, not after the text encoder has run
+        warn_beyond_training(resolve_checkpoint(checkpoint), stories, layouts)
     spec = model.spec if model is not None else get_preset(cfg.model.preset)
 
     # ---- 1-2. validate and encode text, then drop the encoder
