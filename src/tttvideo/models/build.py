@@ -11,6 +11,8 @@ from tttvideo.models.checkpointing import apply_checkpointing
 from tttvideo.models.presets import get_preset
 from tttvideo.models.transformer import CogVideoXTTT
 from tttvideo.models.weights import DTYPES, from_pretrained, init_model
+from tttvideo.ttt.layer import inner_hidden
+from tttvideo.ttt.ops import check_backend_config
 
 
 def build_model(cfg: Any, device: torch.device | str = "cpu") -> CogVideoXTTT:
@@ -18,6 +20,8 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> CogVideoXTTT:
     use_ttt), `cfg.ttt` and `cfg.checkpointing`. Random initialisation follows torch's current seed."""
     m = cfg.model
     spec = get_preset(m.preset)
+    head_dim = spec.attention_head_dim
+    check_backend_config(cfg.ttt, head_dim, inner_hidden(cfg.ttt.kind, head_dim), device)
     dtype = DTYPES[m.dtype]
     if m.pretrained_path:
         model = from_pretrained(m.pretrained_path, spec=spec, ttt=cfg.ttt, use_ttt=m.use_ttt, dtype=dtype,

@@ -260,16 +260,33 @@ def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool 
     return path
 
 
-def trained_duration(path: str | Path) -> int | None:
-    """The longest video (seconds) the weights of a tttvideo model file were trained on: its metadata, else the
-    `layout.duration` of the `config.toml` the trainer writes beside it; None when neither says."""
+def model_file_metadata(path: str | Path) -> dict[str, str]:
+    """The metadata of a `save_checkpoint` file, read from its header; a UserError naming the file when it is
+    missing, truncated, not safetensors or not a tttvideo model (safetensors checks the header against the file
+    size, so a cut-off file fails here, before anything is loaded)."""
     from safetensors import safe_open
 
     path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            value = (f.metadata() or {}).get("trained_duration_s")
-    except Exception:  # an unreadable file is the loader's to report, with its own message
+            meta = f.metadata() or {}
+    except Exception as err:  # safetensors has its own error types for damaged headers and short files
+        raise UserError(f"{path} is not a readable safetensors file ({err}); it is damaged or was not written by "
+                        f"tttv train: use an intact checkpoint") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"{path} is not a tttvideo model checkpoint (for diffusers folders use from_pretrained)")
+    return meta
+
+
+def trained_duration(path: str | Path) -> int | None:
+    """The longest video (seconds) the weights of a tttvideo model file were trained on: its metadata, else the
+    `layout.duration` of the `config.toml` the trainer writes beside it; None when neither says."""
+    path = Path(path)
+    try:
+        value = model_file_metadata(path).get("trained_duration_s")
+    except UserError:  # an unreadable file is the loader's to report
         return None
     if value is not None:
         return int(value)
@@ -292,13 +309,9 @@ def load_checkpoint(model: CogVideoXTTT, path: str | Path) -> list[str]:
     from safetensors import safe_open
 
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
+    meta = model_file_metadata(path)
     own = dict(model.named_parameters())
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise UserError(f"{path} is not a tttvideo model checkpoint (for diffusers folders use from_pretrained)")
         saved = json.loads(meta["spec"])
         ours = dataclasses.asdict(model.spec)
         diff = [f"{k} {saved.get(k)!r} (model has {ours[k]!r})" for k in ModelSpec.SHAPE_FIELDS if saved.get(k) != ours[k]]

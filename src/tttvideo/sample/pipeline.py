@@ -108,8 +108,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest checkpoint)."""
     from tttvideo.train.checkpoint import MODEL_FILE, find_model_file
 
+    from tttvideo.models.weights import model_file_metadata
+
     found = find_model_file(path)
     if found is not None:
+        model_file_metadata(found)  # a damaged or foreign file fails here, before any work
         return found
     raise UserError(f"checkpoint {path} is neither a model file, a checkpoint folder ({MODEL_FILE} inside) nor a "
                     f"training run folder with checkpoints/; point --checkpoint at what tttv train wrote")
@@ -131,10 +134,9 @@ def warn_beyond_training(model_file: Path, stories: list[Story], layouts: list[V
 
 
 def _is_full_checkpoint(path: Path) -> bool:
-    from safetensors import safe_open
+    from tttvideo.models.weights import model_file_metadata
 
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return (f.metadata() or {}).get("partial") != "True"
+    return model_file_metadata(path).get("partial") != "True"
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

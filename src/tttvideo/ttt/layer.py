@@ -86,6 +86,14 @@ def _scan_inputs_fn(x: torch.Tensor, compile_glue: bool):
     return _compiled_scan_inputs
 
 
+MLP_EXPANSION = 4  # TTT-MLP hidden size = 4 x head dim (64 -> 256), as in the original
+
+
+def inner_hidden(kind: str, head_dim: int, mlp_expansion: int = MLP_EXPANSION) -> int:
+    """Width of the inner model's weight W1 (head_dim x hidden): the MLP's hidden size, or head_dim for Linear."""
+    return mlp_expansion * head_dim if kind == "mlp" else head_dim
+
+
 class TTTLayer(nn.Module):
     def __init__(
         self,
@@ -97,7 +105,7 @@ class TTTLayer(nn.Module):
         scan_checkpoint_group_size: int = 16,
         rope_theta: float = 10000.0,
         backend: str = "auto",
-        mlp_expansion: int = 4,
+        mlp_expansion: int = MLP_EXPANSION,
         compile_glue: bool = True,
     ):
         super().__init__()
@@ -122,7 +130,7 @@ class TTTLayer(nn.Module):
         self.ttt_norm_weight = nn.Parameter(torch.empty(H, D))
         self.ttt_norm_bias = nn.Parameter(torch.empty(H, D))
         self.post_norm = nn.LayerNorm(dim, eps=1e-6)
-        hidden = mlp_expansion * D if kind == "mlp" else D
+        hidden = inner_hidden(kind, D, mlp_expansion)
         self.W1 = nn.Parameter(torch.empty(H, D, hidden))
         self.b1 = nn.Parameter(torch.empty(H, hidden))
         if kind == "mlp":

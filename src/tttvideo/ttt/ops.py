@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
+from tttvideo.errors import ConfigError
 from tttvideo.ttt.reference import ttt_linear_reference, ttt_mlp_reference
 
 BACKENDS = ("auto", "triton", "reference")
@@ -58,6 +60,22 @@ def uncovered_reason(kind: str, q: torch.Tensor, hidden: int, mini_batch_size: i
     if kind == "linear" and hidden != D:
         return f"TTT-Linear weight is {D} x {hidden}, not square"
     return None
+
+
+def check_backend_config(ttt: Any, head_dim: int, hidden: int, device: torch.device | str) -> None:
+    """Fail before any work when `ttt.backend = "triton"` cannot run the model on `device` (one sentence naming
+    the key), instead of at the first TTT call of the first step."""
+    if ttt.backend != "triton":
+        return
+    device = torch.device(device)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        reason = f"it needs a CUDA GPU and this run is on {device.type}"
+    else:
+        probe = torch.empty(1, 1, ttt.mini_batch_size, head_dim, device="meta")
+        reason = uncovered_reason(ttt.kind, probe, hidden, ttt.mini_batch_size)
+    if reason is not None:
+        raise ConfigError(f"ttt.backend = 'triton' cannot run this model: {reason}; set ttt.backend = 'auto' (the "
+                          f"kernels where they apply, the PyTorch reference elsewhere) or 'reference'")
 
 
 def _use_triton(kind: str, backend: str, q: torch.Tensor, hidden: int, mini_batch_size: int) -> bool:
