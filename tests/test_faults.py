@@ -130,3 +130,52 @@ def test_triton_backend_without_a_gpu_is_a_config_error(capsys, tmp_path, monkey
     fails_cleanly(capsys, train_args(tmp_path / "run", "ttt.backend=triton"), "ttt.backend", "CUDA GPU",
                   "'auto'")
     assert not (tmp_path / "run" / "data").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- disk
+@pytest.fixture(scope="module")
+def tiny_model_file(tmp_path_factory):
+    from tttvideo.config.loader import load_config
+    from tttvideo.models import build_model, save_checkpoint
+
+    torch.manual_seed(0)
+    return save_checkpoint(build_model(load_config(DEMO, CHEAP)), tmp_path_factory.mktemp("m") / "model.safetensors")
+
+
+@pytest.mark.parametrize("where", ["/proc/tttvideo-test/out", "FILE/sub"], ids=["proc", "under-a-file"])
+def test_unwritable_outputs_fail_before_any_work(capsys, tmp_path, tiny_model_file, monkeypatch, where):
+    """sample --out, profile --out and precompute --out that cannot be written: one sentence naming the flag,
+    before the text encoder, the model or a step runs."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    target = Path(where.replace("FILE", str(a_file)))
+    story = tmp_path / "story.json"
+    story.write_text('[{"text": "a red circle moves right"}]')
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the output was checked")
+
+    import tttvideo.memory.drivers as drivers
+    import tttvideo.sample.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "make_text_encoder", no_work)
+    monkeypatch.setattr(drivers, "profile", no_work)
+    fails_cleanly(capsys, ["sample", "--checkpoint", str(tiny_model_file), "--scenes", str(story), "--out",
+                           str(target / "video.mp4")], "--out", "cannot be created")
+    fails_cleanly(capsys, ["profile", DEMO, "--out", str(target)], "--out", "cannot be created")
+    fails_cleanly(capsys, ["precompute", DEMO, "--videos", str(tmp_path), "--captions", str(story), "--vae",
+                           str(tmp_path), "--t5", str(tmp_path), "--out", str(target)], "--out", "cannot be created")
+
+
+def test_output_path_that_is_a_file_or_folder(capsys, tmp_path, tiny_model_file):
+    from tttvideo.errors import UserError
+    from tttvideo.outputs import check_writable_dir, check_writable_file
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        check_writable_dir(a_file, "--out")
+    with pytest.raises(UserError, match="is a folder; give a file path"):
+        check_writable_file(tmp_path, "--out")
+    assert check_writable_dir(tmp_path / "new" / "deep", "--out").is_dir()
+    assert not list((tmp_path / "new" / "deep").iterdir())  # the probe is gone

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tttvideo.config.loader import layout_from_config
     from tttvideo.data.precompute import PrecomputeOptions, run_precompute
+    from tttvideo.outputs import check_writable_dir
 
     cfg = config_from_args(args)
     data = cfg.data
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(data, key):
             raise ConfigError(f"precompute needs --{flag} (or data.{key} in the config)")
     layout = layout_from_config(cfg)
+    check_writable_dir(data.cache_dir, "--out (data.cache_dir)")
     opts = PrecomputeOptions(
         videos=Path(data.videos), captions=Path(data.captions), out=Path(data.cache_dir),
         vae_path=Path(data.vae_path), text_encoder_path=Path(data.text_encoder_path), layout=layout,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tttvideo.cli.common import add_config_arguments, config_from_args
 from tttvideo.errors import UserError
+from tttvideo.outputs import check_writable_dir
 
 
 def register(sub: argparse._SubParsersAction, name: str) -> None:
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
                             "drop CONFIG and --set (or put them into the file)")
         return _run_matrix(args)
     cfg = config_from_args(args)
-    out = Path(args.out or f"runs/profile/{args.phase}")
+    out = check_writable_dir(args.out or f"runs/profile/{args.phase}", "--out")
     from tttvideo.memory.drivers import profile
 
     summary, code = profile(cfg, args.phase, args.steps, out, device=args.device, snapshot=args.snapshot,
@@ -56,7 +57,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     m = load_matrix(args.matrix)
     if args.device != "auto":
         m.device = args.device
-    out = Path(args.out or f"runs/profile/{Path(args.matrix).stem}")
+    out = check_writable_dir(args.out or f"runs/profile/{Path(args.matrix).stem}", "--out")
     console = Console(stderr=True)
     rows = run_matrix(m, out, progress=lambda text: console.print(f"profile: {text}"))
     print_matrix(rows, title=f"memory matrix: {m.path.name} ({len(rows)} variants)")

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tttvideo.config.loader import load_config
-    from tttvideo.sample.pipeline import sample_stories
+    from tttvideo.outputs import check_writable_file
+    from tttvideo.sample.pipeline import output_paths, sample_stories
     from tttvideo.sample.scenes import load_stories
 
     # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
@@ -97,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"checkpoint {args.checkpoint} does not exist; give a model file, checkpoint folder or run "
                         f"folder written by tttv train")
     stories = load_stories(args.scenes)  # scene errors before the config and model are even read
+    for path in output_paths(stories, args.out):  # and an unwritable --out before hours of denoising
+        check_writable_file(path, "--out")
     cfg_path = _config_file(args)
     cfg = load_config(cfg_path, _overrides(args))
     console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")
