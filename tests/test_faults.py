@@ -120,6 +120,10 @@ def test_weight_mistakes(capsys, tmp_path):
         bad.write_bytes(content)
         fails_cleanly(capsys, ["sample", "--checkpoint", str(bad), "--scenes", str(story), "--out",
                                str(tmp_path / "o.mp4")], str(bad), "not a readable safetensors file")
+    # a tiny checkpoint sampled with a 5B config: refused from the file's header, before 5B is built
+    fails_cleanly(capsys, ["sample", "--checkpoint", str(other), "--scenes", str(story), "--out",
+                           str(tmp_path / "o.mp4"), "--set", "model.preset=cogvideox-5b"],
+                  "saved from model 'tiny', not 'cogvideox-5b'", "model.preset")
     assert not (tmp_path / "o.mp4").exists()
 
 

@@ -280,6 +280,17 @@ def model_file_metadata(path: str | Path) -> dict[str, str]:
     return meta
 
 
+def check_same_model(path: str | Path, meta: dict[str, str], spec: ModelSpec, hint: str = "") -> None:
+    """A UserError when the model file `path` (its `model_file_metadata`) was saved from a backbone of other
+    sizes than `spec`, naming the fields that differ."""
+    saved = json.loads(meta["spec"])
+    ours = dataclasses.asdict(spec)
+    diff = [f"{k} {saved.get(k)!r} (model has {ours[k]!r})" for k in ModelSpec.SHAPE_FIELDS if saved.get(k) != ours[k]]
+    if diff:
+        raise UserError(f"{path} was saved from model {saved.get('name')!r}, not {spec.name!r}: {'; '.join(diff)}"
+                        f"{hint}")
+
+
 def trained_duration(path: str | Path) -> int | None:
     """The longest video (seconds) the weights of a tttvideo model file were trained on: its metadata, else the
     `layout.duration` of the `config.toml` the trainer writes beside it; None when neither says."""
@@ -312,11 +323,7 @@ def load_checkpoint(model: CogVideoXTTT, path: str | Path) -> list[str]:
     meta = model_file_metadata(path)
     own = dict(model.named_parameters())
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        saved = json.loads(meta["spec"])
-        ours = dataclasses.asdict(model.spec)
-        diff = [f"{k} {saved.get(k)!r} (model has {ours[k]!r})" for k in ModelSpec.SHAPE_FIELDS if saved.get(k) != ours[k]]
-        if diff:
-            raise UserError(f"{path} was saved from model {saved.get('name')!r}, not {model.spec.name!r}: {'; '.join(diff)}")
+        check_same_model(path, meta, model.spec)
         keys = list(f.keys())
         unexpected = [k for k in keys if k not in own]
         wrong = [k for k in keys if k in own and tuple(f.get_slice(k).get_shape()) != tuple(own[k].shape)]

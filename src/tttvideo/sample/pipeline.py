@@ -104,15 +104,21 @@ def load_model(cfg: Any, checkpoint: str | Path | None, device: torch.device, of
     return model
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest checkpoint)."""
+def resolve_checkpoint(path: str | Path, cfg: Any = None) -> Path:
+    """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest checkpoint). A
+    damaged or foreign file, or (given `cfg`) one of another backbone than cfg.model.preset, fails here, before the
+    model is built."""
+    from tttvideo.models.presets import get_preset
+    from tttvideo.models.weights import check_same_model, model_file_metadata
     from tttvideo.train.checkpoint import MODEL_FILE, find_model_file
-
-    from tttvideo.models.weights import model_file_metadata
 
     found = find_model_file(path)
     if found is not None:
-        model_file_metadata(found)  # a damaged or foreign file fails here, before any work
+        meta = model_file_metadata(found)
+        if cfg is not None:
+            check_same_model(found, meta, get_preset(cfg.model.preset),
+                             f"; the config builds model.preset = {cfg.model.preset!r}: give the config the "
+                             f"checkpoint was trained with (CONFIG, or config.toml beside it) or set model.preset")
         return found
     raise UserError(f"checkpoint {path} is neither a model file, a checkpoint folder ({MODEL_FILE} inside) nor a "
                     f"training run folder with checkpoints/; point --checkpoint at what tttv train wrote")
@@ -223,7 +229,7 @@ def sample_stories(cfg: Any, stories: list[Story], out: str | Path, checkpoint: 
     layouts = [story_layout(cfg, s, duration) for s in stories]
     if model is None and checkpoint:
         # a wrong path fails now, not after the text encoder has run
-        warn_beyond_training(resolve_checkpoint(checkpoint), stories, layouts)
+        warn_beyond_training(resolve_checkpoint(checkpoint, cfg), stories, layouts)
     spec = model.spec if model is not None else get_preset(cfg.model.preset)
 
     # ---- 1-2. validate and encode text, then drop the encoder
