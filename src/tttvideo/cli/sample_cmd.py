@@ -56,15 +56,17 @@ def _config_file(args: argparse.Namespace) -> str | None:
     if args.config:
         return args.config
     ckpt = Path(args.checkpoint)
+    if ckpt.is_dir() and not (ckpt / "model.safetensors").is_file():
+        # a run folder: the config of the checkpoint that will be sampled, its newest intact one (a damaged newer
+        # one is a warning naming the file; none intact is one sentence)
+        from tttvideo.train.checkpoint import newest_intact_checkpoint
+
+        intact = newest_intact_checkpoint(ckpt, advice="point --checkpoint at another run or checkpoint")
+        if intact is not None and (intact / "config.toml").is_file():
+            return str(intact / "config.toml")
     beside = ckpt.parent / "config.toml" if ckpt.is_file() else ckpt / "config.toml"
     if beside.is_file():
         return str(beside)
-    if ckpt.is_dir():  # a run folder: its newest checkpoint's config
-        from tttvideo.train.checkpoint import latest_checkpoint
-
-        latest = latest_checkpoint(ckpt)
-        if latest is not None and (latest / "config.toml").is_file():
-            return str(latest / "config.toml")
     return None
 
 
