@@ -14,7 +14,8 @@ from tttvideo.cli import main
 def test_demo_main_job_shortened(tmp_path, capsys):
     out = tmp_path / "demo"
     code = main(["train", "configs/demo.toml", "--set", "train.steps=40", "--set", "train.log_every=10",
-                 "--set", "train.checkpoint_every=20", "--set", f"train.output_dir={out}", "--set", "sample.steps=4"])
+                 "--set", "train.checkpoint_every=20", "--set", f"train.output_dir={out}", "--set", "sample.steps=4",
+                 "--set", f"data.demo_dir={tmp_path / 'demo-data'}"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert (out / "checkpoints/step-000040/model.safetensors").is_file()

@@ -16,7 +16,7 @@ from tttvideo.train.optim import build_optimizer, lr_multiplier
 from tttvideo.train.trainer import Trainer, TrainingDiverged, batch_plan
 
 TINY = [
-    "train.overwrite=false", "layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=table", "train.batch_size=1",
+    "train.if_exists=refuse", "layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=table", "train.batch_size=1",
     "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=2", "train.log_every=1",
     "train.sample_at_end=false", "train.tensorboard=false", "train.warmup_steps=1",
 ]
@@ -131,7 +131,7 @@ def test_checkpoints_resume_guard_and_init_from(tmp_path):
     assert ckpt.latest_checkpoint(tmp_path / "run") == found[-1][1]
 
     with pytest.raises(UserError, match="already holds checkpoints .*pass --resume"):
-        Trainer(tiny_config(tmp_path, "train.overwrite=false"), quiet=True)
+        Trainer(tiny_config(tmp_path, "train.if_exists=refuse"), quiet=True)
     more = tiny_config(tmp_path, "train.steps=6")
     assert Trainer(more, resume=True, quiet=True).run().steps_done == 6
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [4, 6]  # pruned to the last 2
@@ -199,7 +199,7 @@ def test_validation_videos_and_one_process_only(tmp_path, monkeypatch):
 
 def test_overwrite_starts_over(tmp_path):
     Trainer(tiny_config(tmp_path, "train.steps=2"), quiet=True).run()
-    cfg = tiny_config(tmp_path, "train.steps=1", "train.overwrite=true")
+    cfg = tiny_config(tmp_path, "train.steps=1", "train.if_exists=overwrite")
     assert Trainer(cfg, quiet=True).run().steps_done == 1
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [1]
     assert len((tmp_path / "run/metrics.jsonl").read_text().splitlines()) == 1

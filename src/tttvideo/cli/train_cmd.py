@@ -1,32 +1,65 @@
-"""`tttv train CONFIG [--set KEY=VALUE ...] [--resume]`: train one stage; `configs/demo.toml` is the CPU demo."""
+"""`tttv train CONFIG [--set KEY=VALUE ...] [--resume | --new | --overwrite]`: train one stage; `configs/demo.toml`
+is the CPU demo."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import shlex
+import sys
 
 from tttvideo.cli.common import add_config_arguments, config_from_args
+
+# flag -> train.if_exists
+IF_EXISTS_FLAGS = {"resume": "resume", "new": "new", "overwrite": "overwrite"}
 
 
 def register(sub: argparse._SubParsersAction, name: str) -> None:
     p = sub.add_parser(name, help="train (fine-tune) the model on a latent cache or the built-in demo set",
                        description="Train one stage. `tttv train configs/demo.toml` trains the tiny model on the "
-                                   "synthetic demo set on CPU in about two minutes.")
+                                   "synthetic demo set on CPU in about two minutes. When train.output_dir already "
+                                   "holds a run, train.if_exists (or one of the flags below) says what happens.")
     add_config_arguments(p)
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in train.output_dir (exactly: same data, same noise)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true",
+                       help="continue from the newest intact checkpoint in train.output_dir (exactly: same data, "
+                            "same noise); train.if_exists = 'resume'")
+    group.add_argument("--new", action="store_true",
+                       help="keep an earlier run in train.output_dir and train in the first free output_dir-2, "
+                            "-3, ...; train.if_exists = 'new'")
+    group.add_argument("--overwrite", action="store_true",
+                       help="delete an earlier run's checkpoints, metrics, TensorBoard logs and videos in "
+                            "train.output_dir and start over; train.if_exists = 'overwrite'")
     p.set_defaults(run=run)
+
+
+def resume_command(args: argparse.Namespace, output_dir: str, configured_dir: str) -> str:
+    """The command line that resumes this run: the same config and overrides, the folder it actually wrote to (with
+    --new it may differ from the config's), and --resume."""
+    parts = ["tttv", "train", args.config]
+    for item in args.overrides or []:
+        parts += ["--set", item]
+    if output_dir != configured_dir:
+        parts += ["--set", f"train.output_dir={output_dir}"]
+    return shlex.join([*parts, "--resume"])
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tttvideo.train.trainer import Trainer
+    from tttvideo.train.trainer import Trainer, TrainingStopped
 
     console = Console()
     cfg = config_from_args(args)
-    trainer = Trainer(cfg, resume=args.resume, console=console)
-    result = trainer.run()
+    configured_dir = cfg.train.output_dir
+    if_exists = next((value for flag, value in IF_EXISTS_FLAGS.items() if getattr(args, flag, False)), None)
+    trainer = Trainer(cfg, console=console, if_exists=if_exists)
+    try:
+        result = trainer.run()
+    except TrainingStopped as stop:
+        command = resume_command(args, str(stop.output_dir), configured_dir)
+        print(f"tttv train: {stop.describe(command)}", file=sys.stderr, flush=True)
+        return stop.exit_code
     if result.steps_done == 0 or math.isnan(result.first_loss):
         return 0
     change = (1 - result.last_loss / result.first_loss) * 100 if result.first_loss else 0.0

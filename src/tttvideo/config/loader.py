@@ -106,12 +106,31 @@ def _nearby_configs_hint(path: Path) -> str:
     return f"; configs in {_label(folder)}/: {', '.join(found)}" if found else ""
 
 
+def _legacy_key(obj: Any, dotted: str, value: Any, source: str) -> bool:
+    """Keys an earlier version had, read into what replaced them, so that the config.toml saved with an older run
+    still loads (tttv sample reads it). True when `dotted` was one of them."""
+    if dotted != "train.overwrite":
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"train.overwrite in {source} was replaced by train.if_exists; set train.if_exists = "
+                          f"'overwrite' (or pass --overwrite) instead")
+    if value:  # false was the default: nothing to carry over
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "train.overwrite = true in %s is the old spelling of train.if_exists = 'overwrite'; read as that", source)
+        obj.if_exists = "overwrite"
+    return True
+
+
 def _apply_table(obj: Any, table: dict, prefix: str, source: str) -> None:
     """Set the keys of `table` on the dataclass instance `obj`; sub-tables merge into nested dataclasses."""
     fields = _settable_fields(type(obj))
     hints = _hints(type(obj))
     for key, value in table.items():
         dotted = prefix + key
+        if key not in fields and _legacy_key(obj, dotted, value, source):
+            continue
         if key not in fields:
             raise _unknown_key(type(obj), key, prefix, source)
         tp = hints[key]
@@ -286,6 +305,10 @@ def _apply_override(cfg: Any, text: str) -> None:
             f"{OVERRIDE_SOURCE} {text!r}: expected KEY=VALUE with a dotted key, e.g. {OVERRIDE_SOURCE} ttt.kind=linear"
         )
     value = _parse_literal(raw)
+    if key == "train.overwrite":  # replaced by train.if_exists (`_legacy_key`)
+        plain = value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else value
+        _apply_table(cfg, {"train": {"overwrite": plain}}, prefix="", source=OVERRIDE_SOURCE)
+        return
     target = _field_type(type(cfg), parts)
     plain = _strip_optional(target)
     if plain is str and not isinstance(value, str):

@@ -101,8 +101,11 @@ class TrainConfig:
     # checkpoints
     checkpoint_every: int = bounded(500, 1, help="optimizer steps between checkpoints (the last step always saves)")
     keep_checkpoints: int = bounded(3, 1, help="checkpoints kept; older ones are deleted")
-    overwrite: bool = field(default=False, metadata={"help": "without --resume, delete an earlier run's checkpoints, "
-                                                             "metrics and logs in output_dir instead of refusing"})
+    if_exists: str = choice("refuse", "refuse", "resume", "new", "overwrite",
+                            help="when output_dir already holds a run: refuse (naming the flags), resume it, start a "
+                                 "new run in the first free output_dir-2, -3, ... (the old one is kept), or "
+                                 "overwrite (delete its checkpoints, metrics, TensorBoard logs and videos); "
+                                 "--resume / --new / --overwrite set it")
     init_from: str = field(default="", metadata={"help": "checkpoint (file or run folder) of the previous stage to "
                                                          "start from; optimizer and step start fresh"})
     # failures
@@ -125,7 +128,8 @@ class DataConfig:
     num_workers: int = bounded(0, 0, help="loader processes prefetching batches (order does not depend on it)")
     # the built-in demo set (used when manifest is '')
     demo_videos: int = bounded(32, 1, help="synthetic videos in the demo set")
-    demo_dir: str = field(default="", metadata={"help": "where the demo set is written ('' = <output_dir>/data)"})
+    demo_dir: str = field(default="", metadata={"help": "where the demo set is written ('' = <output_dir>/data); "
+                                                        "runs that share it reuse it"})
     demo_text_encoder: str = choice("auto", "auto", "minilm", "table",
                                     help="demo text features: all-MiniLM-L6-v2 if installed (auto), or a fixed table")
     # tttv precompute

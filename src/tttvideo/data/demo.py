@@ -279,8 +279,11 @@ class DemoSpec:
 
 
 def build_demo_cache(out: str | Path, layout: VideoLayout, channels: int, text_dim: int, videos: int = 32,
-                     seed: int = 0, text_encoder: str = "auto", console: Any = None) -> Path:
-    """Write (or reuse) the demo cache in `out`; returns the manifest path. Videos also get a `stories.json`."""
+                     seed: int = 0, text_encoder: str = "auto", console: Any = None,
+                     may_write: bool = True) -> Path | None:
+    """Write (or reuse) the demo cache in `out`; returns the manifest path. Videos also get a `stories.json`.
+    With `may_write` False (another run is training on the folder) an existing cache of these settings is reused
+    and anything else returns None."""
     out = Path(out)
     encoder = DemoTextEncoder(layout.text_tokens, text_dim, text_encoder, seed)
     spec = DemoSpec(layout.summary(), channels, text_dim, videos, seed, encoder.kind)
@@ -292,6 +295,8 @@ def build_demo_cache(out: str | Path, layout: VideoLayout, channels: int, text_d
                 return manifest
         except (OSError, json.JSONDecodeError):
             pass
+    if not may_write:
+        return None
     for sub in ("latents", "text"):  # another layout's files would only confuse a reader of the folder
         shutil.rmtree(out / sub, ignore_errors=True)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xDE30])))
