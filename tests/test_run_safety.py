@@ -117,6 +117,27 @@ def test_second_demo_keeps_the_first_run_and_reuses_the_demo_set(tmp_path, capsy
     assert saved.train.output_dir == str(tmp_path / "demo-2")  # the saved config says where the run is
 
 
+def test_shared_demo_set_in_use_is_reused_and_never_rewritten(tmp_path, capsys):
+    """While another run trains on the demo set (its shared lock), a run of the same settings reuses it and one of
+    other settings is refused naming data.demo_dir, instead of rebuilding it under the first run."""
+    from tttvideo.train.runlock import DataLock
+
+    assert main(train_argv(tmp_path / "a", "train.steps=1")) == 0  # builds tmp_path/data
+    reader = DataLock(tmp_path / "data")
+    reader.shared()
+    try:
+        stamp = (tmp_path / "data/demo.json").read_text()
+        assert main(train_argv(tmp_path / "b", "train.steps=1")) == 0
+        capsys.readouterr()
+        one_error_line(capsys, train_argv(tmp_path / "c", "train.steps=1", "data.demo_videos=4"),
+                       f"data.demo_dir {tmp_path / 'data'} holds a demo set of other settings",
+                       "another run is training on")
+        assert (tmp_path / "data/demo.json").read_text() == stamp
+    finally:
+        reader.release()
+    assert main(train_argv(tmp_path / "c", "train.steps=1", "data.demo_videos=4")) == 0  # free: rebuilt
+
+
 def test_refuse_names_the_three_flags_and_overwrite_says_what_it_removed(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(train_argv(out, "train.steps=2", "train.if_exists=refuse")) == 0

@@ -151,7 +151,14 @@ def test_sigkill_past_a_checkpoint_then_resume_logs_each_step_once(full_run):
     out = full_run.parent / "killed"
     proc, _ = start(out)
     try:
-        wait_for(proc, lambda: len(logged_steps(out)) >= 6)  # checkpoint 4, then steps 5 and 6 logged
+        while True:  # stop it where steps past its newest checkpoint are logged (not right after a save)
+            wait_for(proc, lambda: len(logged_steps(out)) >= 6)
+            proc.send_signal(signal.SIGSTOP)
+            saved = [s for s, _ in list_checkpoints(out)]
+            if saved and logged_steps(out)[-1] > saved[-1]:
+                break
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -177,6 +184,10 @@ def test_second_run_refuses_naming_the_holder_and_a_dead_holders_lock_is_taken_o
         assert f"is in use by another run: pid {proc.pid} on {socket.gethostname()} since " in err, err
         assert proc.poll() is None and list_checkpoints(out), "the running run lost its checkpoints"
         assert main(argv(out, "--resume")) == 2 and f"pid {proc.pid}" in capsys.readouterr().err
+        # --new leaves the running run alone and trains beside it
+        assert main(argv(out, "--new", "--set", "train.steps=1")) == 0
+        assert f"this run writes to {out.parent / 'run-2'}" in capsys.readouterr().out.replace("\n", "")
+        assert list_checkpoints(out.parent / "run-2")
     finally:
         proc.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel lets it go, its record stays
         proc.wait()
