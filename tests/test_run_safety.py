@@ -294,6 +294,25 @@ def test_no_intact_checkpoint_is_one_sentence(run_copy, tmp_path, capsys):
                    "has no intact checkpoint")
 
 
+def test_disk_full_while_saving_is_one_sentence_and_leaves_no_partial_checkpoint(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import torch
+
+    real, calls = torch.save, []
+
+    def full_disk(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 2:  # the state of the second checkpoint (step 4)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    one_error_line(capsys, train_argv(tmp_path / "run"), "cannot write checkpoint step-000004",
+                   "No space left on device", "--resume from its newest checkpoint, step-000002")
+    assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["step-000002"]  # no partial folder
+
+
 # ---------------------------------------------------------------------------------------------------- the log
 def _tiny(tmp_path, *extra):
     return load_config(DEMO, [*CHEAP, "train.tensorboard=true", f"train.output_dir={tmp_path / 'run'}",

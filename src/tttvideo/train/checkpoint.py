@@ -104,18 +104,45 @@ def save_training_checkpoint(output_dir: str | Path, step: int, model: torch.nn.
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_checkpoint(model, tmp / MODEL_FILE)
-    torch.save(state, tmp / STATE_FILE)
-    (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-    write_manifest(tmp, step, meta or {})
-    _fsync_dir_files(tmp)
+    try:
+        tmp.mkdir()
+        save_checkpoint(model, tmp / MODEL_FILE)
+        torch.save(state, tmp / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+        write_manifest(tmp, step, meta or {})
+        _fsync_dir_files(tmp)
+    except Exception as err:
+        _write_failed(err, tmp, final, output_dir)
+        raise
     if final.exists():  # re-saving the same step (a resumed run's final save): replace it as a whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
     prune(output_dir, keep)
     return final
+
+
+LOW_SPACE = 64 << 20  # below this a failed write is taken for a full disk (torch.save then says only "unexpected pos")
+
+
+def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path) -> None:
+    """A checkpoint that could not be written: the partial one is removed (it would only hold the space), and a full
+    disk or another OS error is one sentence; anything else is re-raised by the caller."""
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = -1
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not isinstance(err, OSError) and not 0 <= free < LOW_SPACE:
+        return
+    if 0 <= free < LOW_SPACE:
+        why = f"the disk was full, {free / 2**20:.1f} MiB free"
+    else:
+        why = getattr(err, "strerror", None) or str(err)
+    newest = latest_checkpoint(output_dir)
+    since = f"its newest checkpoint, {newest.name}" if newest is not None else "step 0 (it has no checkpoint yet)"
+    raise UserError(f"cannot write checkpoint {final.name} in {final.parent} ({why}); make room there (or move "
+                    f"train.output_dir) and continue the run with --resume from {since}") from None
 
 
 def file_digest(path: Path) -> str:

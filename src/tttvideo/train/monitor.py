@@ -90,8 +90,12 @@ class TrainMonitor:
         eta = self.eta(step)
         short = f"loss {values['loss']:.4f}  {values['step_time']:.2f} s/step  mem {values['memory_gib']:.2f} GiB"
         self.progress.update(self.task, completed=step, stats=self._fit(short), eta=eta)
-        self._metrics.write(json.dumps({"step": step, **values}) + "\n")
-        self._metrics.flush()
+        try:
+            self._metrics.write(json.dumps({"step": step, **values}) + "\n")
+            self._metrics.flush()
+        except OSError as err:
+            raise UserError(f"cannot write {self.metrics_path} ({err.strerror or err}); make room there (or move "
+                            f"train.output_dir) and continue the run with --resume") from None
         if step % self.log_every == 0:
             if self.show:
                 width = len(str(self.total))

@@ -303,7 +303,7 @@ class Trainer:
                 for name in RUN_OUTPUTS:
                     path = self.output_dir / name
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-                self.console.print(f"--overwrite (train.if_exists = 'overwrite'): removed the earlier run's "
+                self.console.print(f"train.if_exists = 'overwrite': removed the earlier run's "
                                    f"{', '.join(found)} in {self.output_dir}")
         elif self.if_exists == "resume":
             self.resume_from = ckpt.newest_intact_checkpoint(
