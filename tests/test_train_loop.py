@@ -204,3 +204,20 @@ def test_overwrite_starts_over(tmp_path):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run")] == [1]
     assert len((tmp_path / "run/metrics.jsonl").read_text().splitlines()) == 1
     assert (tmp_path / "data/manifest.jsonl").is_file()  # the demo set stays
+
+
+def test_checkpoints_carry_the_longest_trained_duration_across_stages(tmp_path):
+    """A 6-s stage started from a 3-s one, then a 3-s stage started from that: every checkpoint's model file says
+    the longest video its weights have trained on (what `tttv sample` warns against)."""
+    from tttvideo.models.weights import trained_duration
+
+    first = Trainer(tiny_config(tmp_path / "a", "train.steps=1", "train.checkpoint_every=1"), quiet=True).run()
+    alone = tmp_path / "alone.safetensors"  # no config.toml beside it: the metadata alone must say it
+    alone.write_bytes((first.checkpoints[-1] / ckpt.MODEL_FILE).read_bytes())
+    assert trained_duration(alone) == 3
+    second = Trainer(tiny_config(tmp_path / "b", "train.steps=1", "train.checkpoint_every=1", "layout.duration=6s",
+                                 f"train.init_from={first.output_dir}"), quiet=True).run()
+    assert trained_duration(second.checkpoints[-1] / ckpt.MODEL_FILE) == 6
+    third = Trainer(tiny_config(tmp_path / "c", "train.steps=1", "train.checkpoint_every=1",
+                                f"train.init_from={second.output_dir}"), quiet=True).run()
+    assert trained_duration(third.checkpoints[-1] / ckpt.MODEL_FILE) == 6

@@ -94,9 +94,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_training_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, state: dict[str, Any],
-                             config_text: str, keep: int, meta: dict[str, Any] | None = None) -> Path:
+                             config_text: str, keep: int, meta: dict[str, Any] | None = None,
+                             trained_duration_s: int | None = None) -> Path:
     """Write checkpoint `step` atomically (its manifest last) and delete all but the newest `keep`; returns its
-    folder."""
+    folder. `trained_duration_s` goes into the model file's metadata (`tttvideo.models.weights.trained_duration`)."""
     from tttvideo.models import save_checkpoint
 
     root = checkpoint_root(output_dir)
@@ -106,7 +107,7 @@ def save_training_checkpoint(output_dir: str | Path, step: int, model: torch.nn.
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        save_checkpoint(model, tmp / MODEL_FILE)
+        save_checkpoint(model, tmp / MODEL_FILE, trained_duration_s=trained_duration_s)
         torch.save(state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
         write_manifest(tmp, step, meta or {})

@@ -340,12 +340,16 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _build(self, stack: contextlib.ExitStack | None = None) -> None:
         from tttvideo.models import build_model, load_checkpoint
+        from tttvideo.models.weights import trained_duration
 
         seed_everything(self.train.seed)
         self.model = build_model(self.cfg, device=self.device)
+        # the longest video these weights have trained on, kept in every checkpoint (the sampler warns past it)
+        self.trained_duration_s = self.layout.duration_s
         if self.train.init_from and self.resume_from is None:
             path = ckpt.resolve_init_from(self.train.init_from)
             load_checkpoint(self.model, path)
+            self.trained_duration_s = max(self.trained_duration_s, trained_duration(path) or 0)
             self.console.print(f"initialised from {path}")
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -396,8 +400,10 @@ class Trainer:
 
     def _restore(self, folder: Path) -> None:
         from tttvideo.models import load_checkpoint
+        from tttvideo.models.weights import trained_duration
 
         load_checkpoint(self.model, folder / ckpt.MODEL_FILE)
+        self.trained_duration_s = max(self.layout.duration_s, trained_duration(folder / ckpt.MODEL_FILE) or 0)
         state = ckpt.load_state(folder)
         if state["global_batch"] != self.global_batch:
             raise UserError(
@@ -419,7 +425,8 @@ class Trainer:
         meta = {"data_position": self.step * self.global_batch, "global_batch": self.global_batch,
                 "tttvideo": _version(), "torch": torch.__version__}
         path = ckpt.save_training_checkpoint(self.output_dir, self.step, self.model, self._state(),
-                                             dump_toml(self.cfg), self.train.keep_checkpoints, meta)
+                                             dump_toml(self.cfg), self.train.keep_checkpoints, meta,
+                                             trained_duration_s=self.trained_duration_s)
         self.last_good = path
         return path
 
