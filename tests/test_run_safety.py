@@ -378,7 +378,7 @@ def test_progress_bar_at_80_columns_keeps_step_count_and_eta(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- signals
 def test_stop_signals_first_asks_second_aborts_and_handlers_come_back():
-    from tttvideo.train.trainer import StopSignals
+    from tttvideo.train.stop import StopSignals
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with StopSignals() as stop:

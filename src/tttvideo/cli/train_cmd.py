@@ -47,7 +47,8 @@ def resume_command(args: argparse.Namespace, output_dir: str, configured_dir: st
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tttvideo.train.trainer import Trainer, TrainingStopped
+    from tttvideo.train.stop import TrainingStopped
+    from tttvideo.train.trainer import Trainer
 
     console = Console()
     cfg = config_from_args(args)

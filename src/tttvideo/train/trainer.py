@@ -22,9 +22,6 @@ import logging
 import math
 import os
 import random
-import shutil
-import signal
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -35,13 +32,12 @@ import numpy as np
 import torch
 
 from tttvideo.config.loader import config_to_dict, dump_toml, layout_from_config
-from tttvideo.data.cache import LatentCache
 from tttvideo.data.loader import make_loader, to_device
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.outputs import check_writable_dir
 from tttvideo.train import checkpoint as ckpt
-from tttvideo.train.runlock import DataLock, RunLock, current_holder
+from tttvideo.train import runfolder
+from tttvideo.train.stop import StopSignals, TrainingStopped
 from tttvideo.train.loss import NoiseSource, diffusion_loss
 from tttvideo.train.monitor import TrainMonitor, memory_gib
 from tttvideo.train.optim import build_optimizer, build_scheduler
@@ -50,70 +46,8 @@ from tttvideo.device import resolve_device
 
 log = logging.getLogger(__name__)
 
-# what a run writes in its folder besides config.toml: what "a run exists" means, and what --overwrite deletes
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "samples")
-IN_USE_ADVICE = "wait for it to finish or stop it, or pass --new to start a new run beside it"
-
-
 class TrainingDiverged(UserError):
     """The loss became NaN or Inf."""
-
-
-class TrainingStopped(Exception):
-    """SIGINT or SIGTERM stopped the run after a step; the checkpoint of that step is saved. The CLI prints the
-    command that resumes it and exits with 128 + the signal number (130, 143)."""
-
-    def __init__(self, signum: int, step: int, total: int, checkpoint: Path, output_dir: Path):
-        self.signum, self.step, self.total = signum, step, total
-        self.checkpoint, self.output_dir = checkpoint, output_dir
-        super().__init__(self.describe("--resume"))
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signum).name
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-    def describe(self, resume: str) -> str:
-        return (f"stopped by {self.signal_name} after step {self.step} of {self.total}; checkpoint saved in "
-                f"{self.checkpoint}; resume with: {resume}")
-
-
-class StopSignals:
-    """While the training loop runs: the first SIGINT or SIGTERM (Ctrl-C; what a cluster sends before preemption)
-    asks it to stop after the current step (`signum` is set, the loop saves and raises TrainingStopped); a second
-    one raises KeyboardInterrupt at once. The previous handlers are restored on exit. Outside the main thread
-    (signals cannot be caught there) it does nothing."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, command: str = "tttv train"):
-        self.command = command
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        # os.write, not print: a handler may run in the middle of a print to the same stream
-        text = (f"\n{self.command}: {signal.Signals(signum).name}: finishing the current step, then saving a "
-                f"checkpoint (send it again to abort at once)\n")
-        with contextlib.suppress(OSError):
-            os.write(2, text.encode())
 
 
 @dataclass
@@ -155,82 +89,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def open_dataset(cfg: Any, layout: Any, spec: Any, output_dir: Path, console: Any,
-                 stack: contextlib.ExitStack | None = None) -> LatentCache:
-    """The data set: `data.manifest`, or the demo set, built (or reused) in data.demo_dir. A demo folder is shared
-    by the runs that train on it: it is (re)written only under its exclusive lock and read under a shared one,
-    held until `stack` closes (the end of the run)."""
-    manifest = cfg.data.manifest
-    if not manifest:
-        from tttvideo.data.demo import build_demo_cache
-
-        demo_dir = demo_folder(cfg, output_dir)
-        lock = DataLock(demo_dir)
-        if stack is not None:
-            stack.callback(lock.release)
-        args = (demo_dir, layout, spec.in_channels, spec.text_embed_dim, cfg.data.demo_videos)
-        kwargs = dict(seed=cfg.train.seed, text_encoder=cfg.data.demo_text_encoder, console=console)
-        try:
-            if lock.try_exclusive():
-                manifest = build_demo_cache(*args, **kwargs)
-                lock.shared()
-            else:  # another run is writing it, or training on it: use it as it is, never rewrite it under them
-                lock.shared()
-                manifest = build_demo_cache(*args, **kwargs, may_write=False)
-                if manifest is None:
-                    raise UserError(
-                        f"data.demo_dir {demo_dir} holds a demo set of other settings (layout, data.demo_videos, "
-                        f"train.seed or text encoder) that another run is training on; set data.demo_dir to "
-                        f"another folder or wait for that run to end")
-        except OSError as err:
-            raise UserError(f"data.demo_dir {demo_dir}: cannot write the demo set ({err.strerror or err}); choose "
-                            f"a folder you can write to") from None
-        finally:
-            if stack is None:
-                lock.release()
-    return LatentCache(manifest, layout, spec.in_channels, spec.text_embed_dim)
-
-
-def demo_folder(cfg: Any, output_dir: Path) -> Path:
-    return Path(cfg.data.demo_dir) if cfg.data.demo_dir else Path(output_dir) / "data"
-
-
-def run_outputs(folder: Path) -> list[str]:
-    """What an earlier run left in `folder`: the names of RUN_OUTPUTS that exist and are not empty."""
-    found = []
-    for name in RUN_OUTPUTS:
-        path = folder / name
-        if name == "checkpoints":
-            present = bool(ckpt.step_folders(folder))
-        elif path.is_dir():
-            present = any(path.iterdir())
-        else:
-            present = path.is_file() and path.stat().st_size > 0
-        if present:
-            found.append(name)
-    return found
-
-
-def _check_creatable(path: Path, what: str) -> None:
-    """A folder that is written later (the demo set): it exists and is writable, or it can be created. Nothing is
-    created here."""
-    if path.is_dir():
-        check_writable_dir(path, what)
-        return
-    if path.exists():
-        raise UserError(f"{what} {path} is a file, not a folder; give a folder path")
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"{what} {path} cannot be created: {parent} is a file; choose a folder you can write to")
-    try:
-        check_writable_dir(parent, what)
-    except UserError:
-        raise UserError(f"{what} {path} cannot be created: {parent} is not writable; choose a folder you can "
-                        f"write to") from None
-
-
 class Trainer:
     def __init__(self, cfg: Any, resume: bool = False, console: Any = None, quiet: bool = False,
                  if_exists: str | None = None):
@@ -260,82 +118,11 @@ class Trainer:
         self.layout = layout_from_config(cfg)
         # what to do with an earlier run in output_dir: --resume (resume=True) or train.if_exists
         self.if_exists = if_exists or ("resume" if resume else self.train.if_exists)
-        if self.if_exists not in ("refuse", "resume", "new", "overwrite"):
-            raise ConfigError(f"if_exists {self.if_exists!r}: expected 'refuse', 'resume', 'new' or 'overwrite'")
-        # the folders are checked before any work (the model, the demo set), and so are the refusals that need no
-        # lock; run() takes the lock and decides again under it
-        check_writable_dir(self.output_dir, "train.output_dir")
-        if not cfg.data.manifest:
-            _check_creatable(demo_folder(cfg, self.output_dir), "data.demo_dir")
-        if self.if_exists != "new":
-            if current_holder(self.output_dir) is not None:
-                raise RunLock(self.output_dir, advice=IN_USE_ADVICE).refusal()
-            if self.if_exists == "refuse":
-                self._refuse_earlier_run(self.output_dir)
+        if self.if_exists not in runfolder.IF_EXISTS:
+            raise ConfigError(f"if_exists {self.if_exists!r}: expected one of {', '.join(runfolder.IF_EXISTS)}")
+        # run() takes the run folder's lock and decides again under it
+        runfolder.check_before_work(cfg, self.output_dir, self.if_exists)
         self.resume_from: Path | None = None
-
-    # ------------------------------------------------------------------ the run folder
-    def _refuse_earlier_run(self, folder: Path) -> None:
-        found = run_outputs(folder)
-        if not found:
-            return
-        choices = ("--new to start a new one beside it, or --overwrite to delete it and start over "
-                   "(train.if_exists)")
-        steps = ckpt.step_folders(folder)
-        if steps:
-            raise UserError(f"{folder} already holds checkpoints (newest {steps[-1][1].name}); pass --resume to "
-                            f"continue that run, {choices}")
-        raise UserError(f"{folder} already holds a run that saved no checkpoint ({', '.join(found)}); pass --resume "
-                        f"to start it again at step 0 with fresh logs, {choices}")
-
-    def _claim_output_dir(self, stack: contextlib.ExitStack) -> None:
-        """Lock the run folder, then act on an earlier run in it as `if_exists` says. Nothing in the folder is
-        written or deleted before the lock is held."""
-        if self.if_exists == "new":
-            self._claim_new_folder(stack)
-            return
-        stack.enter_context(RunLock(self.output_dir, advice=IN_USE_ADVICE))
-        if self.if_exists == "refuse":
-            self._refuse_earlier_run(self.output_dir)
-        elif self.if_exists == "overwrite":
-            found = run_outputs(self.output_dir)
-            if found:
-                for name in RUN_OUTPUTS:
-                    path = self.output_dir / name
-                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-                self.console.print(f"train.if_exists = 'overwrite': removed the earlier run's "
-                                   f"{', '.join(found)} in {self.output_dir}")
-        elif self.if_exists == "resume":
-            self.resume_from = ckpt.newest_intact_checkpoint(
-                self.output_dir, advice="start over with --overwrite or beside it with --new", warn_once=False)
-            if self.resume_from is None:
-                self.console.print(f"--resume: no checkpoint in {ckpt.checkpoint_root(self.output_dir)}; starting "
-                                   f"at step 0")
-
-    def _claim_new_folder(self, stack: contextlib.ExitStack) -> None:
-        """train.if_exists = 'new': output_dir if it holds no run and nobody uses it, else the first such of
-        output_dir-2, -3, ...; the earlier runs are kept."""
-        base = self.output_dir
-        for n in range(1, 10_000):
-            folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
-            if folder.exists() and (not folder.is_dir() or run_outputs(folder)):
-                continue
-            check_writable_dir(folder, "train.output_dir")
-            lock = RunLock(folder, advice=IN_USE_ADVICE)
-            if not lock.try_acquire(tries=1):
-                continue
-            if run_outputs(folder):  # another process started there between the look and the lock
-                lock.release()
-                continue
-            stack.callback(lock.release)
-            if folder != base:
-                self.console.print(f"train.if_exists = 'new': {base} holds an earlier run (kept); this run writes to "
-                                   f"{folder}")
-                self.output_dir = folder
-                self.train.output_dir = str(folder)  # the config saved with the run says where it is
-            return
-        raise UserError(f"train.output_dir {base}: no free folder among {base.name}-2 ... -9999; clean up or choose "
-                        f"another train.output_dir")
 
     # ------------------------------------------------------------------ setup
     def _build(self, stack: contextlib.ExitStack | None = None) -> None:
@@ -358,7 +145,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.train.precision == "fp16")
         self.schedule = ZeroSNRSchedule()
         self.noise = NoiseSource(self.train.seed, self.device)
-        self.dataset = open_dataset(self.cfg, self.layout, self.model.spec, self.output_dir, self.console, stack)
+        self.dataset = runfolder.open_dataset(self.cfg, self.layout, self.model.spec, self.output_dir, self.console, stack)
         self.step = 0
         self.nonfinite_skips = 0
         self.first_losses: list[float] = []
@@ -434,7 +221,10 @@ class Trainer:
     def run(self) -> TrainResult:
         """Lock the run folder, act on an earlier run there (train.if_exists), train, and let the folder go."""
         with contextlib.ExitStack() as stack:
-            self._claim_output_dir(stack)
+            folder, self.resume_from = runfolder.claim(self.output_dir, self.if_exists, stack, self.console)
+            if folder != self.output_dir:  # if_exists = 'new' moved beside it
+                self.output_dir = folder
+                self.train.output_dir = str(folder)  # the config saved with the run says where it is
             return self._run(stack)
 
     def _run(self, stack: contextlib.ExitStack) -> TrainResult:
