@@ -221,3 +221,10 @@ def test_checkpoints_carry_the_longest_trained_duration_across_stages(tmp_path):
     third = Trainer(tiny_config(tmp_path / "c", "train.steps=1", "train.checkpoint_every=1",
                                 f"train.init_from={second.output_dir}"), quiet=True).run()
     assert trained_duration(third.checkpoints[-1] / ckpt.MODEL_FILE) == 6
+
+
+def test_resume_with_another_global_batch_is_refused(tmp_path):
+    """The data order is a function of the global batch: resuming with another one would silently change it."""
+    Trainer(tiny_config(tmp_path, "train.steps=2"), quiet=True).run()
+    with pytest.raises(UserError, match="global batch of 1, this config has 2; resuming would change the data order"):
+        Trainer(tiny_config(tmp_path, "train.steps=4", "train.grad_accum=2"), resume=True, quiet=True).run()
