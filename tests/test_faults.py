@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tttvideo.cli import main
+from tests.cli_errors import one_error_line
 
 DEMO = str(Path(__file__).parents[1] / "configs" / "demo.toml")
 # the demo config at its cheapest: one 3-s segment, 3 videos, the word-vector text table, one step
@@ -20,17 +20,6 @@ CHEAP = ["layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=tab
 
 def train_args(out: Path, *sets: str, config: str = DEMO) -> list[str]:
     return ["train", config, *[x for s in (*CHEAP, f"train.output_dir={out}", *sets) for x in ("--set", s)]]
-
-
-def fails_cleanly(capsys, argv: list[str], *needles: str) -> str:
-    """Run `tttv ARGV`; it must exit 2 with one stderr line that contains every needle."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -62,42 +51,42 @@ def damaged_copy(manifest: Path, tmp_path: Path) -> Path:
     (["layout.duration=10s"], ["'10s'", "any multiple of 3"]),
 ], ids=["unknown-key", "wrong-type", "out-of-range", "bad-choice", "height", "duration"])
 def test_config_and_layout_mistakes(capsys, tmp_path, sets, needles):
-    fails_cleanly(capsys, train_args(tmp_path / "run", *sets), *needles)
+    one_error_line(capsys, train_args(tmp_path / "run", *sets), *needles)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_missing_and_broken_config_files(capsys, tmp_path):
-    fails_cleanly(capsys, ["train", str(tmp_path / "nope.toml")], "nope.toml", "does not exist")
+    one_error_line(capsys, ["train", str(tmp_path / "nope.toml")], "nope.toml", "does not exist")
     broken = tmp_path / "broken.toml"
     broken.write_text("[train]\nsteps = = 3\n")
-    fails_cleanly(capsys, ["train", str(broken)], "broken.toml")
+    one_error_line(capsys, ["train", str(broken)], "broken.toml")
     loop = tmp_path / "loop.toml"
     loop.write_text('include = "loop.toml"\n')
-    fails_cleanly(capsys, ["train", str(loop)], "loop.toml")
+    one_error_line(capsys, ["train", str(loop)], "loop.toml")
 
 
 # ---------------------------------------------------------------------------------------------------- data
 def test_data_mistakes(capsys, tmp_path, demo_cache):
     run = tmp_path / "run"
-    fails_cleanly(capsys, train_args(run, f"data.manifest={tmp_path / 'none.jsonl'}"), "none.jsonl",
+    one_error_line(capsys, train_args(run, f"data.manifest={tmp_path / 'none.jsonl'}"), "none.jsonl",
                   "does not exist")
 
     bad_json = damaged_copy(demo_cache, tmp_path / "a")
     bad_json.write_text(bad_json.read_text() + "{not json\n")
-    fails_cleanly(capsys, train_args(run, f"data.manifest={bad_json}"), str(bad_json), "not valid JSON")
+    one_error_line(capsys, train_args(run, f"data.manifest={bad_json}"), str(bad_json), "not valid JSON")
 
     gone = damaged_copy(demo_cache, tmp_path / "b")
     victim = sorted((gone.parent / "latents").iterdir())[0]
     victim.unlink()
-    fails_cleanly(capsys, train_args(run, f"data.manifest={gone}"), victim.name, "does not exist")
+    one_error_line(capsys, train_args(run, f"data.manifest={gone}"), victim.name, "does not exist")
 
     cut = damaged_copy(demo_cache, tmp_path / "c")
     victim = sorted((cut.parent / "latents").iterdir())[0]
     victim.write_bytes(victim.read_bytes()[:100])
-    fails_cleanly(capsys, train_args(run, f"data.manifest={cut}"), victim.name)
+    one_error_line(capsys, train_args(run, f"data.manifest={cut}"), victim.name)
 
     # a cache of 3-s videos read by a 6-s config
-    fails_cleanly(capsys, train_args(run, f"data.manifest={demo_cache}", "layout.duration=6s"), "latent")
+    one_error_line(capsys, train_args(run, f"data.manifest={demo_cache}", "layout.duration=6s"), "latent")
     assert not (run / "checkpoints").exists()
 
 
@@ -107,21 +96,21 @@ def test_weight_mistakes(capsys, tmp_path):
     from tttvideo.models import build_model, save_checkpoint
 
     run = tmp_path / "run"
-    fails_cleanly(capsys, train_args(run, f"model.pretrained_path={tmp_path / 'nothing'}"), "model.pretrained_path")
-    fails_cleanly(capsys, train_args(run, f"train.init_from={tmp_path / 'nothing'}"), "train.init_from")
+    one_error_line(capsys, train_args(run, f"model.pretrained_path={tmp_path / 'nothing'}"), "model.pretrained_path")
+    one_error_line(capsys, train_args(run, f"train.init_from={tmp_path / 'nothing'}"), "train.init_from")
     # a checkpoint of another model (the tiny preset with TTT-Linear instead of TTT-MLP)
     torch.manual_seed(0)
     other = save_checkpoint(build_model(load_config(DEMO, ["ttt.kind=linear"])), tmp_path / "linear.safetensors")
-    fails_cleanly(capsys, train_args(run, f"train.init_from={other}"), str(other), "does not fit this model")
+    one_error_line(capsys, train_args(run, f"train.init_from={other}"), str(other), "does not fit this model")
     story = tmp_path / "story.json"
     story.write_text('[{"text": "a red circle moves right"}]')
     for name, content in (("zeros.safetensors", b"\x00" * 64), ("cut.safetensors", other.read_bytes()[:-100])):
         bad = tmp_path / name
         bad.write_bytes(content)
-        fails_cleanly(capsys, ["sample", "--checkpoint", str(bad), "--scenes", str(story), "--out",
+        one_error_line(capsys, ["sample", "--checkpoint", str(bad), "--scenes", str(story), "--out",
                                str(tmp_path / "o.mp4")], str(bad), "not a readable safetensors file")
     # a tiny checkpoint sampled with a 5B config: refused from the file's header, before 5B is built
-    fails_cleanly(capsys, ["sample", "--checkpoint", str(other), "--scenes", str(story), "--out",
+    one_error_line(capsys, ["sample", "--checkpoint", str(other), "--scenes", str(story), "--out",
                            str(tmp_path / "o.mp4"), "--set", "model.preset=cogvideox-5b"],
                   "saved from model 'tiny', not 'cogvideox-5b'", "model.preset")
     assert not (tmp_path / "o.mp4").exists()
@@ -131,7 +120,7 @@ def test_weight_mistakes(capsys, tmp_path):
 def test_triton_backend_without_a_gpu_is_a_config_error(capsys, tmp_path, monkeypatch):
     """ttt.backend = 'triton' on a CPU run fails before the model or the demo set is built."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    fails_cleanly(capsys, train_args(tmp_path / "run", "ttt.backend=triton"), "ttt.backend", "CUDA GPU",
+    one_error_line(capsys, train_args(tmp_path / "run", "ttt.backend=triton"), "ttt.backend", "CUDA GPU",
                   "'auto'")
     assert not (tmp_path / "run" / "data").exists()
 
@@ -164,10 +153,10 @@ def test_unwritable_outputs_fail_before_any_work(capsys, tmp_path, tiny_model_fi
 
     monkeypatch.setattr(pipeline, "make_text_encoder", no_work)
     monkeypatch.setattr(drivers, "profile", no_work)
-    fails_cleanly(capsys, ["sample", "--checkpoint", str(tiny_model_file), "--scenes", str(story), "--out",
+    one_error_line(capsys, ["sample", "--checkpoint", str(tiny_model_file), "--scenes", str(story), "--out",
                            str(target / "video.mp4")], "--out", "cannot be created")
-    fails_cleanly(capsys, ["profile", DEMO, "--out", str(target)], "--out", "cannot be created")
-    fails_cleanly(capsys, ["precompute", DEMO, "--videos", str(tmp_path), "--captions", str(story), "--vae",
+    one_error_line(capsys, ["profile", DEMO, "--out", str(target)], "--out", "cannot be created")
+    one_error_line(capsys, ["precompute", DEMO, "--videos", str(tmp_path), "--captions", str(story), "--vae",
                            str(tmp_path), "--t5", str(tmp_path), "--out", str(target)], "--out", "cannot be created")
 
 

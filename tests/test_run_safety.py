@@ -24,6 +24,8 @@ from tttvideo.config.loader import load_config
 from tttvideo.errors import UserError
 from tttvideo.train import checkpoint as ckpt
 
+from tests.cli_errors import one_error_line
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DEMO = str(Path(__file__).parents[1] / "configs" / "demo.toml")
@@ -35,17 +37,6 @@ CHEAP = ["layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=tab
 def train_argv(out: Path, *sets: str, flags: tuple[str, ...] = ()) -> list[str]:
     every = (*CHEAP, f"train.output_dir={out}", f"data.demo_dir={out.parent / 'data'}", *sets)
     return ["train", DEMO, *[x for s in every for x in ("--set", s)], *flags]
-
-
-def one_error_line(capsys, argv: list[str], *needles: str) -> str:
-    """`tttv ARGV` exits 2 with exactly one stderr line holding every needle, and no traceback."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def steps_of(metrics: Path) -> list[int]:

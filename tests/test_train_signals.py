@@ -104,18 +104,23 @@ def full_run(tmp_path_factory):
     return out
 
 
+def stop_with(out: Path, signum: int, exit_code: int, after_steps: int) -> tuple[int, str]:
+    """Start a run in `out`, send `signum` once `after_steps` steps are logged, expect `exit_code`; returns the last
+    logged step and the run's output."""
+    proc, log = start(out)
+    try:
+        wait_for(proc, lambda: len(logged_steps(out)) >= after_steps)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=120) == exit_code
+    finally:
+        proc.kill()
+    return logged_steps(out)[-1], log.read_text()
+
+
 @pytest.mark.timeout(600)
 def test_sigterm_saves_prints_the_resume_command_and_resumes_bitwise(full_run):
     out = full_run.parent / "term"
-    proc, log = start(out)
-    try:
-        wait_for(proc, lambda: len(logged_steps(out)) >= 5)  # past the checkpoint of step 4
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 143
-    finally:
-        proc.kill()
-    text = log.read_text()
-    step = logged_steps(out)[-1]
+    step, text = stop_with(out, signal.SIGTERM, 143, after_steps=5)  # past the checkpoint of step 4
     assert 4 < step < STEPS, text
     assert f"stopped by SIGTERM after step {step} of {STEPS}" in text, text
     assert [s for s, _ in list_checkpoints(out)][-1] == step  # the interrupted step is saved
@@ -132,15 +137,7 @@ def test_sigterm_saves_prints_the_resume_command_and_resumes_bitwise(full_run):
 @pytest.mark.timeout(600)
 def test_sigint_saves_the_interrupted_step_and_exits_130(full_run):
     out = full_run.parent / "int"
-    proc, log = start(out)
-    try:
-        wait_for(proc, lambda: len(logged_steps(out)) >= 2)  # before the first periodic checkpoint (step 4)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 130
-    finally:
-        proc.kill()
-    text = log.read_text()
-    step = logged_steps(out)[-1]
+    step, text = stop_with(out, signal.SIGINT, 130, after_steps=2)  # before the first periodic checkpoint (step 4)
     assert step < STEPS and f"stopped by SIGINT after step {step} of {STEPS}" in text, text
     assert [s for s, _ in list_checkpoints(out)][-1] == step and "--resume" in text
     assert "Traceback" not in text
