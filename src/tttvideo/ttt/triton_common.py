@@ -61,6 +61,22 @@ def dot_mode(dtype: torch.dtype) -> int:
     return DOT_BF16
 
 
+def warp_cap(M: int, D: int) -> int:
+    """Most warps for a TTT kernel whose products have [M, D] results (mini-batch M, head dim D): 4 where M >= 64
+    and D < 64, else 8 (issue 13, "kernel memory safety"; docs/kernels.md).
+
+    At 8 warps Triton 3.6 lays a [64, D] wgmma result over two warpgroups side by side (warpsPerCTA [4, 2]). For
+    D < 64 the TTT-MLP d K kernel built that way read shared memory past its own allocation on an H100
+    (compute-sanitizer memcheck: "Invalid __shared__ read of size 1024 bytes ... out of bounds" at its product
+    with a transposed shared-memory operand, 14,336 B allocated, 0x5000 read): an illegal address at B=1, H=1,
+    L=2048, D=32, and where the read stayed inside the SM's shared memory, another block's data (the NaN seen once
+    in d K). The kernel's own index arithmetic is in bounds (tests/test_ttt_triton.py checks every load and store of
+    every kernel in the interpreter). At 4 warps a [64, D] result sits in one warpgroup and memcheck is clean; D = 64
+    (32 columns per warpgroup) and M < 64 (those products take mma.sync, not wgmma) are clean at 8, and stay there:
+    the H100/H200 timings are of D = 64."""
+    return 4 if M >= 64 and D < 64 else 8
+
+
 def new_output(like: torch.Tensor | None, shape=None, dtype=None, device=None) -> torch.Tensor:
     """Allocate a kernel output. With TTT_TRITON_POISON=1 (the tests) it starts as NaN, so an element the kernel
     fails to write shows up in the comparison instead of passing on whatever memory held."""

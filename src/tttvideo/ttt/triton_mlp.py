@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tttvideo.ttt.triton_common import (
     DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting, ln_l2_fwd, ln_stats,
-    new_output, op,
+    new_output, op, warp_cap,
 )
 from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, stage, take_ticket, wait_all
 
@@ -195,9 +195,10 @@ def split_for(E: int, M: int, D: int) -> int:
     return max(1, min(2, E // 64, M // 16))
 
 
-def warps_for(E: int, split: int) -> int:
-    """16 hidden rows per warp: one MMA tile of rows per warp, no replicated tiles."""
-    return max(1, min(8, E // split // 16))
+def warps_for(E: int, split: int, M: int = 64, D: int = 64) -> int:
+    """16 hidden rows per warp: one MMA tile of rows per warp, no replicated tiles; at most `warp_cap(M, D)` (8, or 4
+    where Triton 3.6 miscompiles [64, D < 64] products at 8 warps: triton_common.warp_cap)."""
+    return max(1, min(warp_cap(M, D), E // split // 16))
 
 
 def _state_buffers(slots: int, D: int, E: int, device) -> tuple[torch.Tensor, ...]:
@@ -254,15 +255,17 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
     _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
-                output, split, tune.get("num_warps", warps_for(E, split)), "fwd", tune.get("prefetch", 1))
+                output, split, tune.get("num_warps", warps_for(E, split, M, D)), "fwd", tune.get("prefetch", 1))
     return out, ck
 
 
 class _Lanes:
     """Two CUDA streams for the backward: the serial kernels (recompute, reverse) on a high-priority one and the
     parallel kernels (output path, d K) on a low-priority one, where they fill the SMs the serial kernels leave
-    idle. `after` names the launches (keys) a launch must follow across lanes. Without CUDA (the interpreter), or
-    with `overlap` off (for measurements), everything runs inline on the current stream, in call order."""
+    idle. `after` names the launches (keys) a launch must follow across lanes; each must have been issued already
+    (a key that was not is an error, not a dependency silently dropped: the caller names only launches that exist).
+    Without CUDA (the interpreter), or with `overlap` off (for measurements), everything runs inline on the current
+    stream, in call order, and the keys are checked all the same."""
 
     _streams: dict = {}
 
@@ -278,14 +281,18 @@ class _Lanes:
             self.parallel.wait_stream(self.entry)
 
     def run(self, lane, key, fn, after=()):
+        missing = [a for a in after if a not in self.events]
+        if missing or key in self.events:
+            raise RuntimeError(f"TTT backward schedule: {key} waits on {missing} (not issued yet)" if missing
+                               else f"TTT backward schedule: {key} issued twice")
         if not self.cuda:
             fn()
+            self.events[key] = None
             return
         stream = self.serial if lane == "serial" else self.parallel
         with torch.cuda.stream(stream):
             for a in after:
-                if a in self.events:
-                    stream.wait_event(self.events[a])
+                stream.wait_event(self.events[a])
             fn()
             self.events[key] = torch.cuda.Event()
             self.events[key].record(stream)
@@ -320,7 +327,10 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     then reverse g) and the parallel ones on another, so the output path of g - 1 and d K of g overlap the reverse
     of g; the group scratch rotates over three sets (recomputed states and activations) and two (the rest).
     Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial kernels),
-    reverse_split, reverse_warps, out_warps, overlap (False: one stream), prefetch (the forward kernel's)."""
+    reverse_split, reverse_warps, out_warps (both parallel kernels; op_warps / dk_warps set one of them), overlap
+    (False: one stream), prefetch (the forward kernel's). The parallel kernels take 8 warps, 4 where
+    triton_common.warp_cap says 8 is miscompiled (the d K kernel read shared memory out of bounds at M = 64, D < 64).
+    """
     from tttvideo.ttt import triton_mlp_bwd
 
     B, H, L, D = q.shape
@@ -331,8 +341,8 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     group = _group(n, checkpoint_group_size)
     ng = (n + group - 1) // group
     split = tune.get("split", split_for(E, M, D))
-    warps = tune.get("num_warps", warps_for(E, split))
-    out_warps = tune.get("out_warps", 8)
+    warps = tune.get("num_warps", warps_for(E, split, M, D))
+    out_warps = tune.get("out_warps", warp_cap(M, D))
     dev = q.device
     dout = dout.contiguous()
     dq, dk, dv, deta = new_output(q), new_output(k), new_output(v), new_output(eta)
@@ -353,25 +363,26 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
         init = tuple(t[:, g] for t in views)
         lanes.run("serial", ("rc", g), lambda: _launch_fwd(
             q, k, v, eta, norm_w, norm_b, init, True, None, states[g % 3], group + 1, 1, acts[g % 3], i0, cnt, M,
-            False, split, warps, "bwd_recompute", tune.get("prefetch", 1)), after=[("dk", g + 3)])
+            False, split, warps, "bwd_recompute", tune.get("prefetch", 1)), after=[("dk", g + 3)] if g + 3 < ng else [])
 
     def output_path(g):  # reuses the set of group g + 2, read by the reverse of g + 2 (before the recompute of g)
         i0, cnt = span(g)
         lanes.run("parallel", ("op", g), lambda: triton_mlp_bwd.output_path(
             dout, q, norm_w, states[g % 3], group + 1, acts[g % 3], outs[g % 2], group, dq, dnw, dnb, i0, cnt, M,
-            out_warps, LAUNCHED), after=[("rc", g)])
+            tune.get("op_warps", out_warps), LAUNCHED), after=[("rc", g)])
 
     def reverse(g):  # writes the d K operands of g % 2, last read by d K of g + 2
         i0, cnt = span(g)
         lanes.run("serial", ("rev", g), lambda: triton_mlp_bwd.reverse(
             q, k, v, eta, norm_w, norm_b, states[g % 3], group + 1, acts[g % 3], outs[g % 2], carried, dk_ops[g % 2],
             dv, deta, dnw, dnb, i0, cnt, M, tune.get("reverse_split", split), tune.get("reverse_warps", warps),
-            LAUNCHED), after=[("op", g), ("dk", g + 2)])
+            LAUNCHED), after=[("op", g)] + ([("dk", g + 2)] if g + 2 < ng else []))
 
     def grad_k(g):
         i0, cnt = span(g)
         lanes.run("parallel", ("dk", g), lambda: triton_mlp_bwd.grad_k(
-            states[g % 3], group + 1, acts[g % 3], dk_ops[g % 2], dv, dk, i0, cnt, M, out_warps, LAUNCHED),
+            states[g % 3], group + 1, acts[g % 3], dk_ops[g % 2], dv, dk, i0, cnt, M, tune.get("dk_warps", out_warps),
+            LAUNCHED),
             after=[("rev", g)])
 
     recompute(ng - 1)
