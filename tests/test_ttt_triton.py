@@ -5,6 +5,11 @@ TRITON_INTERPRET=1 (and TTT_TRITON_POISON=1: every kernel output starts as NaN, 
 Sizes are tiny (head dim 16, mini-batch 16, a few mini-batches): the interpreter runs each program in numpy.
 Inputs are fresh random draws each run (the seed is printed on failure). fp32 everywhere, so the kernels use
 full-precision products and must match the reference to ~1e-6; the bound is 1e-4 relative (||a-b|| / ||b||).
+
+Every load, store and atomic of every kernel launch in that subprocess is also checked against the tensors passed to
+the launch (`_install_bounds_check`): an address outside all of them fails the run naming the kernel, so an index
+that mixes up sizes (the mini-batch M and the head dim D, say) fails here even where it would read memory that
+happens to exist.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ CASES = [
     ("mlp", 1, 1, 16, 16, 9, 2),  # five groups: the backward's scratch sets rotate (three and two of them)
     ("linear", 2, 2, 16, 16, 5, 2),
     ("linear", 1, 1, 32, 16, 3, 0),
+]
+# Issue 13 (kernel memory safety): TTT-MLP at mini-batch 64 with head dim 16 and 32 (M > D), several checkpoint
+# groups and a partial last one; see test_mlp_minibatch_64_small_head_dim
+M64_CASES = [
+    ("mlp", 2, 1, 16, 64, 7, 2),  # four groups, the last of one mini-batch: every scratch set rotates
+    ("mlp", 1, 2, 32, 64, 5, 2),  # three groups, the last partial; two heads
 ]
 
 
@@ -67,10 +78,101 @@ def _errors(kind, B, H, D, m, n, group, seed):
     return errs
 
 
+def _install_bounds_check() -> None:
+    """In the Triton interpreter, fail any load, store or atomic of a kernel whose address (masked-off lanes aside)
+    lies outside every tensor argument of that launch (each tensor's own extent: its view, not its storage). Raises
+    RuntimeError naming the kernel and the nearest argument; the interpreter wraps it in InterpreterError."""
+    import inspect
+
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    ranges: list = []  # (first byte, end byte, argument name) of the launch being interpreted
+    kernel = [""]
+    init_args = interp.GridExecutor._init_args_hst
+
+    def init_args_checked(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        ranges.clear()
+        names = inspect.getfullargspec(self.fn).args
+        for name, a in [*zip(names, args_hst), *kwargs_hst.items()]:
+            if isinstance(a, torch.Tensor) and a.numel():
+                extent = sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1
+                ranges.append((a.data_ptr(), a.data_ptr() + extent * a.element_size(), name))
+        kernel[0] = getattr(self.fn, "__name__", str(self.fn))
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, nbytes, what):
+        p = np.asarray(ptrs).astype(np.uint64)
+        m = np.broadcast_to(np.asarray(mask).astype(bool), p.shape) if mask is not None else np.ones(p.shape, bool)
+        p = p[m]
+        inside = np.zeros(p.shape, bool)
+        for lo, hi, _ in ranges:
+            inside |= (p >= lo) & (p + nbytes <= hi)
+        if not inside.all():
+            bad = int(p[~inside][0])
+            near = min(ranges, key=lambda r: min(abs(bad - r[0]), abs(bad - r[1])))
+            raise RuntimeError(f"out-of-bounds {what} in {kernel[0]}: {int((~inside).sum())} elements, the first "
+                               f"at byte {bad - near[0]} of {near[2]} ({near[1] - near[0]} bytes)")
+
+    builder = interp.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
+
+    def load_checked(self, ptrs, mask, other, *a):
+        check(ptrs.data, mask.data, np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize, "load")
+        return load(self, ptrs, mask, other, *a)
+
+    def store_checked(self, ptrs, value, mask, *a):
+        check(ptrs.data, mask.data, value.data.dtype.itemsize, "store")
+        return store(self, ptrs, value, mask, *a)
+
+    def rmw_checked(self, op, ptr, val, mask, *a):
+        check(ptr.data, mask.data, val.data.dtype.itemsize, "atomic")
+        return rmw(self, op, ptr, val, mask, *a)
+
+    def cas_checked(self, ptr, cmp, val, *a):
+        check(ptr.data, None, val.data.dtype.itemsize, "atomic")
+        return cas(self, ptr, cmp, val, *a)
+
+    interp.GridExecutor._init_args_hst = init_args_checked
+    builder.create_masked_load, builder.create_masked_store = load_checked, store_checked
+    builder.create_atomic_rmw, builder.create_atomic_cas = rmw_checked, cas_checked
+
+
+def _launch_warps() -> dict:
+    """Record the warps each TTT-MLP kernel is launched with (the interpreter ignores them; a GPU would not)."""
+    from tttvideo.ttt import triton_mlp, triton_mlp_bwd
+
+    seen: dict = {}
+
+    def record(name, fn, index):
+        def wrapped(*a, **kw):
+            seen.setdefault(name, set()).add(int(a[index]))
+            return fn(*a, **kw)
+        return wrapped
+
+    triton_mlp._launch_fwd = record("forward/recompute", triton_mlp._launch_fwd, 18)
+    triton_mlp_bwd.output_path = record("output path", triton_mlp_bwd.output_path, 14)
+    triton_mlp_bwd.reverse = record("reverse", triton_mlp_bwd.reverse, 20)
+    triton_mlp_bwd.grad_k = record("d K", triton_mlp_bwd.grad_k, 9)
+    return seen
+
+
 def _interpreter_main() -> None:
     """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
     seed = int(sys.argv[1])
-    results = [{"case": list(c), "errors": _errors(*c, seed + 10 * i)} for i, c in enumerate(CASES)]
+    _install_bounds_check()
+    warps = _launch_warps()
+    results = []
+    for i, c in enumerate(CASES + M64_CASES):
+        warps.clear()
+        try:
+            errors, fault = _errors(*c, seed + 10 * i), None
+        except Exception as e:  # an out-of-bounds access (or any kernel failure) is this case's result
+            errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
+        results.append({"case": list(c), "errors": errors, "fault": fault,
+                        "warps": {k: sorted(v) for k, v in warps.items()}})
     print("RESULTS " + json.dumps(results))
 
 
@@ -93,11 +195,56 @@ def interpreter_results():
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c[0]}-B{c[1]}H{c[2]}D{c[3]}n{c[5]}g{c[6]}" for c in CASES])
 def test_kernel_matches_reference(interpreter_results, index):
     seed, results = interpreter_results
+    assert results[index]["fault"] is None, f"seed {seed}, case {CASES[index]}: {results[index]['fault']}"
     errors = results[index]["errors"]
     names = NAMES if CASES[index][0] == "mlp" else NAMES[:-2]
     assert set(errors) == set(names)
     bad = {k: v for k, v in errors.items() if not v <= TOL}  # NaN fails too: an unwritten (poisoned) element
     assert not bad, f"seed {seed}, case {CASES[index]}: relative errors over {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("index", range(len(M64_CASES)),
+                         ids=[f"B{c[1]}H{c[2]}D{c[3]}M{c[4]}n{c[5]}g{c[6]}" for c in M64_CASES])
+def test_mlp_minibatch_64_small_head_dim(interpreter_results, index):
+    """Issue 13: TTT-MLP with mini-batch 64 and head dim 16 or 32 ended in "an illegal memory access" on an H100.
+
+    The cause is not reproducible on CPU: it was Triton 3.6's sm_90 code for the d K kernel at 8 warps (its wgmma
+    read shared memory past the kernel's allocation: compute-sanitizer memcheck, docs/kernels.md "Kernel memory
+    safety"), and the interpreter runs the kernels' Python in numpy, with no warps, shared memory or wgmma. This test
+    checks on CPU what can be checked:
+    - every load, store and atomic of every kernel is inside the tensors of its launch (the bounds check of this
+      module), so the kernels' own index arithmetic has no M-vs-D mix-up at these shapes;
+    - the output and every gradient match the reference with outputs and scratch NaN-poisoned, over several
+      checkpoint groups, a partial last group, and (four groups) the rotation of the backward's scratch sets;
+    - the backward's cross-stream schedule names only launches already issued (`_Lanes` raises otherwise, in the
+      interpreter too);
+    - the launch configuration keeps 8-warp kernels off [64, D < 64] products (`warp_cap`): this part fails on the
+      code before the fix, which launched the d K and output-path kernels with 8 warps here.
+    The crash itself is covered on the GPU by tests/gpu/test_ttt_fuzz_gpu.py and compute-sanitizer
+    (benchmarks/results/ttt_memcheck_h100.log)."""
+    seed, results = interpreter_results
+    res = results[len(CASES) + index]
+    case = M64_CASES[index]
+    assert res["fault"] is None, f"seed {seed}, case {case}: {res['fault']}"
+    bad = {k: v for k, v in res["errors"].items() if not v <= TOL}
+    assert set(res["errors"]) == set(NAMES) and not bad, f"seed {seed}, case {case}: relative errors over {TOL}: {bad}"
+    assert set(res["warps"]) == {"forward/recompute", "output path", "reverse", "d K"}, res["warps"]
+    too_many = {k: v for k, v in res["warps"].items() if max(v) > 4}
+    assert not too_many, f"case {case}: kernels launched with more than 4 warps at M=64, D={case[3]}: {too_many}"
+
+
+def test_backward_schedule_refuses_a_dependency_not_issued():
+    from tttvideo.ttt.triton_mlp import _Lanes
+
+    lanes = _Lanes(torch.device("cpu"))
+    ran = []
+    lanes.run("serial", ("rc", 1), lambda: ran.append("rc1"))
+    lanes.run("parallel", ("op", 1), lambda: ran.append("op1"), after=[("rc", 1)])
+    with pytest.raises(RuntimeError, match="not issued"):
+        lanes.run("serial", ("rev", 1), lambda: ran.append("rev1"), after=[("op", 1), ("dk", 3)])
+    with pytest.raises(RuntimeError, match="issued twice"):
+        lanes.run("serial", ("rc", 1), lambda: ran.append("again"))
+    assert ran == ["rc1", "op1"]
 
 
 def test_auto_on_cpu_is_the_reference(caplog):
