@@ -247,6 +247,23 @@ def test_backward_schedule_refuses_a_dependency_not_issued():
     assert ran == ["rc1", "op1"]
 
 
+def test_gpu_fuzz_runner_attributes_a_crash_and_reruns_the_rest(monkeypatch):
+    """The runner of tests/gpu/ttt_fuzz.py (the GPU fuzz), on CPU through the interpreter: a worker that dies in a
+    case charges that case alone, and the rest of its batch runs in a fresh process."""
+    pytest.importorskip("triton")
+    from tests.gpu import ttt_fuzz
+
+    selected = [ttt_fuzz.Case("linear", 16, 16, 16, "1mb", 1, 1), ttt_fuzz.Case("mlp", 16, 16, 64, "1mb", 1, 1),
+                ttt_fuzz.Case("mlp", 16, 16, 64, "1mb", 2, 1), ttt_fuzz.Case("mlp", 16, 16, 32, "1mb", 1, 2)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TTT_FUZZ_ABORT_AT", selected[1].id)
+    res = ttt_fuzz.fuzz(selected, jobs=2, case_timeout=120, verbose=False)["results"]
+    assert [r["status"] for r in res.values()] == ["pass", "error", "pass", "pass"], res
+    assert "process died" in res[selected[1].id]["error"]
+    counts = ttt_fuzz.tally(selected, res)["by_kind"]
+    assert counts == {"linear": {"run": 1, "pass": 1}, "mlp": {"run": 3, "pass": 2, "error": 1}}
+
+
 def test_auto_on_cpu_is_the_reference(caplog):
     ins = _inputs("mlp", 1, 2, 16, 16, 2, seed=3)
     with caplog.at_level(logging.INFO, logger="tttvideo.ttt.ops"):

@@ -35,9 +35,11 @@ NAMES = ["out", "q", "k", "v", "eta", "norm_w", "norm_b", "W1", "b1", "W2", "b2"
 REGIMES = ("spec-init", "drawn-norm", "biased-eta16")
 
 
-def make_inputs(kind, B, H, L, D, m, dtype=torch.bfloat16, seed=None, device="cuda", regime="spec-init"):
+def make_inputs(kind, B, H, L, D, m, dtype=torch.bfloat16, seed=None, device="cuda", regime="spec-init",
+                hidden=None):
     """Inputs of the sizes the TTT layer produces: L2-normalised q/k, v of unit spread, eta = base_lr sigmoid(.) /
-    (D m) per the SPEC; slow weights per `regime` (see the module docstring)."""
+    (D m) per the SPEC; slow weights per `regime` (see the module docstring). `hidden`: the MLP's hidden size
+    (default 4 D, the layer's)."""
     if regime not in REGIMES:
         raise ValueError(f"unknown input regime {regime!r}; use one of {REGIMES}")
     g = torch.Generator(device=device).manual_seed(seed if seed is not None else int(torch.seed() % 2**31))
@@ -52,7 +54,7 @@ def make_inputs(kind, B, H, L, D, m, dtype=torch.bfloat16, seed=None, device="cu
         norm_w, norm_b = torch.ones(H, D, device=device), torch.zeros(H, D, device=device)
     else:
         norm_w, norm_b = 1 + 0.1 * r(H, D), 0.1 * r(H, D)
-    E = 4 * D if kind == "mlp" else D
+    E = (hidden or 4 * D) if kind == "mlp" else D
     bias = (lambda *s: 0.01 * r(*s)) if biased else (lambda *s: torch.zeros(*s, device=device))  # noqa: E731
     params = [0.02 * r(H, D, E), bias(H, E)]
     if kind == "mlp":
