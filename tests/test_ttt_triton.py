@@ -261,7 +261,7 @@ def test_gpu_fuzz_runner_attributes_a_crash_and_reruns_the_rest(monkeypatch):
     assert [r["status"] for r in res.values()] == ["pass", "error", "pass", "pass"], res
     assert "process died" in res[selected[1].id]["error"]
     counts = ttt_fuzz.tally(selected, res)["by_kind"]
-    assert counts == {"linear": {"run": 1, "pass": 1}, "mlp": {"run": 3, "pass": 2, "error": 1}}
+    assert counts == {"linear": {"cases": 1, "run": 1, "pass": 1}, "mlp": {"cases": 3, "run": 3, "pass": 2, "error": 1}}
 
 
 def test_auto_on_cpu_is_the_reference(caplog):

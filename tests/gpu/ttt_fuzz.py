@@ -174,9 +174,12 @@ def _worker_cmd(memcheck: bool) -> list[str]:
 
 
 def _run_batch(ids: list[str], seeds: dict, tmp: str, tag: str, case_timeout: float, memcheck: bool,
-               progress) -> dict:
-    """Run a batch of cases in worker processes until each has a result; returns {id: result}."""
+               progress, deadline: float) -> dict:
+    """Run a batch of cases in worker processes until each has a result; returns {id: result}. Past `deadline`
+    (time.time()) no process starts: the cases left are "not run"."""
     results, todo, attempt = {}, list(ids), 0
+    if time.time() > deadline:
+        return {c: dict(id=c, seed=seeds[c], status="not run") for c in ids}
     env = dict(os.environ, TTT_TRITON_POISON="1", PYTHONPATH=os.pathsep.join(
         p for p in (os.path.join(ROOT, "src"), ROOT, os.environ.get("PYTHONPATH", "")) if p))
     while todo:
@@ -232,8 +235,8 @@ def _memcheck_summary(lines: list[str]) -> dict:
 
 
 def fuzz(selected: list[Case], jobs: int = 8, case_timeout: float = 240.0, memcheck: bool = False, seed=None,
-         verbose: bool = True) -> dict:
-    """Run `selected` cases; returns {"results": {id: result}, "meta": ...}."""
+         verbose: bool = True, budget_s: float = float("inf")) -> dict:
+    """Run `selected` cases; returns {"results": {id: result}, "meta": ...}. No worker starts after budget_s."""
     from concurrent.futures import ThreadPoolExecutor
 
     base = seed if seed is not None else random.randrange(2**30)
@@ -256,7 +259,7 @@ def fuzz(selected: list[Case], jobs: int = 8, case_timeout: float = 240.0, memch
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="ttt_fuzz_") as tmp, ThreadPoolExecutor(jobs) as pool:
-        futures = [pool.submit(_run_batch, b, seeds, tmp, f"b{i}", case_timeout, memcheck, progress)
+        futures = [pool.submit(_run_batch, b, seeds, tmp, f"b{i}", case_timeout, memcheck, progress, t0 + budget_s)
                    for i, b in enumerate(batches)]
         for f in futures:
             results.update(f.result())
@@ -266,28 +269,26 @@ def fuzz(selected: list[Case], jobs: int = 8, case_timeout: float = 240.0, memch
 
 
 def tally(selected: list[Case], results: dict) -> dict:
-    """Counts by kind and by (kind, D, M): run / pass / fail / error."""
+    """Counts by kind and by (kind, D, M): cases / run / pass / fail / error / not run."""
     by_kind, by_cfg = defaultdict(Counter), defaultdict(Counter)
     for c in selected:
         st = results[c.id]["status"]
         for table, key in ((by_kind, c.kind), (by_cfg, f"{c.kind}-D{c.D}-M{c.M}")):
-            table[key]["run"] += 1
+            table[key]["cases"] += 1
+            table[key]["run"] += st != "not run"
             table[key][st] += 1
     return dict(by_kind={k: dict(v) for k, v in by_kind.items()}, by_shape={k: dict(v) for k, v in by_cfg.items()})
 
 
 def table(counts: dict) -> str:
-    rows = [("", "run", "passed", "failed", "error")]
-    for key, c in list(counts["by_shape"].items()) + [("--", None)] + list(counts["by_kind"].items()):
-        if c is None:
-            rows.append(("-" * 16, "", "", "", ""))
-            continue
-        rows.append((key, c.get("run", 0), c.get("pass", 0), c.get("fail", 0), c.get("error", 0)))
+    cols = ("cases", "run", "pass", "fail", "error")
+    rows = [("", "cases", "run", "passed", "failed", "error")]
     total = Counter()
     for c in counts["by_kind"].values():
         total.update(c)
-    rows.append(("total", total["run"], total["pass"], total["fail"], total["error"]))
-    return "\n".join(f"{r[0]:<16} {r[1]:>6} {r[2]:>7} {r[3]:>7} {r[4]:>6}" for r in rows)
+    for key, c in [*counts["by_shape"].items(), ("-" * 16, None), *counts["by_kind"].items(), ("total", total)]:
+        rows.append((key, *(("",) * 5 if c is None else (c.get(k, 0) for k in cols))))
+    return "\n".join(f"{r[0]:<16} {r[1]:>6} {r[2]:>6} {r[3]:>7} {r[4]:>7} {r[5]:>6}" for r in rows)
 
 
 def _finite(x):
@@ -328,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", nargs="*", default=["mlp", "linear"])
     ap.add_argument("--memcheck", action="store_true", help="each case under compute-sanitizer memcheck")
     ap.add_argument("--case-timeout", type=float, default=240.0)
+    ap.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no worker starts")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--name", default="", help="output file name (default ttt_fuzz.json / ttt_memcheck.log)")
     args = ap.parse_args(argv)
@@ -343,7 +345,7 @@ def main(argv=None) -> int:
     env = environment()
     print(f"{len(selected)} cases on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
           f"commit {env['commit']})", flush=True)
-    run = fuzz(selected, args.jobs, args.case_timeout, args.memcheck, args.seed)
+    run = fuzz(selected, args.jobs, args.case_timeout, args.memcheck, args.seed, budget_s=args.budget)
     counts = tally(selected, run["results"])
     bad = {k: v for k, v in run["results"].items() if v["status"] != "pass"}
     os.makedirs(args.out, exist_ok=True)
