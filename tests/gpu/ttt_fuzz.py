@@ -12,7 +12,16 @@ L2-normalised q/k, SPEC eta, W ~ N(0, 0.02), zero biases, ttt_norm (1, 0)), forw
 output gradient through ops (backend "triton", TTT_TRITON_POISON=1: every output and scratch buffer starts as NaN),
 against the fp32 reference on the same (upcast) inputs: the output and every gradient (q, k, v, eta, norm w/b, W1,
 b1, and W2, b2 for the MLP) within TOL = 2e-2 relative (||a - b|| / ||b||, the device tests' bound for bf16);
-NaN or inf fails.
+NaN or inf fails. A finite tensor over TOL is judged once more against what bf16 products alone cost on that draw:
+it passes if its error is at most BF16_SLACK = 4 x that of the reference run with bf16 operands
+(`operand_dtype=torch.bfloat16`, the precision of the kernels' products, without their bugs). Small tensors need it:
+a 16-element b1 gradient (one head, one mini-batch of 32, hidden 16) came to 1.9e-2 on the H100, the worst of the
+1,944 cases, and a sum over few tokens with cancellation can cross 2e-2 on a fresh draw. On the gradients that come
+near TOL (W1, b1, W2, b2, k, q; Linear's v and eta) the kernels err 1.0-2.1x the bf16 reference at L = 18,048
+(benchmarks/results/ttt_accuracy_h100.json); where the rounding of the bf16 output adds more (MLP out, v, eta and
+norm w/b 4-6x, its norm_b up to 17x; Linear norm w/b 5-6x) the errors stayed at most 1.1e-2 over the 1,944 cases.
+A wrong index, an unwritten element or a stray read errs by O(1). The result records the bf16 reference's errors and
+which tensors passed that way ("within_bf16_cost"; the JSON lists those cases).
 
 Processes: an illegal address poisons the CUDA context, so cases run in worker processes (one per (kind, D, M, E)
 batch, several at once: --jobs). A worker that dies or hangs (--case-timeout) charges the case it was running and
@@ -40,6 +49,7 @@ import time
 from collections import Counter, defaultdict
 
 TOL = 2e-2
+BF16_SLACK = 4.0
 GROUP = 16
 BATCHES = (1, 2, 3)
 HEADS = (1, 5, 48)
@@ -130,9 +140,16 @@ def run_case(case: Case, seed: int) -> dict:
     names = NAMES if case.kind == "mlp" else NAMES[:-2]
     errors = errors_between(fast, ref)
     assert set(errors) == set(names), (sorted(errors), names)
-    bad = {k: v for k, v in errors.items() if not v <= TOL}  # NaN fails
+    over = [k for k, v in errors.items() if not v <= TOL]
+    res = {}
+    if over and all(errors[k] == errors[k] for k in over):  # NaN / inf fails outright
+        # what bf16 products alone cost on this draw (module docstring: BF16_SLACK)
+        emulated = scan_with_grads(case.kind, ref_ins, dout, case.M, GROUP, operand_dtype=torch.bfloat16)
+        res["bf16_reference"] = {k: errors_between(emulated, ref)[k] for k in over}
+        res["within_bf16_cost"] = [k for k in over if errors[k] <= BF16_SLACK * res["bf16_reference"][k]]
+    bad = [k for k in over if k not in res.get("within_bf16_cost", ())]
     worst = max(errors, key=lambda k: float("inf") if errors[k] != errors[k] else errors[k])
-    return dict(status="fail" if bad else "pass", errors=errors, worst=worst, worst_error=errors[worst],
+    return dict(status="fail" if bad else "pass", errors=errors, worst=worst, worst_error=errors[worst], **res,
                 seconds=round(time.time() - t0, 2))
 
 
@@ -367,12 +384,15 @@ def main(argv=None) -> int:
         for c in selected:
             for k, v in run["results"][c.id].get("errors", {}).items():
                 worst[f"{c.kind}:{k}"] = max(worst[f"{c.kind}:{k}"], v if v == v else float("inf"))
-        compact = {cid: {k: r[k] for k in ("status", "seed", "worst", "worst_error", "seconds", "error") if k in r}
+        keep = ("status", "seed", "worst", "worst_error", "seconds", "error", "within_bf16_cost", "bf16_reference")
+        compact = {cid: {k: r[k] for k in keep if k in r}
                    for cid, r in run["results"].items()}
         worst = {k: (v if v < float("inf") else "nan or inf") for k, v in worst.items()}
         with open(path, "w") as f:
             json.dump(_finite(dict(env, **run["meta"], cases=len(selected), counts=counts,
                            passed=sum(r["status"] == "pass" for r in run["results"].values()),
+                           passed_within_bf16_cost=sorted(k for k, r in run["results"].items()
+                                                          if r["status"] == "pass" and r.get("within_bf16_cost")),
                            failed={k: v for k, v in bad.items()}, worst_error_by_tensor=dict(worst),
                            axes=dict(head_dims="ops.KERNEL_HEAD_DIMS", mini_batches="ops.KERNEL_MINI_BATCHES",
                                      mlp_hidden="powers of two in [16, ops.KERNEL_MAX_HIDDEN]", lengths=LENGTHS,
