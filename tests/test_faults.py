@@ -172,3 +172,22 @@ def test_output_path_that_is_a_file_or_folder(capsys, tmp_path, tiny_model_file)
         check_writable_file(tmp_path, "--out")
     assert check_writable_dir(tmp_path / "new" / "deep", "--out").is_dir()
     assert not list((tmp_path / "new" / "deep").iterdir())  # the probe is gone
+
+
+def test_missing_mp4_writer_is_found_before_any_work(capsys, tmp_path, tiny_model_file, monkeypatch):
+    """Without imageio-ffmpeg, `tttv sample` and a training run that ends with a video say so before denoising or
+    training (on the GPU machine where this was found, sampling failed after all denoising steps)."""
+    import sys
+
+    import tttvideo.sample.pipeline as pipeline
+
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # what an absent package looks like to import
+    monkeypatch.setattr(pipeline, "make_text_encoder",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("work started")))
+    story = tmp_path / "story.json"
+    story.write_text('[{"text": "a red circle moves right"}]')
+    one_error_line(capsys, ["sample", "--checkpoint", str(tiny_model_file), "--scenes", str(story), "--out",
+                            str(tmp_path / "o.mp4")], "imageio-ffmpeg", "pip install")
+    one_error_line(capsys, train_args(tmp_path / "run", "train.sample_at_end=true"), "imageio-ffmpeg",
+                   "train.sample_at_end")
+    assert not (tmp_path / "run" / "data").exists() and not (tmp_path / "o.mp4").exists()

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from tttvideo.outputs import check_writable_file
     from tttvideo.sample.pipeline import output_paths, sample_stories
     from tttvideo.sample.scenes import load_stories
+    from tttvideo.sample.video import check_mp4_writer
 
     # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
     console = Console()
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     stories = load_stories(args.scenes)  # scene errors before the config and model are even read
     for path in output_paths(stories, args.out):  # and an unwritable --out before hours of denoising
         check_writable_file(path, "--out")
+    check_mp4_writer()
     cfg_path = _config_file(args)
     cfg = load_config(cfg_path, _overrides(args))
     console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")

@@ -29,6 +29,15 @@ def scenes_path(video_path: str | Path) -> Path:
     return video_path.with_name(video_path.stem + ".scenes.json")
 
 
+def check_mp4_writer(what: str = "writing the mp4") -> None:
+    """The mp4 writer's package is installed, checked before the work whose result it writes."""
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        raise UserError(f"{what} needs the imageio-ffmpeg package: pip install imageio-ffmpeg (it comes with "
+                        f"pip install 'tttvideo[models]')") from None
+
+
 class Mp4Writer:
     """Streams uint8 frames into an mp4: `append(frames)` any number of times, then `close()` (or use `with`).
 
@@ -37,6 +46,7 @@ class Mp4Writer:
     """
 
     def __init__(self, path: str | Path, fps: int = 16, quality: float = 8.0):
+        check_mp4_writer()
         import imageio_ffmpeg
 
         self.path = Path(path)

@@ -122,6 +122,11 @@ class Trainer:
             raise ConfigError(f"if_exists {self.if_exists!r}: expected one of {', '.join(runfolder.IF_EXISTS)}")
         # run() takes the run folder's lock and decides again under it
         runfolder.check_before_work(cfg, self.output_dir, self.if_exists)
+        if self.train.sample_at_end or self.train.validate_every:
+            from tttvideo.sample.video import check_mp4_writer
+
+            check_mp4_writer("train.sample_at_end / train.validate_every (set them to false and 0 to train without "
+                             "videos)")
         self.resume_from: Path | None = None
 
     # ------------------------------------------------------------------ setup
