@@ -1,0 +1,222 @@
+"""Does a demo video show what its captions say? A measurement, not a judgement by eye.
+
+The demo set (`tttvideo.data.demo`) draws one shape of one colour on a flat background, moving across the frame in
+one of four directions, and says so in the caption: "a {colour} {shape} moves {direction} on a {background}
+background". A video generated from those captions can therefore be checked against them, scene by scene:
+
+1. the scene's **background** is the densest colour of all its pixels (`background_colour`: the flat background is
+   the biggest cluster of colours, the shape covers a smaller part of the frame); it is scored as right when the nearest of the four demo `BACKGROUNDS` is the captioned one
+   (chance 1/4);
+2. the **shape region** of each frame is the set of pixels farther than `REGION_DISTANCE` (RGB in [0, 1],
+   Euclidean) from that background colour;
+3. **colour**: the mean colour of the region over the scene's frames; right when the nearest of the six demo
+   `COLOURS` is the captioned one (chance 1/6);
+4. **direction**: a least-squares line through the region's centroid over the scene's frames gives its
+   displacement; right when the captioned direction has the largest component along it (chance 1/4);
+5. **shape**: the region's fill ratio of its bounding box (median over frames): a disc fills about pi/4 = 0.785 of
+   its box, a square all of it; below `FILL_THRESHOLD` the region is called a circle (chance 1/2). Coverage is soft,
+   so that anti-aliased edges at latent resolution count in part: a pixel counts by its distance from the background
+   relative to the region's strongest pixel, and the box's sides are the summed coverage of its rows and columns
+   (demo renders: circles 0.76-0.89, squares 1.0-1.06 at every size the demo has used).
+
+An empty region (nothing differs from the background) fails colour, direction and shape. Chance levels are those of
+a scorer that knows nothing about the video, with the demo set's uniform captions: overall (the mean of the four
+attribute accuracies) (1/6 + 1/4 + 1/4 + 1/2) / 4 = 0.292. On the demo set's own latents the score is 1.0 for every
+combination (`tests/test_demo_score.py`); on noise it is near chance, and against captions that name something else
+it is 0.
+
+Frames are [n, H, W, 3]: uint8 (a decoded mp4) or float in [-1, 1] (the identity decode's range, e.g. channels 0-2
+of demo latents, see `latent_frames`). `pool` averages pool x pool pixel blocks first, which undoes the identity
+decode's nearest-neighbour upsampling of an mp4 (`score_video_file` pools by the layout's 8). Consecutive segments
+with the same caption are one scene; a video of S segments and n frames gives its first segment n - (S-1) k frames
+and every later one k = (n - 1) // S (13 + 12 latent frames, or 49 + 48 decoded frames, for the demo's 6 s).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from tttvideo.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES
+
+REGION_DISTANCE = 0.25
+FILL_THRESHOLD = 0.94
+CHANCE = {"colour": 1 / len(COLOURS), "background": 1 / len(BACKGROUNDS), "direction": 1 / len(DIRECTIONS),
+          "shape": 1 / len(SHAPES)}
+CHANCE_OVERALL = sum(CHANCE.values()) / len(CHANCE)  # 0.2917
+
+_CAPTION = re.compile(r"a (\w+) (\w+) moves (\w+) on a (\w+) background")
+
+
+@dataclass(frozen=True)
+class CaptionParts:
+    colour: str
+    shape: str
+    direction: str
+    background: str
+
+
+def parse_caption(text: str) -> CaptionParts:
+    """The four attributes of a demo caption (scene tokens such as `<start_scene>` are ignored)."""
+    m = _CAPTION.search(re.sub(r"<\w+>", " ", text))
+    if m is None or m.group(1) not in COLOURS or m.group(2) not in SHAPES or m.group(3) not in DIRECTIONS \
+            or m.group(4) not in BACKGROUNDS:
+        raise ValueError(f"not a demo caption: {text!r}")
+    return CaptionParts(*m.groups())
+
+
+def segment_bounds(frames: int, segments: int) -> list[tuple[int, int]]:
+    """[start, stop) frame range of each segment: the first owns n - (S-1) k frames, the others k = (n-1) // S."""
+    if segments < 1 or frames < segments:
+        raise ValueError(f"{frames} frames cannot hold {segments} segments")
+    k = (frames - 1) // segments if segments > 1 else frames
+    first = frames - (segments - 1) * k
+    return [(0, first)] + [(first + i * k, first + (i + 1) * k) for i in range(segments - 1)]
+
+
+@dataclass
+class SceneScore:
+    caption: str
+    frames: tuple[int, int]
+    background: str
+    colour: str
+    direction: str
+    shape: str
+    fill: float  # median fill ratio of the region's bounding box
+    region: float  # mean fraction of the frame in the shape region
+    background_ok: bool
+    colour_ok: bool
+    direction_ok: bool
+    shape_ok: bool
+
+
+@dataclass
+class DemoScore:
+    scenes: list[SceneScore] = field(default_factory=list)
+
+    def accuracy(self, attribute: str) -> float:
+        """Fraction of scenes whose `attribute` ("colour", "background", "direction", "shape") is the captioned one."""
+        return float(np.mean([getattr(s, f"{attribute}_ok") for s in self.scenes])) if self.scenes else 0.0
+
+    @property
+    def overall(self) -> float:
+        """Mean of the four attribute accuracies; chance is `CHANCE_OVERALL` (0.292)."""
+        return float(np.mean([self.accuracy(a) for a in CHANCE]))
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{a} {self.accuracy(a):.2f} (chance {CHANCE[a]:.2f})" for a in CHANCE)
+        return f"demo score {self.overall:.2f} (chance {CHANCE_OVERALL:.2f}) over {len(self.scenes)} scene(s): {parts}"
+
+    def to_json(self) -> dict:
+        return {"overall": self.overall, "chance_overall": CHANCE_OVERALL,
+                "accuracy": {a: self.accuracy(a) for a in CHANCE}, "chance": dict(CHANCE),
+                "scenes": [asdict(s) for s in self.scenes]}
+
+
+def _to_unit_rgb(frames: np.ndarray, pool: int) -> np.ndarray:
+    x = np.asarray(frames)
+    if x.ndim != 4 or x.shape[-1] != 3:
+        raise ValueError(f"expected frames [n, H, W, 3], got {x.shape}")
+    x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else (x.astype(np.float32) + 1.0) / 2.0
+    if pool > 1:
+        n, h, w, _ = x.shape
+        x = x[:, : h - h % pool, : w - w % pool].reshape(n, h // pool, pool, w // pool, pool, 3).mean((2, 4))
+    return np.clip(x, 0.0, 1.0)
+
+
+def _nearest(colour: np.ndarray, table: dict[str, tuple[float, float, float]]) -> str:
+    names = list(table)
+    d = np.linalg.norm(np.array([table[k] for k in names], dtype=np.float32) - colour, axis=1)
+    return names[int(np.argmin(d))]
+
+
+def background_colour(frames: np.ndarray, radius: float = 0.15, max_pixels: int = 2048) -> np.ndarray:
+    """The densest colour of the frames ([n, h, w, 3] in [0, 1]): the mean of the pixels within `radius` of the pixel
+    with the most such neighbours. Unlike a median it does not blend the background with a shape that covers a large
+    part of the frame: the flat background is the biggest cluster of colours as long as it is the bigger part."""
+    pixels = frames.reshape(-1, 3)
+    if len(pixels) > max_pixels:  # an even subsample keeps the cost bounded
+        pixels = pixels[np.linspace(0, len(pixels) - 1, max_pixels).round().astype(int)]
+    near = np.linalg.norm(pixels[:, None] - pixels[None], axis=-1) < radius
+    return pixels[near[int(np.argmax(near.sum(1)))]].mean(0)
+
+
+def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
+    """Score one scene's frames (RGB in [0, 1], [n, h, w, 3]) against its caption; see the module doc."""
+    want = parse_caption(caption)
+    bg = background_colour(frames)
+    dist = np.linalg.norm(frames - bg, axis=-1)  # [n, h, w]
+    region = dist > REGION_DISTANCE
+    n, h, w = region.shape
+    ys, xs = np.mgrid[0:h, 0:w].astype(np.float32)
+    centres, times, fills = [], [], []
+    for i in range(n):
+        m = region[i]
+        if not m.any():
+            continue
+        centres.append((ys[m].mean(), xs[m].mean()))
+        times.append(i)
+        # soft fill: a pixel's coverage is its distance from the background relative to the region's strongest
+        # pixel (anti-aliased edges count in part); the box's sides are the summed coverage of its rows / columns
+        weight = np.where(m, np.clip(dist[i] / dist[i][m].max(), 0.0, 1.0), 0.0)
+        fills.append(float(weight.sum() / (weight.max(1).sum() * weight.max(0).sum())))
+    colour = direction = shape = "none"
+    fill = float("nan")
+    if region.any():
+        colour = _nearest(frames[region].mean(0), COLOURS)
+        fill = float(np.median(fills))
+        shape = "circle" if fill < FILL_THRESHOLD else "square"
+    if len(set(times)) >= 2:
+        t = np.array(times, dtype=np.float32)
+        c = np.array(centres, dtype=np.float32)
+        slope = np.polyfit(t, c, 1)[0]  # [dy/dt, dx/dt]
+        along = {k: slope[0] * dy + slope[1] * dx for k, (dy, dx) in DIRECTIONS.items()}
+        direction = max(along, key=along.get) if np.abs(slope).max() > 0 else "none"
+    background = _nearest(bg, BACKGROUNDS)
+    return SceneScore(caption=caption, frames=(0, n), background=background, colour=colour, direction=direction,
+                      shape=shape, fill=fill, region=float(region.mean()), background_ok=background == want.background,
+                      colour_ok=colour == want.colour, direction_ok=direction == want.direction,
+                      shape_ok=shape == want.shape)
+
+
+def score_frames(frames: np.ndarray, captions: Sequence[str], pool: int = 1) -> DemoScore:
+    """Score a video ([n, H, W, 3] uint8, or float in [-1, 1]) against its per-segment captions.
+
+    Consecutive segments with the same caption are one scene (a scene that continues moves on continuously)."""
+    x = _to_unit_rgb(frames, pool)
+    bounds = segment_bounds(len(x), len(captions))
+    out = DemoScore()
+    i = 0
+    while i < len(captions):
+        j = i
+        while j + 1 < len(captions) and captions[j + 1] == captions[i]:
+            j += 1
+        start, stop = bounds[i][0], bounds[j][1]
+        scene = score_scene(x[start:stop], captions[i])
+        scene.frames = (start, stop)
+        out.scenes.append(scene)
+        i = j + 1
+    return out
+
+
+def latent_frames(latents) -> np.ndarray:
+    """Demo latents [T, C, h, w] (the cache's and the sampler's order) -> frames [T, h, w, 3] in [-1, 1]: channels
+    0-2 are RGB, as the identity decode shows them."""
+    x = latents.detach().cpu().numpy() if hasattr(latents, "detach") else np.asarray(latents)
+    return np.clip(x[:, :3].transpose(0, 2, 3, 1), -1.0, 1.0)
+
+
+def score_video_file(video: str | Path, captions: Sequence[str] | None = None, pool: int = 8) -> DemoScore:
+    """Score an mp4 written by `tttv sample` / the demo's end-of-run video. Captions default to the story written
+    beside it (`<name>.scenes.json`); `pool` is the layout's spatial VAE factor (8)."""
+    from tttvideo.sample.video import read_video, scenes_path
+
+    if captions is None:
+        story = json.loads(scenes_path(video).read_text(encoding="utf-8"))
+        captions = [s["text"] for s in story["scenes"]]
+    return score_frames(read_video(video), list(captions), pool=pool)
