@@ -1,0 +1,54 @@
+"""The default demo learns what its captions say, measured: `tttv train configs/demo.toml` exactly as `make demo`
+runs it (the same model, data, steps, schedule and end-of-run sampler; only the output folders are moved to a
+temporary directory and TensorBoard is off), then its end-of-run mp4 is scored against its own captions with
+`tttvideo.data.demo_score`.
+
+Asserted: the captioned colour is recognised in every scene (chance 1/6 each) and the overall score (the mean of
+the colour, background, direction and shape accuracies, chance 0.29) beats chance by at least `MARGIN`. A video with
+the right backgrounds and noise where the shapes should be scores about 0.49, so the margin cannot be met without
+the shapes. About 100 s on one core of a 2-core machine (the demo trains with train.cpu_threads = 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tttvideo.cli import main
+from tttvideo.config.loader import load_config
+from tttvideo.data.demo_score import CHANCE_OVERALL, score_video_file
+
+MARGIN = 0.3
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    threads = torch.get_num_threads()  # the trainer sets train.cpu_threads for the whole process
+    try:
+        code = main(["train", "configs/demo.toml", "--set", f"train.output_dir={out / 'run'}",
+                     "--set", f"data.demo_dir={out / 'data'}", "--set", "train.tensorboard=false"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    return out / "run"
+
+
+@pytest.mark.timeout(400)
+def test_default_demo_video_shows_its_captions(demo_run):
+    default, used = load_config("configs/demo.toml"), load_config(demo_run / "config.toml")
+    for section in ("model", "layout", "ttt", "sample"):
+        assert getattr(used, section) == getattr(default, section), section
+    assert used.train.steps == default.train.steps and used.train.batch_size == default.train.batch_size
+    losses = [json.loads(x)["loss"] for x in (demo_run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert len(losses) == default.train.steps
+
+    (video,) = sorted((demo_run / "samples").glob("*.mp4"))
+    score = score_video_file(video)  # captions from the story written beside the video
+    report = score.summary() + "".join(
+        f"\n  {s.caption}: {s.colour} {s.shape} moving {s.direction} on {s.background}" for s in score.scenes)
+    print(report)
+    assert len(score.scenes) >= 2, report  # the demo video has a scene cut
+    assert all(s.colour_ok for s in score.scenes), report
+    assert score.overall >= CHANCE_OVERALL + MARGIN, report
