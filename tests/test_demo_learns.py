@@ -10,6 +10,8 @@ the shapes. About 100 s on one core of a 2-core machine (the demo trains with tr
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -26,13 +28,25 @@ MARGIN = 0.3
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     threads = torch.get_num_threads()  # the trainer sets train.cpu_threads for the whole process
+    printed = io.StringIO()
     try:
-        code = main(["train", "configs/demo.toml", "--set", f"train.output_dir={out / 'run'}",
-                     "--set", f"data.demo_dir={out / 'data'}", "--set", "train.tensorboard=false"])
+        with contextlib.redirect_stdout(printed):
+            code = main(["train", "configs/demo.toml", "--set", f"train.output_dir={out / 'run'}",
+                         "--set", f"data.demo_dir={out / 'data'}", "--set", "train.tensorboard=false"])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
+    (out / "printed.txt").write_text(printed.getvalue())
     return out / "run"
+
+
+def test_last_line_points_at_the_frames_and_the_loss_curve(demo_run):
+    """The run folder gets a frame strip and a loss curve, and the command's last line names them."""
+    last = (demo_run.parent / "printed.txt").read_text().strip().replace("\n", " ")
+    last = last[last.rindex("look at what it learned:"):]
+    for name in ("frames.png", "loss.png"):
+        png = demo_run / name
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in last.replace(" ", "")
 
 
 @pytest.mark.timeout(400)

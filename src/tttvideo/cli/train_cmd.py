@@ -78,4 +78,25 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  video         {result.video}")
     if result.nonfinite_skips:
         console.print(f"  [yellow]{result.nonfinite_skips} step(s) skipped for a non-finite loss")
+    pictures = _pictures(cfg, result, console)
+    if pictures:
+        console.print(f"look at what it learned: {' and '.join(str(p) for p in pictures)}")
     return 0
+
+
+def _pictures(cfg, result, console) -> list:
+    """The loss curve, and the frames of the end-of-run video with its captions (and, on the demo set, how well
+    the video shows them); none without matplotlib."""
+    try:
+        from tttvideo.train.figures import frame_strip, loss_curve
+    except ImportError:
+        return []
+    pictures = []
+    if result.video is not None:
+        pictures.append(frame_strip(result.video, None, result.output_dir / "frames.png"))
+        if not cfg.data.manifest:
+            from tttvideo.data.demo_score import score_video_file
+
+            console.print(f"  {score_video_file(result.video).summary()}")
+    pictures.append(loss_curve(result.output_dir / "metrics.jsonl", result.output_dir / "loss.png"))
+    return pictures
