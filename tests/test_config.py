@@ -20,8 +20,7 @@ else:
 from tttvideo.cli import main
 from tttvideo.cli.common import add_config_arguments, config_from_args
 from tttvideo.config import Config
-from tttvideo.config.loader import (config_to_dict, describe_keys, dump_toml, layout_from_config, load_config,
-                                    save_config)
+from tttvideo.config.loader import (config_to_dict, describe_keys, dump_toml, load_config, save_config)
 from tttvideo.config.schema import bounded, choice, listed
 from tttvideo.errors import ConfigError
 
@@ -244,12 +243,12 @@ def test_include_errors_name_the_right_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def test_layout_from_config():
+def test_layout_from_config_sections():
     from tttvideo.layout import VideoLayout
 
     cfg = load_config(None, ["layout.duration=9s", "ttt.mini_batch_size=16", "layout.height=240",
                              "layout.width=368"])
-    lay = layout_from_config(cfg)
+    lay = VideoLayout.from_config(cfg.layout, cfg.ttt)
     assert lay == VideoLayout.create(duration="9s", height=240, width=368, mini_batch_size=16)
     assert lay.num_segments == 3 and lay.mini_batch_size == 16
 

@@ -25,14 +25,16 @@ def train_args(out: Path, *sets: str, config: str = DEMO) -> list[str]:
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory):
     """The demo set of the CHEAP layout, written once: manifest.jsonl, latents/ and text/."""
-    from tttvideo.config.loader import layout_from_config, load_config
+    from tttvideo.config.loader import load_config
     from tttvideo.data.demo import build_demo_cache
+    from tttvideo.layout import VideoLayout
     from tttvideo.models.presets import get_preset
 
     cfg = load_config(DEMO, CHEAP)
     spec = get_preset(cfg.model.preset)
-    return build_demo_cache(tmp_path_factory.mktemp("cache"), layout_from_config(cfg), spec.in_channels,
-                            spec.text_embed_dim, videos=3, text_encoder="table")
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    return build_demo_cache(tmp_path_factory.mktemp("cache"), layout, spec.in_channels, spec.text_embed_dim, videos=3,
+                            text_encoder="table")
 
 
 def damaged_copy(manifest: Path, tmp_path: Path) -> Path:

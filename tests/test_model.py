@@ -11,6 +11,7 @@ import torch
 
 from tttvideo.config.schema import CheckpointingConfig, CheckpointRule, Config, TTTConfig
 from tttvideo.errors import ConfigError, LayoutError, UserError
+from tttvideo.layout import VideoLayout
 from tttvideo.models import (CogVideoXTTT, apply_adapter, apply_checkpointing, build_model, get_preset, init_model,
                              load_checkpoint, print_trainable_summary, save_checkpoint, trainable_summary)
 from tttvideo.models.checkpointing import block_units, resolve_policy
@@ -64,7 +65,8 @@ def test_ttt_sees_attention_output_before_the_gate():
     with torch.no_grad():
         model(*inputs(2))
     assert seen["ttt_in"] is seen["attn"]
-    layout = model.layout_for(25, H_LAT, W_LAT, TEXT)
+    layout = VideoLayout.from_latents(25, H_LAT, W_LAT, TEXT, model.spec.patch_size,
+                                      model.ttt_config.mini_batch_size)
     T = layout.total_text_tokens
     x, z = seen["x"], seen["ttt_out"]
     expect = torch.cat([x[:, :T] + seen["text_gate"][:, None] * z[:, :T], x[:, T:] + seen["gate"][:, None] * z[:, T:]], 1)

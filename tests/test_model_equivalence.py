@@ -14,6 +14,8 @@ import json
 import pytest
 import torch
 
+from tttvideo.layout import VideoLayout
+
 diffusers = pytest.importorskip("diffusers")
 from diffusers import CogVideoXTransformer3DModel  # noqa: E402
 from diffusers.models.embeddings import get_3d_rotary_pos_embed  # noqa: E402
@@ -98,7 +100,8 @@ def test_folder_is_sharded(two_layer):
 def test_local_rope_matches_diffusers_pipeline(two_layer):
     ref, folder = two_layer
     model = from_pretrained(folder.parent, ttt=TTT)  # the model root (with transformer/) works too
-    layout = model.layout_for(13, H_LAT, W_LAT, TEXT)
+    layout = VideoLayout.from_latents(13, H_LAT, W_LAT, TEXT, model.spec.patch_size,
+                                      model.ttt_config.mini_batch_size)
     _, cos, sin, _ = window_tensors(layout, 16, 10000.0, torch.device("cpu"))
     d_cos, d_sin = pipeline_rope(ref, 13)
     torch.testing.assert_close(cos[TEXT:], d_cos, rtol=0, atol=1e-6)
@@ -129,7 +132,8 @@ def test_three_segments_window_by_window(tmp_path):
     model = from_pretrained(tmp_path, ttt=TTT)
     model.set_ttt_gates(0.0)
     latents, text, t = inputs(segments=3)
-    layout = model.layout_for(latents.shape[1], H_LAT, W_LAT, TEXT)
+    layout = VideoLayout.from_latents(latents.shape[1], H_LAT, W_LAT, TEXT, model.spec.patch_size,
+                                      model.ttt_config.mini_batch_size)
     F = layout.tokens_per_frame
 
     captured = {}

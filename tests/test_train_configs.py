@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tttvideo.config.loader import layout_from_config, load_config
+from tttvideo.config.loader import load_config
+from tttvideo.layout import VideoLayout
 from tttvideo.train.trainer import batch_plan
 
 # SPEC section 4: duration, adapter, lr, lr_ssm, steps; SPEC section 2: text tokens per segment
@@ -28,7 +29,8 @@ def test_stages_follow_the_recipe_and_chain(one_gpu):
                                                                                      steps)
         assert (t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay, t.grad_clip) == (0.9, 0.95, 1e-8, 1e-4, 0.1)
         assert (t.text_dropout, t.lr_end, cfg.model.preset, cfg.ttt.kind) == (0.1, 1e-5, "cogvideox-5b", "mlp")
-        assert layout_from_config(cfg).text_tokens == text and layout_from_config(cfg).ttt_padding == 0
+        layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+        assert layout.text_tokens == text and layout.ttt_padding == 0
         assert batch_plan(t, 1) == (64, 64)  # one process: 64 micro-batches of 1 per optimizer step
         if not one_gpu:
             assert batch_plan(t, 64) == (1, 64)  # the paper's 64 GPUs: no accumulation
@@ -47,5 +49,5 @@ def test_demo_config_is_the_tiny_cpu_run():
     cfg = load_config("configs/demo.toml")
     assert cfg.model.preset == "tiny" and cfg.train.device == "cpu" and cfg.train.precision == "fp32"
     assert cfg.data.manifest == "" and cfg.train.sample_at_end
-    lay = layout_from_config(cfg)
+    lay = VideoLayout.from_config(cfg.layout, cfg.ttt)
     assert lay.num_segments >= 2  # the demo video has scene cuts

@@ -18,6 +18,7 @@ from functools import cached_property
 
 import torch
 
+from tttvideo.config.schema import LayoutConfig, TTTConfig
 from tttvideo.errors import LayoutError
 
 SEGMENT_SECONDS = 3
@@ -87,11 +88,11 @@ class VideoLayout:
         height: int = 480,
         width: int = 720,
         fps: int = 16,
-        vae_spatial: int = 8,
-        vae_temporal: int = 4,
-        patch_size: int = 2,
-        text_tokens: int = 0,
-        mini_batch_size: int = 64,
+        vae_spatial: int = LayoutConfig.vae_spatial,
+        vae_temporal: int = LayoutConfig.vae_temporal,
+        patch_size: int = LayoutConfig.patch_size,
+        text_tokens: int = LayoutConfig.text_tokens,
+        mini_batch_size: int = TTTConfig.mini_batch_size,
     ) -> "VideoLayout":
         """text_tokens=0 picks the original's per-duration length (SPEC section 2) or the largest one <= 512 that
         makes the total a multiple of the mini-batch."""
@@ -125,6 +126,43 @@ class VideoLayout:
         if text_tokens == 0:
             text_tokens = auto_text_tokens(n, latent_frames_for(n) * tokens_per_frame, mini_batch_size)
         return cls(seconds, height, width, fps, vae_spatial, vae_temporal, patch_size, text_tokens, mini_batch_size)
+
+    @classmethod
+    def from_config(cls, layout: LayoutConfig, ttt: TTTConfig, duration: str | int | None = None) -> "VideoLayout":
+        """The layout of a config's `[layout]` and `[ttt]` sections; `duration` (e.g. a story's) replaces
+        layout.duration. The TTT mini-batch sets the padding."""
+        return cls.create(
+            duration=layout.duration if duration is None else duration,
+            height=layout.height,
+            width=layout.width,
+            fps=layout.fps,
+            vae_spatial=layout.vae_spatial,
+            vae_temporal=layout.vae_temporal,
+            patch_size=layout.patch_size,
+            text_tokens=layout.text_tokens,
+            mini_batch_size=ttt.mini_batch_size,
+        )
+
+    @classmethod
+    def from_latents(cls, latent_frames: int, latent_height: int, latent_width: int, text_tokens: int,
+                     patch_size: int, mini_batch_size: int,
+                     vae_spatial: int = LayoutConfig.vae_spatial) -> "VideoLayout":
+        """The layout of latents [.., latent_frames, C, latent_height, latent_width] with `text_tokens` per segment:
+        what a model infers when it is called without a layout."""
+        if latent_frames < WINDOW_FRAMES or (latent_frames - WINDOW_FRAMES) % NEW_FRAMES_PER_SEGMENT:
+            raise LayoutError(
+                f"{latent_frames} latent frames is not 13 + 12 (n - 1) for n 3-s segments "
+                f"(13 for 3 s, 25 for 6 s, 37 for 9 s, ...)"
+            )
+        if latent_height % patch_size or latent_width % patch_size:
+            raise LayoutError(
+                f"latent size {latent_height}x{latent_width} is not divisible by the patch size {patch_size}")
+        if text_tokens <= 0:
+            raise LayoutError("the text embeddings have 0 tokens; give at least one text token per segment")
+        n = (latent_frames - WINDOW_FRAMES) // NEW_FRAMES_PER_SEGMENT + 1
+        return cls.create(duration=SEGMENT_SECONDS * n, height=latent_height * vae_spatial,
+                          width=latent_width * vae_spatial, vae_spatial=vae_spatial, patch_size=patch_size,
+                          text_tokens=text_tokens, mini_batch_size=mini_batch_size)
 
     # ------------------------------------------------------------------ counts
     @property

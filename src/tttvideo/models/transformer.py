@@ -17,14 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.errors import LayoutError
-from tttvideo.layout import NEW_FRAMES_PER_SEGMENT, SEGMENT_SECONDS, WINDOW_FRAMES, VideoLayout
+from tttvideo.layout import VideoLayout
 from tttvideo.models.block import Block
 from tttvideo.models.embeddings import PatchEmbed, TimestepEmbedding
 from tttvideo.models.presets import ModelSpec
-
-# CogVideoX's VAE: latents are 1/8 of the pixel size; layouts made from latent shapes use it.
-VAE_SPATIAL = 8
-
 
 class OutputNorm(nn.Module):
     """diffusers' AdaLayerNorm with chunk_dim=1 as CogVideoX uses it: Linear(SiLU(temb)) -> (shift, scale)."""
@@ -74,30 +70,6 @@ class CogVideoXTTT(nn.Module):
         # (start, stop, checkpointed) runs of blocks; set by models.checkpointing.apply_checkpointing
         self.block_units: list[tuple[int, int, bool]] = [(i, i + 1, False) for i in range(spec.num_layers)]
 
-    # ------------------------------------------------------------------ layout
-    def layout_for(self, latent_frames: int, latent_height: int, latent_width: int, text_tokens: int) -> VideoLayout:
-        """The layout of latents of this shape with `text_tokens` per segment."""
-        if latent_frames < WINDOW_FRAMES or (latent_frames - WINDOW_FRAMES) % NEW_FRAMES_PER_SEGMENT:
-            raise LayoutError(
-                f"{latent_frames} latent frames is not 13 + 12 (n - 1) for n 3-s segments "
-                f"(13 for 3 s, 25 for 6 s, 37 for 9 s, ...)"
-            )
-        p = self.spec.patch_size
-        if latent_height % p or latent_width % p:
-            raise LayoutError(f"latent size {latent_height}x{latent_width} is not divisible by the patch size {p}")
-        if text_tokens <= 0:
-            raise LayoutError("the text embeddings have 0 tokens; give at least one text token per segment")
-        n = (latent_frames - WINDOW_FRAMES) // NEW_FRAMES_PER_SEGMENT + 1
-        return VideoLayout.create(
-            duration=SEGMENT_SECONDS * n,
-            height=latent_height * VAE_SPATIAL,
-            width=latent_width * VAE_SPATIAL,
-            vae_spatial=VAE_SPATIAL,
-            patch_size=p,
-            text_tokens=text_tokens,
-            mini_batch_size=self.ttt_config.mini_batch_size,
-        )
-
     def _check_inputs(self, latents: torch.Tensor, text: torch.Tensor, layout: VideoLayout) -> None:
         spec = self.spec
         B, T, C, H, W = latents.shape
@@ -139,7 +111,8 @@ class CogVideoXTTT(nn.Module):
             raise LayoutError(f"text embeddings must be [B, segments, tokens, dim], got shape {tuple(text.shape)}")
         B, T, C, H, W = latents.shape
         if layout is None:
-            layout = self.layout_for(T, H, W, text.shape[2])
+            layout = VideoLayout.from_latents(T, H, W, text.shape[2], self.spec.patch_size,
+                                              self.ttt_config.mini_batch_size)
         self._check_inputs(latents, text, layout)
 
         timestep = torch.as_tensor(timestep, device=latents.device)
