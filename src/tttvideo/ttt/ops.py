@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tttvideo.errors import ConfigError
-from tttvideo.ttt.reference import ttt_linear_reference, ttt_mlp_reference
+from tttvideo.ttt.reference import NO_SCAN_CHECKPOINT, ttt_linear_reference, ttt_mlp_reference
 
 BACKENDS = ("auto", "triton", "reference")
 # Sizes the kernels are built and tested for: power-of-two tiles (tl.arange), at least 16 (tl.dot), and small
@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
-def ttt_mlp(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size: int, checkpoint_group_size: int = 0,
-            backend: str = "auto") -> torch.Tensor:
+def ttt_mlp(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size: int,
+            checkpoint_group_size: int = NO_SCAN_CHECKPOINT, backend: str = "auto") -> torch.Tensor:
     if _use_triton("mlp", backend, q, w1.shape[-1], mini_batch_size):
         from tttvideo.ttt.triton_mlp import TTTMLPFunction
 
@@ -37,8 +37,8 @@ def ttt_mlp(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size: int, 
     return ttt_mlp_reference(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size)
 
 
-def ttt_linear(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size: int, checkpoint_group_size: int = 0,
-               backend: str = "auto") -> torch.Tensor:
+def ttt_linear(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size: int,
+               checkpoint_group_size: int = NO_SCAN_CHECKPOINT, backend: str = "auto") -> torch.Tensor:
     if _use_triton("linear", backend, q, w1.shape[-1], mini_batch_size):
         from tttvideo.ttt.triton_linear import TTTLinearFunction
 

@@ -119,6 +119,18 @@ def _with_operand_dtype(step: Callable[..., tuple[State, torch.Tensor]], operand
     return step if operand_dtype is None else functools.partial(step, mm=_rounded_matmul(operand_dtype))
 
 
+# checkpoint_group_size 0 turns scan checkpointing off: the whole sequence is one group, nothing recomputed.
+NO_SCAN_CHECKPOINT = 0
+
+
+def scan_groups(n_minibatches: int, checkpoint_group_size: int) -> tuple[int, bool]:
+    """(mini-batches per group, whether each group is checkpointed) for a scan of `n_minibatches`: the one place
+    that decodes `checkpoint_group_size` for the reference and the kernels."""
+    if checkpoint_group_size <= NO_SCAN_CHECKPOINT:
+        return n_minibatches, False
+    return min(checkpoint_group_size, n_minibatches), True
+
+
 def _scan(
     step: Callable[..., tuple[State, torch.Tensor]],
     state: State,
@@ -146,7 +158,7 @@ def _scan(
     nb = norm_b.to(f32)[:, None, :]
     state = tuple(s.to(f32) for s in state)
 
-    group = n if checkpoint_group_size <= 0 else checkpoint_group_size
+    group, checkpointed = scan_groups(n, checkpoint_group_size)
     outs = []
     for start in range(0, n, group):
         stop = min(start + group, n)
@@ -154,7 +166,7 @@ def _scan(
         # tensors, which an enclosing activation checkpoint (of the block) can drop and recompute; a closure
         # would pin the whole sequence's q/k/v for as long as the graph lives.
         chunk = (qs[start:stop], ks[start:stop], vs[start:stop], etas[start:stop])
-        if checkpoint_group_size > 0 and torch.is_grad_enabled():
+        if checkpointed and torch.is_grad_enabled():
             *state, out = checkpoint(_run_group, step, len(state), nw, nb, *state, *chunk, use_reentrant=False)
         else:
             *state, out = _run_group(step, len(state), nw, nb, *state, *chunk)
@@ -199,7 +211,7 @@ def ttt_mlp_reference(
     w2: torch.Tensor,
     b2: torch.Tensor,
     mini_batch_size: int,
-    checkpoint_group_size: int = 0,
+    checkpoint_group_size: int = NO_SCAN_CHECKPOINT,
     operand_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     state = _initial_state(q.shape[0], w1, b1, w2, b2)
@@ -217,7 +229,7 @@ def ttt_linear_reference(
     w1: torch.Tensor,
     b1: torch.Tensor,
     mini_batch_size: int,
-    checkpoint_group_size: int = 0,
+    checkpoint_group_size: int = NO_SCAN_CHECKPOINT,
     operand_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     state = _initial_state(q.shape[0], w1, b1)

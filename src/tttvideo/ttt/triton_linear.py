@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tttvideo.ttt.reference import scan_groups
 from tttvideo.ttt.triton_common import (
     DOT_TF32, LN_EPS, check_device, dot, dot_acc, dot_mode, interpreting, ln_bwd, ln_l2_bwd, ln_l2_fwd, ln_stats,
     new_output,
@@ -184,16 +185,12 @@ def _dot(q: torch.Tensor) -> int:
     return DOT if q.dtype != torch.float32 and not interpreting() else dot_mode(q.dtype)
 
 
-def _group(n_minibatches: int, checkpoint_group_size: int) -> int:
-    return n_minibatches if checkpoint_group_size <= 0 else min(checkpoint_group_size, n_minibatches)
-
-
 def linear_forward(q, k, v, eta, norm_w, norm_b, w, b, mini_batch_size, checkpoint_group_size, save, **tune):
     """Run the forward kernel. Returns (out, checkpoints) with checkpoints None unless `save`."""
     check_device(q, k, v, eta, norm_w, norm_b, w, b)
     B, H, L, D = q.shape
     n = L // mini_batch_size
-    group = _group(n, checkpoint_group_size)
+    group = scan_groups(n, checkpoint_group_size)[0]
     out = new_output(q)
     if save:
         slots = B * H * ((n + group - 1) // group + 1)
@@ -214,7 +211,7 @@ def linear_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, che
     """Run the backward kernel. Returns per-input gradients (slow-weight and norm gradients summed over batch)."""
     B, H, L, D = q.shape
     n = L // mini_batch_size
-    group = _group(n, checkpoint_group_size)
+    group = scan_groups(n, checkpoint_group_size)[0]
     dev, f32 = q.device, torch.float32
     dq, dk, dv, deta = new_output(q), new_output(k), new_output(v), new_output(eta)
     dnw, dnb, db = (new_output(q, (B * H, D), f32) for _ in range(3))

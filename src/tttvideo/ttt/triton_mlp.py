@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tttvideo.ttt.reference import scan_groups
 from tttvideo.ttt.triton_common import (
     DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting, ln_l2_fwd, ln_stats,
     new_output, op, warp_cap,
@@ -234,10 +235,6 @@ def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots,
     )
 
 
-def _group(n_minibatches: int, checkpoint_group_size: int) -> int:
-    return n_minibatches if checkpoint_group_size <= 0 else min(checkpoint_group_size, n_minibatches)
-
-
 def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size, save,
                 output=True, **tune):
     """Run the forward scan. Returns (out, checkpoints) with checkpoints None unless `save`: state slots with
@@ -250,7 +247,7 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     E = w1.shape[-1]
     M = mini_batch_size
     n = L // M
-    group = _group(n, checkpoint_group_size)
+    group = scan_groups(n, checkpoint_group_size)[0]
     split = tune.get("split", split_for(E, M, D))
     out = new_output(q) if output else None
     nslot = (n + group - 1) // group + 1
@@ -339,7 +336,7 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     M = mini_batch_size
     n = L // M
     S = B * H
-    group = _group(n, checkpoint_group_size)
+    group = scan_groups(n, checkpoint_group_size)[0]
     ng = (n + group - 1) // group
     split = tune.get("split", split_for(E, M, D))
     warps = tune.get("num_warps", warps_for(E, split, M, D))
