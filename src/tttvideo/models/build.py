@@ -6,11 +6,12 @@ from typing import Any
 
 import torch
 
+from tttvideo.dtypes import torch_dtype
 from tttvideo.models.adapters import apply_adapter
 from tttvideo.models.checkpointing import apply_checkpointing
 from tttvideo.models.presets import get_preset
 from tttvideo.models.transformer import CogVideoXTTT
-from tttvideo.models.weights import DTYPES, from_pretrained, init_model
+from tttvideo.models.weights import from_pretrained, init_model
 from tttvideo.ttt.layer import inner_hidden
 from tttvideo.ttt.ops import check_backend_config
 
@@ -22,7 +23,7 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> CogVideoXTTT:
     spec = get_preset(m.preset)
     head_dim = spec.attention_head_dim
     check_backend_config(cfg.ttt, head_dim, inner_hidden(cfg.ttt.kind, head_dim), device)
-    dtype = DTYPES[m.dtype]
+    dtype = torch_dtype(m.dtype)
     if m.pretrained_path:
         model = from_pretrained(m.pretrained_path, spec=spec, ttt=cfg.ttt, use_ttt=m.use_ttt, dtype=dtype,
                                 device=device)

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import UserError
 from tttvideo.models.presets import ModelSpec, describe_config
 from tttvideo.models.transformer import CogVideoXTTT
@@ -27,7 +28,6 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
 CHECKPOINT_FORMAT = "tttvideo-model-1"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def diffusers_name_map(num_layers: int) -> dict[str, str]:
@@ -141,7 +141,7 @@ def from_pretrained(
 
     spec: the preset the folder must match (None: take the folder's own config). ttt: a TTTConfig.
     """
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = torch_dtype(dtype)
     device = torch.device(device)
     folder = find_transformer_folder(path)
     config = read_config(folder)
@@ -188,7 +188,7 @@ def from_pretrained(
 def init_model(spec: ModelSpec, ttt: Any = None, use_ttt: bool = True, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu") -> CogVideoXTTT:
     """A randomly initialised model built directly on `device` in `dtype` (meta first, so no CPU copy of 5B)."""
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = torch_dtype(dtype)
     with torch.device("meta"):
         model = CogVideoXTTT(spec, ttt, use_ttt)
     materialize(model, torch.device(device), dtype)

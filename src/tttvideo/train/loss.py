@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tttvideo.diffusion import ZeroSNRSchedule, stratified_timesteps
+from tttvideo.dtypes import torch_dtype
 from tttvideo.layout import VideoLayout
 
 
@@ -38,8 +39,7 @@ class NoiseSource:
 def autocast_context(device: torch.device, precision: str):
     if precision == "fp32":
         return nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=torch_dtype(precision))
 
 
 def diffusion_loss(model: torch.nn.Module, batch: dict[str, Any], schedule: ZeroSNRSchedule, noise: NoiseSource,

@@ -1,0 +1,26 @@
+"""The dtype names configs and flags use ("fp32", "bf16", "fp16") and the torch dtypes they stand for."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """"bf16" -> torch.bfloat16; a torch.dtype passes through. Config values are checked against the schema's
+    choices before they get here, so an unknown name is a programming error."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}; one of {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bf16"."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"{dtype} has no config name; one of {', '.join(DTYPES)}")
