@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tttvideo.config.schema import CheckpointingConfig, CheckpointRule
 from tttvideo.errors import ConfigError
+
+if TYPE_CHECKING:  # the transformer imports this module
+    from tttvideo.models.transformer import CogVideoXTTT
 
 
 def maybe_checkpoint(fn: Callable[..., Any], enabled: bool, *args: Any) -> Any:
@@ -37,7 +41,7 @@ class LayerPolicy:
     mlp: bool = False
 
     @classmethod
-    def of(cls, section: Any) -> "LayerPolicy":
+    def of(cls, section: CheckpointingConfig | CheckpointRule) -> "LayerPolicy":
         """From a CheckpointingConfig or a CheckpointRule (same field names)."""
         return cls(**{f: getattr(section, f) for f in cls.__dataclass_fields__})
 
@@ -69,7 +73,7 @@ def parse_layers(text: str, num_layers: int) -> range:
     return covered
 
 
-def resolve_policy(cfg: Any, num_layers: int) -> list[LayerPolicy]:
+def resolve_policy(cfg: CheckpointingConfig, num_layers: int) -> list[LayerPolicy]:
     """One LayerPolicy per layer from a CheckpointingConfig."""
     policies = [LayerPolicy.of(cfg)] * num_layers
     for rule in cfg.layers:
@@ -97,7 +101,7 @@ def block_units(policies: list[LayerPolicy]) -> list[tuple[int, int, bool]]:
     return units
 
 
-def apply_checkpointing(model: Any, cfg: Any) -> list[LayerPolicy]:
+def apply_checkpointing(model: CogVideoXTTT, cfg: CheckpointingConfig) -> list[LayerPolicy]:
     """Set the switches of every block of a CogVideoXTTT model from a CheckpointingConfig; returns the per-layer
     policies (for logging)."""
     policies = resolve_policy(cfg, len(model.blocks))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.block import Block
@@ -35,7 +36,7 @@ class OutputNorm(nn.Module):
         return torch.addcmul(shift[:, None], self.norm(x), 1 + scale[:, None])
 
 
-def ttt_kwargs_from_config(ttt: Any) -> dict[str, Any]:
+def ttt_kwargs_from_config(ttt: TTTConfig) -> dict[str, Any]:
     """BidirectionalTTT keyword arguments from a TTTConfig."""
     return dict(
         gate_init=ttt.gate_init,
@@ -50,12 +51,10 @@ def ttt_kwargs_from_config(ttt: Any) -> dict[str, Any]:
 
 
 class CogVideoXTTT(nn.Module):
-    def __init__(self, spec: ModelSpec, ttt: Any = None, use_ttt: bool = True):
+    def __init__(self, spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True):
         """spec: backbone size; ttt: a TTTConfig (defaults when None); use_ttt=False: local attention only."""
         super().__init__()
         if ttt is None:
-            from tttvideo.config.schema import TTTConfig
-
             ttt = TTTConfig()
         spec.validate()
         self.spec, self.ttt_config, self.use_ttt = spec, ttt, use_ttt

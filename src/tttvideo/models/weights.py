@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from tttvideo.config.schema import TTTConfig
 from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import UserError
 from tttvideo.models.presets import ModelSpec, describe_config
@@ -132,7 +133,7 @@ def spec_for_folder(config: dict[str, Any], folder: Path, spec: ModelSpec | None
 def from_pretrained(
     path: str | Path,
     spec: ModelSpec | None = None,
-    ttt: Any = None,
+    ttt: TTTConfig | None = None,
     use_ttt: bool = True,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
@@ -185,7 +186,7 @@ def from_pretrained(
     return model
 
 
-def init_model(spec: ModelSpec, ttt: Any = None, use_ttt: bool = True, dtype: torch.dtype | str = torch.float32,
+def init_model(spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu") -> CogVideoXTTT:
     """A randomly initialised model built directly on `device` in `dtype` (meta first, so no CPU copy of 5B)."""
     dtype = torch_dtype(dtype)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tttvideo.config.schema import TrainConfig
 from tttvideo.errors import UserError
 
 
@@ -38,7 +39,7 @@ def format_duration(seconds: float) -> str:
 
 
 class TrainMonitor:
-    def __init__(self, output_dir: Path, train: Any, total_steps: int, start_step: int, console: Any,
+    def __init__(self, output_dir: Path, train: TrainConfig, total_steps: int, start_step: int, console: Any,
                  config_dict: dict[str, Any] | None = None, show: bool = True):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
         from rich.table import Column

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import torch
 
+from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import ConfigError
 from tttvideo.ttt.reference import NO_SCAN_CHECKPOINT, ttt_linear_reference, ttt_mlp_reference
 
@@ -62,7 +62,7 @@ def uncovered_reason(kind: str, q: torch.Tensor, hidden: int, mini_batch_size: i
     return None
 
 
-def check_backend_config(ttt: Any, head_dim: int, hidden: int, device: torch.device | str) -> None:
+def check_backend_config(ttt: TTTConfig, head_dim: int, hidden: int, device: torch.device | str) -> None:
     """Fail before any work when `ttt.backend = "triton"` cannot run the model on `device` (one sentence naming
     the key), instead of at the first TTT call of the first step."""
     if ttt.backend != "triton":
