@@ -3,7 +3,9 @@
     PYTHONPATH=src python3 benchmarks/ttt_accuracy.py [--draws 16] [--regimes spec-init drawn-norm] [--out DIR]
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/ttt_accuracy.py --length 256 --heads 2   # CPU smoke run
 
-Per fresh draw (inputs from tests/gpu/test_ttt_triton_gpu.py's `make_inputs`, a fresh upstream gradient), the
+(PYTHONPATH=src is not needed with the package installed.)
+Per fresh draw (inputs from tttvideo.ttt.testing.make_inputs, regimes as its docstring describes, a fresh upstream
+gradient), the
 largest relative error ||a-b|| / ||b|| over the output and every gradient, against the fp32 reference, of
   kernel     the Triton kernels (bf16 inputs, outputs and scratch NaN-poisoned);
   bf16 ref   the reference with both operands of every product rounded to bf16 (forward and backward), all else
@@ -20,17 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # tests.gpu holds the input generator and the error measure
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CPU runs the interpreter
 
-TOL = 2e-2
 SLOW_WEIGHTS = slice(6, None)  # W1, b1 (, W2, b2) in the scan's argument order
 
 
@@ -40,9 +38,9 @@ def worst(errs):
 
 
 def one_draw(kind, regime, H, L, group):
-    from tests.gpu.test_ttt_triton_gpu import errors_between, kernel_and_reference, scan_with_grads
+    from tttvideo.ttt.testing import default_mini_batch, errors_between, kernel_and_reference, scan_with_grads
 
-    m = 64 if kind == "mlp" else 16
+    m = default_mini_batch(kind)
     t0 = time.time()
     # the interpreter's bf16 products are broken: on the CPU the kernels get fp32 inputs (a smoke run only)
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
@@ -75,9 +73,10 @@ def main():
     args = ap.parse_args()
     import triton
 
-    from benchmarks.ttt_kernel import _git_commit, _write
+    from ttt_kernel import git_commit, write_json  # this script's folder: benchmarks/ttt_kernel.py
+    from tttvideo.ttt.testing import TOLERANCE
 
-    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or _git_commit(),
+    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or git_commit(),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)")
     rows = []
     for kind in args.kinds:
@@ -87,8 +86,8 @@ def main():
                 r = rows[-1]
                 print(f"{kind} {regime}: kernel {worst(r['kernel'])}, bf16 ref {worst(r['bf16_reference'])}, "
                       f"W +2^-9 {worst(r['sensitivity'])} ({r['seconds']} s)", flush=True)
-    res = dict(meta, tolerance=TOL, rows=rows)
-    _write(args.out, "ttt_accuracy.json", res)
+    res = dict(meta, tolerance=TOLERANCE, rows=rows)
+    write_json(args.out, "ttt_accuracy.json", res)
     table(res)
 
 

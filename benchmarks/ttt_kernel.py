@@ -3,6 +3,10 @@
     PYTHONPATH=src python3 benchmarks/ttt_kernel.py [--lengths 18048 51456 351168] [--out DIR] [--commit SHA]
     PYTHONPATH=src python3 benchmarks/ttt_kernel.py --compile-only      # no GPU needed: sm_80 / sm_89 / sm_90
 
+(PYTHONPATH=src is not needed with the package installed.) Inputs and the accuracy check come from
+tttvideo.ttt.testing; benchmarks/ttt_accuracy.py and benchmarks/ttt_layer_glue.py import this script's timer and
+JSON writer as the module `ttt_kernel` (the script's own folder is first on sys.path).
+
 B=1, H=48, head dim 64; TTT-MLP with mini-batch 64, TTT-Linear with 16; bf16 inputs, checkpoint group 16.
 "fwd" is the training forward (checkpoints saved, as under autograd), "fwd+bwd" adds the backward of a random
 output gradient. Medians of CUDA-event timings after warm-up. FLOP counts (per token, per head):
@@ -24,8 +28,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # tests.gpu holds the input generator and the accuracy check
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, for the commit
 
 B, H, D = 1, 48, 64
 MLP_FLOP = 7 * 2 * 64 * 64 * 256 / 64  # per token per head, forward
@@ -75,10 +78,10 @@ def load_baseline(path):
 
 
 def time_scan(kind, L, group=16, module=None, **tune):
-    from tests.gpu.test_ttt_triton_gpu import make_inputs
     from tttvideo.ttt import triton_linear, triton_mlp
+    from tttvideo.ttt.testing import default_mini_batch, make_inputs
 
-    m = 64 if kind == "mlp" else 16
+    m = default_mini_batch(kind)
     ins = make_inputs(kind, B, H, L, D, m, seed=L)
     mod = module or (triton_mlp if kind == "mlp" else triton_linear)
     fwd_fn = mod.mlp_forward if kind == "mlp" else mod.linear_forward
@@ -122,8 +125,8 @@ def profile_scan(L, group=16, **tune):
     """GPU time per kernel name over one MLP forward+backward (torch.profiler), to see where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tests.gpu.test_ttt_triton_gpu import make_inputs
     from tttvideo.ttt import triton_mlp
+    from tttvideo.ttt.testing import make_inputs
 
     m = 64
     x = [t.detach() for t in make_inputs("mlp", B, H, L, D, m, seed=L)]
@@ -245,13 +248,13 @@ def main():
     args = ap.parse_args()
     import triton
 
-    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or _git_commit())
+    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or git_commit())
     if args.compile_only:
         res = dict(meta, mode="compile-only", rows=compile_only())
-        _write(args.out, "ttt_kernel_compile.json", res)
+        write_json(args.out, "ttt_kernel_compile.json", res)
         return
 
-    from tests.gpu.test_ttt_triton_gpu import relative_errors
+    from tttvideo.ttt.testing import relative_errors
 
     meta["device"] = torch.cuda.get_device_name()
     rows = []
@@ -281,18 +284,19 @@ def main():
             rows.append(profile_scan(args.lengths[0], **tune))
             print(rows[-1], flush=True)
     res = dict(meta, rows=rows)
-    _write(args.out, "ttt_kernel.json", res)
+    write_json(args.out, "ttt_kernel.json", res)
     _table(res)
 
 
-def _git_commit():
+def git_commit() -> str:
+    """HEAD of the checkout this script is in; "" where there is none (a device copy without .git)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
         return ""
 
 
-def _write(out, name, res):
+def write_json(out: str, name: str, res: dict) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, name), "w") as f:
         json.dump(res, f, indent=1)

@@ -4,7 +4,10 @@ One CogVideoX-5B-sized TTT layer (3072 wide, 48 heads of 64, TTT-MLP, mini-batch
 bf16, the dispatching scan backend) at 3 s and 63 s: forward (inference) and, at 3 s, forward+backward. Checks
 that every variant matches the plain composition (relative error of the output, bf16). Prints a table; writes JSON.
 
-    PYTHONPATH=src:. python3 benchmarks/ttt_layer_glue.py --out benchmarks/results/ttt_layer_glue.json
+    PYTHONPATH=src python3 benchmarks/ttt_layer_glue.py --out benchmarks/results/ttt_layer_glue_h100.json
+
+(PYTHONPATH=src is not needed with the package installed.) The plain composition is
+tttvideo.ttt.plain_layer.plain_ttt_layer; the timer is benchmarks/ttt_kernel.py's `bench`.
 """
 
 from __future__ import annotations
@@ -12,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 
 import torch
+from ttt_kernel import bench, git_commit  # this script's folder: benchmarks/ttt_kernel.py
 
-from benchmarks.ttt_kernel import bench
-from tests.ttt_layer_plain import plain_ttt_layer
 from tttvideo.layout import VideoLayout
 from tttvideo.ttt.layer import TTTLayer
+from tttvideo.ttt.plain_layer import plain_ttt_layer
 
 
 def main() -> None:
@@ -71,10 +73,7 @@ def main() -> None:
         del x, ref
         torch.cuda.empty_cache()
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit()[:7]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "git_commit": commit or "unknown (no .git on the device copy)", "rows": rows}
     with open(args.out, "w") as f:

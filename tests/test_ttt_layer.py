@@ -128,8 +128,8 @@ def test_checkpointed_passes_match():
 @pytest.mark.parametrize("kind", ["mlp", "linear"])
 @pytest.mark.parametrize("duration,text", [("3s", 5), ("9s", 7)])
 def test_layer_equals_the_plain_composition(kind, duration, text):
-    """Forward and every gradient of the layer equal the plain composition (tests/ttt_layer_plain.py), fp32."""
-    from tests.ttt_layer_plain import plain_ttt_layer
+    """Forward and every gradient of the layer equal the plain composition (tttvideo.ttt.plain_layer), fp32."""
+    from tttvideo.ttt.plain_layer import plain_ttt_layer
 
     lay = layout(duration, text=text)
     torch.manual_seed(1)

@@ -7,21 +7,21 @@ in [16, ops.KERNEL_MAX_HIDDEN]: 16 ... 256, so E = 4 D, the layer's, and the oth
 group, four groups (the backward's scratch sets rotate) and a partial last group (2.5 groups less one mini-batch),
 at checkpoint group 16 (training's); times B in (1, 2, 3) and H in (1, 5, 48). 45 x 36 MLP + 9 x 36 Linear = 1,944.
 
-Each case: bf16 inputs drawn as the layer produces them (tests/gpu/test_ttt_triton_gpu.make_inputs, "spec-init":
-L2-normalised q/k, SPEC eta, W ~ N(0, 0.02), zero biases, ttt_norm (1, 0)), forward and the backward of a random
-output gradient through ops (backend "triton", TTT_TRITON_POISON=1: every output and scratch buffer starts as NaN),
-against the fp32 reference on the same (upcast) inputs: the output and every gradient (q, k, v, eta, norm w/b, W1,
-b1, and W2, b2 for the MLP) within TOL = 2e-2 relative (||a - b|| / ||b||, the device tests' bound for bf16);
-NaN or inf fails. A finite tensor over TOL is judged once more against what bf16 products alone cost on that draw:
-it passes if its error is at most BF16_SLACK = 4 x that of the reference run with bf16 operands
-(`operand_dtype=torch.bfloat16`, the precision of the kernels' products, without their bugs). Small tensors need it:
-a 16-element b1 gradient (one head, one mini-batch of 32, hidden 16) came to 1.9e-2 on the H100, the worst of the
-1,944 cases, and a sum over few tokens with cancellation can cross 2e-2 on a fresh draw. On the gradients that come
-near TOL (W1, b1, W2, b2, k, q; Linear's v and eta) the kernels err 1.0-2.1x the bf16 reference at L = 18,048
-(benchmarks/results/ttt_accuracy_h100.json); where the rounding of the bf16 output adds more (MLP out, v, eta and
-norm w/b 4-6x, its norm_b up to 17x; Linear norm w/b 5-6x) the errors stayed at most 1.1e-2 over the 1,944 cases.
-A wrong index, an unwritten element or a stray read errs by O(1). The result records the bf16 reference's errors and
-which tensors passed that way ("within_bf16_cost"; the JSON lists those cases).
+Each case: bf16 inputs drawn as the layer produces them (tttvideo.ttt.testing.make_inputs, "spec-init": L2-normalised
+q/k, eta = base_lr sigmoid(.) / (D M), W ~ N(0, 0.02), zero biases, ttt_norm (1, 0)), forward and the backward of a
+random output gradient through ops (backend "triton", TTT_TRITON_POISON=1: every output and scratch buffer starts as
+NaN), against the fp32 reference on the same (upcast) inputs: the output and every gradient (q, k, v, eta, norm w/b, W1,
+b1, and W2, b2 for the MLP) within TOL = 2e-2 relative (||a - b|| / ||b||, the device tests' bound for bf16); NaN or inf
+fails. A finite tensor over TOL is judged once more against what bf16 products alone cost on that draw: it passes if its
+error is at most BF16_SLACK = 4 x that of the reference run with bf16 operands (`operand_dtype=torch.bfloat16`, the
+precision of the kernels' products, without their bugs). Small tensors need it: a 16-element b1 gradient (one head, one
+mini-batch of 32, hidden 16) came to 1.9e-2 on the H100, the worst of the 1,944 cases, and a sum over few tokens with
+cancellation can cross 2e-2 on a fresh draw. On the gradients that come near TOL (W1, b1, W2, b2, k, q; Linear's v and
+eta) the kernels err 1.0-2.1x the bf16 reference at L = 18,048 (benchmarks/results/ttt_accuracy_h100.json); where the
+rounding of the bf16 output adds more (MLP out, v, eta and norm w/b 4-6x, its norm_b up to 17x; Linear norm w/b 5-6x)
+the errors stayed at most 1.1e-2 over the 1,944 cases. A wrong index, an unwritten element or a stray read errs by O(1).
+The result records the bf16 reference's errors and which tensors passed that way ("within_bf16_cost"; the JSON lists
+those cases).
 
 Processes: an illegal address poisons the CUDA context, so cases run in worker processes (one per (kind, D, M, E)
 batch, several at once: --jobs). A worker that dies or hangs (--case-timeout) charges the case it was running and
@@ -48,7 +48,8 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 
-TOL = 2e-2
+from tttvideo.ttt.testing import TOLERANCE as TOL
+
 BF16_SLACK = 4.0
 GROUP = 16
 BATCHES = (1, 2, 3)
@@ -121,7 +122,7 @@ def run_case(case: Case, seed: int) -> dict:
     """Output and every gradient of the Triton path against the fp32 reference; {status, errors, worst, ...}."""
     import torch
 
-    from tests.gpu.test_ttt_triton_gpu import NAMES, errors_between, make_inputs, scan_with_grads
+    from tttvideo.ttt.testing import NAMES, errors_between, make_inputs, scan_with_grads
 
     os.environ["TTT_TRITON_POISON"] = "1"
     if os.environ.get("TTT_FUZZ_ABORT_AT") == case.id:  # the harness's own test: a worker that dies mid-case

@@ -1,17 +1,24 @@
-"""The TTT layer's forward written the plain way (gather q, k, v one by one, RoPE on the video slice, pad each),
-kept as an independent reference for the fused-glue forward of `tttvideo.ttt.layer.TTTLayer`."""
+"""The TTT layer's forward written the plain way: gather q, k, v one at a time in residual order, apply RoPE to the
+video slice, build the reconstruction target, interleave and pad each tensor, then scan.
+
+`TTTLayer.forward` does the same in scan order with fused glue (one projection, RoPE tables over all tokens, an
+optional torch.compile); this independent composition is what the layer is tested against
+(tests/test_ttt_layer.py) and timed against (benchmarks/ttt_layer_glue.py).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 from tttvideo.ttt import ops
-from tttvideo.ttt.layer import TARGET_LN_EPS
+from tttvideo.ttt.layer import TARGET_LN_EPS, TTTLayer
 
 
-def plain_ttt_layer(layer, x, layout, backend: str = "reference"):
+def plain_ttt_layer(layer: TTTLayer, x: torch.Tensor, layout: VideoLayout, backend: str = "reference") -> torch.Tensor:
+    """`layer(x, layout)` computed step by step with `layer`'s parameters; `backend` picks the scan (ops)."""
     B, L, C = x.shape
     H, D = layer.num_heads, layer.head_dim
     T = layout.total_text_tokens
