@@ -19,6 +19,7 @@ import platform
 import torch
 from ttt_kernel import bench, git_commit  # this script's folder: benchmarks/ttt_kernel.py
 
+from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.ttt.layer import TTTLayer
 from tttvideo.ttt.plain_layer import plain_ttt_layer
@@ -33,7 +34,7 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     # all parameters in bf16, as the model loads them (the scan keeps its inner state in fp32)
-    layer = TTTLayer(3072, 48, kind="mlp", mini_batch_size=64, scan_checkpoint_group_size=16).to(dev, torch.bfloat16)
+    layer = TTTLayer(3072, 48, TTTConfig(kind="mlp", scan_checkpoint_group_size=16)).to(dev, torch.bfloat16)
 
     def plain(x, lay):
         return plain_ttt_layer(layer, x, lay, backend="auto")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.ttt.layer import BidirectionalTTT, TTTLayer
 
@@ -15,11 +16,11 @@ def layout(duration, text=5, mb=16):
     return VideoLayout.create(duration, height=32, width=48, text_tokens=text, mini_batch_size=mb)
 
 
-def block(kind="mlp", mb=16, **kw):
+def block(kind="mlp", **kw):
+    """The mini-batch comes from the layout the block is called with."""
     torch.manual_seed(0)
     base_lr = 0.1 if kind == "mlp" else 1.0
-    return BidirectionalTTT(DIM, HEADS, kind=kind, mini_batch_size=mb, base_lr=base_lr,
-                            scan_checkpoint_group_size=2, **kw)
+    return BidirectionalTTT(DIM, HEADS, TTTConfig(kind=kind, base_lr=base_lr, scan_checkpoint_group_size=2, **kw))
 
 
 def test_zero_gates_return_the_input_exactly():
@@ -57,7 +58,7 @@ def test_scan_order_is_the_segment_interleave():
     """Across mini-batches TTT is causal in the interleaved order [text_0, frames_0, text_1, ...]: changing the
     last segment's frames must leave text_0 untouched (its mini-batches come first) and change the last segment."""
     lay = layout("9s", text=16, mb=16)
-    layer = TTTLayer(DIM, HEADS, mini_batch_size=16, scan_checkpoint_group_size=0)
+    layer = TTTLayer(DIM, HEADS, TTTConfig(scan_checkpoint_group_size=0))
     x = torch.randn(1, lay.total_tokens, DIM)
     x2 = x.clone()
     last = lay.frames_slice(lay.segment_own_frames(2))
@@ -97,11 +98,11 @@ def test_reverse_pass_sees_the_future():
 
 
 def test_eta_formula():
-    layer = TTTLayer(DIM, HEADS, mini_batch_size=16, base_lr=0.1)
+    layer = TTTLayer(DIM, HEADS, TTTConfig(base_lr=0.1))
     with torch.no_grad():
         layer.learnable_ttt_lr_weight.zero_()
         layer.learnable_ttt_lr_bias.zero_()
-    eta = layer.eta(torch.randn(1, 3, DIM))
+    eta = layer.eta(torch.randn(1, 3, DIM), 16)
     torch.testing.assert_close(eta, torch.full((1, 3, HEADS), 0.1 * 0.5 / (16 * 16)))
 
 
@@ -133,8 +134,8 @@ def test_layer_equals_the_plain_composition(kind, duration, text):
 
     lay = layout(duration, text=text)
     torch.manual_seed(1)
-    layer = TTTLayer(DIM, HEADS, kind=kind, mini_batch_size=16, scan_checkpoint_group_size=2,
-                     base_lr=0.1 if kind == "mlp" else 1.0, backend="reference")
+    layer = TTTLayer(DIM, HEADS, TTTConfig(kind=kind, scan_checkpoint_group_size=2,
+                                           base_lr=0.1 if kind == "mlp" else 1.0, backend="reference"))
     with torch.no_grad():  # non-trivial norms and biases, so that every path matters
         for p in (layer.ttt_norm_weight, layer.ttt_norm_bias, layer.b1, layer.learnable_ttt_lr_bias,
                   layer.wq.bias, layer.wk.bias, layer.wv.bias):

@@ -13,12 +13,11 @@ diffusers' split/concat of two streams.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import LocalAttention
 from tttvideo.models.checkpointing import maybe_checkpoint
@@ -77,15 +76,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, ttt_kwargs: dict[str, Any] | None):
-        """ttt_kwargs: arguments of BidirectionalTTT beyond (dim, heads); None builds the attention-only block."""
+    def __init__(self, spec: ModelSpec, ttt: TTTConfig | None):
+        """ttt: the TTT layer's settings; None builds the attention-only block."""
         super().__init__()
         dim = spec.dim
         self.norm1 = AdaLNZero(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
         self.attn = LocalAttention(dim, spec.num_attention_heads, spec.attention_head_dim, bias=spec.attention_bias,
                                    qk_norm_eps=spec.qk_norm_eps, norm_elementwise_affine=spec.norm_elementwise_affine,
                                    rope_theta=spec.rope_theta)
-        self.ttt = BidirectionalTTT(dim, spec.num_attention_heads, **ttt_kwargs) if ttt_kwargs is not None else None
+        self.ttt = BidirectionalTTT(dim, spec.num_attention_heads, ttt) if ttt is not None else None
         self.norm2 = AdaLNZero(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
         self.mlp = MLP(dim, 4 * dim)
         # activation checkpointing of the two halves (set by tttvideo.models.checkpointing.apply_checkpointing);

@@ -10,7 +10,7 @@ gates are 0; `tests/test_model_equivalence.py` checks it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,20 +36,6 @@ class OutputNorm(nn.Module):
         return torch.addcmul(shift[:, None], self.norm(x), 1 + scale[:, None])
 
 
-def ttt_kwargs_from_config(ttt: TTTConfig) -> dict[str, Any]:
-    """BidirectionalTTT keyword arguments from a TTTConfig."""
-    return dict(
-        gate_init=ttt.gate_init,
-        kind=ttt.kind,
-        mini_batch_size=ttt.mini_batch_size,
-        base_lr=ttt.base_lr,
-        scan_checkpoint_group_size=ttt.scan_checkpoint_group_size,
-        rope_theta=ttt.rope_theta,
-        backend=ttt.backend,
-        compile_glue=ttt.compile_glue,
-    )
-
-
 class CogVideoXTTT(nn.Module):
     def __init__(self, spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True):
         """spec: backbone size; ttt: a TTTConfig (defaults when None); use_ttt=False: local attention only."""
@@ -61,8 +47,7 @@ class CogVideoXTTT(nn.Module):
         dim = spec.dim
         self.embed = PatchEmbed(spec.in_channels, dim, spec.text_embed_dim, spec.patch_size, bias=spec.patch_bias)
         self.time_embed = TimestepEmbedding(dim, spec.time_embed_dim, spec.flip_sin_to_cos, spec.freq_shift)
-        kwargs = ttt_kwargs_from_config(ttt) if use_ttt else None
-        self.blocks = nn.ModuleList([Block(spec, kwargs) for _ in range(spec.num_layers)])
+        self.blocks = nn.ModuleList([Block(spec, ttt if use_ttt else None) for _ in range(spec.num_layers)])
         self.norm_final = nn.LayerNorm(dim, eps=spec.norm_eps, elementwise_affine=spec.norm_elementwise_affine)
         self.norm_out = OutputNorm(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
         self.proj_out = nn.Linear(dim, spec.patch_size * spec.patch_size * spec.out_channels)

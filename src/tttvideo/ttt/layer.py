@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 from tttvideo.ttt import ops
@@ -95,32 +96,25 @@ def inner_hidden(kind: str, head_dim: int, mlp_expansion: int = MLP_EXPANSION) -
 
 
 class TTTLayer(nn.Module):
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        kind: str = "mlp",
-        mini_batch_size: int = 64,
-        base_lr: float = 0.1,
-        scan_checkpoint_group_size: int = 16,
-        rope_theta: float = 10000.0,
-        backend: str = "auto",
-        mlp_expansion: int = MLP_EXPANSION,
-        compile_glue: bool = True,
-    ):
+    """One TTT pass over the whole sequence. Its settings come from a TTTConfig, except the mini-batch size, which
+    belongs to the layout the layer is called with (the layout pads the sequence to it, and the inner learning rate
+    divides by it): `VideoLayout.from_config` reads `ttt.mini_batch_size`, nothing else does."""
+
+    def __init__(self, dim: int, num_heads: int, config: TTTConfig | None = None, mlp_expansion: int = MLP_EXPANSION):
         super().__init__()
+        config = config if config is not None else TTTConfig()
         if dim % num_heads:
             raise ValueError(f"width {dim} is not divisible by {num_heads} heads")
-        if kind not in ("mlp", "linear"):
-            raise ValueError(f"TTT kind must be 'mlp' or 'linear', got {kind!r}")
+        if config.kind not in ("mlp", "linear"):
+            raise ValueError(f"TTT kind must be 'mlp' or 'linear', got {config.kind!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
-        self.kind = kind
-        self.mini_batch_size = mini_batch_size
-        self.base_lr = base_lr
-        self.scan_checkpoint_group_size = scan_checkpoint_group_size
-        self.rope_theta = rope_theta
-        self.backend = backend
-        self.compile_glue = compile_glue
+        self.kind = config.kind
+        self.base_lr = config.base_lr
+        self.scan_checkpoint_group_size = config.scan_checkpoint_group_size
+        self.rope_theta = config.rope_theta
+        # backend and compile_glue may be switched on a built layer (benchmarks compare them)
+        self.backend = config.backend
+        self.compile_glue = config.compile_glue
 
         H, D = num_heads, self.head_dim
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=True) for _ in range(4))
@@ -130,10 +124,10 @@ class TTTLayer(nn.Module):
         self.ttt_norm_weight = nn.Parameter(torch.empty(H, D))
         self.ttt_norm_bias = nn.Parameter(torch.empty(H, D))
         self.post_norm = nn.LayerNorm(dim, eps=1e-6)
-        hidden = inner_hidden(kind, D, mlp_expansion)
+        hidden = inner_hidden(self.kind, D, mlp_expansion)
         self.W1 = nn.Parameter(torch.empty(H, D, hidden))
         self.b1 = nn.Parameter(torch.empty(H, hidden))
-        if kind == "mlp":
+        if self.kind == "mlp":
             self.W2 = nn.Parameter(torch.empty(H, hidden, D))
             self.b2 = nn.Parameter(torch.empty(H, D))
         self.reset_parameters()
@@ -158,18 +152,14 @@ class TTTLayer(nn.Module):
     def inner_params(self) -> tuple[torch.Tensor, ...]:
         return (self.W1, self.b1, self.W2, self.b2) if self.kind == "mlp" else (self.W1, self.b1)
 
-    def eta(self, x: torch.Tensor) -> torch.Tensor:
+    def eta(self, x: torch.Tensor, mini_batch_size: int) -> torch.Tensor:
         """Per-token, per-head inner learning rate [B, L, H]: base_lr * sigmoid(theta_h . x + b_h) / D / b."""
         gate = F.linear(x, self.learnable_ttt_lr_weight.to(x.dtype), self.learnable_ttt_lr_bias.to(x.dtype))
-        return self.base_lr * torch.sigmoid(gate.float()) / (self.head_dim * self.mini_batch_size)
+        return self.base_lr * torch.sigmoid(gate.float()) / (self.head_dim * mini_batch_size)
 
     def forward(self, x: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
         B, L, C = x.shape
         layout.check_sequence_length(L)
-        if layout.mini_batch_size != self.mini_batch_size:
-            raise ValueError(
-                f"layout pads to mini-batch {layout.mini_batch_size} but the TTT layer uses {self.mini_batch_size}"
-            )
         H, D = self.num_heads, self.head_dim
         interleave, deinterleave, _, cos, sin = _layout_tensors(layout, D, self.rope_theta, x.device)
         pad = layout.ttt_padding
@@ -183,12 +173,12 @@ class TTTLayer(nn.Module):
         q, k, v = _scan_inputs_fn(x, self.compile_glue)(
             qkv, cos, sin, self.ttt_norm_weight, self.ttt_norm_bias, pad, x.dtype
         )
-        eta = F.pad(self.eta(xs).transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
+        eta = F.pad(self.eta(xs, layout.mini_batch_size).transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
 
         scan = ops.ttt_mlp if self.kind == "mlp" else ops.ttt_linear
         out = scan(
             q, k, v, eta, self.ttt_norm_weight, self.ttt_norm_bias, *self.inner_params(),
-            mini_batch_size=self.mini_batch_size,
+            mini_batch_size=layout.mini_batch_size,
             checkpoint_group_size=self.scan_checkpoint_group_size,
             backend=self.backend,
         )
@@ -200,10 +190,11 @@ class TTTLayer(nn.Module):
 class BidirectionalTTT(nn.Module):
     """Forward and reverse TTT passes sharing all parameters, each behind per-modality tanh gates."""
 
-    def __init__(self, dim: int, num_heads: int, gate_init: float = 0.1, **ttt_kwargs):
+    def __init__(self, dim: int, num_heads: int, config: TTTConfig | None = None):
         super().__init__()
-        self.ttt = TTTLayer(dim, num_heads, **ttt_kwargs)
-        self.gate_init = gate_init
+        config = config if config is not None else TTTConfig()
+        self.ttt = TTTLayer(dim, num_heads, config)
+        gate_init = self.gate_init = config.gate_init
         self.forward_gate_text = nn.Parameter(torch.full((dim,), gate_init))
         self.forward_gate_video = nn.Parameter(torch.full((dim,), gate_init))
         self.reverse_gate_text = nn.Parameter(torch.full((dim,), gate_init))

@@ -33,13 +33,13 @@ def plain_ttt_layer(layer: TTTLayer, x: torch.Tensor, layout: VideoLayout, backe
     v = layer.ttt_norm_weight * d + layer.ttt_norm_bias + k
     eta = layer.base_lr * torch.sigmoid(
         F.linear(x, layer.learnable_ttt_lr_weight, layer.learnable_ttt_lr_bias).float()
-    ) / (D * layer.mini_batch_size)
+    ) / (D * layout.mini_batch_size)
     perm, pad = layout.interleave_perm.to(x.device), layout.ttt_padding
     q, k, v = (F.pad(t.to(x.dtype)[:, perm].transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
     eta = F.pad(eta[:, perm].transpose(1, 2), (0, pad))
     scan = ops.ttt_mlp if layer.kind == "mlp" else ops.ttt_linear
     out = scan(q, k, v, eta, layer.ttt_norm_weight, layer.ttt_norm_bias, *layer.inner_params(),
-               mini_batch_size=layer.mini_batch_size, checkpoint_group_size=layer.scan_checkpoint_group_size,
+               mini_batch_size=layout.mini_batch_size, checkpoint_group_size=layer.scan_checkpoint_group_size,
                backend=backend)
     out = out[:, :, :L].transpose(1, 2).reshape(B, L, C).to(x.dtype)
     return layer.wo(layer.post_norm(out))[:, layout.deinterleave_perm.to(x.device)]
