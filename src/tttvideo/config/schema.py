@@ -36,7 +36,10 @@ class ModelConfig:
     preset: str = choice("tiny", "tiny", "cogvideox-5b", help="backbone size")
     pretrained_path: str = field(default="", metadata={"help": "diffusers transformer/ folder ('' = random init)"})
     dtype: str = choice("fp32", "fp32", "bf16", "fp16", help="parameter dtype at load")
-    adapter: str = choice("qkvo", "sft", "qkvo", "lora", help="what trains (SPEC section 4)")
+    adapter: str = choice("qkvo", "sft", "qkvo", "lora",
+                          help="what trains: sft = every weight; qkvo = attention (q/k/v/o and their norms), TTT "
+                               "layers and gates; lora = LoRA on attention q/k/v/o, TTT layers and gates (the "
+                               "original: sft at 3 s, qkvo from 9 s)")
     lora_rank: int = bounded(64, 1, 4096)
     lora_alpha: float = bounded(64.0, 0.0)
     use_ttt: bool = field(default=True, metadata={"help": "False: local attention only (the no-TTT baseline)"})
@@ -73,7 +76,7 @@ class TrainConfig:
     output_dir: str = "runs/train"
     steps: int = bounded(1000, 1)
     seed: int = bounded(0, 0)
-    # batch (SPEC section 4: global batch 64)
+    # batch (the original recipe: global batch 64)
     batch_size: int = bounded(1, 1, help="micro-batch per GPU per forward pass")
     grad_accum: int = bounded(0, 0, help="micro-batches per optimizer step; 0 = global_batch / (batch_size x GPUs)")
     global_batch: int = bounded(0, 0, help="samples per optimizer step over all GPUs; 0 = batch_size x grad_accum "
