@@ -6,7 +6,7 @@ and the hidden activations as [E, M], so every product over the hidden dim has h
 Each (batch, head) stream is split over SPLIT cooperating programs (`triton_exchange`): a program holds E / SPLIT
 hidden rows of the fp32 state in registers for the whole scan and exchanges the [M, D] partial sums over the hidden
 dim with the other roles once per mini-batch. That spreads the serial chain of one stream over SPLIT SMs, and
-half of the state fits in registers, where the whole of it spilled (benchmarks/NOTES-ttt-kernel.md).
+half of the state fits in registers, where the whole of it spilled (docs/kernels.md).
 
 Forward, per mini-batch: Z1^T = W1^T K^T + b1, X2 = gelu(Z1), partial Z2 = X2 W2 -> exchange -> the LN-L2
 gradient G2 (every role, identical), P^T = W2 G2^T, G1 = P gelu'(Z1), the update of the role's rows. Right after
@@ -188,7 +188,7 @@ def _mlp_fwd_kernel(
 def split_for(E: int, M: int, D: int) -> int:
     """Programs per stream. The interpreter runs programs one after another, so it takes 1 (see triton_exchange).
     On a GPU, 2 roles: at E = 256 each holds 128 hidden rows at 8 warps (its state rows, 64 KiB, in registers).
-    Measured on an H200 at L = 18,048 (benchmarks/NOTES-ttt-kernel.md): 2 roles at 8 warps 3.19 / 27.9 ms
+    Measured on an H200 at L = 18,048 (docs/kernels.md): 2 roles at 8 warps 3.19 / 27.9 ms
     forward / forward+backward, 4 roles at 4 warps 3.94 / 33.8, 4 at 8 warps 6.38 / 36.6."""
     if interpreting():
         return 1
