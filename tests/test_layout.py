@@ -1,4 +1,4 @@
-"""Long-video layout arithmetic (SPEC section 2) and its one-sentence errors."""
+"""Long-video layout arithmetic (the original's table of lengths) and its one-sentence errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tttvideo.cli import main
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout, explain_sequence_length, parse_duration
 
-SPEC_TABLE = [
+ORIGINAL_TABLE = [
     # duration, segments, latent frames, video tokens, text tokens per segment, total
     ("3s", 1, 13, 17_550, 498, 18_048),
     ("9s", 3, 37, 49_950, 502, 51_456),
@@ -19,7 +19,7 @@ SPEC_TABLE = [
 ]
 
 
-@pytest.mark.parametrize("duration,segments,frames,video,text,total", SPEC_TABLE)
+@pytest.mark.parametrize("duration,segments,frames,video,text,total", ORIGINAL_TABLE)
 def test_spec_table(duration, segments, frames, video, text, total):
     lay = VideoLayout.create(duration)
     assert lay.num_segments == segments

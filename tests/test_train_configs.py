@@ -1,4 +1,4 @@
-"""The shipped training configs: the five CogVideoX-5B stages follow SPEC section 4, chain into each other, and their
+"""The shipped training configs: the five CogVideoX-5B stages follow the original recipe, chain into each other, and their
 1-GPU versions keep the global batch of 64 by accumulation; the demo config is the tiny CPU run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from tttvideo.config.loader import load_config
 from tttvideo.layout import VideoLayout
 from tttvideo.train.trainer import batch_plan
 
-# SPEC section 4: duration, adapter, lr, lr_ssm, steps; SPEC section 2: text tokens per segment
+# the original recipe: duration, adapter, lr, lr_ssm, steps; text tokens per segment
 STAGES = [
     ("stage1-3s", "3s", "sft", 1e-5, 1e-4, 5000, 498),
     ("stage2-9s", "9s", "qkvo", 1e-5, 1e-5, 5000, 502),

@@ -1,4 +1,4 @@
-"""The ZeroSNR DDPM training schedule with v-prediction (SPEC section 4), shared by training and sampling.
+"""The ZeroSNR DDPM training schedule with v-prediction (CogVideoX's own), shared by training and sampling.
 
 Betas run from 0.00085 to 0.012 linearly in sqrt ("scaled_linear") over 1000 steps and are then rescaled so the
 last timestep has exactly zero signal-to-noise ratio (Lin et al. 2023, Algorithm 1). The arithmetic mirrors

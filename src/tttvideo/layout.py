@@ -94,7 +94,7 @@ class VideoLayout:
         text_tokens: int = LayoutConfig.text_tokens,
         mini_batch_size: int = TTTConfig.mini_batch_size,
     ) -> "VideoLayout":
-        """text_tokens=0 picks the original's per-duration length (SPEC section 2) or the largest one <= 512 that
+        """text_tokens=0 picks the original's per-duration length or the largest one <= 512 that
         makes the total a multiple of the mini-batch."""
         seconds = parse_duration(duration)
         cell = vae_spatial * patch_size

@@ -1,4 +1,4 @@
-"""What trains (SPEC section 4): `sft` (everything), `qkvo` (attention q/k/v/o and their norms, all TTT parameters
+"""What trains: `sft` (everything), `qkvo` (attention q/k/v/o and their norms, all TTT parameters
 and gates; the rest frozen) and `lora` (peft LoRA on attention q/k/v/o, TTT parameters and gates fully trained).
 
 Every parameter falls in one group (`parameter_group`): backbone, attention, ttt, gates, lora; the training loop uses

@@ -1,4 +1,4 @@
-"""Segment-local self-attention of the long-video DiT (SPEC section 2).
+"""Segment-local self-attention of the long-video DiT.
 
 Segment i attends over [text_i ; latent frames 12i .. 12i+12] (`VideoLayout.window_index(i)`), plain non-causal,
 with CogVideoX's per-head q/k LayerNorm and 3D RoPE on the video q/k at LOCAL positions (every window restarts at

@@ -1,4 +1,4 @@
-"""Activation checkpointing policy of the transformer (SPEC section 4, "rematerialisation knobs").
+"""Activation checkpointing policy of the transformer: what each layer recomputes in backward.
 
 Per layer: whole-block checkpointing in groups of `group_size` consecutive blocks, and per-module switches for
 adaLN + attention, the forward TTT pass, the reverse TTT pass and adaLN + MLP. A list of rules

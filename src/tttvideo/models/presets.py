@@ -1,4 +1,4 @@
-"""Backbone sizes: the `cogvideox-5b` preset (SPEC section 1) and a `tiny` one for CPU.
+"""Backbone sizes: the `cogvideox-5b` preset (CogVideoX-5B's transformer) and a `tiny` one for CPU.
 
 A `ModelSpec` holds exactly the fields of diffusers' `CogVideoXTransformer3DModel` config.json that change what the
 transformer computes, so that a spec can be read from a downloaded `transformer/` folder and compared with a preset

@@ -5,7 +5,7 @@
 built on the meta device and every tensor is read shard by shard with `safe_open` and assigned in place of its meta
 parameter, so the weights exist once in memory (plus one tensor in flight). Names go through an explicit map
 (`diffusers_name_map`). The TTT parameters, which diffusers does not have, are then materialised and initialised as
-SPEC section 3 says (`BidirectionalTTT.reset_parameters`).
+the original does (`BidirectionalTTT.reset_parameters`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The training objective (SPEC section 4): v-prediction MSE on the ZeroSNR DDPM schedule.
+"""The training objective, as the original's: v-prediction MSE on the ZeroSNR DDPM schedule.
 
 Per micro-batch: timesteps stratified over the optimizer step's whole effective batch, Gaussian noise, each
 sample's text zeroed with probability `text_dropout` (what classifier-free guidance samples against), x_t =

@@ -1,4 +1,4 @@
-"""The TTT layer of the long-video DiT (SPEC sections 2-3).
+"""The TTT layer of the long-video DiT.
 
 `TTTLayer` maps a residual-order sequence [all text | all video] of width C to a sequence of the same shape:
 projections wq/wk/wv, per-head L2-normalised Q/K, 3D RoPE with GLOBAL temporal positions on video Q/K, the
@@ -134,7 +134,7 @@ class TTTLayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """SPEC section 3: projections and inner weights N(0, 0.02), biases 0, ttt_norm identity."""
+        """As the original initialises them: projections and inner weights N(0, 0.02), biases 0, ttt_norm identity."""
         for lin in (self.wq, self.wk, self.wv, self.wo):
             nn.init.normal_(lin.weight, std=0.02)
             nn.init.zeros_(lin.bias)

@@ -1,4 +1,4 @@
-"""Reference TTT scan in plain PyTorch: TTT-MLP and TTT-Linear, non-causal mini-batch form (SPEC section 3).
+"""Reference TTT scan in plain PyTorch: TTT-MLP and TTT-Linear, non-causal mini-batch form of the original.
 
 This is the ground truth every fast path is tested against. Shapes (B batch, H heads, L tokens, D head dim):
 
