@@ -109,6 +109,11 @@ def _nearby_configs_hint(path: Path) -> str:
 def _legacy_key(obj: Any, dotted: str, value: Any, source: str) -> bool:
     """Keys an earlier version had, read into what replaced them, so that the config.toml saved with an older run
     still loads (tttv sample reads it). True when `dotted` was one of them."""
+    section, _, key = dotted.rpartition(".")
+    renamed = getattr(type(obj), "RENAMED_KEYS", {}).get(key)  # a section's plain renames: same value, new name
+    if renamed is not None:
+        _apply_table(obj, {renamed: value}, prefix=section + ".", source=source)
+        return True
     if dotted != "train.overwrite":
         return False
     if not isinstance(value, bool):

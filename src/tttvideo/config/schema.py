@@ -8,7 +8,7 @@ names the key, the file and what is allowed. Sections are owned by the parts of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 def choice(default: Any, *allowed: Any, help: str = "") -> Any:
@@ -183,8 +183,19 @@ class MemoryConfig:
 
 @dataclass
 class ParallelConfig:
-    data_parallel_shard: int = bounded(1, 1)
-    tensor_parallel: int = bounded(1, 1)
+    """How the ranks of a torchrun launch split the work (tttvideo.parallel.mesh). The product
+    dp_replicate x dp_shard x sp must equal WORLD_SIZE."""
+
+    dp_shard: int = bounded(-1, -1, help="FSDP degree: ranks that shard parameters, gradients and optimizer state "
+                                         "(each on its own samples); -1 = WORLD_SIZE / (dp_replicate x sp)")
+    dp_replicate: int = bounded(1, 1, help="HSDP replicas: groups of dp_shard x sp ranks that each hold a whole "
+                                           "sharded copy and all-reduce their gradients")
+    sp: int = bounded(1, 1, help="Ulysses sequence-parallel degree: ranks that split one video's tokens; it must "
+                                 "divide the attention heads and WORLD_SIZE")
+    tensor_parallel: int = bounded(1, 1, help="tensor parallelism is not implemented; only 1 is accepted")
+
+    # keys of earlier versions, read by the config loader into the field that replaced them
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"data_parallel_shard": "dp_shard"}
 
 
 @dataclass

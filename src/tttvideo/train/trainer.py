@@ -106,11 +106,12 @@ class Trainer:
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1 or cfg.parallel.data_parallel_shard > 1 or cfg.parallel.tensor_parallel > 1:
+        par = cfg.parallel
+        if world > 1 or par.dp_shard > 1 or par.dp_replicate > 1 or par.sp > 1 or par.tensor_parallel > 1:
             raise UserError(
                 f"tttv train runs in one process on one device; multi-GPU training (torchrun with WORLD_SIZE={world}, "
-                f"parallel.data_parallel_shard={cfg.parallel.data_parallel_shard}, parallel.tensor_parallel="
-                f"{cfg.parallel.tensor_parallel}) is not implemented yet: use one GPU with gradient accumulation "
+                f"parallel.dp_shard={par.dp_shard}, dp_replicate={par.dp_replicate}, sp={par.sp}, tensor_parallel="
+                f"{par.tensor_parallel}) is not implemented yet: use one GPU with gradient accumulation "
                 f"(configs/cogvideox-5b/*-1gpu.toml)"
             )
         self.world_size, self.rank = 1, 0
