@@ -17,6 +17,7 @@ allowed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -55,6 +56,14 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), *, schem
     if path is not None:
         for source, table in _read_chain(Path(path), stack=(), parent=None):
             _apply_table(cfg, table, prefix="", source=source)
+    for text in overrides:
+        _apply_override(cfg, text)
+    return cfg
+
+
+def with_overrides(cfg: Any, overrides: Iterable[str]) -> Any:
+    """A copy of `cfg` with `overrides` (each ``"section.key=value"``) applied and validated as `--set` is."""
+    cfg = copy.deepcopy(cfg)
     for text in overrides:
         _apply_override(cfg, text)
     return cfg
