@@ -282,6 +282,38 @@ class VideoLayout:
         video = torch.arange(self.total_text_tokens, self.total_tokens).flip(0)
         return torch.cat([text, video])
 
+    @cached_property
+    def reverse_interleave_perm(self) -> torch.Tensor:
+        """Scan order of the reverse TTT pass as residual positions: the interleave of the reversed sequence, so
+        that one gather ``x[:, reverse_interleave_perm]`` equals ``x[:, reverse_perm][:, interleave_perm]``."""
+        return self.reverse_perm[self.interleave_perm]
+
+    @cached_property
+    def reverse_deinterleave_perm(self) -> torch.Tensor:
+        """Back from the reverse pass's scan order to residual order (the reversal undone too)."""
+        return inverse_permutation(self.reverse_interleave_perm)
+
+    # ------------------------------------------------------------------ sequence parallelism
+    def sp_shard_tokens(self, sp: int) -> int:
+        """Residual-stream tokens each of `sp` sequence-parallel ranks holds: the stream is padded at its end to a
+        multiple of sp and cut into equal contiguous shards, rank r holding [r * shard, (r + 1) * shard)."""
+        if sp < 1:
+            raise LayoutError(f"sequence-parallel degree must be >= 1, got {sp}")
+        return -(-self.total_tokens // sp)
+
+    def sp_padding(self, sp: int) -> int:
+        """Tokens appended to the residual stream so that it splits evenly over `sp` ranks (dropped before any
+        operation that mixes tokens, so they never reach a real token's output)."""
+        return sp * self.sp_shard_tokens(sp) - self.total_tokens
+
+    def sp_shard_text_tokens(self, sp: int, rank: int) -> int:
+        """Text tokens in rank's shard: text opens the stream, so a shard holds a (possibly empty) run of text
+        followed by video (and, in the last shard, padding)."""
+        if not 0 <= rank < sp:
+            raise LayoutError(f"sequence-parallel rank {rank} is outside 0 .. {sp - 1}")
+        shard = self.sp_shard_tokens(sp)
+        return min(max(self.total_text_tokens - rank * shard, 0), shard)
+
     # ------------------------------------------------------------------ RoPE positions
     def _frame_grid(self, frames: int, first_frame: int = 0) -> torch.Tensor:
         t = torch.arange(first_frame, first_frame + frames)

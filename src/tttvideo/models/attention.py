@@ -9,11 +9,16 @@ CogVideoX's full attention (diffusers' `CogVideoXAttnProcessor2_0`).
 All windows have the same length, so they are gathered into the batch dimension and go through ONE SDPA call
 (flash / memory-efficient kernels on CUDA) instead of a loop over segments. The output projection is affine, so it
 is applied after the overlap average, on L tokens rather than n x window tokens.
+
+With sequence parallelism (`tttvideo.parallel.sequence`) the layer gets this rank's shard of the tokens; the q/k/v
+projections and their norms run on it, an all-to-all gives every rank the whole sequence for H / sp heads, the
+windows are attended exactly as above on those heads, and the reverse all-to-all precedes the output projection.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,9 @@ from torch import nn
 
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:  # the parallel package imports torch.distributed; the model needs it only when given a group
+    from tttvideo.parallel.sequence import SequenceParallel
 
 
 @lru_cache(maxsize=16)
@@ -51,8 +59,9 @@ class LocalAttention(nn.Module):
         self.norm_k = nn.LayerNorm(head_dim, eps=qk_norm_eps, elementwise_affine=norm_elementwise_affine)
         self.to_out = nn.Linear(inner, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
-        """x [B, L, dim] in residual order [all text | all video] -> [B, L, dim]."""
+    def forward(self, x: torch.Tensor, layout: VideoLayout, sp: SequenceParallel | None = None) -> torch.Tensor:
+        """x [B, L, dim] in residual order [all text | all video] -> [B, L, dim]; with `sp`, this rank's shard
+        [B, L / sp, dim] -> [B, L / sp, dim]."""
         B, L, _ = x.shape
         H, D = self.num_heads, self.head_dim
         index, cos, sin, inv_count = window_tensors(layout, D, self.rope_theta, x.device)
@@ -61,6 +70,10 @@ class LocalAttention(nn.Module):
         q = self.norm_q(self.to_q(x).view(B, L, H, D))
         k = self.norm_k(self.to_k(x).view(B, L, H, D))
         v = self.to_v(x).view(B, L, H, D)
+        if sp is not None:
+            # one exchange for q, k and v: [B, L / sp, 3, H, D] -> [B, L, 3, H / sp, D]
+            q, k, v = sp.to_head_shards(torch.stack([q, k, v], dim=2), layout, head_axis=3).unbind(2)
+            B, L, H, _ = q.shape
         if n > 1:
             # windows into the batch dim: [B, L, H, D] -> [B n, W, H, D]
             flat = index.reshape(-1)
@@ -74,4 +87,6 @@ class LocalAttention(nn.Module):
             # sum the windows' outputs per residual position, then divide by how many windows cover it
             out = torch.zeros(B, L, H * D, dtype=out.dtype, device=out.device).index_add(1, flat, out)
             out = out * inv_count.to(out.dtype)
+        if sp is not None:
+            out = sp.to_sequence_shards(out.view(B, L, H, D), layout, head_axis=2).flatten(2)
         return self.to_out(out)

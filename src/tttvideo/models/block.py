@@ -8,10 +8,14 @@
 
 With the TTT gates at 0 (or `use_ttt=False`) this is diffusers' `CogVideoXBlock` on a single window. The residual
 stream is one tensor in the order [all text | all video]; the modulation is applied to its two parts in place of
-diffusers' split/concat of two streams.
+diffusers' split/concat of two streams. With sequence parallelism the block gets this rank's shard of the stream,
+whose text part is the first `SequenceParallel.text_tokens` tokens (possibly none); attention and TTT exchange
+what they need themselves.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,9 @@ from tttvideo.models.attention import LocalAttention
 from tttvideo.models.checkpointing import maybe_checkpoint
 from tttvideo.models.presets import ModelSpec
 from tttvideo.ttt.layer import BidirectionalTTT
+
+if TYPE_CHECKING:  # the parallel package imports torch.distributed; the block needs it only when given a group
+    from tttvideo.parallel.sequence import SequenceParallel
 
 
 def modulate(h: torch.Tensor, text_tokens: int, text: tuple[torch.Tensor, torch.Tensor],
@@ -92,18 +99,21 @@ class Block(nn.Module):
         self.checkpoint_attention = False
         self.checkpoint_mlp = False
 
-    def _attention(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout):
-        h, gate, t_gate = self.norm1(x, temb_act, layout.total_text_tokens)
-        return self.attn(h, layout), gate, t_gate
+    def _attention(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, text_tokens: int,
+                   sp: SequenceParallel | None):
+        h, gate, t_gate = self.norm1(x, temb_act, text_tokens)
+        return self.attn(h, layout, sp), gate, t_gate
 
-    def _mlp(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
-        T = layout.total_text_tokens
-        h, gate, t_gate = self.norm2(x, temb_act, T)
-        return gated_add(x, self.mlp(h), T, t_gate, gate)
+    def _mlp(self, x: torch.Tensor, temb_act: torch.Tensor, text_tokens: int) -> torch.Tensor:
+        h, gate, t_gate = self.norm2(x, temb_act, text_tokens)
+        return gated_add(x, self.mlp(h), text_tokens, t_gate, gate)
 
-    def forward(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
-        a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout)
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout,
+                sp: SequenceParallel | None = None) -> torch.Tensor:
+        """x: the residual stream [B, L, dim], or with `sp` this rank's shard of it [B, L / sp, dim]."""
+        T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
+        a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout, T, sp)
         if self.ttt is not None:
-            a = self.ttt(a, layout)
-        x = gated_add(x, a, layout.total_text_tokens, t_gate, gate)
-        return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, layout)
+            a = self.ttt(a, layout, sp)
+        x = gated_add(x, a, T, t_gate, gate)
+        return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, T)

@@ -6,11 +6,15 @@ stream is [all text | all video] (`tttvideo.layout`). The output is the predicti
 
 Numerically this is diffusers' `CogVideoXTransformer3DModel` (1.0, rotary) when there is one segment and the TTT
 gates are 0; `tests/test_model_equivalence.py` checks it.
+
+Given a `SequenceParallel` group (`tttvideo.parallel`), every rank of the group is called with the same inputs;
+each embeds them, keeps its shard of the residual stream through the blocks and the output head, and the shards
+are gathered into the whole prediction, which every rank returns.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,10 @@ from tttvideo.layout import VideoLayout
 from tttvideo.models.block import Block
 from tttvideo.models.embeddings import PatchEmbed, TimestepEmbedding
 from tttvideo.models.presets import ModelSpec
+
+if TYPE_CHECKING:  # the parallel package imports torch.distributed; the model needs it only when given a group
+    from tttvideo.parallel.sequence import SequenceParallel
+
 
 class OutputNorm(nn.Module):
     """diffusers' AdaLayerNorm with chunk_dim=1 as CogVideoX uses it: Linear(SiLU(temb)) -> (shift, scale)."""
@@ -84,7 +92,10 @@ class CogVideoXTTT(nn.Module):
         text: torch.Tensor | Sequence[torch.Tensor],
         timestep: torch.Tensor | int | float,
         layout: VideoLayout | None = None,
+        sp: SequenceParallel | None = None,
     ) -> torch.Tensor:
+        """The prediction [B, T, C, H, W] for `latents`; `sp`: split the sequence over its ranks (each given the
+        same inputs)."""
         if latents.dim() != 5:
             raise LayoutError(f"latents must be [B, T, C, H, W], got shape {tuple(latents.shape)}")
         if not isinstance(text, torch.Tensor):
@@ -108,22 +119,29 @@ class CogVideoXTTT(nn.Module):
         x = torch.cat([self.embed.text(text.reshape(B, -1, text.shape[-1]).to(dtype)),
                        self.embed.video(latents.to(dtype))], dim=1)
         layout.check_sequence_length(x.shape[1])
+        if sp is not None:
+            x = sp.shard(x, layout)
 
         for start, stop, ckpt in self.block_units:
             if ckpt and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(self._run_blocks, x, temb_act, layout, start, stop,
+                x = torch.utils.checkpoint.checkpoint(self._run_blocks, x, temb_act, layout, start, stop, sp,
                                                       use_reentrant=False)
             else:
-                x = self._run_blocks(x, temb_act, layout, start, stop)
+                x = self._run_blocks(x, temb_act, layout, start, stop, sp)
 
-        x = self.norm_out(self.norm_final(x[:, layout.total_text_tokens:]), temb_act)
+        if sp is None:
+            x = x[:, layout.total_text_tokens:]
+        # with sp the head runs on the whole shard, text included, so that every shard has the same length to gather
+        x = self.norm_out(self.norm_final(x), temb_act)
         x = self.proj_out(x)
+        if sp is not None:
+            x = sp.unshard(x, layout)[:, layout.total_text_tokens:]
         return self.unpatchify(x, T, H, W)
 
     def _run_blocks(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, start: int,
-                    stop: int) -> torch.Tensor:
+                    stop: int, sp: SequenceParallel | None = None) -> torch.Tensor:
         for block in self.blocks[start:stop]:
-            x = block(x, temb_act, layout)
+            x = block(x, temb_act, layout, sp)
         return x
 
     def unpatchify(self, x: torch.Tensor, T: int, H: int, W: int) -> torch.Tensor:

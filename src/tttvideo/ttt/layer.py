@@ -8,11 +8,18 @@ inverse interleave.
 
 `BidirectionalTTT` runs it twice with shared parameters, as in the paper: Z = X + tanh(alpha) * TTT(X), then
 Z' = Z + tanh(beta) * reverse(TTT(reverse(Z))), with separate per-channel gates for text and video tokens.
+
+With sequence parallelism (`tttvideo.parallel.sequence`) the layer gets this rank's shard of the residual stream:
+the q/k/v projections and eta run on it, an all-to-all gives every rank the whole sequence for H / sp heads, which
+is permuted into scan order and scanned with those heads' inner weights exactly as without it, and the reverse
+all-to-all precedes the post-norm and the output projection. The reversal of the reverse pass is folded into the
+scan-order permutation, since a rank never holds the whole residual stream.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,24 +31,28 @@ from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 from tttvideo.ttt import ops
 
+if TYPE_CHECKING:  # the parallel package imports torch.distributed; the layer needs it only when given a group
+    from tttvideo.parallel.sequence import SequenceParallel
+
 # eps of the reconstruction-target LayerNorm: the original normalises by (unbiased std + eps).
 TARGET_LN_EPS = 1e-8
 
 
 @lru_cache(maxsize=16)
 def _layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: torch.device):
-    """Index maps and RoPE tables of a layout on a device, shared by every layer of the model.
+    """Index maps and RoPE tables of a layout on a device, shared by every layer of the model: the scan order and
+    its inverse of the forward and of the reverse pass, and the RoPE cos/sin.
 
     The RoPE tables are in scan (interleaved) order over all tokens, with the identity rotation (cos 1, sin 0) on
-    text tokens, so that one elementwise op rotates a whole scan-order sequence."""
+    text tokens, so that one elementwise op rotates a whole scan-order sequence. The reverse pass uses the same
+    tables: RoPE goes by position in the sequence scanned."""
     cos, sin = rope_cos_sin(layout.global_positions, head_dim, theta)
     text = layout.total_text_tokens
     cos = torch.cat([torch.ones(text, head_dim), cos])[layout.interleave_perm]
     sin = torch.cat([torch.zeros(text, head_dim), sin])[layout.interleave_perm]
     return (
-        layout.interleave_perm.to(device),
-        layout.deinterleave_perm.to(device),
-        layout.reverse_perm.to(device),
+        (layout.interleave_perm.to(device), layout.deinterleave_perm.to(device)),
+        (layout.reverse_interleave_perm.to(device), layout.reverse_deinterleave_perm.to(device)),
         cos[:, None, :].to(device),  # [L, 1, D]: broadcast over heads
         sin[:, None, :].to(device),
     )
@@ -157,34 +168,58 @@ class TTTLayer(nn.Module):
         gate = F.linear(x, self.learnable_ttt_lr_weight.to(x.dtype), self.learnable_ttt_lr_bias.to(x.dtype))
         return self.base_lr * torch.sigmoid(gate.float()) / (self.head_dim * mini_batch_size)
 
-    def forward(self, x: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: VideoLayout, reverse: bool = False,
+                sp: SequenceParallel | None = None) -> torch.Tensor:
+        """x [B, L, C] in residual order -> [B, L, C]; reverse: scan the reversed sequence (the output is in x's
+        order). With `sp`, x and the output are this rank's shard [B, L / sp, C]."""
         B, L, C = x.shape
-        layout.check_sequence_length(L)
-        H, D = self.num_heads, self.head_dim
-        interleave, deinterleave, _, cos, sin = _layout_tensors(layout, D, self.rope_theta, x.device)
-        pad = layout.ttt_padding
+        forward_order, reverse_order, cos, sin = _layout_tensors(layout, self.head_dim, self.rope_theta, x.device)
+        scan_order, residual_order = reverse_order if reverse else forward_order
 
-        # Everything runs in scan order: one gather of x replaces a gather of each of q, k, v and eta, and all
-        # per-token ops commute with the permutation.
-        xs = x[:, interleave]
+        if sp is None:
+            layout.check_sequence_length(L)
+            # Everything runs in scan order: one gather of x replaces a gather of each of q, k, v and eta, and all
+            # per-token ops commute with the permutation.
+            xs = x[:, scan_order]
+            out = self._scan(self._qkv(xs), self.eta(xs, layout.mini_batch_size), layout, cos, sin, None, x.dtype)
+            out = self.wo(self.post_norm(out.reshape(B, L, C).to(x.dtype)))
+            return out[:, residual_order]
+
+        # the projections and eta on this rank's tokens, the permutation on the whole sequence after the exchange
+        qkv = sp.to_head_shards(self._qkv(x), layout, head_axis=3)[:, scan_order]
+        eta = sp.to_head_shards(self.eta(x, layout.mini_batch_size), layout, head_axis=2)[:, scan_order]
+        out = self._scan(qkv, eta, layout, cos, sin, sp.heads(self.num_heads), x.dtype).to(x.dtype)[:, residual_order]
+        out = sp.to_sequence_shards(out, layout, head_axis=2).flatten(2)
+        return self.wo(self.post_norm(out))
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The three projections in one matmul: [B, L, C] -> [B, L, 3, H, D]."""
         w_qkv = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
         b_qkv = torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
-        qkv = F.linear(xs, w_qkv, b_qkv).view(B, L, 3, H, D)
-        q, k, v = _scan_inputs_fn(x, self.compile_glue)(
-            qkv, cos, sin, self.ttt_norm_weight, self.ttt_norm_bias, pad, x.dtype
-        )
-        eta = F.pad(self.eta(xs, layout.mini_batch_size).transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
+        return F.linear(x, w_qkv, b_qkv).unflatten(-1, (3, self.num_heads, self.head_dim))
 
+    def _scan(self, qkv: torch.Tensor, eta: torch.Tensor, layout: VideoLayout, cos: torch.Tensor, sin: torch.Tensor,
+              heads: slice | None, dtype: torch.dtype) -> torch.Tensor:
+        """The TTT scan of a whole scan-order sequence: qkv [B, L, 3, h, D], eta [B, L, h] -> [B, L, h, D], where
+        the h heads are `heads` of the layer's H (None: all of them); q/k/v enter the scan in `dtype` (the
+        residual stream's)."""
+        L = qkv.shape[1]
+        pad = layout.ttt_padding
+
+        def mine(p: torch.Tensor) -> torch.Tensor:
+            return p if heads is None else p[heads]
+
+        norm_w, norm_b = mine(self.ttt_norm_weight), mine(self.ttt_norm_bias)
+        q, k, v = _scan_inputs_fn(qkv, self.compile_glue)(qkv, cos, sin, norm_w, norm_b, pad, dtype)
+        eta = F.pad(eta.transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
         scan = ops.ttt_mlp if self.kind == "mlp" else ops.ttt_linear
         out = scan(
-            q, k, v, eta, self.ttt_norm_weight, self.ttt_norm_bias, *self.inner_params(),
+            q, k, v, eta, norm_w, norm_b, *(mine(p) for p in self.inner_params()),
             mini_batch_size=layout.mini_batch_size,
             checkpoint_group_size=self.scan_checkpoint_group_size,
             backend=self.backend,
         )
-        out = out[:, :, :L].transpose(1, 2).reshape(B, L, C).to(x.dtype)
-        out = self.wo(self.post_norm(out))
-        return out[:, deinterleave]
+        return out[:, :, :L].transpose(1, 2)
 
 
 class BidirectionalTTT(nn.Module):
@@ -209,10 +244,11 @@ class BidirectionalTTT(nn.Module):
         for gate in (self.forward_gate_text, self.forward_gate_video, self.reverse_gate_text, self.reverse_gate_video):
             gate.fill_(self.gate_init)
 
-    def _pass(self, x: torch.Tensor, layout: VideoLayout, remat: bool) -> torch.Tensor:
+    def _pass(self, x: torch.Tensor, layout: VideoLayout, reverse: bool, remat: bool,
+              sp: SequenceParallel | None) -> torch.Tensor:
         if remat and torch.is_grad_enabled():
-            return checkpoint(self.ttt, x, layout, use_reentrant=False)
-        return self.ttt(x, layout)
+            return checkpoint(self.ttt, x, layout, reverse, sp, use_reentrant=False)
+        return self.ttt(x, layout, reverse, sp)
 
     @staticmethod
     def _gated(y: torch.Tensor, text_gate: torch.Tensor, video_gate: torch.Tensor, text_tokens: int) -> torch.Tensor:
@@ -221,10 +257,10 @@ class BidirectionalTTT(nn.Module):
             dim=1,
         )
 
-    def forward(self, x: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
-        T = layout.total_text_tokens
-        z = x + self._gated(self._pass(x, layout, self.checkpoint_forward), self.forward_gate_text,
+    def forward(self, x: torch.Tensor, layout: VideoLayout, sp: SequenceParallel | None = None) -> torch.Tensor:
+        """x [B, L, C] in residual order (with `sp`: this rank's shard [B, L / sp, C]) -> the same shape."""
+        T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
+        z = x + self._gated(self._pass(x, layout, False, self.checkpoint_forward, sp), self.forward_gate_text,
                             self.forward_gate_video, T)
-        reverse = _layout_tensors(layout, self.ttt.head_dim, self.ttt.rope_theta, x.device)[2]
-        back = self._pass(z[:, reverse], layout, self.checkpoint_reverse)[:, reverse]
+        back = self._pass(z, layout, True, self.checkpoint_reverse, sp)
         return z + self._gated(back, self.reverse_gate_text, self.reverse_gate_video, T)
