@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tttvideo.data.cache import LatentCache
-from tttvideo.data.demo import (DemoTextEncoder, Scene, build_demo_cache, channel_mix, minilm_path,
-                                orthogonal_projection, random_video, render_scene)
+from tttvideo.data.demo import Scene, build_demo_cache, channel_mix, random_video, render_scene
 from tttvideo.layout import VideoLayout
+from tttvideo.text.demo import DemoTextEncoder, minilm_path, orthogonal_projection
 
 LAYOUT = VideoLayout.create(9, 64, 96, text_tokens=24, mini_batch_size=16)
 

@@ -12,11 +12,11 @@ import torch
 
 from tttvideo.cli import main
 from tttvideo.config.loader import dump_toml, load_config
+from tttvideo.data.video import read_frames
 from tttvideo.models import save_checkpoint
 from tttvideo.sample.offload import BlockOffloader
 from tttvideo.sample.pipeline import denoise, load_model, story_layout
 from tttvideo.sample.scenes import load_stories
-from tttvideo.sample.video import read_video
 
 TINY = [
     'model.preset="tiny"', 'model.dtype="fp32"', 'model.adapter="sft"',
@@ -59,7 +59,7 @@ def test_tiny_end_to_end_writes_a_readable_mp4(tmp_path, checkpoint):
     rc = run_cli("--checkpoint", checkpoint, "--scenes", story_file(tmp_path, [RED, BLUE]), "--out", out,
                  "--steps", 2, "--solver", "dpm++2m", "--cfg", 3)
     assert rc == 0
-    video = read_video(out)
+    video = read_frames(out)
     # 2 scenes = 6 s = 25 latent frames -> 1 + 4 * 24 = 97 frames at 16 fps, at the layout's resolution
     assert video.shape == (97, 32, 48, 3)
     assert video.std() > 0  # not a blank video
@@ -75,7 +75,7 @@ def test_several_stories_one_call_same_seed_same_video(tmp_path, checkpoint):
     rc = run_cli("--checkpoint", checkpoint.parent.parent, "--scenes", story_file(tmp_path, [[RED], [RED]]),
                  "--out", out, "--steps", 1, "--seed", 5)
     assert rc == 0
-    a, b = read_video(out / "story-000.mp4"), read_video(out / "story-001.mp4")
+    a, b = read_frames(out / "story-000.mp4"), read_frames(out / "story-001.mp4")
     assert a.shape == (49, 32, 48, 3)
     assert (a == b).all()
 
@@ -191,7 +191,7 @@ def test_t5_and_vae_folders(tmp_path, checkpoint):
     rc = run_cli("--checkpoint", checkpoint / "model.safetensors", "--scenes", story_file(tmp_path, [RED]),
                  "--out", out, "--steps", 1, "--text-encoder", t5, "--vae", tmp_path / "vae")
     assert rc == 0
-    assert read_video(out).shape == (49, 32, 48, 3)
+    assert read_frames(out).shape == (49, 32, 48, 3)
 
 
 def test_t5_too_many_tokens_and_wrong_width(tmp_path, checkpoint, capsys):

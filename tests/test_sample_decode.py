@@ -13,7 +13,8 @@ import torch
 
 from tttvideo.errors import UserError
 from tttvideo.sample.decode import CogVideoXDecoder, IdentityDecoder, decoded_frame_count, make_decoder
-from tttvideo.sample.video import Mp4Writer, read_video, scenes_path, to_uint8_frames
+from tttvideo.data.video import read_frames, scenes_path
+from tttvideo.sample.video import Mp4Writer, to_uint8_frames
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -90,7 +91,7 @@ def test_mp4_roundtrip_and_odd_sizes(tmp_path):
     with Mp4Writer(path, fps=16) as w:
         w.append(frames)
         w.append(to_uint8_frames(torch.rand(2, 3, 31, 48, generator=gen) * 2 - 1))
-    back = read_video(path)
+    back = read_frames(path)
     assert back.shape == (5, 32, 48, 3)  # padded to an even height, never rescaled
     # lossy codec: the smooth ramp survives to within a few levels
     assert np.abs(back[:3, :31].astype(int) - frames.astype(int)).mean() < 4

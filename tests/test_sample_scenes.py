@@ -8,7 +8,8 @@ import pytest
 
 from tttvideo.errors import UserError
 from tttvideo.sample.pipeline import output_paths
-from tttvideo.sample.scenes import SCENE_END_TOKEN, SCENE_START_TOKEN, check_duration, load_stories
+from tttvideo.sample.scenes import check_duration, load_stories
+from tttvideo.text.prompts import SCENE_END_TOKEN, SCENE_START_TOKEN
 
 A = {"text": "a red circle moves right", "neg_text": "blurry"}
 B = {"text": "a blue square moves up", "requires_scene_transition": True}

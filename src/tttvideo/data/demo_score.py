@@ -34,7 +34,6 @@ and every later one k = (n - 1) // S (13 + 12 latent frames, or 49 + 48 decoded 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,15 +42,14 @@ from typing import Sequence
 import numpy as np
 
 from tttvideo.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES
+from tttvideo.data.video import read_frames, story_captions
+from tttvideo.text.demo import CAPTION_PATTERN
 
 REGION_DISTANCE = 0.25
 FILL_THRESHOLD = 0.94
 CHANCE = {"colour": 1 / len(COLOURS), "background": 1 / len(BACKGROUNDS), "direction": 1 / len(DIRECTIONS),
           "shape": 1 / len(SHAPES)}
 CHANCE_OVERALL = sum(CHANCE.values()) / len(CHANCE)  # 0.2917
-
-_CAPTION = re.compile(r"a (\w+) (\w+) moves (\w+) on a (\w+) background")
-
 
 @dataclass(frozen=True)
 class CaptionParts:
@@ -63,11 +61,11 @@ class CaptionParts:
 
 def parse_caption(text: str) -> CaptionParts:
     """The four attributes of a demo caption (scene tokens such as `<start_scene>` are ignored)."""
-    m = _CAPTION.search(re.sub(r"<\w+>", " ", text))
-    if m is None or m.group(1) not in COLOURS or m.group(2) not in SHAPES or m.group(3) not in DIRECTIONS \
-            or m.group(4) not in BACKGROUNDS:
+    m = CAPTION_PATTERN.search(re.sub(r"<\w+>", " ", text))
+    if m is None or m["colour"] not in COLOURS or m["shape"] not in SHAPES or m["direction"] not in DIRECTIONS \
+            or m["background"] not in BACKGROUNDS:
         raise ValueError(f"not a demo caption: {text!r}")
-    return CaptionParts(*m.groups())
+    return CaptionParts(**m.groupdict())
 
 
 def segment_bounds(frames: int, segments: int) -> list[tuple[int, int]]:
@@ -77,6 +75,20 @@ def segment_bounds(frames: int, segments: int) -> list[tuple[int, int]]:
     k = (frames - 1) // segments if segments > 1 else frames
     first = frames - (segments - 1) * k
     return [(0, first)] + [(first + i * k, first + (i + 1) * k) for i in range(segments - 1)]
+
+
+def scene_spans(frames: int, captions: Sequence[str]) -> list[tuple[str, int, int]]:
+    """(caption, start, stop) of each scene: consecutive segments with the same caption are one scene (a scene that
+    continues moves on continuously)."""
+    bounds = segment_bounds(frames, len(captions))
+    out, i = [], 0
+    while i < len(captions):
+        j = i
+        while j + 1 < len(captions) and captions[j + 1] == captions[i]:
+            j += 1
+        out.append((captions[i], bounds[i][0], bounds[j][1]))
+        i = j + 1
+    return out
 
 
 @dataclass
@@ -185,22 +197,14 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
 
 
 def score_frames(frames: np.ndarray, captions: Sequence[str], pool: int = 1) -> DemoScore:
-    """Score a video ([n, H, W, 3] uint8, or float in [-1, 1]) against its per-segment captions.
-
-    Consecutive segments with the same caption are one scene (a scene that continues moves on continuously)."""
+    """Score a video ([n, H, W, 3] uint8, or float in [-1, 1]) against its per-segment captions, scene by scene
+    (`scene_spans`)."""
     x = _to_unit_rgb(frames, pool)
-    bounds = segment_bounds(len(x), len(captions))
     out = DemoScore()
-    i = 0
-    while i < len(captions):
-        j = i
-        while j + 1 < len(captions) and captions[j + 1] == captions[i]:
-            j += 1
-        start, stop = bounds[i][0], bounds[j][1]
-        scene = score_scene(x[start:stop], captions[i])
+    for caption, start, stop in scene_spans(len(x), captions):
+        scene = score_scene(x[start:stop], caption)
         scene.frames = (start, stop)
         out.scenes.append(scene)
-        i = j + 1
     return out
 
 
@@ -214,9 +218,6 @@ def latent_frames(latents) -> np.ndarray:
 def score_video_file(video: str | Path, captions: Sequence[str] | None = None, pool: int = 8) -> DemoScore:
     """Score an mp4 written by `tttv sample` / the demo's end-of-run video. Captions default to the story written
     beside it (`<name>.scenes.json`); `pool` is the layout's spatial VAE factor (8)."""
-    from tttvideo.sample.video import read_video, scenes_path
-
     if captions is None:
-        story = json.loads(scenes_path(video).read_text(encoding="utf-8"))
-        captions = [s["text"] for s in story["scenes"]]
-    return score_frames(read_video(video), list(captions), pool=pool)
+        captions = story_captions(video)
+    return score_frames(read_frames(video), list(captions), pool=pool)

@@ -7,10 +7,10 @@ Phases, each resumable because every output file is written atomically and check
    the report and are skipped, never silently used.
 2. VAE: CogVideoX's AutoencoderKLCogVideoX (a local diffusers folder) encodes the clips in batches; the posterior
    mean and logvar are stored. The VAE is then deleted before the text encoder is loaded, so the two never share
-   the GPU (SPEC section 6).
-3. T5: T5EncoderModel + tokenizer (a local transformers folder) encode one prompt per segment, with the scene
-   tokens, padded to the layout's text length exactly as CogVideoX's pipeline does (padding="max_length", no
-   attention mask into the encoder).
+   the GPU.
+3. T5 (`tttvideo.text.t5`, a local transformers folder) encodes one prompt per segment, with the scene tokens,
+   padded to the layout's text length exactly as CogVideoX's pipeline does (padding="max_length", no attention
+   mask into the encoder).
 4. manifest.jsonl and report.json are written (atomically) from what is on disk.
 
 A latent file is reused when its metadata names the same source file (size, mtime) and VAE folder; a text file
@@ -33,11 +33,12 @@ from safetensors import safe_open
 from tttvideo.data.cache import CacheEntry, atomic_write_text, save_latent, save_text, write_manifest
 from tttvideo.data.captions import ClipCaptions, read_captions
 from tttvideo.data.video import VideoInfo, VideoReadError, layout_problems, probe, read_frames
+from tttvideo.device import resolve_device
+from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
-from tttvideo.device import resolve_device
+from tttvideo.text.t5 import load_text_encoder, pipeline_component, t5_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
 
 
@@ -109,11 +110,6 @@ def clip_id(rel: str) -> str:
 
 
 
-def _subfolder(path: Path, name: str) -> Path:
-    """A pipeline root (holding vae/, text_encoder/, tokenizer/) or the component folder itself."""
-    return path / name if (path / name / "config.json").is_file() or (path / name).is_dir() else path
-
-
 def _metadata(path: Path) -> dict[str, str] | None:
     if not path.is_file():
         return None
@@ -177,7 +173,7 @@ def check_clips(opts: PrecomputeOptions, report: Report) -> list[Clip]:
 def load_vae(path: Path, device: torch.device, dtype: torch.dtype, tiling: bool):
     from diffusers import AutoencoderKLCogVideoX
 
-    folder = _subfolder(path, "vae")
+    folder = pipeline_component(path, "vae")
     if not (folder / "config.json").is_file():
         raise UserError(f"no VAE in {path}: expected a diffusers AutoencoderKLCogVideoX folder (config.json + weights) "
                         f"or a pipeline folder with vae/")
@@ -208,7 +204,7 @@ def encode_latents(opts: PrecomputeOptions, clips: list[Clip], report: Report,
         return ready
     vae, folder = load_vae(opts.vae_path, device, vae_dtype, opts.vae_tiling)
     scaling = float(vae.config.scaling_factor)
-    store = DTYPES[opts.cache_dtype]
+    store = torch_dtype(opts.cache_dtype)
     for start in range(0, len(todo), opts.batch_size):
         batch, videos = [], []
         for clip in todo[start : start + opts.batch_size]:
@@ -238,19 +234,6 @@ def encode_latents(opts: PrecomputeOptions, clips: list[Clip], report: Report,
 
 
 # ---------------------------------------------------------------------------------------------------- phase 3
-def load_text_encoder(path: Path, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoTokenizer, T5EncoderModel
-
-    enc_folder = _subfolder(path, "text_encoder")
-    tok_folder = _subfolder(path, "tokenizer")
-    if not (enc_folder / "config.json").is_file():
-        raise UserError(f"no T5 encoder in {path}: expected a transformers T5EncoderModel folder (config.json + "
-                        f"weights) or a pipeline folder with text_encoder/ and tokenizer/")
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_folder), local_files_only=True)
-    model = T5EncoderModel.from_pretrained(str(enc_folder), dtype=dtype, local_files_only=True)
-    return tokenizer, model.to(device).eval()
-
-
 @torch.no_grad()
 def encode_texts(opts: PrecomputeOptions, clips: list[Clip], report: Report,
                  progress: Callable[[int], None] | None = None) -> None:
@@ -269,10 +252,8 @@ def encode_texts(opts: PrecomputeOptions, clips: list[Clip], report: Report,
                 todo.append((clip, seg, prompt))
     if not todo:
         return
-    # T5 runs in bf16 on the GPU as CogVideoX's pipeline does; fp32 on CPU where bf16 matmuls are slow
-    tokenizer, model = load_text_encoder(opts.text_encoder_path, device,
-                                         torch.float32 if device.type == "cpu" else torch.bfloat16)
-    store = DTYPES[opts.cache_dtype]
+    tokenizer, model = load_text_encoder(opts.text_encoder_path, device, t5_dtype(device))
+    store = torch_dtype(opts.cache_dtype)
     for start in range(0, len(todo), opts.text_batch_size):
         batch = todo[start : start + opts.text_batch_size]
         prompts = [p for _, _, p in batch]

@@ -1,11 +1,13 @@
-"""Reading mp4 clips for precompute (imageio-ffmpeg): probe the stream, check it against the layout, decode frames.
+"""Reading videos (imageio-ffmpeg): probe the stream, check it against the layout, decode frames; and the story
+that `tttv sample` writes beside each video it makes (`scenes_path`, `story_captions`).
 
-Nothing is resized or resampled: a clip of the wrong resolution, frame rate or length is reported and skipped, so
-that what trains is exactly what the user gave.
+Precompute resizes and resamples nothing: a clip of the wrong resolution, frame rate or length is reported and
+skipped, so that what trains is exactly what the user gave.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +79,18 @@ def read_frames(path: str | Path, expected: VideoInfo | None = None) -> np.ndarr
         raise VideoReadError(f"decoded {video.shape[0]} frames of {video.shape[1]}x{video.shape[2]}, the probe said "
                              f"{expected.frames} of {expected.height}x{expected.width}")
     return video
+
+
+def scenes_path(video_path: str | Path) -> Path:
+    """out.mp4 -> out.scenes.json"""
+    video_path = Path(video_path)
+    return video_path.with_name(video_path.stem + ".scenes.json")
+
+
+def story_captions(video_path: str | Path) -> list[str]:
+    """The scene texts of the story written beside a sampled video, one per segment."""
+    story = json.loads(scenes_path(video_path).read_text(encoding="utf-8"))
+    return [s["text"] for s in story["scenes"]]
 
 
 def _first_line(err: BaseException) -> str:

@@ -29,9 +29,9 @@ import torch
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
-from tttvideo.sample.scenes import Story, check_duration
+from tttvideo.sample.scenes import Story, check_duration, check_token_counts, encode_story
 from tttvideo.sample.solvers import GuidanceSchedule, guide, make_solver
-from tttvideo.sample.text import check_token_counts, encode_story, make_text_encoder
+from tttvideo.text.encoders import make_text_encoder
 from tttvideo.sample.video import Mp4Writer, to_uint8_frames, write_scenes
 from tttvideo.device import resolve_device
 

@@ -1,4 +1,4 @@
-"""Stories: the scene lists `tttv sample` turns into videos (SPEC section 5).
+"""Stories: the scene lists `tttv sample` turns into videos, and their prompts' text features.
 
 A story is a list of scenes, one per 3-second segment; a scene is ``{"text": ..., "requires_scene_transition":
 false, "neg_text": ...}`` (only ``text`` is required). Accepted inputs:
@@ -10,8 +10,11 @@ false, "neg_text": ...}`` (only ``text`` is required). Accepted inputs:
 - a folder: every ``*.json`` / ``*.jsonl`` file in it, in name order.
 
 Scene transitions follow the original convention: when scene i (i > 0) requires a transition, the previous
-scene's prompt gets ``<end_scene>`` appended and scene i's prompt gets ``<start_scene>`` prepended. The first scene
-has no previous one, so its flag is ignored.
+scene's prompt gets ``<end_scene>`` appended and scene i's prompt gets ``<start_scene>`` prepended
+(`tttvideo.text.prompts`). The first scene has no previous one, so its flag is ignored.
+
+A prompt longer than the layout's text length is an error (`check_token_counts`; the training cache truncates
+with a warning, but a user writing a story should know that the end of a scene is being dropped).
 
 Every mistake raises a `UserError` whose one sentence names the file, the story and the scene.
 """
@@ -21,13 +24,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tttvideo.errors import UserError
 from tttvideo.layout import SEGMENT_SECONDS, parse_duration
+from tttvideo.text.prompts import scene_prompt, transition_flags
 
-SCENE_START_TOKEN = "<start_scene>"
-SCENE_END_TOKEN = "<end_scene>"
+if TYPE_CHECKING:  # reading stories needs no torch
+    import torch
+
+    from tttvideo.text.encoders import TextEncoder
+
 SCENE_KEYS = ("text", "requires_scene_transition", "neg_text")
 STORY_SUFFIXES = (".json", ".jsonl")
 
@@ -57,12 +64,8 @@ class Story:
 
     def prompts(self) -> list[str]:
         """One prompt per segment with the scene-transition tokens inserted."""
-        texts = [s.text for s in self.scenes]
-        for i in range(1, len(self.scenes)):
-            if self.scenes[i].requires_scene_transition:
-                texts[i - 1] = texts[i - 1] + SCENE_END_TOKEN
-                texts[i] = SCENE_START_TOKEN + texts[i]
-        return texts
+        starts, ends = transition_flags([s.requires_scene_transition for s in self.scenes])
+        return [scene_prompt(s.text, a, b) for s, a, b in zip(self.scenes, starts, ends)]
 
     def negative_prompts(self) -> list[str]:
         """One negative prompt per segment; a scene without one gets the empty prompt, as in the original."""
@@ -88,6 +91,27 @@ def check_duration(story: Story, duration: str | int | None) -> int:
             f"give {seconds // SEGMENT_SECONDS} scenes or leave the duration out"
         )
     return seconds
+
+
+def check_token_counts(encoder: TextEncoder, story: Story, text_tokens: int, duration_s: int) -> None:
+    """One sentence naming the first scene whose prompt (scene tokens included) does not fit the text length."""
+    prompts, negatives = story.prompts(), story.negative_prompts()
+    for kind, texts in (("text", prompts), ("neg_text", negatives)):
+        for i, n in enumerate(encoder.token_counts(texts)):
+            if n > text_tokens:
+                raise UserError(
+                    f"{story.source}: scene {i} of story {story.name!r} has {n} tokens in its {kind} (scene tokens "
+                    f"included) but the {duration_s} s layout takes {text_tokens} per scene; shorten it or raise "
+                    f"layout.text_tokens"
+                )
+
+
+def encode_story(encoder: TextEncoder, story: Story) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conditional, unconditional) features, each [segments, text_tokens, text_dim] float32 on the CPU."""
+    prompts, negatives = story.prompts(), story.negative_prompts()
+    feats = encoder.encode(prompts + negatives)
+    n = len(prompts)
+    return feats[:n], feats[n:]
 
 
 def load_stories(path: str | Path) -> list[Story]:

@@ -1,4 +1,5 @@
-"""Writing videos: frames streamed into an H.264 mp4 (imageio-ffmpeg), the story saved beside it.
+"""Writing videos: frames streamed into an H.264 mp4 (imageio-ffmpeg), the story saved beside it
+(`tttvideo.data.video.scenes_path`; reading either back is `tttvideo.data.video`'s).
 
 Frames arrive in chunks from the decoder ([n, H, W, 3] uint8) and go straight to ffmpeg's stdin, so a one-minute
 video (1009 frames at 480x720, about 1 GB of raw RGB) never has to sit in memory at once.
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tttvideo.data.video import scenes_path
 from tttvideo.errors import UserError
 
 
@@ -21,12 +23,6 @@ def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
     """[n, 3, H, W] in [-1, 1] (the VAE's range) -> [n, H, W, 3] uint8, rounding to the nearest level."""
     frames = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return frames.permute(0, 2, 3, 1).contiguous().cpu().numpy()
-
-
-def scenes_path(video_path: str | Path) -> Path:
-    """out.mp4 -> out.scenes.json"""
-    video_path = Path(video_path)
-    return video_path.with_name(video_path.stem + ".scenes.json")
 
 
 def check_mp4_writer(what: str = "writing the mp4") -> None:
@@ -100,14 +96,3 @@ def write_scenes(video_path: str | Path, payload: dict[str, Any]) -> Path:
     path = scenes_path(video_path)
     path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
-
-
-def read_video(path: str | Path) -> np.ndarray:
-    """All frames of a video as [n, H, W, 3] uint8 (tests and quick checks; holds the whole video in memory)."""
-    import imageio_ffmpeg
-
-    gen = imageio_ffmpeg.read_frames(str(path))
-    meta = gen.__next__()
-    w, h = meta["size"]
-    frames = [np.frombuffer(buf, dtype=np.uint8).reshape(h, w, 3) for buf in gen]
-    return np.stack(frames) if frames else np.zeros((0, h, w, 3), np.uint8)

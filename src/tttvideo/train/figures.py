@@ -1,7 +1,7 @@
 """Pictures of a training run: a frame strip of its video and its loss curve, as PNG files.
 
 `frame_strip(video, captions, out_png)`: one row per scene (consecutive segments with the same caption are one
-scene, split as in `tttvideo.data.demo_score.segment_bounds`), `frames_per_scene` frames evenly spaced inside it,
+scene, `tttvideo.data.demo_score.scene_spans`), `frames_per_scene` frames evenly spaced inside it,
 the scene's caption above its row. `video` is an mp4 path (its captions default to the story written beside it,
 `<name>.scenes.json`) or frames [n, H, W, 3] (uint8, or float in [-1, 1]).
 
@@ -30,12 +30,11 @@ LOSS_SIZE = (int(LOSS_FIGSIZE[0] * DPI), int(LOSS_FIGSIZE[1] * DPI))  # (width, 
 
 def _frames_and_captions(video, captions: Sequence[str] | None) -> tuple[np.ndarray, list[str]]:
     if isinstance(video, (str, Path)):
-        from tttvideo.sample.video import read_video, scenes_path
+        from tttvideo.data.video import read_frames, story_captions
 
         if captions is None:
-            story = json.loads(scenes_path(video).read_text(encoding="utf-8"))
-            captions = [s["text"] for s in story["scenes"]]
-        frames = read_video(video)
+            captions = story_captions(video)
+        frames = read_frames(video)
     else:
         if captions is None:
             raise ValueError("frames given without captions")
@@ -45,20 +44,6 @@ def _frames_and_captions(video, captions: Sequence[str] | None) -> tuple[np.ndar
     if frames.dtype != np.uint8:
         frames = ((np.clip(frames.astype(np.float32), -1, 1) + 1) * 127.5).round().astype(np.uint8)
     return frames, list(captions)
-
-
-def _scenes(frames: int, captions: list[str]) -> list[tuple[str, int, int]]:
-    from tttvideo.data.demo_score import segment_bounds
-
-    bounds = segment_bounds(frames, len(captions))
-    out, i = [], 0
-    while i < len(captions):
-        j = i
-        while j + 1 < len(captions) and captions[j + 1] == captions[i]:
-            j += 1
-        out.append((captions[i], bounds[i][0], bounds[j][1]))
-        i = j + 1
-    return out
 
 
 def strip_size(frame_hw: tuple[int, int], rows: int, frames_per_scene: int = 4) -> tuple[int, int]:
@@ -78,8 +63,10 @@ def frame_strip(video, captions: Sequence[str] | None, out_png: str | Path, fram
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from tttvideo.data.demo_score import scene_spans
+
     frames, captions = _frames_and_captions(video, captions)
-    scenes = _scenes(len(frames), captions)
+    scenes = scene_spans(len(frames), captions)
     h, w = frames.shape[1:3]
     fig_w, fig_h = _strip_figsize((h, w), len(scenes), frames_per_scene)
     fig = Figure(figsize=(fig_w, fig_h), dpi=DPI)

@@ -1,0 +1,52 @@
+"""The text encoder a sampler uses: the T5 the config names, else the demo encoder, with the conventions of the
+training cache they stand for (`tttvideo.text.t5`, `tttvideo.text.demo`).
+
+Every encoder returns CPU float32 features, and `release()` frees it, so the denoising loop never shares the GPU
+with T5.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tttvideo.config.schema import Config
+from tttvideo.errors import UserError
+from tttvideo.text.demo import DemoSceneEncoder
+from tttvideo.text.t5 import T5SceneEncoder
+
+
+class TextEncoder(Protocol):
+    text_tokens: int
+    text_dim: int
+
+    def describe(self) -> str: ...
+
+    def token_counts(self, prompts: list[str]) -> list[int]:
+        """Tokens of each prompt before padding or truncation."""
+        ...
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """[n, text_tokens, text_dim] float32 on the CPU."""
+        ...
+
+    def release(self) -> None: ...
+
+
+def make_text_encoder(cfg: Config, text_tokens: int, text_dim: int, device: torch.device) -> TextEncoder:
+    """The T5 named by sample.text_encoder_path / data.text_encoder_path, else the demo encoder."""
+    # transformers' per-load progress bars would interleave with ours and turn one-sentence errors into many lines
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = cfg.sample.text_encoder_path or cfg.data.text_encoder_path
+    if not path:
+        return DemoSceneEncoder(text_tokens, text_dim, kind=cfg.data.demo_text_encoder, seed=cfg.train.seed)
+    enc_device = torch.device("cpu") if cfg.sample.text_encoder_device == "cpu" else device
+    enc = T5SceneEncoder(path, text_tokens, enc_device)
+    if enc.text_dim != text_dim:
+        enc.release()
+        raise UserError(f"the T5 in {path} gives {enc.text_dim}-d features but the model takes {text_dim}-d; "
+                        f"use the text encoder the model was trained with")
+    return enc
