@@ -1,8 +1,9 @@
 """What trains: `sft` (everything), `qkvo` (attention q/k/v/o and their norms, all TTT parameters
 and gates; the rest frozen) and `lora` (peft LoRA on attention q/k/v/o, TTT parameters and gates fully trained).
 
-Every parameter falls in one group (`parameter_group`): backbone, attention, ttt, gates, lora; the training loop uses
-the same groups for its two learning rates (`lr` for pretrained weights, `lr_ssm` for TTT and gates).
+Every parameter falls in one group (`parameter_group`): backbone, attention, ttt, gates, lora. The TTT layers and
+their gates (`is_ttt_parameter`) are what this model adds to CogVideoX: the weight loader initialises them instead of
+reading them, and the optimizer trains them with `lr_ssm` instead of `lr`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from tttvideo.errors import ConfigError
 
 ADAPTERS = ("sft", "qkvo", "lora")
 GROUPS = ("backbone", "attention", "ttt", "gates", "lora")
+TTT_GROUPS = ("ttt", "gates")
 # attention linear layers LoRA wraps; a regex so that nothing outside the blocks' attention matches
 LORA_TARGETS = r".*blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out)"
 
 
 def parameter_group(name: str) -> str:
+    """The group of a parameter, from its name in `model.named_parameters()`."""
     n = f".{name}"
     if "lora_" in n:
         return "lora"
@@ -28,6 +31,11 @@ def parameter_group(name: str) -> str:
     if ".attn." in n:
         return "attention"
     return "backbone"
+
+
+def is_ttt_parameter(name: str) -> bool:
+    """A parameter of a TTT layer or its gates: absent from CogVideoX checkpoints, trained with lr_ssm."""
+    return parameter_group(name) in TTT_GROUPS
 
 
 def trains_in(adapter: str, group: str) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 from tttvideo.config.schema import TTTConfig
 from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import UserError
+from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.presets import ModelSpec, describe_config
 from tttvideo.models.transformer import CogVideoXTTT
 
@@ -60,11 +61,6 @@ def diffusers_name_map(num_layers: int) -> dict[str, str]:
     for i in range(num_layers):
         pairs.update({f"transformer_blocks.{i}.{d}": f"blocks.{i}.{o}" for d, o in block.items()})
     return {f"{d}.{suffix}": f"{o}.{suffix}" for d, o in pairs.items() for suffix in ("weight", "bias")}
-
-
-def is_ttt_parameter(name: str) -> bool:
-    """TTT layer parameters and gates: absent from CogVideoX checkpoints, initialised by us."""
-    return ".ttt." in f".{name}"
 
 
 # ---------------------------------------------------------------------------------------------------- folders
