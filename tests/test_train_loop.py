@@ -154,9 +154,9 @@ def test_checkpoints_resume_guard_and_init_from(tmp_path):
 
 def _poison(monkeypatch, bad_steps):
     """Make the loss NaN on the given (1-based) optimizer steps."""
-    import tttvideo.train.trainer as trainer_mod
+    import tttvideo.train.step as step_mod
 
-    real = trainer_mod.diffusion_loss
+    real = step_mod.diffusion_loss
     calls = {"n": 0}
 
     def loss(*args, **kwargs):
@@ -164,7 +164,7 @@ def _poison(monkeypatch, bad_steps):
         value, info = real(*args, **kwargs)
         return (value * float("nan") if calls["n"] in bad_steps else value), info
 
-    monkeypatch.setattr(trainer_mod, "diffusion_loss", loss)
+    monkeypatch.setattr(step_mod, "diffusion_loss", loss)
 
 
 def test_nan_stops_naming_step_and_checkpoint(tmp_path, monkeypatch):

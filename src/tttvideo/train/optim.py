@@ -1,7 +1,9 @@
-"""AdamW with the original's parameter groups and learning-rate schedule (SPEC section 4).
+"""AdamW with the original's parameter groups and learning-rate schedule.
 
-Groups: `lr` for pretrained weights (backbone, attention, LoRA), `lr_ssm` for everything new in the TTT layers (TTT
-projections, inner model, eta gate, norms) and the tanh gates; each split again into weight-decayed and not.
+Groups: `lr` for pretrained weights (backbone, attention, LoRA; groups named "pretrained"), `lr_ssm` for everything
+new in the TTT layers (TTT projections, inner model, eta gate, norms) and the tanh gates (groups named "ssm", the
+original's name, which checkpoints' optimizer states carry); `tttvideo.models.adapters.is_ttt_parameter` decides
+which is which. Each is split again into weight-decayed and not ("_no_decay").
 Biases (`*.bias`, the inner model's `b1`/`b2`, `*_bias`) and normalisation weights (LayerNorm / GroupNorm modules,
 the TTT layer's `ttt_norm_*`) take no weight decay. Only parameters with requires_grad enter the optimizer, so the
 adapter (`model.adapter`) decides what trains.
@@ -21,9 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tttvideo.models.adapters import parameter_group
+from tttvideo.config.schema import TrainConfig
+from tttvideo.models.adapters import is_ttt_parameter
 
-NEW_GROUPS = ("ttt", "gates")  # trained with lr_ssm
+PRETRAINED, SSM = "pretrained", "ssm"  # optimizer group names, without the "_no_decay" suffix
 _NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
 _BIAS = re.compile(r"(^bias$|_bias$|^b\d+$)")
 _NORM_PARAM = re.compile(r"(^|_)norm(_|$)")
@@ -43,12 +46,12 @@ def param_groups(model: nn.Module, lr: float, lr_ssm: float, weight_decay: float
             if not p.requires_grad:
                 continue
             name = f"{module_name}.{leaf}" if module_name else leaf
-            kind = "ssm" if parameter_group(name) in NEW_GROUPS else "pretrained"
+            kind = SSM if is_ttt_parameter(name) else PRETRAINED
             decay = decays(module, leaf)
             group = groups.setdefault((kind, decay), {
                 "name": f"{kind}{'' if decay else '_no_decay'}",
                 "params": [], "param_names": [],
-                "lr": lr_ssm if kind == "ssm" else lr,
+                "lr": lr_ssm if kind == SSM else lr,
                 "weight_decay": weight_decay if decay else 0.0,
             })
             group["params"].append(p)
@@ -57,7 +60,17 @@ def param_groups(model: nn.Module, lr: float, lr_ssm: float, weight_decay: float
     return [groups[k] for k in sorted(groups)]
 
 
-def build_optimizer(model: nn.Module, train: Any) -> torch.optim.AdamW:
+def is_ssm_group(group: dict[str, Any]) -> bool:
+    """Whether an optimizer group holds TTT parameters and gates (trained with lr_ssm)."""
+    return group.get("name", "").startswith(SSM)
+
+
+def group_lr(optimizer: torch.optim.Optimizer, ssm: bool) -> float:
+    """The current learning rate of the first TTT (ssm=True) or pretrained group; 0.0 when there is none."""
+    return next((g["lr"] for g in optimizer.param_groups if is_ssm_group(g) == ssm), 0.0)
+
+
+def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
     groups = param_groups(model, train.lr, train.lr_ssm, train.weight_decay)
     if not groups:
         raise ValueError("no parameter requires grad: the adapter froze the whole model")
@@ -78,11 +91,11 @@ def lr_multiplier(step: int, total: int, warmup: int, decay: str, end_ratio: flo
     return end_ratio + (1.0 - end_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train: Any) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """One multiplier function per parameter group: `decay` for pretrained groups, `decay_ssm` for TTT groups."""
     fns = []
     for group in optimizer.param_groups:
-        ssm = group["name"].startswith("ssm")
+        ssm = is_ssm_group(group)
         peak = train.lr_ssm if ssm else train.lr
         end_ratio = train.lr_end / peak if peak > 0 else 1.0
         fns.append(functools.partial(lr_multiplier, total=train.steps, warmup=train.warmup_steps,

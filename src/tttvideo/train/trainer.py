@@ -1,8 +1,9 @@
-"""`tttv train`: the training loop of one stage (SPEC section 4).
+"""`tttv train`: the training loop of one stage.
 
-One optimizer step = `grad_accum` micro-batches of `batch_size` samples on each GPU; the loss of each micro-batch is
-divided by `grad_accum` so the accumulated gradient is the mean over the effective batch. Then: a non-finite check
-(stop, naming the last good checkpoint, or skip with a counter), gradient clipping, AdamW, the LR schedule.
+One optimizer step (`tttvideo.train.step.TrainStep`) = `grad_accum` micro-batches of `batch_size` samples on each
+GPU; the loss of each micro-batch is divided by `grad_accum` so the accumulated gradient is the mean over the
+effective batch. Then: a non-finite check, gradient clipping, AdamW, the LR schedule. A non-finite loss stops the
+run naming the last good checkpoint, or skips the step with a counter (`train.on_nonfinite`).
 
 Exact resume: model, optimizer, scheduler, scaler, every RNG and the step are restored from the newest checkpoint,
 and the data order is a pure function of (seed, data position) (`tttvideo.data.loader`), so a resumed run computes
@@ -23,7 +24,6 @@ import math
 import os
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,15 +32,17 @@ import numpy as np
 import torch
 
 from tttvideo.config.loader import config_to_dict, dump_toml, layout_from_config
-from tttvideo.data.loader import make_loader, to_device
+from tttvideo.config.schema import Config, TrainConfig
+from tttvideo.data.loader import make_loader
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped
-from tttvideo.train.loss import NoiseSource, diffusion_loss
+from tttvideo.train.loss import NoiseSource
 from tttvideo.train.monitor import TrainMonitor, memory_gib
-from tttvideo.train.optim import build_optimizer, build_scheduler
+from tttvideo.train.optim import build_optimizer, build_scheduler, group_lr
+from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
 from tttvideo.device import resolve_device
 
 
@@ -63,7 +65,7 @@ class TrainResult:
 
 
 
-def batch_plan(train: Any, world_size: int) -> tuple[int, int]:
+def batch_plan(train: TrainConfig, world_size: int) -> tuple[int, int]:
     """(grad_accum, global_batch) from batch_size, grad_accum and global_batch, checking that they agree."""
     per_step = train.batch_size * world_size
     if train.grad_accum == 0 and train.global_batch == 0:
@@ -90,7 +92,7 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Any, resume: bool = False, console: Any = None, quiet: bool = False,
+    def __init__(self, cfg: Config, resume: bool = False, console: Any = None, quiet: bool = False,
                  if_exists: str | None = None):
         from rich.console import Console
 
@@ -145,12 +147,16 @@ class Trainer:
             self.trained_duration_s = max(self.trained_duration_s, trained_duration(path) or 0)
             self.console.print(f"initialised from {path}")
         self.model.train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, self.train)
         self.scheduler = build_scheduler(self.optimizer, self.train)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.train.precision == "fp16")
-        self.schedule = ZeroSNRSchedule()
+        self.scaler = grad_scaler(self.device, self.train.precision)
         self.noise = NoiseSource(self.train.seed, self.device)
+        objective = DiffusionObjective(ZeroSNRSchedule(), self.noise, self.layout, self.train.text_dropout,
+                                       self.train.precision, self.train.batch_size, self.global_batch, self.rank,
+                                       self.world_size)
+        self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,
+                                    grad_accum=self.grad_accum, grad_clip=self.train.grad_clip,
+                                    scheduler=self.scheduler)
         self.dataset = runfolder.open_dataset(self.cfg, self.layout, self.model.spec, self.output_dir, self.console, stack)
         self.step = 0
         self.nonfinite_skips = 0
@@ -257,8 +263,9 @@ class Trainer:
         with monitor, StopSignals() as stop:
             while self.step < total:
                 t0 = time.perf_counter()
-                lr_used = self.optimizer.param_groups[0]["lr"], _group_lr(self.optimizer, "ssm")
-                loss, finite = self._optimizer_step(batches)
+                lr_used = self.optimizer.param_groups[0]["lr"], group_lr(self.optimizer, ssm=True)
+                done = self.train_step(batches, self.step)
+                loss, finite = done.loss, done.finite
                 if not finite:
                     self._handle_nonfinite(loss, monitor)
                 self.step += 1
@@ -274,7 +281,7 @@ class Trainer:
                     "loss": loss if finite else float("nan"),
                     "lr": lr_used[0],
                     "lr_ssm": lr_used[1],
-                    "grad_norm": self._last_grad_norm,
+                    "grad_norm": done.grad_norm,
                     "step_time": dt,
                     "tokens_per_s": tokens_per_step / dt,
                     "memory_gib": memory_gib(self.device),
@@ -328,44 +335,6 @@ class Trainer:
                 monitor.progress.start()
         return result.video
 
-    def _optimizer_step(self, batches: Any) -> tuple[float, bool]:
-        """Accumulate grad_accum micro-batches and step; returns (mean loss, finite)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        finite = True
-        for micro in range(self.grad_accum):
-            batch = to_device(next(batches), self.device)
-            first = (micro * self.world_size + self.rank) * self.train.batch_size
-            loss, _ = diffusion_loss(self.model, batch, self.schedule, self.noise, self.layout,
-                                     self.train.text_dropout, first, self.global_batch, self.train.precision)
-            value = loss.item()
-            if not math.isfinite(value):
-                finite = False
-                total = value
-                # the remaining micro-batches are still drawn so the data position and RNG streams stay aligned
-                for _ in range(micro + 1, self.grad_accum):
-                    next(batches)
-                break
-            total += value / self.grad_accum
-            self.scaler.scale(loss / self.grad_accum).backward()
-        self._last_grad_norm = float("nan")
-        if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():  # a skipped step still advances the schedule; torch warns about that
-                warnings.simplefilter("ignore", UserWarning)
-                self.scheduler.step()
-            return total, False
-        self.scaler.unscale_(self.optimizer)
-        if self.train.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.grad_clip)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-        self._last_grad_norm = float(norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        return total, True
-
     def _handle_nonfinite(self, loss: float, monitor: TrainMonitor) -> None:
         step = self.step + 1
         where = (f"the last good checkpoint is {self.last_good}" if self.last_good is not None
@@ -381,13 +350,6 @@ class Trainer:
             f"loss is {loss} at step {step}{extra}; {where} (resume from it with --resume, perhaps with a lower "
             f"train.lr / train.lr_ssm or train.precision = 'fp32', or set train.on_nonfinite = 'skip')"
         )
-
-
-def _group_lr(optimizer: torch.optim.Optimizer, kind: str) -> float:
-    for g in optimizer.param_groups:
-        if g.get("name", "").startswith(kind):
-            return g["lr"]
-    return 0.0
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
