@@ -31,6 +31,8 @@ RTOL, ATOL = 1e-4, 1e-5
 # and its text runs past the first shard; a TTT mini-batch of 16 pads the scan by 1
 LAYOUT = VideoLayout.create("9s", height=32, width=48, text_tokens=75, mini_batch_size=16)
 TTT = TTTConfig(mini_batch_size=16, scan_checkpoint_group_size=2)
+# samples per data-parallel rank: more than one, so that the exchanges are checked with a batch dimension
+PER_RANK = 2
 # the loss is scaled so that the gradients span about 1e-4 .. 20: ATOL is small beside most of them, and fp32 rounding
 # of the largest (~1e-7 x 20) is small beside ATOL
 LOSS_SCALE = 1e3
@@ -96,7 +98,7 @@ def full_gradients(model: torch.nn.Module, fsdp: bool, world: int) -> dict[str, 
 
 def run_variant(name: str, keys: dict, fsdp: bool, remat: bool, base: torch.nn.Module, world: int) -> None:
     plan = init_parallel(ParallelConfig(**keys), base.spec.num_attention_heads, device_type="cpu")
-    batch = inputs(plan.dp_size)
+    batch = inputs(PER_RANK * plan.dp_size)
     ref_loss, ref_out, ref_grads = one_process(base, batch)
 
     model = copy.deepcopy(base)
@@ -106,7 +108,8 @@ def run_variant(name: str, keys: dict, fsdp: bool, remat: bool, base: torch.nn.M
             block.ttt.checkpoint_forward = block.ttt.checkpoint_reverse = True
     if fsdp:
         shard_model(model, plan.fsdp_mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
-    mine = tuple(t[plan.dp_rank:plan.dp_rank + 1] for t in batch)
+    rows = slice(PER_RANK * plan.dp_rank, PER_RANK * (plan.dp_rank + 1))
+    mine = tuple(t[rows] for t in batch)
     loss, out = loss_of(model, mine, plan.sequence)
     loss.backward()
 
@@ -115,7 +118,7 @@ def run_variant(name: str, keys: dict, fsdp: bool, remat: bool, base: torch.nn.M
     mean_loss /= world
     label = f"[{name}, rank {dist.get_rank()}]"
     torch.testing.assert_close(mean_loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{label} loss: {m}")
-    torch.testing.assert_close(out.detach(), ref_out[plan.dp_rank:plan.dp_rank + 1], rtol=RTOL, atol=ATOL,
+    torch.testing.assert_close(out.detach(), ref_out[rows], rtol=RTOL, atol=ATOL,
                                msg=lambda m: f"{label} output: {m}")
     grads = full_gradients(model, fsdp, world)
     assert grads.keys() == ref_grads.keys()

@@ -23,7 +23,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
-# both launches together take about 40 s on a 2-core machine
+# both launches together take about 55 s on a 2-core machine
 LAUNCH_TIMEOUT_S = 150
 
 
