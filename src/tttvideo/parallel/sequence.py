@@ -78,7 +78,8 @@ class SequenceParallel:
         return got.movedim(0, head_axis).flatten(head_axis, head_axis + 1)
 
 
-# the all-gather whose backward reduce-scatters the gradient: renamed in torch 2.13, the old name warns there
+# the all-gather whose backward reduce-scatters the gradient: newer torch names it all_gather_single_autograd and
+# deprecates the older all_gather_tensor_autograd, which older torch alone has
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
