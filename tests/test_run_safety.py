@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tttvideo import runs
 from tttvideo.cli import main
 from tttvideo.config.loader import load_config
 from tttvideo.errors import UserError
-from tttvideo.train import checkpoint as ckpt
 
 from tests.cli_errors import one_error_line
 
@@ -138,7 +138,7 @@ def test_refuse_names_the_three_flags_and_overwrite_says_what_it_removed(tmp_pat
     assert main(train_argv(out, "train.steps=1", "train.if_exists=refuse", flags=("--overwrite",))) == 0
     printed = capsys.readouterr().out.replace("\n", "")
     assert f"removed the earlier run's checkpoints, metrics.jsonl in {out}" in printed
-    assert [s for s, _ in ckpt.list_checkpoints(out)] == [1] and steps_of(out / "metrics.jsonl") == [1]
+    assert [s for s, _ in runs.list_checkpoints(out)] == [1] and steps_of(out / "metrics.jsonl") == [1]
     with pytest.raises(SystemExit):  # one choice at a time
         main(train_argv(out, flags=("--new", "--overwrite")))
 
@@ -215,8 +215,8 @@ def test_checkpoint_manifest_lists_sizes_hashes_step_and_meta(trained_run):
     assert manifest["step"] == 4 and manifest["meta"]["global_batch"] == 1 and manifest["meta"]["data_position"] == 4
     assert set(manifest["files"]) == {"model.safetensors", "state.pt", "config.toml"}
     for name, entry in manifest["files"].items():
-        assert entry["size"] == (folder / name).stat().st_size and entry["sha256"] == ckpt.file_digest(folder / name)
-    assert ckpt.verify_checkpoint(folder) == ""
+        assert entry["size"] == (folder / name).stat().st_size and entry["sha256"] == runs.file_digest(folder / name)
+    assert runs.verify_checkpoint(folder) == ""
 
 
 def test_verify_names_hash_mismatch_missing_and_accepts_old_checkpoints(run_copy):
@@ -225,20 +225,20 @@ def test_verify_names_hash_mismatch_missing_and_accepts_old_checkpoints(run_copy
     data = bytearray(model.read_bytes())
     data[-1] ^= 0xFF  # same size, one bit pattern changed in the last tensor
     model.write_bytes(bytes(data))
-    assert ckpt.verify_checkpoint(folder).startswith("model.safetensors: hash mismatch")
+    assert runs.verify_checkpoint(folder).startswith("model.safetensors: hash mismatch")
     (folder / "config.toml").unlink()
     older = run_copy / "checkpoints/step-000002"
     (older / "state.pt").unlink()
-    assert ckpt.verify_checkpoint(older) == "state.pt: missing"
+    assert runs.verify_checkpoint(older) == "state.pt: missing"
     # written before manifests: checked by reading the headers
     legacy = run_copy / "legacy"
     shutil.copytree(run_copy / "checkpoints/step-000004", legacy)
     shutil.copy(older / "model.safetensors", legacy / "model.safetensors")
     (legacy / "manifest.json").unlink()
-    assert ckpt.verify_checkpoint(legacy) == ""
+    assert runs.verify_checkpoint(legacy) == ""
     with open(legacy / "state.pt", "r+b") as f:
         f.truncate(1000)
-    assert ckpt.verify_checkpoint(legacy).startswith("state.pt: unreadable")
+    assert runs.verify_checkpoint(legacy).startswith("state.pt: unreadable")
 
 
 @pytest.mark.timeout(300)
@@ -265,7 +265,7 @@ def test_truncated_newest_checkpoint_falls_back_for_sample_and_resume(run_copy, 
     out, err = capsys.readouterr()
     assert f"checkpoint {damaged.parent} is damaged, {victim}: size mismatch" in err
     assert f"resumed from {run_copy / 'checkpoints/step-000002'} at step 2" in out.replace("\n", "")
-    assert ckpt.verify_checkpoint(damaged.parent) == ""  # rewritten by the resumed run
+    assert runs.verify_checkpoint(damaged.parent) == ""  # rewritten by the resumed run
     assert steps_of(run_copy / "metrics.jsonl") == [1, 2, 3, 4]
 
 

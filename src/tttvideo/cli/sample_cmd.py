@@ -59,7 +59,7 @@ def _config_file(args: argparse.Namespace) -> str | None:
     if ckpt.is_dir() and not (ckpt / "model.safetensors").is_file():
         # a run folder: the config of the checkpoint that will be sampled, its newest intact one (a damaged newer
         # one is a warning naming the file; none intact is one sentence)
-        from tttvideo.train.checkpoint import newest_intact_checkpoint
+        from tttvideo.runs import newest_intact_checkpoint
 
         intact = newest_intact_checkpoint(ckpt, advice="point --checkpoint at another run or checkpoint")
         if intact is not None and (intact / "config.toml").is_file():

@@ -29,6 +29,7 @@ import torch
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
+from tttvideo.runs import is_full_checkpoint, resolve_checkpoint
 from tttvideo.sample.scenes import Story, check_duration, check_token_counts, encode_story
 from tttvideo.sample.solvers import GuidanceSchedule, guide, make_solver
 from tttvideo.text.encoders import make_text_encoder
@@ -81,7 +82,7 @@ def load_model(cfg: Any, checkpoint: str | Path | None, device: torch.device, of
     cfg = copy.deepcopy(cfg)
     model_file = resolve_checkpoint(checkpoint) if checkpoint else None
     if model_file is not None:
-        if _is_full_checkpoint(model_file):
+        if is_full_checkpoint(model_file):
             cfg.model.pretrained_path = ""  # every weight comes from the checkpoint: skip loading the base model
     # adapters and activation checkpointing change nothing at inference but the parameter names a checkpoint
     # trained with them has; build exactly what was trained
@@ -104,26 +105,6 @@ def load_model(cfg: Any, checkpoint: str | Path | None, device: torch.device, of
     return model
 
 
-def resolve_checkpoint(path: str | Path, cfg: Any = None) -> Path:
-    """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest checkpoint). A
-    damaged or foreign file, or (given `cfg`) one of another backbone than cfg.model.preset, fails here, before the
-    model is built."""
-    from tttvideo.models.presets import get_preset
-    from tttvideo.models.weights import check_same_model, model_file_metadata
-    from tttvideo.train.checkpoint import MODEL_FILE, find_model_file
-
-    found = find_model_file(path)
-    if found is not None:
-        meta = model_file_metadata(found)
-        if cfg is not None:
-            check_same_model(found, meta, get_preset(cfg.model.preset),
-                             f"; the config builds model.preset = {cfg.model.preset!r}: give the config the "
-                             f"checkpoint was trained with (CONFIG, or config.toml beside it) or set model.preset")
-        return found
-    raise UserError(f"checkpoint {path} is neither a model file, a checkpoint folder ({MODEL_FILE} inside) nor a "
-                    f"training run folder with checkpoints/; point --checkpoint at what tttv train wrote")
-
-
 def warn_beyond_training(model_file: Path, stories: list[Story], layouts: list[VideoLayout]) -> None:
     """Say so when a story is longer than any video the checkpoint was trained on: TTT carries state across the
     whole video, and lengths it never saw in training are untested."""
@@ -137,12 +118,6 @@ def warn_beyond_training(model_file: Path, stories: list[Story], layouts: list[V
             log.warning("story %r is %d s long, but %s was trained on videos of at most %d s; expect the quality of "
                         "the later segments to suffer (train a longer stage, e.g. configs/cogvideox-5b/)",
                         story.name, layout.duration_s, model_file, trained)
-
-
-def _is_full_checkpoint(path: Path) -> bool:
-    from tttvideo.models.weights import model_file_metadata
-
-    return model_file_metadata(path).get("partial") != "True"
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -1,34 +1,21 @@
-"""Training checkpoints: everything needed to continue a run bit for bit, written atomically, pruned to the last K.
+"""Training checkpoints: everything needed to continue a run bit for bit, written atomically, pruned to the last K,
+and read back for resuming. The folder layout, and finding the newest intact checkpoint, are `tttvideo.runs`'s.
 
-    <output_dir>/checkpoints/step-000500/
-        model.safetensors   every parameter (tttvideo.models.save_checkpoint format; `init_from` reads it)
-        state.pt            optimizer, LR scheduler, grad scaler, RNG states (python, numpy, torch CPU and CUDA,
-                            the trainer's noise generator), optimizer step, data position, counters
-        config.toml         the resolved config of the run
-        manifest.json       size and SHA-256 of each file above, the step and a `meta` dict; written last
+state.pt holds the optimizer, LR scheduler, grad scaler, RNG states (python, numpy, torch CPU and CUDA, the
+trainer's noise generator), optimizer step, data position and counters.
 
 A checkpoint is assembled in a temporary folder beside the final one and renamed into place (os.replace of a
 folder is atomic on POSIX), so a process killed while saving leaves either the complete checkpoint or none; a
-stray temporary folder is ignored and cleaned up by the next save.
-
-What the rename cannot protect against (a disk that fills or fails later, a partial copy to another machine, a
-file truncated by hand) the manifest catches: `newest_intact_checkpoint` checks every file against it, warns
-about a damaged checkpoint naming the file, and falls back to the newest intact one. It is what `--resume`,
-`train.init_from` and `tttv sample --checkpoint RUN` use. Checkpoints written before manifests existed are
-checked by reading their headers (and a failed load falls back the same way).
+stray temporary folder is ignored and cleaned up by the next save. Its manifest is written last.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
-import logging
 import os
 import random
-import re
 import shutil
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -36,46 +23,10 @@ import numpy as np
 import torch
 
 from tttvideo.errors import UserError
-
-log = logging.getLogger(__name__)
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
-MODEL_FILE = "model.safetensors"
-STATE_FILE = "state.pt"
-CONFIG_FILE = "config.toml"
-MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = 1
-HASH_CHUNK = 1 << 20  # 1 MiB reads: a 20 GB model file is hashed in constant memory
-
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (step, folder), oldest first."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and (p / STATE_FILE).is_file() and (p / MODEL_FILE).is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def step_folders(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """Every `step-N` folder, complete or not, as (step, folder), oldest first."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1][1] if found else None
+from tttvideo.runs import (CONFIG_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MODEL_FILE, STATE_FILE, checkpoint_root,
+                           file_digest, find_model_file, latest_checkpoint, list_checkpoints)
+# the trainer's resume reads these lookups through this module
+from tttvideo.runs import newest_intact_checkpoint, read_manifest, step_folders  # noqa: F401
 
 
 def rng_state() -> dict[str, Any]:
@@ -146,15 +97,6 @@ def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path
                     f"train.output_dir) and continue the run with --resume from {since}") from None
 
 
-def file_digest(path: Path) -> str:
-    """SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path, step: int, meta: dict[str, Any]) -> Path:
     """manifest.json: size and SHA-256 of every other file in `folder`, the step, and `meta`."""
     files = {p.name: {"size": p.stat().st_size, "sha256": file_digest(p)}
@@ -169,112 +111,6 @@ def write_manifest(folder: Path, step: int, meta: dict[str, Any]) -> Path:
     path = folder / MANIFEST_FILE
     path.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return path
-
-
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of a checkpoint folder; None for one written before manifests existed."""
-    path = Path(folder) / MANIFEST_FILE
-    if not path.exists():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-# what each check found, by (file, size, mtime): `tttv sample` looks a run folder up twice, and a 20 GB model file
-# should be hashed once per process
-_CHECKED: dict[tuple[str, int, int], str] = {}
-_WARNED: set[str] = set()
-
-
-def _check_file(path: Path, entry: dict[str, Any]) -> str:
-    """'' when `path` matches its manifest entry, else what is wrong (naming the file)."""
-    if not path.is_file():
-        return f"{path.name}: missing"
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _CHECKED:
-        if st.st_size != entry["size"]:
-            problem = (f"{path.name}: size mismatch ({st.st_size:,} bytes, the manifest says {entry['size']:,}: cut "
-                       f"off or still being copied)")
-        elif file_digest(path) != entry["sha256"]:
-            problem = f"{path.name}: hash mismatch (its SHA-256 is not the manifest's: the file is damaged)"
-        else:
-            problem = ""
-        _CHECKED[key] = problem
-    return _CHECKED[key]
-
-
-def _check_legacy(folder: Path, files: tuple[str, ...]) -> str:
-    """A checkpoint without a manifest: its files exist and their headers read (safetensors checks its header
-    against the file size, torch's zip format has its directory at the end), so a cut-off file is caught."""
-    from tttvideo.models.weights import model_file_metadata
-
-    for name in files:
-        path = folder / name
-        if not path.is_file():
-            return f"{name}: missing"
-        if name == MODEL_FILE:
-            try:
-                model_file_metadata(path)
-            except UserError:
-                return f"{name}: unreadable (not a readable safetensors file: cut off or damaged; no manifest)"
-        elif name == STATE_FILE:
-            try:
-                with zipfile.ZipFile(path):
-                    pass
-            except (zipfile.BadZipFile, OSError) as err:
-                return f"{name}: unreadable ({err}: cut off or damaged; no manifest)"
-    return ""
-
-
-def verify_checkpoint(folder: str | Path, files: tuple[str, ...] | None = None) -> str:
-    """'' when checkpoint `folder` is intact, else "FILE: what (details)" saying which file is wrong and how
-    (missing, size mismatch, hash mismatch, unreadable). `files` limits the check (default: every file of the manifest, which must include the
-    model and the state)."""
-    folder = Path(folder)
-    try:
-        manifest = read_manifest(folder)
-    except (OSError, ValueError) as err:
-        return f"{MANIFEST_FILE}: unreadable ({err})"
-    if manifest is None:
-        return _check_legacy(folder, files or (MODEL_FILE, STATE_FILE))
-    listed = manifest.get("files")
-    if not isinstance(listed, dict):
-        return f"{MANIFEST_FILE}: unreadable (it lists no files)"
-    for name in files or (MODEL_FILE, STATE_FILE, *sorted(set(listed) - {MODEL_FILE, STATE_FILE})):
-        if name not in listed:
-            return f"{name}: not in {MANIFEST_FILE}"
-        try:
-            problem = _check_file(folder / name, listed[name])
-        except OSError as err:
-            problem = f"{name}: unreadable ({err.strerror or err})"
-        if problem:
-            return problem
-    return ""
-
-
-def newest_intact_checkpoint(output_dir: str | Path, exclude: tuple[Path, ...] = (),
-                             advice: str = "start a new run (tttv train --new) or restore them from a backup",
-                             warn_once: bool = True) -> Path | None:
-    """The newest checkpoint of run folder `output_dir` whose files match its manifest; None when the run has no
-    checkpoint at all. Each damaged checkpoint passed over is a warning naming the file and what is wrong with it
-    (once per process with `warn_once`: `tttv sample` looks the run up twice); a run whose checkpoints are all
-    damaged is a UserError (ending with `advice`)."""
-    found = [folder for _, folder in reversed(step_folders(output_dir)) if folder not in exclude]
-    damaged: list[tuple[Path, str]] = []
-    for folder in found:
-        problem = verify_checkpoint(folder)
-        if not problem:
-            for bad, why in damaged:
-                note = f"checkpoint {bad} is damaged, {why}; using {folder} instead"
-                if note not in _WARNED or not warn_once:
-                    _WARNED.add(note)
-                    log.warning(note)
-            return folder
-        damaged.append((folder, problem))
-    if not damaged:
-        return None
-    listed = ", ".join(f"{folder.name}/{why.split(' (')[0]}" for folder, why in damaged)
-    raise UserError(f"{output_dir} has no intact checkpoint ({listed}); {advice}")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -310,38 +146,6 @@ def prune(output_dir: str | Path, keep: int) -> None:
 def load_state(folder: Path) -> dict[str, Any]:
     # weights_only=False: the state holds numpy / python RNG tuples; the file is our own
     return torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
-
-
-def find_model_file(path: str | Path) -> Path | None:
-    """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest intact checkpoint,
-    `newest_intact_checkpoint`) -> the model file; None when `path` is none of these. A model file or checkpoint
-    folder named directly is checked against its manifest (when it has one): a damaged one is a UserError."""
-    p = Path(path)
-    if p.is_file():
-        _check_named(p.parent, p.name, p)
-        return p
-    if (p / MODEL_FILE).is_file():
-        _check_named(p, MODEL_FILE, p)
-        return p / MODEL_FILE
-    if not p.is_dir():
-        return None
-    intact = newest_intact_checkpoint(p, advice="point at another run or checkpoint")
-    return intact / MODEL_FILE if intact is not None else None
-
-
-def _check_named(folder: Path, name: str, given: Path) -> None:
-    """A model file the user named directly must match the manifest beside it, if there is one that lists it."""
-    try:
-        manifest = read_manifest(folder)
-    except (OSError, ValueError):
-        return
-    if manifest is None or name not in manifest.get("files", {}):
-        return
-    problem = verify_checkpoint(folder, files=(name,))
-    if problem:
-        hint = (f"; give the run folder {folder.parent.parent} instead to use its newest intact checkpoint"
-                if folder.parent.name == "checkpoints" else "")
-        raise UserError(f"checkpoint {given} is damaged, {problem}{hint}")
 
 
 def resolve_init_from(path: str | Path) -> Path:

@@ -10,13 +10,20 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from tttvideo import runs
+from tttvideo.config.schema import Config
 from tttvideo.data.cache import LatentCache
 from tttvideo.errors import UserError
 from tttvideo.outputs import check_writable_dir
-from tttvideo.train import checkpoint as ckpt
 from tttvideo.train.runlock import DataLock, RunLock, current_holder
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models.presets import ModelSpec
 
 IF_EXISTS = ("refuse", "resume", "new", "overwrite")
 
@@ -25,7 +32,7 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "samples")
 IN_USE_ADVICE = "wait for it to finish or stop it, or pass --new to start a new run beside it"
 
 
-def open_dataset(cfg: Any, layout: Any, spec: Any, output_dir: Path, console: Any,
+def open_dataset(cfg: Config, layout: VideoLayout, spec: ModelSpec, output_dir: Path, console: Console,
                  stack: contextlib.ExitStack | None = None) -> LatentCache:
     """The data set: `data.manifest`, or the demo set, built (or reused) in data.demo_dir. A demo folder is shared
     by the runs that train on it: it is (re)written only under its exclusive lock and read under a shared one,
@@ -61,7 +68,7 @@ def open_dataset(cfg: Any, layout: Any, spec: Any, output_dir: Path, console: An
     return LatentCache(manifest, layout, spec.in_channels, spec.text_embed_dim)
 
 
-def demo_folder(cfg: Any, output_dir: Path) -> Path:
+def demo_folder(cfg: Config, output_dir: Path) -> Path:
     return Path(cfg.data.demo_dir) if cfg.data.demo_dir else Path(output_dir) / "data"
 
 
@@ -71,7 +78,7 @@ def run_outputs(folder: Path) -> list[str]:
     for name in RUN_OUTPUTS:
         path = folder / name
         if name == "checkpoints":
-            present = bool(ckpt.step_folders(folder))
+            present = bool(runs.step_folders(folder))
         elif path.is_dir():
             present = any(path.iterdir())
         else:
@@ -101,7 +108,7 @@ def check_creatable(path: Path, what: str) -> None:
                         f"write to") from None
 
 
-def check_before_work(cfg: Any, output_dir: Path, if_exists: str) -> None:
+def check_before_work(cfg: Config, output_dir: Path, if_exists: str) -> None:
     """What can be refused without the lock, before any work (the model, the demo set): unwritable folders, a run
     folder in use by another run, an earlier run that `refuse` keeps. `claim` decides again under the lock."""
     check_writable_dir(output_dir, "train.output_dir")
@@ -119,7 +126,7 @@ def refuse_earlier_run(folder: Path) -> None:
     if not found:
         return
     choices = "--new to start a new one beside it, or --overwrite to delete it and start over (train.if_exists)"
-    steps = ckpt.step_folders(folder)
+    steps = runs.step_folders(folder)
     if steps:
         raise UserError(f"{folder} already holds checkpoints (newest {steps[-1][1].name}); pass --resume to "
                         f"continue that run, {choices}")
@@ -127,7 +134,7 @@ def refuse_earlier_run(folder: Path) -> None:
                     f"to start it again at step 0 with fresh logs, {choices}")
 
 
-def claim(output_dir: Path, if_exists: str, stack: contextlib.ExitStack, console: Any) -> tuple[Path, Path | None]:
+def claim(output_dir: Path, if_exists: str, stack: contextlib.ExitStack, console: Console) -> tuple[Path, Path | None]:
     """Lock the run folder (released when `stack` closes), then act on an earlier run in it as `if_exists` says.
     Returns (the folder the run writes to, the checkpoint to resume from or None)."""
     if if_exists == "new":
@@ -144,15 +151,15 @@ def claim(output_dir: Path, if_exists: str, stack: contextlib.ExitStack, console
             console.print(f"train.if_exists = 'overwrite': removed the earlier run's {', '.join(found)} in "
                           f"{output_dir}")
     elif if_exists == "resume":
-        resume_from = ckpt.newest_intact_checkpoint(
+        resume_from = runs.newest_intact_checkpoint(
             output_dir, advice="start over with --overwrite or beside it with --new", warn_once=False)
         if resume_from is None:
-            console.print(f"--resume: no checkpoint in {ckpt.checkpoint_root(output_dir)}; starting at step 0")
+            console.print(f"--resume: no checkpoint in {runs.checkpoint_root(output_dir)}; starting at step 0")
         return output_dir, resume_from
     return output_dir, None
 
 
-def claim_new_folder(base: Path, stack: contextlib.ExitStack, console: Any) -> Path:
+def claim_new_folder(base: Path, stack: contextlib.ExitStack, console: Console) -> Path:
     """train.if_exists = 'new': `base` if it holds no run and nobody uses it, else the first such of base-2, -3,
     ...; the earlier runs are kept. The folder is locked until `stack` closes."""
     for n in range(1, 10_000):
