@@ -1,0 +1,131 @@
+"""No module of tttvideo imports from a layer above its own.
+
+Layers, lowest first; a module may import from its own layer and the ones below it. Every `import` and
+`from ... import` counts, wherever it stands: at the top, inside a function, under `if TYPE_CHECKING:` (a type
+named from a higher layer is still a dependency on it). Relative imports are resolved against the importing module.
+
+Names are module paths below `tttvideo` ("" is the package itself); the longest entry that is the module or one of
+its parents decides its layer, so a package can be split between layers module by module. The package's
+`__version__` is metadata that any layer may read.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "tttvideo"
+SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # what every layer may use: errors, config, layout arithmetic, devices and dtypes, the diffusion schedule, and
+    # the process-group plumbing the model's layers are handed (the sequence shards, the device mesh)
+    ("base", ("errors", "outputs", "device", "dtypes", "config", "layout", "rope", "diffusion",
+              "parallel.sequence", "parallel.mesh")),
+    ("ttt", ("ttt",)),
+    # FSDP sharding walks the model's blocks, and the parallel package's __init__ imports it
+    ("models", ("models", "parallel", "parallel.fsdp")),
+    # reading run folders (the model file, the newest intact checkpoint, what a --checkpoint path names): it reads
+    # model files' metadata, and sample and train both use it
+    ("runs", ("runs",)),
+    ("text", ("text",)),
+    ("data", ("data",)),
+    ("sample", ("sample",)),
+    ("train", ("train",)),
+    ("memory", ("memory",)),
+    ("api", ("", "api")),
+    ("cli", ("cli", "__main__")),
+]
+RANK = {entry: rank for rank, (_, entries) in enumerate(LAYERS) for entry in entries}
+
+
+def module_name(path: Path) -> str:
+    """src/tttvideo/data/demo.py -> "data.demo"; a package's __init__.py is the package."""
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int | None:
+    """The rank of the longest LAYERS entry that is `module` or a parent package of it; None when none is."""
+    parts = module.split(".") if module else []
+    for n in range(len(parts), -1, -1):
+        rank = RANK.get(".".join(parts[:n]))
+        if rank is not None and (n > 0 or not module):
+            return rank
+    return None
+
+
+def imported_modules(path: Path, module: str, src: Path = SRC) -> list[tuple[int, str]]:
+    """(line, module below tttvideo) of every import of a tttvideo module in the file, at any depth."""
+    parts = module.split(".") if module else []
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the importing module's package, one level up per extra dot
+                base = [PACKAGE, *package[: len(package) - node.level + 1]]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # `from pkg import sub` imports the module pkg.sub when there is one, else a name defined in pkg
+            targets = [_submodule_or(stem, alias.name, src) for alias in node.names
+                       if (stem, alias.name) != (PACKAGE, "__version__")]
+        else:
+            continue
+        for target in targets:
+            if target == PACKAGE or target.startswith(PACKAGE + "."):
+                found.append((node.lineno, target[len(PACKAGE) + 1 :]))
+    return sorted(set(found))
+
+
+def _submodule_or(stem: str, name: str, src: Path) -> str:
+    if stem == PACKAGE or stem.startswith(PACKAGE + "."):
+        rel = Path(*stem.split(".")[1:], name)
+        if (src / rel).with_suffix(".py").is_file() or (src / rel / "__init__.py").is_file():
+            return f"{stem}.{name}"
+    return stem
+
+
+def _dotted(module: str) -> str:
+    return f"{PACKAGE}.{module}" if module else PACKAGE
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(_dotted(m) for m in all_modules() if layer_of(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS deliberately): {unplaced}"
+
+
+def test_no_import_goes_to_a_higher_layer():
+    upward = []
+    for module, path in all_modules().items():
+        own = layer_of(module)
+        if own is None:
+            continue
+        for line, target in imported_modules(path, module):
+            rank = layer_of(target)
+            if rank is not None and rank > own:
+                upward.append(f"{_dotted(module)} ({LAYERS[own][0]}) line {line} imports {_dotted(target)} "
+                              f"({LAYERS[rank][0]})")
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_walker_sees_relative_function_level_and_type_checking_imports(tmp_path):
+    src = tmp_path / PACKAGE
+    (src / "data").mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "data" / "__init__.py").write_text("")
+    (src / "data" / "demo.py").write_text("")
+    (src / "data" / "x.py").write_text("from . import demo\nfrom ..sample import video\n"
+                                       "def f():\n    import tttvideo.train.trainer\n"
+                                       "if TYPE_CHECKING:\n    from tttvideo import __version__, cli\n")
+    found = imported_modules(src / "data" / "x.py", "data.x", src)
+    assert found == [(1, "data.demo"), (2, "sample"), (4, "train.trainer"), (6, "")]
+    assert layer_of("data.demo") < layer_of("sample") < layer_of("train.trainer")
