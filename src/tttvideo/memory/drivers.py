@@ -1,11 +1,11 @@
 """What `tttv profile CONFIG --phase train|sample` runs under the profiler, and the report it leaves.
 
-train: optimizer steps as the trainer takes them (`tttvideo.train`): the model of `build_model(cfg)` (preset, dtype,
-adapter, checkpointing), AdamW with the trainer's parameter groups, random latents and text features standing in for
-the latent cache (training reads the cache; the text encoder and the VAE are never on the GPU then), the trainer's
-`diffusion_loss` (v-prediction MSE on ZeroSNR, under train.precision autocast), backward through the gradient
-scaler, clipping and the AdamW step. One micro-batch per step: accumulation adds nothing to the peak, gradients
-persist across micro-batches either way.
+train: the trainer's own optimizer step (`tttvideo.train.step.TrainStep`) on the model of `build_model(cfg)` (preset,
+dtype, adapter, checkpointing), AdamW with the trainer's parameter groups, random latents and text features standing
+in for the latent cache (training reads the cache; the text encoder and the VAE are never on the GPU then): the
+diffusion objective (v-prediction MSE on ZeroSNR, under train.precision autocast), backward through the gradient
+scaler, clipping and the AdamW step, each phase marked from inside the step. One micro-batch per step: accumulation
+adds nothing to the peak, gradients persist across micro-batches either way.
 
 sample: one story as `tttv sample` runs it (`tttvideo.sample.pipeline`): `load_model` (block offload if
 configured), `denoise` (the configured solver and guidance, `--steps` steps), the transformer released, the VAE
@@ -19,13 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tttvideo.config.schema import Config
 from tttvideo.errors import UserError
 from tttvideo.memory.profiler import MemoryProfiler, is_oom
 from tttvideo.memory.report import write_report
+
+if TYPE_CHECKING:
+    import torch
+
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models.transformer import CogVideoXTTT
 
 PHASES = ("train", "sample")
 # Exit status of a profile that ran out of memory; its report is complete and says where (the matrix reads it).
@@ -45,20 +52,22 @@ def _resolve_device(cfg: Any, device: str) -> Any:
     return resolve_device(device, "--device")
 
 
-def _inputs(cfg: Any, model: Any, layout: Any, batch: int, device: Any) -> tuple[Any, Any]:
+def _inputs(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, batch: int,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random latents [B, T, C, h, w] and text features [B, segments, tokens, dim] in the cache dtype."""
     import torch
 
+    from tttvideo.dtypes import torch_dtype
+
     spec = model.spec
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-        str(getattr(cfg.data, "cache_dtype", "bf16"))]
+    dtype = torch_dtype(cfg.data.cache_dtype)
     latents = torch.randn(batch, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width,
                           device=device).to(dtype)
     text = torch.randn(batch, layout.num_segments, layout.text_tokens, spec.text_embed_dim, device=device).to(dtype)
     return latents, text
 
 
-def _build(cfg: Any, prof: MemoryProfiler, device: Any, train: bool) -> Any:
+def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool) -> CogVideoXTTT:
     from tttvideo.models import build_model
 
     with prof.component("transformer") as info:
@@ -75,13 +84,48 @@ def _build(cfg: Any, prof: MemoryProfiler, device: Any, train: bool) -> Any:
     return model
 
 
-def drive_train(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> None:
+class _TrainPhases:
+    """The step's phases as profiler phases, with marks around each forward and what the first step allocates for
+    good recorded as components: the gradients (after its backward) and the optimizer state (inside its optimizer
+    phase)."""
+
+    def __init__(self, prof: MemoryProfiler, optimizer: torch.optim.Optimizer):
+        self.prof = prof
+        self.optimizer = optimizer
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        from tttvideo.train.step import BACKWARD, FORWARD, OPTIMIZER
+
+        if name == FORWARD:
+            self.prof.mark(f"before forward {step}")
+        with self.prof.phase(name, step=step):
+            if name == OPTIMIZER and step == 0:
+                with self.prof.component("optimizer state") as info:
+                    yield
+                    info["counted_bytes"] = self._optimizer_state_bytes()
+            else:
+                yield
+        if name == FORWARD:
+            self.prof.mark(f"after forward {step}")
+        elif name == BACKWARD and step == 0:
+            self.prof.add_component("gradients", _tensor_bytes(
+                p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None))
+
+    def _optimizer_state_bytes(self) -> int:
+        import torch
+
+        return _tensor_bytes(v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def drive_train(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.device) -> None:
     import torch
 
     from tttvideo.config.loader import layout_from_config
     from tttvideo.diffusion import ZeroSNRSchedule
-    from tttvideo.train.loss import NoiseSource, diffusion_loss
+    from tttvideo.train.loss import NoiseSource
     from tttvideo.train.optim import build_optimizer
+    from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
 
     train = cfg.train
     layout = layout_from_config(cfg)
@@ -94,32 +138,13 @@ def drive_train(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> None
     with prof.component("inputs (cached latents + text features)"):
         latents, text = _inputs(cfg, model, layout, batch_size, device)
     batch = {"latents": latents, "text": text}
-    schedule, noise = ZeroSNRSchedule(), NoiseSource(train.seed, device)
-    # As the trainer: a gradient scaler only for fp16 (a no-op otherwise), clipping, then the AdamW step.
-    scaler = torch.amp.GradScaler(device.type, enabled=train.precision == "fp16")
-    params = [p for p in model.parameters() if p.requires_grad]
+    objective = DiffusionObjective(ZeroSNRSchedule(), NoiseSource(train.seed, device), layout, train.text_dropout,
+                                   train.precision, batch_size, global_batch=batch_size)
+    train_step = TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
+                           grad_clip=train.grad_clip, profiler=_TrainPhases(prof, optimizer))
     for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        prof.mark(f"before forward {step}")
-        with prof.phase("forward", step=step):
-            loss, _ = diffusion_loss(model, batch, schedule, noise, layout, train.text_dropout, 0, batch_size,
-                                     train.precision)
-        prof.mark(f"after forward {step}")
-        with prof.phase("backward", step=step):
-            scaler.scale(loss).backward()
-        if step == 0:
-            prof.add_component("gradients", _tensor_bytes(p.grad for p in params if p.grad is not None))
-        with prof.phase("optimizer step", step=step):
-            with prof.component("optimizer state") if step == 0 else contextlib.nullcontext() as info:
-                scaler.unscale_(optimizer)
-                if train.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
-                if info is not None:
-                    info["counted_bytes"] = _tensor_bytes(
-                        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-        prof.meta.setdefault("loss", []).append(float(loss.detach()))
+        done = train_step(iter((batch,)), step)
+        prof.meta.setdefault("loss", []).append(done.loss)
     optimizer.zero_grad(set_to_none=True)
     prof.mark("gradients released")
 

@@ -13,8 +13,9 @@ Instrumenting a pipeline takes a few calls:
     prof.save("out/events.json")
 
 Nested intervals each get their own peak: every peak reset is preceded by a reading whose peak is folded into every
-open interval, so resetting for block 3 never loses the phase's peak. A profiler made with `enabled=False` turns
-every call into a no-op, so pipeline code can take an optional profiler without branching.
+open interval, so resetting for block 3 never loses the phase's peak. A disabled profiler
+(`MemoryProfiler.disabled()`) records nothing and reads no memory: its `phase` and `component` are plain
+`contextlib.nullcontext`s and its other calls return at once, so pipeline code can take one without branching.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,7 @@ class MemoryProfiler:
 
     @classmethod
     def disabled(cls) -> MemoryProfiler:
+        """A profiler that records nothing (every context a nullcontext, every other call a no-op)."""
         return cls(enabled=False)
 
     # ----------------------------------------------------------------------------------------------------- sampling
@@ -161,13 +164,15 @@ class MemoryProfiler:
                      depth=f.depth, closed=closed, extra=f.extra)
 
     # ------------------------------------------------------------------------------------------------ recording API
-    @contextlib.contextmanager
-    def component(self, name: str, counted_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+    def component(self, name: str, counted_bytes: int | None = None) -> AbstractContextManager[dict[str, Any]]:
         """Base memory of a load: allocated after minus before. Yields a dict the caller may add counted bytes to
         (`info["counted_bytes"] = ...`, e.g. parameter bytes) so the report can compare measured and counted."""
         if not self.enabled:
-            yield {}
-            return
+            return contextlib.nullcontext({})
+        return self._component(name, counted_bytes)
+
+    @contextlib.contextmanager
+    def _component(self, name: str, counted_bytes: int | None) -> Iterator[dict[str, Any]]:
         frame = self._open(COMPONENT, name, extra={} if counted_bytes is None else {"counted_bytes": counted_bytes})
         try:
             yield frame.extra
@@ -186,12 +191,14 @@ class MemoryProfiler:
                                  peak_reserved=s.reserved, phase=self._current_phase(), depth=len(self._stack),
                                  extra={"counted_bytes": int(counted_bytes), "counted_only": True}))
 
-    @contextlib.contextmanager
-    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+    def phase(self, name: str, step: int | None = None) -> AbstractContextManager[None]:
         """A stretch of work whose peak is reset at entry; an OOM inside records where it happened."""
         if not self.enabled:
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._phase(name, step)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, step: int | None) -> Iterator[None]:
         frame = self._open(PHASE, name, step=step)
         try:
             yield
