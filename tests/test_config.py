@@ -88,7 +88,7 @@ def test_defaults_round_trip(tmp_path):
 def test_modified_config_round_trips_exactly(tmp_path):
     cfg = load_config(None, ["ttt.kind=linear", "ttt.base_lr=1e-7", "train.steps=10", "model.use_ttt=false",
                              'train.output_dir="runs/quo\\"te\\\\ tab\\t nl\\n é \\u007f"', "layout.duration=9s",
-                             "memory.gpu_memory_gib=1.0000000000000002"])
+                             "sample.cfg_start=1.0000000000000002"])
     assert cfg.train.output_dir == 'runs/quo"te\\ tab\t nl\n é \x7f'
     for comments in (False, True):
         path = write(tmp_path / f"c{comments}.toml", dump_toml(cfg, comments=comments))
@@ -142,6 +142,16 @@ def test_rich_schema_errors(tmp_path):
 
 def test_base_config_loads_at_defaults():
     assert load_config(REPO / "configs" / "base.toml") == Config()
+
+
+def test_removed_memory_section_is_a_warning(tmp_path, caplog):
+    """Configs saved by earlier versions carry [memory] gpu_memory_gib, which nothing read: they still load."""
+    old = write(tmp_path / "old.toml", "[memory]\ngpu_memory_gib = 40.0\n[train]\nsteps = 7\n")
+    with caplog.at_level("WARNING"):
+        assert load_config(old) == load_config(None, ["train.steps=7"])
+        assert load_config(None, ["memory.gpu_memory_gib=1"]) == Config()
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["memory", "memory"]
+    assert "ignored" in caplog.records[0].getMessage()
 
 
 # ------------------------------------------------------------------------------------------------------- overrides

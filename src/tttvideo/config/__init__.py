@@ -1,5 +1,5 @@
-from tttvideo.config.schema import (Config, DataConfig, LayoutConfig, MemoryConfig, ModelConfig, ParallelConfig,
+from tttvideo.config.schema import (Config, DataConfig, LayoutConfig, ModelConfig, ParallelConfig,
                                     SampleConfig, TrainConfig, TTTConfig)
 
-__all__ = ["Config", "DataConfig", "LayoutConfig", "MemoryConfig", "ModelConfig", "ParallelConfig", "SampleConfig",
+__all__ = ["Config", "DataConfig", "LayoutConfig", "ModelConfig", "ParallelConfig", "SampleConfig",
            "TrainConfig", "TTTConfig"]

@@ -123,6 +123,12 @@ def _legacy_key(obj: Any, dotted: str, value: Any, source: str) -> bool:
     if renamed is not None:
         _apply_table(obj, {renamed: value}, prefix=section + ".", source=source)
         return True
+    removed = getattr(type(obj), "REMOVED_KEYS", {}).get(key)  # settings that did nothing: a warning, not an error
+    if removed is not None:
+        import logging
+
+        logging.getLogger(__name__).warning("%s in %s is ignored: it was removed (%s)", dotted, source, removed)
+        return True
     if dotted != "train.overwrite":
         return False
     if not isinstance(value, bool):

@@ -177,11 +177,6 @@ class SampleConfig:
 
 
 @dataclass
-class MemoryConfig:
-    gpu_memory_gib: float = bounded(0.0, 0.0, help="budget to plan for; 0 = the card's own")
-
-
-@dataclass
 class ParallelConfig:
     """How the ranks of a torchrun launch split the work (tttvideo.parallel.mesh). The product
     dp_replicate x dp_shard x sp must equal WORLD_SIZE."""
@@ -234,6 +229,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+
+    # sections of earlier versions that no code read: the config loader warns and ignores them, so the config.toml
+    # saved with an older run still loads
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {"memory": "its only key, gpu_memory_gib, was never read"}
