@@ -1,15 +1,18 @@
-"""One training step (forward + backward) of CogVideoX-5B + TTT-MLP at full size: time, memory, parameters, MFU.
+"""One training step of CogVideoX-5B + TTT-MLP at full size: time, memory, parameters, MFU.
 
-Random initialisation built on the meta device and materialised directly on the GPU in bf16; batch 1; the `qkvo`
-adapter (SPEC section 4); whole-block activation checkpointing plus the TTT scan checkpointing, which is what fits
-80 GB. For 3 s (18,048 tokens) and 9 s (51,456 tokens) it prints the median step time, peak allocated / reserved
-memory and model FLOPs utilisation with the FLOP count split into dense matmuls (6 x per-token params x tokens),
-attention (the local windows) and the TTT scan; recomputation is not counted (model FLOPs, not hardware FLOPs).
-No optimizer step. Results go to benchmarks/results/model_step*.json.
+The model is the trainer's: `build_model` of a Config (random initialisation built on the meta device and
+materialised directly on the device; the `qkvo` adapter; whole-block activation checkpointing plus the TTT scan
+checkpointing, which is what fits 80 GB), and the step is the trainer's `TrainStep` on random bf16 latents and text
+features of batch 1 with the diffusion objective: forward + backward by default, and the AdamW step as well with
+--optimizer-step. The model computes in its own dtype (model.dtype, bf16), without autocast (train.precision fp32).
+For 3 s (18,048 tokens) and 9 s (51,456 tokens) it prints the median step time, peak allocated / reserved memory
+and model FLOPs utilisation with the FLOP count split into dense matmuls (6 x per-token params x tokens), attention
+(the local windows) and the TTT scan; recomputation is not counted (model FLOPs, not hardware FLOPs). Results go to
+benchmarks/results/model_step*.json. Run it from the repository root with the package importable:
 
-    python benchmarks/model_step.py                                   # the GPU run
-    python benchmarks/model_step.py --preset tiny --device cpu --dtype fp32 --height 64 --width 96 \
-        --text-tokens 8 --durations 3 --steps 1 --out /tmp/x.json    # a CPU smoke run of the same code
+    PYTHONPATH=src python3 benchmarks/model_step.py                    # the GPU run
+    PYTHONPATH=src python3 benchmarks/model_step.py --preset tiny --device cpu --dtype fp32 --height 64 --width 96 \
+        --text-tokens 8 --durations 3 --steps 1 --out /tmp/x.json     # a CPU smoke run of the same code
 """
 
 from __future__ import annotations
@@ -20,25 +23,31 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from tttvideo.config.schema import CheckpointingConfig, TTTConfig  # noqa: E402
-from tttvideo.layout import VideoLayout  # noqa: E402
-from tttvideo.models import apply_adapter, apply_checkpointing, get_preset, init_model, trainable_summary  # noqa: E402
-from tttvideo.ttt import ops  # noqa: E402
+from tttvideo.config.loader import config_to_dict, load_config
+from tttvideo.config.schema import Config
+from tttvideo.diffusion import ZeroSNRSchedule
+from tttvideo.dtypes import torch_dtype
+from tttvideo.layout import VideoLayout
+from tttvideo.models import CogVideoXTTT, build_model, trainable_summary
+from tttvideo.train.loss import NoiseSource
+from tttvideo.train.optim import build_optimizer
+from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
+from tttvideo.ttt import ops
 
 # Dense bf16 tensor-core peak of an H100 SXM / H200 (datasheet, no sparsity).
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = ("bf16", "fp32")
+ADAPTER = "qkvo"
 
 
-def per_token_params(model) -> dict[str, int]:
+# ------------------------------------------------------------------------------------------------------- FLOPs
+def per_token_params(model: CogVideoXTTT) -> dict[str, int]:
     """Weights applied to every token (the adaLN linears act once per sample on the timestep: left out)."""
     blocks = 0
     for name, p in model.blocks.named_parameters():
@@ -54,7 +63,7 @@ def per_token_params(model) -> dict[str, int]:
     }
 
 
-def model_flops(model, layout: VideoLayout) -> dict[str, float]:
+def model_flops(model: CogVideoXTTT, layout: VideoLayout) -> dict[str, float]:
     """Model FLOPs of one forward + backward (backward = 2 x forward)."""
     spec = model.spec
     tok = per_token_params(model)
@@ -66,44 +75,130 @@ def model_flops(model, layout: VideoLayout) -> dict[str, float]:
     if model.use_ttt:
         D = spec.attention_head_dim
         E = model.blocks[0].ttt.ttt.W1.shape[-1]
-        # seven b x D x E GEMMs per mini-batch and head (SPEC section 3: 229 kFLOP per token-head for D 64, E 256)
+        # seven b x D x E GEMMs per mini-batch and head (229 kFLOP per token-head for D 64, E 256)
         per_token_head = 14 * D * E if model.ttt_config.kind == "mlp" else 8 * D * D
         ttt = 3 * 2 * per_token_head * spec.num_attention_heads * layout.ttt_tokens * spec.num_layers
     return {"dense": float(dense), "attention": float(attention), "ttt": float(ttt),
             "total": float(dense + attention + ttt)}
 
 
-def run_case(model, layout: VideoLayout, args, device, dtype, deadline: float) -> dict:
+# ------------------------------------------------------------------------------------------------------- setup
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="cogvideox-5b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
+    ap.add_argument("--durations", type=int, nargs="+", default=[3, 9])
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--width", type=int, default=720)
+    ap.add_argument("--text-tokens", type=int, default=0, help="0: the original's length per duration")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--block-group", type=int, default=1, help="blocks per activation checkpoint (0: none)")
+    ap.add_argument("--scan-group", type=int, default=16, help="TTT scan checkpoint group (mini-batches)")
+    ap.add_argument("--ttt-backend", default="auto", choices=list(ops.BACKENDS))
+    ap.add_argument("--optimizer-step", action="store_true", help="time the AdamW step too (unscale, clip, step)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other config key, applied last (as tttv's --set)")
+    ap.add_argument("--budget-s", type=float, default=480, help="stop timing new steps after this many seconds")
+    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--out", default="benchmarks/results/model_step.json")
+    return ap.parse_args()
+
+
+def bench_config(args: argparse.Namespace) -> Config:
+    """The Config of the benchmarked model and step: the schema's defaults with the flags' settings."""
+    block = args.block_group > 0
+    return load_config(None, [
+        f"model.preset={args.preset}", 'model.pretrained_path=""', f"model.dtype={args.dtype}",
+        f"model.adapter={ADAPTER}", "model.use_ttt=true",
+        "ttt.kind=mlp", "ttt.mini_batch_size=64", "ttt.base_lr=0.1",
+        f"ttt.scan_checkpoint_group_size={args.scan_group}", f"ttt.backend={args.ttt_backend}",
+        f"checkpointing.block={str(block).lower()}", f"checkpointing.group_size={max(args.block_group, 1)}",
+        f"layout.height={args.height}", f"layout.width={args.width}", f"layout.text_tokens={args.text_tokens}",
+        # no autocast: the weights' dtype (model.dtype) is the compute dtype
+        "train.precision=fp32", "train.batch_size=1",
+        *args.overrides,
+    ])
+
+
+def count_reference_calls() -> list[int]:
+    """A counter of calls that reach the PyTorch reference TTT scan through ops.py: which scan ran."""
+    calls = [0]
+    ref = ops.ttt_mlp_reference
+
+    def counted_reference(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        return ref(*a, **k)
+
+    ops.ttt_mlp_reference = counted_reference
+    return calls
+
+
+def build(cfg: Config, device: torch.device) -> tuple[CogVideoXTTT, float, dict[str, Any]]:
+    """The model of `cfg`, the seconds its build took, and its parameter counts."""
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model = build_model(cfg, device)
+    build_s = time.perf_counter() - start
+    groups = {r["group"]: r for r in trainable_summary(model)}
+    params = {
+        "total": groups["total"]["params"],
+        "trainable": groups["total"]["trainable"],
+        "ttt": groups.get("ttt", {}).get("params", 0) + groups.get("gates", {}).get("params", 0),
+        "per_group": groups,
+        "per_token_matmul": per_token_params(model),
+    }
+    return model, build_s, params
+
+
+def make_step(cfg: Config, model: CogVideoXTTT, device: torch.device, layout: VideoLayout) -> TrainStep:
+    """The trainer's step for `layout`: its objective, AdamW groups, scaler and clipping, one micro-batch."""
+    train = cfg.train
+    optimizer = build_optimizer(model, train)
+    objective = DiffusionObjective(ZeroSNRSchedule(), NoiseSource(train.seed, device), layout, train.text_dropout,
+                                   train.precision, train.batch_size, global_batch=train.batch_size)
+    return TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
+                     grad_clip=train.grad_clip)
+
+
+# ------------------------------------------------------------------------------------------------------ timing
+def random_batch(model: CogVideoXTTT, layout: VideoLayout, dtype: torch.dtype,
+                 device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(0)
     latents = torch.randn(1, layout.latent_frames, model.spec.in_channels, layout.latent_height, layout.latent_width,
                           generator=g, device=device, dtype=dtype)
     text = torch.randn(1, layout.num_segments, layout.text_tokens, model.spec.text_embed_dim, generator=g,
                        device=device, dtype=dtype)
-    target = torch.randn(latents.shape, generator=g, device=device, dtype=dtype)
-    t = torch.tensor([500.0], device=device)
+    return {"latents": latents, "text": text}
 
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
-        sync()
+
+def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argparse.Namespace, device: torch.device,
+             deadline: float) -> dict[str, Any]:
+    dtype = torch_dtype(cfg.model.dtype)
+    batch = random_batch(model, layout, dtype, device)
+    train_step = make_step(cfg, model, device, layout)
+
+    def step(i: int) -> float:
+        train_step.optimizer.zero_grad(set_to_none=True)  # freeing the last step's gradients is not timed
+        sync(device)
         start = time.perf_counter()
-        out = model(latents, text, t, layout)
-        loss = (out.float() - target.float()).square().mean()
-        loss.backward()
-        sync()
+        if args.optimizer_step:
+            train_step(iter((batch,)), i)
+        else:
+            train_step.gradients(iter((batch,)), i)
+        sync(device)
         return time.perf_counter() - start
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    warm = [step() for _ in range(args.warmup)]
+    warm = [step(i) for i in range(args.warmup)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
+    times: list[float] = []
+    while len(times) < args.steps:
         if times and time.perf_counter() + max(times) > deadline:
             break  # stay inside the device call's limit; report what was measured
-        times.append(step())
+        times.append(step(args.warmup + len(times)))
+    train_step.optimizer.zero_grad(set_to_none=True)
     flops = model_flops(model, layout)
     median = statistics.median(times)
     peak = PEAK_BF16.get(next((k for k in PEAK_BF16 if k in device_name(device)), ""), None)
@@ -123,74 +218,42 @@ def run_case(model, layout: VideoLayout, args, device, dtype, deadline: float) -
     if device.type == "cuda":
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    del latents, text, target
     return row
 
 
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+def run_duration(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argparse.Namespace,
+                 device: torch.device, deadline: float) -> tuple[dict[str, Any], str | None]:
+    """One duration's row, falling back to the reference TTT scan when the configured fast path fails; returns
+    (row, the fast path's failure or None)."""
+    failure = None
+    try:
+        return run_case(cfg, model, layout, args, device, deadline), None
+    except torch.cuda.OutOfMemoryError as e:
+        return {"duration_s": layout.duration_s, "tokens": layout.total_tokens,
+                "error": f"OOM: {str(e).splitlines()[0]}"}, None
+    except Exception as e:  # noqa: BLE001 - a failing fast path must not cost the whole device run
+        if cfg.ttt.backend == "reference":
+            raise
+        failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    # outside the except block, so that the traceback (and the graph it holds) is gone
+    print(f"TTT backend {cfg.ttt.backend} failed ({failure}); rerunning with the reference", flush=True)
+    for m in model.ttt_modules():
+        m.ttt.backend = "reference"
+    cfg.ttt.backend = "reference"
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return run_case(cfg, model, layout, args, device, deadline), failure
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="cogvideox-5b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    ap.add_argument("--durations", type=int, nargs="+", default=[3, 9])
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--width", type=int, default=720)
-    ap.add_argument("--text-tokens", type=int, default=0, help="0: the original's length per duration")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--block-group", type=int, default=1, help="blocks per activation checkpoint (0: none)")
-    ap.add_argument("--scan-group", type=int, default=16, help="TTT scan checkpoint group (mini-batches)")
-    ap.add_argument("--ttt-backend", default="auto", choices=list(ops.BACKENDS))
-    ap.add_argument("--budget-s", type=float, default=480, help="stop timing new steps after this many seconds")
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
-    ap.add_argument("--out", default="benchmarks/results/model_step.json")
-    args = ap.parse_args()
-    t0 = time.perf_counter()
-    deadline = t0 + args.budget_s
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-
-    # which TTT scan ran: count calls that reach the PyTorch reference through ops.py
-    reference_calls = [0]
-    ref = ops.ttt_mlp_reference
-
-    def counted_reference(*a, **k):
-        reference_calls[0] += 1
-        return ref(*a, **k)
-
-    ops.ttt_mlp_reference = counted_reference
-
-    spec = get_preset(args.preset)
-    ttt_cfg = TTTConfig(kind="mlp", mini_batch_size=64, base_lr=0.1, scan_checkpoint_group_size=args.scan_group,
-                        backend=args.ttt_backend)
-    torch.manual_seed(0)
-    build_start = time.perf_counter()
-    model = init_model(spec, ttt_cfg, use_ttt=True, dtype=dtype, device=device)
-    build_s = time.perf_counter() - build_start
-    apply_adapter(model, "qkvo")
-    ckpt = CheckpointingConfig(block=args.block_group > 0, group_size=max(args.block_group, 1))
-    apply_checkpointing(model, ckpt)
-    groups = {r["group"]: r for r in trainable_summary(model)}
-    params = {
-        "total": groups["total"]["params"],
-        "trainable": groups["total"]["trainable"],
-        "ttt": groups.get("ttt", {}).get("params", 0) + groups.get("gates", {}).get("params", 0),
-        "per_group": groups,
-        "per_token_matmul": per_token_params(model),
-    }
-    print(f"{device_name(device)}: {args.preset} built in {build_s:.1f} s, {params['total'] / 1e9:.3f} B params "
-          f"(TTT {params['ttt'] / 1e9:.3f} B, trainable {params['trainable'] / 1e9:.3f} B)", flush=True)
-
-    rows = []
+def run_durations(cfg: Config, model: CogVideoXTTT, args: argparse.Namespace, device: torch.device,
+                  deadline: float, reference_calls: list[int]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     last_step, last_tokens = 0.0, 1
     for duration in args.durations:
-        layout = VideoLayout.create(duration, args.height, args.width, patch_size=spec.patch_size,
-                                    text_tokens=args.text_tokens, mini_batch_size=64)
+        layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration)
         reference_calls[0] = 0
-        failure = None
         remaining = deadline - time.perf_counter()
         estimate = last_step * layout.total_tokens / last_tokens if last_step else 0.0
         if estimate > remaining:
@@ -200,69 +263,48 @@ def main() -> int:
             continue
         if estimate and (args.warmup + 1) * estimate > remaining:
             args.warmup, args.steps = 0, 1  # one unwarmed step is all the time allows
-        try:
-            row = run_case(model, layout, args, device, dtype, deadline)
-        except torch.cuda.OutOfMemoryError as e:
-            row = {"duration_s": duration, "tokens": layout.total_tokens, "error": f"OOM: {str(e).splitlines()[0]}"}
-        except Exception as e:  # noqa: BLE001 - a failing fast path must not cost the whole device run
-            if args.ttt_backend == "reference":
-                raise
-            failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            row = None
-        if row is None:
-            # outside the except block, so that the traceback (and the graph it holds) is gone
-            print(f"TTT backend {args.ttt_backend} failed ({failure}); rerunning with the reference", flush=True)
-            for m in model.ttt_modules():
-                m.ttt.backend = "reference"
-            args.ttt_backend = "reference"
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            row = run_case(model, layout, args, device, dtype, deadline)
+        row, failure = run_duration(cfg, model, layout, args, device, deadline)
         if "median_step_s" in row:
             last_step, last_tokens = row["median_step_s"], layout.total_tokens
         row["unwarmed"] = args.warmup == 0
-        row["ttt_scan_checkpoint_group_size"] = args.scan_group
-        row["ttt_backend"] = "reference" if reference_calls[0] else f"triton ({args.ttt_backend})"
+        row["ttt_scan_checkpoint_group_size"] = cfg.ttt.scan_checkpoint_group_size
+        row["ttt_backend"] = "reference" if reference_calls[0] else f"triton ({cfg.ttt.backend})"
         if failure:
             row["fast_path_failure"] = failure
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("layout",)}), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
 
-    result = {
-        "benchmark": "model_step",
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "cuda": torch.version.cuda,
-        "git_commit": args.commit,
-        "preset": args.preset,
-        "dtype": args.dtype,
-        "batch": 1,
-        "adapter": "qkvo",
-        "checkpointing": {"block_group_size": args.block_group, "ttt_scan_checkpoint_group_size": args.scan_group},
-        "optimizer_step": False,
-        "flops_convention": "model FLOPs: dense 6 x per-token matmul params x tokens (all weights, also frozen ones); "
-                            "attention 3 x 4 x windows x W^2 x C per layer; TTT-MLP 3 x 2 directions x 14 D E per "
-                            "token-head; recomputation not counted",
-        "params": params,
-        "build_s": build_s,
-        "results": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+
+# ------------------------------------------------------------------------------------------------------ output
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def write_result(result: dict[str, Any], out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
     out_dir = os.environ.get("OUT")
     if out_dir:
-        Path(out_dir, Path(args.out).name).write_text(json.dumps(result, indent=2))
+        Path(out_dir, Path(out).name).write_text(json.dumps(result, indent=2))
 
-    print(f"\n{result['device']}, torch {result['torch']}, {args.preset} + TTT-MLP, bf16={args.dtype == 'bf16'}, "
-          f"batch 1, qkvo, block checkpoint group {args.block_group}, scan group {args.scan_group}")
+
+def print_table(result: dict[str, Any], cfg: Config) -> None:
+    ck = result["checkpointing"]
+    print(f"\n{result['device']}, torch {result['torch']}, {cfg.model.preset} + TTT-MLP, "
+          f"bf16={cfg.model.dtype == 'bf16'}, batch 1, {cfg.model.adapter}, block checkpoint group "
+          f"{ck['block_group_size']}, scan group {ck['ttt_scan_checkpoint_group_size']}, "
+          f"optimizer step {result['optimizer_step']}")
     print(f"{'dur':>4} {'tokens':>7} {'step s':>8} {'alloc GiB':>9} {'resv GiB':>9} {'dense TF':>9} {'attn TF':>8} "
           f"{'TTT TF':>8} {'TFLOP/s':>8} {'MFU':>6}  backend")
-    for r in rows:
+    for r in result["results"]:
         if "error" in r:
             print(f"{r['duration_s']:>3}s {r['tokens']:>7}  {r['error']}")
             continue
@@ -271,6 +313,43 @@ def main() -> int:
         print(f"{r['duration_s']:>3}s {r['tokens']:>7} {r['median_step_s']:>8.2f} {r.get('peak_allocated_gib', 0):>9.1f} "
               f"{r.get('peak_reserved_gib', 0):>9.1f} {f['dense'] / 1e12:>9.1f} {f['attention'] / 1e12:>8.1f} "
               f"{f['ttt'] / 1e12:>8.1f} {r['achieved_tflops']:>8.1f} {mfu:>6}  {r['ttt_backend']}")
+
+
+def main() -> int:
+    args = parse_args()
+    deadline = time.perf_counter() + args.budget_s
+    device = torch.device(args.device)
+    cfg = bench_config(args)
+    reference_calls = count_reference_calls()
+    model, build_s, params = build(cfg, device)
+    print(f"{device_name(device)}: {cfg.model.preset} built in {build_s:.1f} s, {params['total'] / 1e9:.3f} B params "
+          f"(TTT {params['ttt'] / 1e9:.3f} B, trainable {params['trainable'] / 1e9:.3f} B)", flush=True)
+    rows = run_durations(cfg, model, args, device, deadline, reference_calls)
+    result = {
+        "benchmark": "model_step",
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "git_commit": args.commit,
+        "preset": cfg.model.preset,
+        "dtype": cfg.model.dtype,
+        "batch": cfg.train.batch_size,
+        "adapter": cfg.model.adapter,
+        "checkpointing": {"block_group_size": cfg.checkpointing.group_size if cfg.checkpointing.block else 0,
+                          "ttt_scan_checkpoint_group_size": cfg.ttt.scan_checkpoint_group_size},
+        "optimizer_step": args.optimizer_step,
+        "objective": "diffusion_loss: v-prediction MSE on the ZeroSNR schedule, as the trainer's",
+        "flops_convention": "model FLOPs: dense 6 x per-token matmul params x tokens (all weights, also frozen ones); "
+                            "attention 3 x 4 x windows x W^2 x C per layer; TTT-MLP 3 x 2 directions x 14 D E per "
+                            "token-head; recomputation and the optimizer step not counted",
+        "params": params,
+        "build_s": build_s,
+        "config": config_to_dict(cfg),
+        "results": rows,
+    }
+    write_result(result, args.out)
+    print_table(result, cfg)
     return 0
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +128,19 @@ def test_profiler_only_watches_and_a_disabled_one_does_nothing():
     assert plain_losses == quiet_losses == watched_losses
     for (name, a), b, c in zip(plain.named_parameters(), quiet.parameters(), watched.parameters()):
         assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+def test_model_step_benchmark_runs_the_step_on_cpu(tmp_path):
+    """benchmarks/model_step.py (built with build_model, timed through TrainStep) as its docstring's CPU smoke run."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "model_step.json"
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    subprocess.run([sys.executable, str(root / "benchmarks" / "model_step.py"), "--preset", "tiny", "--device", "cpu",
+                    "--dtype", "fp32", "--height", "32", "--width", "48", "--text-tokens", "8", "--durations", "3",
+                    "--steps", "1", "--warmup", "0", "--optimizer-step", "--out", str(out)],
+                   check=True, cwd=root, env=env, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    row = result["results"][0]
+    assert result["optimizer_step"] and result["config"]["model"]["adapter"] == "qkvo"
+    assert row["tokens"] > 0 and row["median_step_s"] > 0 and row["ttt_backend"] == "reference"
