@@ -310,8 +310,8 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
             continue
         f = r["flops"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        print(f"{r['duration_s']:>3}s {r['tokens']:>7} {r['median_step_s']:>8.2f} {r.get('peak_allocated_gib', 0):>9.1f} "
-              f"{r.get('peak_reserved_gib', 0):>9.1f} {f['dense'] / 1e12:>9.1f} {f['attention'] / 1e12:>8.1f} "
+        print(f"{r['duration_s']:>3}s {r['tokens']:>7} {r['median_step_s']:>8.2f} "
+              f"{r.get('peak_allocated_gib', 0):>9.1f} {r.get('peak_reserved_gib', 0):>9.1f} {f['dense'] / 1e12:>9.1f} {f['attention'] / 1e12:>8.1f} "
               f"{f['ttt'] / 1e12:>8.1f} {r['achieved_tflops']:>8.1f} {mfu:>6}  {r['ttt_backend']}")
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from tttvideo.config.schema import Config
 from tttvideo.dtypes import torch_dtype
 from tttvideo.models.adapters import apply_adapter
 from tttvideo.models.checkpointing import apply_checkpointing
@@ -16,9 +15,10 @@ from tttvideo.ttt.layer import inner_hidden
 from tttvideo.ttt.ops import check_backend_config
 
 
-def build_model(cfg: Any, device: torch.device | str = "cpu") -> CogVideoXTTT:
-    """From a `tttvideo.config.schema.Config`: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha,
-    use_ttt), `cfg.ttt` and `cfg.checkpointing`. Random initialisation follows torch's current seed."""
+def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT:
+    """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt),
+    `cfg.ttt` and `cfg.checkpointing`. Random initialisation follows torch's current seed. The trainer, the
+    sampler's `load_model`, the memory profiler and benchmarks/model_step.py all build their model here."""
     m = cfg.model
     spec = get_preset(m.preset)
     head_dim = spec.attention_head_dim
