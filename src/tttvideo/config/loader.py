@@ -37,9 +37,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError
 
-if typing.TYPE_CHECKING:
-    from tttvideo.layout import VideoLayout
-
 INCLUDE_KEY = "include"
 OVERRIDE_SOURCE = "--set"
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -513,25 +510,6 @@ def _field_default(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return dataclasses.MISSING
-
-
-# --------------------------------------------------------------------------------------------------------- layout
-def layout_from_config(cfg: Config) -> "VideoLayout":
-    """The long-video layout a config describes (the TTT mini-batch sets the padding)."""
-    from tttvideo.layout import VideoLayout  # torch import deferred: `tttv config` should not pay for it
-
-    lay = cfg.layout
-    return VideoLayout.create(
-        duration=lay.duration,
-        height=lay.height,
-        width=lay.width,
-        fps=lay.fps,
-        vae_spatial=lay.vae_spatial,
-        vae_temporal=lay.vae_temporal,
-        patch_size=lay.patch_size,
-        text_tokens=lay.text_tokens,
-        mini_batch_size=cfg.ttt.mini_batch_size,
-    )
 
 
 # --------------------------------------------------------------------------------------------------------- helpers

@@ -121,14 +121,14 @@ class _TrainPhases:
 def drive_train(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.device) -> None:
     import torch
 
-    from tttvideo.config.loader import layout_from_config
     from tttvideo.diffusion import ZeroSNRSchedule
+    from tttvideo.layout import VideoLayout
     from tttvideo.train.loss import NoiseSource
     from tttvideo.train.optim import build_optimizer
     from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
 
     train = cfg.train
-    layout = layout_from_config(cfg)
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
     torch.manual_seed(train.seed)
     model = _build(cfg, prof, device, train=True)
     model.train()
@@ -158,13 +158,13 @@ def drive_sample(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> Non
 
     import torch
 
-    from tttvideo.config.loader import layout_from_config
+    from tttvideo.layout import VideoLayout
     from tttvideo.sample.decode import make_decoder
     from tttvideo.sample.pipeline import denoise, load_model
 
     cfg = copy.deepcopy(cfg)
     cfg.sample.steps = steps
-    layout = layout_from_config(cfg)
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
     torch.manual_seed(cfg.sample.seed)
     with prof.component("transformer") as info:
         model = load_model(cfg, None, device, offload=cfg.sample.offload_blocks)

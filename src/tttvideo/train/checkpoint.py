@@ -25,8 +25,6 @@ import torch
 from tttvideo.errors import UserError
 from tttvideo.runs import (CONFIG_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MODEL_FILE, STATE_FILE, checkpoint_root,
                            file_digest, find_model_file, latest_checkpoint, list_checkpoints)
-# the trainer's resume reads these lookups through this module
-from tttvideo.runs import newest_intact_checkpoint, read_manifest, step_folders  # noqa: F401
 
 
 def rng_state() -> dict[str, Any]:

@@ -31,11 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tttvideo.config.loader import config_to_dict, dump_toml, layout_from_config
+from tttvideo.config.loader import config_to_dict, dump_toml
 from tttvideo.config.schema import Config, TrainConfig
 from tttvideo.data.loader import make_loader
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import ConfigError, UserError
+from tttvideo.layout import VideoLayout
+from tttvideo import runs
 from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped
@@ -118,7 +120,7 @@ class Trainer:
             )
         self.world_size, self.rank = 1, 0
         self.grad_accum, self.global_batch = batch_plan(self.train, self.world_size)
-        self.layout = layout_from_config(cfg)
+        self.layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
         # what to do with an earlier run in output_dir: --resume (resume=True) or train.if_exists
         self.if_exists = if_exists or ("resume" if resume else self.train.if_exists)
         if self.if_exists not in runfolder.IF_EXISTS:
@@ -171,13 +173,13 @@ class Trainer:
             except Exception as err:
                 # the manifest vouches for a checkpoint's files, so a load error there is a bug to report; one
                 # written before manifests were (headers checked only) may be damaged deeper: use an older one
-                if ckpt.read_manifest(self.resume_from) is not None:
+                if runs.read_manifest(self.resume_from) is not None:
                     raise
                 log.warning("checkpoint %s cannot be loaded (%s: %s); trying the one before it", self.resume_from,
                             type(err).__name__, err)
                 bad = self.resume_from
-                newer = tuple(p for _, p in ckpt.step_folders(self.output_dir) if p.name >= bad.name)
-                self.resume_from = ckpt.newest_intact_checkpoint(
+                newer = tuple(p for _, p in runs.step_folders(self.output_dir) if p.name >= bad.name)
+                self.resume_from = runs.newest_intact_checkpoint(
                     self.output_dir, exclude=newer, advice="start over with --overwrite or beside it with --new")
                 if self.resume_from is None:
                     raise UserError(f"{self.output_dir} has no loadable checkpoint ({bad.name}: {type(err).__name__}: "
