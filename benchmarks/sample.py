@@ -1,11 +1,13 @@
 """One denoising step of CogVideoX-5B + TTT-MLP (random init, bf16) at 3 s, 9 s and 63 s, with and without TTT.
 
-    python benchmarks/sample.py --out benchmarks/results/sample_h100.json
+    PYTHONPATH=src python3 benchmarks/sample.py --out benchmarks/results/sample_h100.json
 
-What one "step" is: one classifier-free-guided evaluation of the transformer at batch 1, i.e. the conditional and
-the unconditional prediction. By default both go through ONE forward at batch 2 (`sample.cfg_batched`); when that
-does not fit, two forwards at batch 1 (the JSON says which, per measurement). Solver arithmetic is negligible and
-not included.
+(PYTHONPATH=src is not needed where the package is installed.)
+
+What one "step" is: one classifier-free-guided prediction at batch 1 (`tttvideo.sample.guidance.GuidedPrediction`,
+the step `tttv sample` runs), i.e. the conditional and the unconditional prediction and the guidance arithmetic. By
+default both go through ONE forward at batch 2 (`sample.cfg_batched`); when that does not fit, two forwards at
+batch 1 (the JSON says which, per measurement). The solver update is negligible and not included.
 
 The time is split with CUDA events recorded by forward hooks around every block's attention module
 (`LocalAttention`: q/k/v/out projections, q/k norms, RoPE, window gather, SDPA, overlap average) and TTT module
@@ -29,18 +31,16 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from tttvideo.config.loader import load_config  # noqa: E402
-from tttvideo.layout import VideoLayout  # noqa: E402
-from tttvideo.models import init_model  # noqa: E402
-from tttvideo.models.presets import get_preset  # noqa: E402
+from tttvideo.config.loader import load_config
+from tttvideo.config.schema import Config
+from tttvideo.layout import VideoLayout
+from tttvideo.models import build_model
+from tttvideo.sample.guidance import GuidedPrediction
 
 
 class ModuleTimer:
@@ -96,13 +96,9 @@ def sync(device: torch.device) -> None:
 
 
 def guided_step(model, layout, x, text, uncond, batched: bool):
-    """One CFG evaluation: batch 2, or two passes of batch 1."""
-    if batched:
-        v_u, v_c = model(torch.cat([x, x]), torch.cat([uncond, text]), 999, layout).chunk(2)
-    else:
-        v_u = model(x, uncond, 999, layout)
-        v_c = model(x, text, 999, layout)
-    return v_u + 4.0 * (v_c - v_u)
+    """One guided prediction at guidance 4 (the sampler's step), batch 2 or two passes of batch 1; an OOM is
+    raised, not fallen back from, so that it is recorded."""
+    return GuidedPrediction(model, layout, text, uncond, batched=batched, fall_back_on_oom=False)(x, 999, 4.0)
 
 
 def step_inputs(spec, layout, device, dtype, seed: int):
@@ -193,8 +189,7 @@ def offload_check(model, args, cfg, device, dtype) -> dict:
     as the resident model; reports its time and peak memory next to the resident run."""
     from tttvideo.sample.offload import BlockOffloader
 
-    layout = VideoLayout.create(args.offload_check, args.height, args.width, text_tokens=args.text_tokens,
-                                mini_batch_size=cfg.ttt.mini_batch_size)
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, args.offload_check)
     x, text, uncond = step_inputs(model.spec, layout, device, dtype, seed=1)
     resident = guided_step(model, layout, x, text, uncond, True).float().cpu()
     off = BlockOffloader(model.blocks, device, prefetch=cfg.sample.prefetch_blocks)
@@ -241,7 +236,7 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="cogvideox-5b")
     ap.add_argument("--durations", nargs="+", default=["3s", "9s", "63s"])
@@ -259,83 +254,57 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=0, help="skip measurements once this much time has passed")
     ap.add_argument("--offload-check", default="3s", help="duration at which block offload is checked against the "
                                                           "resident model (same output, time, peak); '' = skip")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    # inference: no scan checkpointing (nothing to save for a backward pass)
-    cfg = load_config(None, ["ttt.scan_checkpoint_group_size=0", *args.overrides])
-    spec = get_preset(args.preset)
-    batched = {"auto": None, "batch2": True, "two-pass": False}[args.cfg]
-    report = {"benchmark": "sample: one guided denoising step (cond + uncond) at batch 1", "env": environment(device),
-              "preset": args.preset, "dtype": args.dtype, "ttt": {"kind": cfg.ttt.kind,
-              "mini_batch_size": cfg.ttt.mini_batch_size, "backend": cfg.ttt.backend}, "runs": []}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
-    def save():
-        text = json.dumps(report, indent=1) + "\n"
-        out.write_text(text)
+def benchmark_config(args: argparse.Namespace) -> Config:
+    """The model the sampler would build: preset and dtype from the flags, random weights; no scan checkpointing
+    (inference has no backward pass to save for)."""
+    return load_config(None, [f'model.preset="{args.preset}"', f'model.dtype="{args.dtype}"',
+                              f"layout.height={args.height}", f"layout.width={args.width}",
+                              f"layout.text_tokens={args.text_tokens}", "ttt.scan_checkpoint_group_size=0",
+                              *args.overrides])
+
+
+class Report:
+    """The JSON result, rewritten after every measurement (and copied to $OUT on the device machine)."""
+
+    def __init__(self, path: Path, data: dict):
+        self.path, self.data = path, data
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(self) -> None:
+        text = json.dumps(self.data, indent=1) + "\n"
+        self.path.write_text(text)
         if os.environ.get("OUT"):
-            Path(os.environ["OUT"], out.name).write_text(text)
+            Path(os.environ["OUT"], self.path.name).write_text(text)
 
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    model = init_model(spec, cfg.ttt, use_ttt=True, dtype=dtype, device=device).eval().requires_grad_(False)
-    sync(device)
-    report["init_s"] = time.perf_counter() - t0
-    report["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
-    report["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    print(f"{args.preset}: {report['params_b']:.2f} B parameters, {report['weights_gib']:.1f} GiB, "
-          f"init {report['init_s']:.1f} s on {report['env']['device']}", flush=True)
-    save()
 
-    for duration in args.durations:
-        layout = VideoLayout.create(duration, args.height, args.width, text_tokens=args.text_tokens,
-                                    mini_batch_size=cfg.ttt.mini_batch_size)
-        full = layout.duration_s <= args.full_until
-        blocks = None if full else args.timed_blocks
-        for use_ttt in (True, False):
-            if args.budget_s and time.perf_counter() - t0 > args.budget_s:
-                report["runs"].append({"duration_s": layout.duration_s, "use_ttt": use_ttt,
-                                       "tokens": layout.total_tokens,
-                                       "skipped": f"time budget of {args.budget_s:.0f} s spent"})
-                save()
-                continue
-            saved = None if use_ttt else detach_ttt(model)
-            try:
-                r = measure(model, layout, device, dtype, blocks, args.repeats, batched)
-                if full and layout.duration_s == args.full_until:
-                    # how far the k-block extrapolation used at longer durations is from the full measurement
-                    part = measure(model, layout, device, dtype, args.timed_blocks, args.repeats, batched)
-                    if "step_s" in part and "step_s" in r:
-                        r["extrapolation_check"] = {"blocks": args.timed_blocks, "estimated_step_s": part["step_s"],
-                                                    "error_pct": 100 * (part["step_s"] / r["step_s"] - 1)}
-            except Exception as err:  # a kernel that fails to build must not cost the other measurements
-                r = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]}
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
-            finally:
-                if saved is not None:
-                    attach_ttt(model, saved, device)
-            r.update(duration_s=layout.duration_s, tokens=layout.total_tokens, text_tokens=layout.text_tokens,
-                     use_ttt=use_ttt)
-            report["runs"].append(r)
-            save()
-            print(json.dumps(r), flush=True)
-        on = next(x for x in report["runs"] if x["duration_s"] == layout.duration_s and x["use_ttt"])
-        off = next(x for x in report["runs"] if x["duration_s"] == layout.duration_s and not x["use_ttt"])
-        if "step_s" in on and "step_s" in off:
-            report.setdefault("ratio_ttt_over_local", {})[f"{layout.duration_s}s"] = on["step_s"] / off["step_s"]
-            save()
+def measure_duration(model, layout: VideoLayout, args, device, dtype, use_ttt: bool, batched: bool | None) -> dict:
+    """One (duration, TTT on/off) measurement; at --full-until also the extrapolation check."""
+    full = layout.duration_s <= args.full_until
+    blocks = None if full else args.timed_blocks
+    saved = None if use_ttt else detach_ttt(model)
+    try:
+        r = measure(model, layout, device, dtype, blocks, args.repeats, batched)
+        if full and layout.duration_s == args.full_until:
+            # how far the k-block extrapolation used at longer durations is from the full measurement
+            part = measure(model, layout, device, dtype, args.timed_blocks, args.repeats, batched)
+            if "step_s" in part and "step_s" in r:
+                r["extrapolation_check"] = {"blocks": args.timed_blocks, "estimated_step_s": part["step_s"],
+                                            "error_pct": 100 * (part["step_s"] / r["step_s"] - 1)}
+    except Exception as err:  # a kernel that fails to build must not cost the other measurements
+        r = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]}
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    finally:
+        if saved is not None:
+            attach_ttt(model, saved, device)
+    r.update(duration_s=layout.duration_s, tokens=layout.total_tokens, text_tokens=layout.text_tokens,
+             use_ttt=use_ttt)
+    return r
 
-    if args.offload_check and not (args.budget_s and time.perf_counter() - t0 > args.budget_s):
-        try:
-            report["offload"] = offload_check(model, args, cfg, device, dtype)
-        except Exception as err:
-            report["offload"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-        save()
-        print(json.dumps(report["offload"]), flush=True)
 
+def print_table(report: dict) -> None:
     print(f"\n{'duration':>8} {'TTT':>4} {'tokens':>8} {'cfg':>22} {'step s':>8} {'attn s':>8} {'ttt s':>8} "
           f"{'rest s':>8} {'peak GiB':>9} {'blocks':>7}")
     for r in report["runs"]:
@@ -348,6 +317,60 @@ def main(argv=None) -> int:
               f"{r.get('peak_allocated_gib', 0):>9.1f} {r['blocks_timed']:>3}/{r['blocks_total']}")
     for k, v in report.get("ratio_ttt_over_local", {}).items():
         print(f"step time with TTT / without at {k}: {v:.2f}x")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    cfg = benchmark_config(args)
+    batched = {"auto": None, "batch2": True, "two-pass": False}[args.cfg]
+    report = Report(Path(args.out), {
+        "benchmark": "sample: one guided denoising step (cond + uncond) at batch 1", "env": environment(device),
+        "preset": args.preset, "dtype": args.dtype,
+        "ttt": {"kind": cfg.ttt.kind, "mini_batch_size": cfg.ttt.mini_batch_size, "backend": cfg.ttt.backend},
+        "runs": []})
+    data = report.data
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = build_model(cfg, device=device).eval().requires_grad_(False)
+    sync(device)
+    data["init_s"] = time.perf_counter() - t0
+    data["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
+    data["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    print(f"{args.preset}: {data['params_b']:.2f} B parameters, {data['weights_gib']:.1f} GiB, "
+          f"init {data['init_s']:.1f} s on {data['env']['device']}", flush=True)
+    report.save()
+
+    def out_of_time() -> bool:
+        return bool(args.budget_s) and time.perf_counter() - t0 > args.budget_s
+
+    for duration in args.durations:
+        layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration)
+        for use_ttt in (True, False):
+            if out_of_time():
+                r = {"duration_s": layout.duration_s, "use_ttt": use_ttt, "tokens": layout.total_tokens,
+                     "skipped": f"time budget of {args.budget_s:.0f} s spent"}
+            else:
+                r = measure_duration(model, layout, args, device, dtype, use_ttt, batched)
+                print(json.dumps(r), flush=True)
+            data["runs"].append(r)
+            report.save()
+        on, off = (next(x for x in data["runs"] if x["duration_s"] == layout.duration_s and x["use_ttt"] == ttt)
+                   for ttt in (True, False))
+        if "step_s" in on and "step_s" in off:
+            data.setdefault("ratio_ttt_over_local", {})[f"{layout.duration_s}s"] = on["step_s"] / off["step_s"]
+            report.save()
+
+    if args.offload_check and not out_of_time():
+        try:
+            data["offload"] = offload_check(model, args, cfg, device, dtype)
+        except Exception as err:
+            data["offload"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        report.save()
+        print(json.dumps(data["offload"]), flush=True)
+    print_table(data)
     return 0
 
 

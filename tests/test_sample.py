@@ -13,9 +13,11 @@ import torch
 from tttvideo.cli import main
 from tttvideo.config.loader import dump_toml, load_config
 from tttvideo.data.video import read_frames
+from tttvideo.layout import VideoLayout
 from tttvideo.models import save_checkpoint
+from tttvideo.sample.guidance import denoise
+from tttvideo.sample.model import load_model
 from tttvideo.sample.offload import BlockOffloader
-from tttvideo.sample.pipeline import denoise, load_model, story_layout
 from tttvideo.sample.scenes import load_stories
 
 TINY = [
@@ -82,9 +84,9 @@ def test_several_stories_one_call_same_seed_same_video(tmp_path, checkpoint):
 
 def test_denoise_seed_determinism(checkpoint, tmp_path):
     cfg = load_config(checkpoint / "config.toml", ["sample.steps=2", 'sample.solver="dpm++2m"', "sample.cfg=2"])
-    model = load_model(cfg, checkpoint, torch.device("cpu"))
+    model = load_model(cfg, checkpoint, torch.device("cpu")).model
     [story] = load_stories(story_file(tmp_path, [RED]))
-    layout = story_layout(cfg, story)
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, story.duration_s)
     gen = torch.Generator().manual_seed(0)
     cond, uncond = torch.randn(1, 16, 64, generator=gen), torch.zeros(1, 16, 64)
     first = denoise(model, layout, cond, uncond, cfg.sample, torch.device("cpu"))
@@ -102,8 +104,8 @@ def test_denoise_seed_determinism(checkpoint, tmp_path):
 
 def test_batch2_out_of_memory_falls_back_to_two_passes(checkpoint, tmp_path, caplog):
     cfg = load_config(checkpoint / "config.toml", ["sample.steps=2", "sample.cfg=3", 'sample.cfg_schedule="constant"'])
-    model = load_model(cfg, checkpoint, torch.device("cpu"))
-    layout = story_layout(cfg, load_stories_from([RED]))
+    model = load_model(cfg, checkpoint, torch.device("cpu")).model
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, load_stories_from([RED]).duration_s)
     cond, uncond = torch.randn(1, 16, 64), torch.zeros(1, 16, 64)
     cfg.sample.cfg_batched = False
     two_pass = denoise(model, layout, cond, uncond, cfg.sample, torch.device("cpu"))
@@ -132,8 +134,8 @@ def test_batch2_out_of_memory_falls_back_to_two_passes(checkpoint, tmp_path, cap
 
 def test_block_offload_bookkeeping(checkpoint, caplog):
     cfg = load_config(checkpoint / "config.toml", [])
-    model = load_model(cfg, checkpoint, torch.device("cpu"))
-    layout = story_layout(cfg, load_stories_from([RED]))
+    model = load_model(cfg, checkpoint, torch.device("cpu")).model
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, load_stories_from([RED]).duration_s)
     gen = torch.Generator().manual_seed(0)
     x, text = torch.randn(1, 13, 16, 4, 6, generator=gen), torch.randn(1, 1, 16, 64, generator=gen)
     with torch.no_grad():
@@ -251,12 +253,13 @@ def test_trained_duration_comes_from_the_model_file_first(tmp_path, checkpoint, 
     """A model file that carries its trained duration needs no config beside it; within that length, no word."""
     from tttvideo.models import build_model
     from tttvideo.models.weights import trained_duration
-    from tttvideo.sample.pipeline import warn_beyond_training
+    from tttvideo.sample.model import warn_beyond_training
 
     cfg = load_config(checkpoint / "config.toml", [])
     alone = save_checkpoint(build_model(cfg), tmp_path / "alone" / "model.safetensors", trained_duration_s=6)
     assert trained_duration(alone) == 6 and trained_duration(checkpoint / "model.safetensors") == 3
     stories = [load_stories_from([RED, BLUE]), load_stories_from([RED, BLUE, RED])]
     with caplog.at_level(logging.WARNING, logger="tttvideo"):
-        warn_beyond_training(alone, stories, [story_layout(cfg, s) for s in stories])
+        layouts = [VideoLayout.from_config(cfg.layout, cfg.ttt, s.duration_s) for s in stories]
+        warn_beyond_training(alone, stories, layouts)
     assert len(caplog.records) == 1 and "is 9 s long" in caplog.text and "at most 6 s" in caplog.text

@@ -7,7 +7,7 @@ diffusion objective (v-prediction MSE on ZeroSNR, under train.precision autocast
 scaler, clipping and the AdamW step, each phase marked from inside the step. One micro-batch per step: accumulation
 adds nothing to the peak, gradients persist across micro-batches either way.
 
-sample: one story as `tttv sample` runs it (`tttvideo.sample.pipeline`): `load_model` (block offload if
+sample: one story as `tttv sample` runs it (`tttvideo.sample`): `load_model` (block offload if
 configured), `denoise` (the configured solver and guidance, `--steps` steps), the transformer released, the VAE
 decode (the identity decode when no VAE folder is configured).
 
@@ -149,7 +149,7 @@ def drive_train(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.dev
     prof.mark("gradients released")
 
 
-def drive_sample(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> None:
+def drive_sample(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.device) -> None:
     """As `tttv sample` runs one story, minus the text encoder (the sampler releases it before the transformer
     loads, so it never adds to this peak): transformer (with block offload if configured), the solver loop, the
     transformer released, then the VAE decode."""
@@ -159,15 +159,17 @@ def drive_sample(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> Non
     import torch
 
     from tttvideo.layout import VideoLayout
-    from tttvideo.sample.decode import make_decoder
-    from tttvideo.sample.pipeline import denoise, load_model
+    from tttvideo.sample.guidance import denoise
+    from tttvideo.sample.model import load_model
+    from tttvideo.sample.pipeline import make_story_decoder
 
     cfg = copy.deepcopy(cfg)
     cfg.sample.steps = steps
     layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
     torch.manual_seed(cfg.sample.seed)
     with prof.component("transformer") as info:
-        model = load_model(cfg, None, device, offload=cfg.sample.offload_blocks)
+        loaded = load_model(cfg, None, device, offload=cfg.sample.offload_blocks)
+        model = loaded.model
         info["counted_bytes"] = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
     prof.meta["parameters"] = {"total": sum(p.numel() for p in model.parameters()), "trainable": 0}
     prof.attach_block_hooks(list(model.blocks), backward=False)
@@ -180,17 +182,14 @@ def drive_sample(cfg: Any, prof: MemoryProfiler, steps: int, device: Any) -> Non
                           on_step=lambda i, n: prof.mark(f"denoise step {i + 1}/{n}"))
     prof.detach_hooks()
     with prof.component("transformer released"):
-        offloader = getattr(model, "_offloader", None)
-        if offloader is not None:
-            offloader.close()
-        del model
+        loaded.close()
+        del model, loaded
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     vae_path = cfg.sample.vae_path or cfg.data.vae_path
     with prof.component("VAE" if vae_path else "VAE (identity decode: no sample.vae_path)"):
-        decoder = make_decoder(vae_path, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
-                               cfg.sample.vae_tiling, cfg.layout.vae_spatial, cfg.layout.vae_temporal)
+        decoder = make_story_decoder(cfg, device)
     with prof.phase("VAE decode"):
         frames = 0
         for chunk in decoder.frames(latents):

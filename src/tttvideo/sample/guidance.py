@@ -1,0 +1,90 @@
+"""One classifier-free-guided prediction of the transformer, and the solver loop built on it.
+
+The guided prediction is v_u + s (v_c - v_u), CogVideoX's CFG on the v-prediction. Conditional and unconditional
+predictions go through ONE forward at batch 2 (`sample.cfg_batched`, the fastest) or two forwards at batch 1 (half
+the activations). When the batch-2 forward runs out of GPU memory the prediction falls back to two passes, says so
+once, and stays there for the rest of the video. At guidance 1 the unconditional pass is skipped. `tttv sample`,
+`tttv profile --phase sample` and benchmarks/sample.py all run this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from tttvideo.config.schema import SampleConfig
+from tttvideo.diffusion import ZeroSNRSchedule
+from tttvideo.layout import VideoLayout
+from tttvideo.sample.solvers import GuidanceSchedule, guide, make_solver
+
+log = logging.getLogger(__name__)
+
+
+class GuidedPrediction:
+    """`step(x, t, scale)` -> the guided v-prediction (float32) of latents x [1, T, C, h, w] at timestep t.
+
+    cond / uncond: text features [1, segments, tokens, dim] on the model's device and dtype. With
+    `fall_back_on_oom=False` an out-of-memory error of the batch-2 forward propagates (benchmarks record it)."""
+
+    def __init__(self, model: torch.nn.Module, layout: VideoLayout, cond: torch.Tensor, uncond: torch.Tensor,
+                 batched: bool = True, fall_back_on_oom: bool = True):
+        self.model, self.layout = model, layout
+        self.cond, self.uncond = cond, uncond
+        self.both = torch.cat([uncond, cond]) if batched else None
+        self.batched = batched
+        self.fall_back_on_oom = fall_back_on_oom
+
+    def __call__(self, x: torch.Tensor, t: int | torch.Tensor, scale: float) -> torch.Tensor:
+        model, layout = self.model, self.layout
+        if scale == 1.0:  # guidance 1 is the conditional prediction alone
+            return model(x, self.cond, t, layout).float()
+        if self.batched:
+            try:
+                v_u, v_c = model(torch.cat([x, x]), self.both, t, layout).float().chunk(2)
+                return guide(v_u, v_c, scale)
+            except torch.OutOfMemoryError:
+                if not self.fall_back_on_oom:
+                    raise
+                self._fall_back(x.device)
+        v_u = model(x, self.uncond, t, layout).float()
+        return guide(v_u, model(x, self.cond, t, layout).float(), scale)
+
+    def _fall_back(self, device: torch.device) -> None:
+        # batch 2 does not fit (CogVideoX-5B + TTT at 63 s on 80 GB): the same guidance in two passes, which halves
+        # the activations, for the rest of this video
+        self.batched, self.both = False, None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("guidance at batch 2 ran out of memory; continuing with two passes of batch 1 "
+                    "(set sample.cfg_batched = false to start that way)")
+
+
+@torch.no_grad()
+def denoise(model: torch.nn.Module, layout: VideoLayout, cond: torch.Tensor, uncond: torch.Tensor,
+            sample_cfg: SampleConfig, device: torch.device,
+            on_step: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """The solver loop for one story. cond/uncond: [segments, text_tokens, text_dim]. Returns the clean latents
+    [1, T, C, h, w] float32 on the CPU.
+
+    The initial noise and every noise draw of a stochastic solver come from one CPU generator seeded with
+    `sample_cfg.seed`, so a seed gives the same latents on any device and whether a story is sampled alone or not."""
+    spec = model.spec
+    gen = torch.Generator(device="cpu").manual_seed(int(sample_cfg.seed))
+    shape = (1, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width)
+    x = torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
+    solver = make_solver(sample_cfg.solver, ZeroSNRSchedule(), sample_cfg.steps)
+    scales = GuidanceSchedule(sample_cfg.cfg_schedule, sample_cfg.cfg, sample_cfg.cfg_start,
+                              sample_cfg.cfg_ramp_exp).scales(len(solver.timesteps))
+    dtype = next(model.parameters()).dtype
+    predict = GuidedPrediction(model, layout, cond[None].to(device=device, dtype=dtype),
+                               uncond[None].to(device=device, dtype=dtype), batched=sample_cfg.cfg_batched)
+    last = len(solver.timesteps) - 1
+    for i, t in enumerate(solver.timesteps):
+        v = predict(x, t, scales[i])
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32) if solver.stochastic and i < last else None
+        x = solver.step(i, x, v, noise)
+        if on_step is not None:
+            on_step(i, len(solver.timesteps))
+    return x.cpu()
