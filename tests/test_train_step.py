@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (optimizers import it on first use; under tracemalloc that import alone takes ~10 s)
 
-from tttvideo.config.loader import layout_from_config, load_config
+from tttvideo.config.loader import load_config
 from tttvideo.diffusion import ZeroSNRSchedule
+from tttvideo.layout import VideoLayout
 from tttvideo.memory.profiler import MemoryProfiler
 from tttvideo.models import build_model
 from tttvideo.train.loss import NoiseSource, diffusion_loss
@@ -33,7 +34,7 @@ TINY = ["model.preset=tiny", "layout.height=32", "layout.width=48", "layout.text
 
 def setup(*extra):
     cfg = load_config(None, [*TINY, *extra])
-    layout = layout_from_config(cfg)
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
     torch.manual_seed(0)
     model = build_model(cfg)
     model.train()
