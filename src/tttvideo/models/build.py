@@ -6,8 +6,10 @@ import torch
 
 from tttvideo.config.schema import Config
 from tttvideo.dtypes import torch_dtype
+from tttvideo.errors import ConfigError
 from tttvideo.models.adapters import apply_adapter
 from tttvideo.models.checkpointing import apply_checkpointing
+from tttvideo.models.fp8_storage import store_fp8
 from tttvideo.models.presets import get_preset
 from tttvideo.models.transformer import CogVideoXTTT
 from tttvideo.models.weights import from_pretrained, init_model
@@ -16,7 +18,8 @@ from tttvideo.ttt.ops import check_backend_config
 
 
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT:
-    """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt),
+    """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt,
+    frozen_weights: fp8 storage of the linears the adapter froze),
     `cfg.ttt` and `cfg.checkpointing`. Random initialisation follows torch's current seed. The trainer, the
     sampler's `load_model`, the memory profiler and benchmarks/model_step.py all build their model here."""
     m = cfg.model
@@ -30,5 +33,11 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT
     else:
         model = init_model(spec, cfg.ttt, m.use_ttt, dtype=dtype, device=device)
     apply_adapter(model, m.adapter, m.lora_rank, m.lora_alpha)
+    if m.frozen_weights == "fp8":
+        # after the adapter: requires_grad decides which linears are frozen
+        if store_fp8(model) == 0:
+            raise ConfigError(f"model.frozen_weights = 'fp8' found no frozen linear layer to store (model.adapter "
+                              f"= {m.adapter!r} trains them all); use adapter 'qkvo' or 'lora', or frozen_weights "
+                              f"'dtype'")
     apply_checkpointing(model, cfg.checkpointing)
     return model
