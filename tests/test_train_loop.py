@@ -193,7 +193,7 @@ def test_validation_videos_and_one_process_only(tmp_path, monkeypatch):
     assert (tmp_path / "run/samples/step-000002.mp4").is_file()  # mid-run validation video
     assert result.video == tmp_path / "run/samples/step-000003.mp4" and result.video.is_file()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UserError, match="multi-GPU training .* is not implemented"):
+    with pytest.raises(UserError, match="WORLD_SIZE is 2 but .* not set: start multi-process training with torchrun"):
         Trainer(tiny_config(tmp_path / "b"), quiet=True)
 
 

@@ -1,5 +1,6 @@
 """`tttv train CONFIG [--set KEY=VALUE ...] [--resume | --new | --overwrite]`: train one stage; `configs/demo.toml`
-is the CPU demo."""
+is the CPU demo. Under torchrun (`torchrun --nproc_per_node N -m tttvideo train CONFIG ...`) every rank runs it and
+rank 0 alone prints (docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def resume_command(args: argparse.Namespace, output_dir: str, configured_dir: st
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from tttvideo.errors import UserError
+    from tttvideo.train.distributed import SharedError, launch_rank
     from tttvideo.train.stop import TrainingStopped
     from tttvideo.train.trainer import Trainer
 
@@ -54,13 +57,23 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     configured_dir = cfg.train.output_dir
     if_exists = next((value for flag, value in IF_EXISTS_FLAGS.items() if getattr(args, flag, False)), None)
-    trainer = Trainer(cfg, console=console, if_exists=if_exists)
     try:
+        trainer = Trainer(cfg, console=console, if_exists=if_exists)
         result = trainer.run()
     except TrainingStopped as stop:
-        command = resume_command(args, str(stop.output_dir), configured_dir)
-        print(f"tttv train: {stop.describe(command)}", file=sys.stderr, flush=True)
+        if launch_rank() == 0:
+            command = resume_command(args, str(stop.output_dir), configured_dir)
+            print(f"tttv train: {stop.describe(command)}", file=sys.stderr, flush=True)
         return stop.exit_code
+    except UserError as err:
+        # under torchrun: a sentence every rank raised is printed once, by rank 0; one rank's own says whose
+        if launch_rank() == 0:
+            raise
+        if not isinstance(err, SharedError):
+            print(f"tttv train: error on rank {launch_rank()}: {err}", file=sys.stderr, flush=True)
+        return 2
+    if launch_rank() != 0:
+        return 0
     if result.steps_done == 0 or math.isnan(result.first_loss):
         return 0
     change = (1 - result.last_loss / result.first_loss) * 100 if result.first_loss else 0.0

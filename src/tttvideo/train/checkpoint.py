@@ -96,9 +96,10 @@ def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path
 
 
 def write_manifest(folder: Path, step: int, meta: dict[str, Any]) -> Path:
-    """manifest.json: size and SHA-256 of every other file in `folder`, the step, and `meta`."""
-    files = {p.name: {"size": p.stat().st_size, "sha256": file_digest(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_FILE}
+    """manifest.json: size and SHA-256 of every other file under `folder` (a sub-folder's files by their relative
+    path, e.g. dcp/__0_0.distcp), the step, and `meta`."""
+    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": file_digest(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p != folder / MANIFEST_FILE}
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,
@@ -127,9 +128,12 @@ def _fsync_dir(folder: Path) -> None:
 
 def _fsync_dir_files(folder: Path) -> None:
     # data must be on disk before the rename publishes the folder, or a crash could publish empty files
-    for p in folder.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(p)
 
 
 def prune(output_dir: str | Path, keep: int) -> None:

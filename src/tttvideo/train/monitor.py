@@ -144,3 +144,19 @@ class TrainMonitor:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+class SilentMonitor:
+    """The monitor of a rank other than 0 in a multi-process run: rank 0 alone prints and writes the logs."""
+
+    def __enter__(self) -> "SilentMonitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def step(self, step: int, values: dict[str, float]) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass

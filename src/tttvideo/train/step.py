@@ -12,12 +12,13 @@ opened around the real work; without one no phase is opened at all.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from tttvideo.data.loader import to_device
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.layout import VideoLayout
 from tttvideo.train.loss import NoiseSource, diffusion_loss
+
+if TYPE_CHECKING:
+    from tttvideo.parallel import SequenceParallel
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
 
@@ -39,6 +43,15 @@ class StepProfiler(Protocol):
     is one)."""
 
     def phase(self, name: str, step: int | None = None) -> AbstractContextManager[Any]: ...
+
+
+class StepReduce(Protocol):
+    """What the step asks of several processes (`tttvideo.train.distributed.TrainRanks` is one): that they agree
+    whether a micro-batch's loss is finite on all of them, and the mean of a value over them."""
+
+    def all_true(self, flag: bool) -> bool: ...
+
+    def mean(self, value: float) -> float: ...
 
 
 _NO_PHASE = contextlib.nullcontext()
@@ -58,8 +71,14 @@ class StepResult:
 @dataclass
 class DiffusionObjective:
     """The training loss of one micro-batch: `diffusion_loss` with its timesteps stratified over the optimizer
-    step's effective batch, micro-batch `micro` of this rank taking strata from (micro x world_size + rank) x
-    batch_size on."""
+    step's effective batch, micro-batch `micro` of data-parallel rank `rank` (of `world_size`) taking strata from
+    (micro x world_size + rank) x batch_size on.
+
+    With several data-parallel ranks every rank draws the noise, timesteps and text dropout of all `world_size`
+    micro-batches of a row (micro x world_size .. + world_size - 1) in that order and keeps its own, so that its
+    generators advance exactly as one process's do over the same global batch: the losses equal the one-process
+    run's, every rank ends a step (and writes a checkpoint) with the same generator state, and the ranks of a
+    sequence-parallel group (same `rank`) draw the same values. `sp` is passed to the model's forward."""
 
     schedule: ZeroSNRSchedule
     noise: NoiseSource
@@ -70,12 +89,26 @@ class DiffusionObjective:
     global_batch: int
     rank: int = 0
     world_size: int = 1
+    sp: SequenceParallel | None = None
 
     def __call__(self, model: nn.Module, batch: Batch, micro: int) -> torch.Tensor:
         first = (micro * self.world_size + self.rank) * self.batch_size
-        loss, _ = diffusion_loss(model, batch, self.schedule, self.noise, self.layout, self.text_dropout, first,
+        shape = tuple(batch["latents"].shape)
+        for _ in range(self.rank):  # the row's micro-batches before this rank's
+            self._skip(shape, batch["latents"])
+        forward = model if self.sp is None else functools.partial(model, sp=self.sp)
+        loss, _ = diffusion_loss(forward, batch, self.schedule, self.noise, self.layout, self.text_dropout, first,
                                  self.global_batch, self.precision)
+        for _ in range(self.rank + 1, self.world_size):  # and those after it
+            self._skip(shape, batch["latents"])
         return loss
+
+    def _skip(self, shape: tuple[int, ...], like: torch.Tensor) -> None:
+        """Draw what `diffusion_loss` draws for a micro-batch of `shape`, in its order, and drop it."""
+        b = shape[0]
+        torch.rand(b, generator=self.noise.cpu, dtype=torch.float64)  # stratified_timesteps
+        torch.rand(b, generator=self.noise.cpu)  # text dropout
+        torch.randn(shape, generator=self.noise.dev, device=like.device, dtype=torch.float32)  # eps
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
@@ -89,7 +122,7 @@ class TrainStep:
     def __init__(self, model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, device: torch.device, *, grad_accum: int = 1, grad_clip: float = 0.0,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 profiler: StepProfiler | None = None):
+                 profiler: StepProfiler | None = None, reduce: StepReduce | None = None):
         self.model = model
         self.objective = objective
         self.optimizer = optimizer
@@ -100,6 +133,9 @@ class TrainStep:
         self.scheduler = scheduler
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._phase = profiler.phase if profiler is not None else _no_phase
+        # several processes: a non-finite loss on any rank skips the step on all (the gradient collectives need
+        # every rank), the loss is reported as the mean over ranks, the gradients are FSDP's sharded DTensors
+        self.reduce = reduce
 
     def __call__(self, batches: Iterator[Batch], step: int) -> StepResult:
         """Optimizer step `step` (0-based, for the profiler) on the next grad_accum batches of `batches`. A
@@ -124,21 +160,24 @@ class TrainStep:
             with self._phase(FORWARD, step):
                 loss = self.objective(self.model, batch, micro)
             value = loss.item()
-            if not math.isfinite(value):
+            finite = math.isfinite(value) if self.reduce is None else self.reduce.all_true(math.isfinite(value))
+            if not finite:
                 for _ in range(micro + 1, self.grad_accum):
                     next(batches)
                 return value, False
             total += value / self.grad_accum
             with self._phase(BACKWARD, step):
                 self.scaler.scale(loss / self.grad_accum).backward()
-        return total, True
+        return (total if self.reduce is None else self.reduce.mean(total)), True
 
     def apply(self, step: int) -> float:
         """Unscale, clip (or only measure) the global gradient norm, step the optimizer and the schedule; returns
         the norm before clipping."""
         with self._phase(OPTIMIZER, step):
             self.scaler.unscale_(self.optimizer)
-            if self.grad_clip > 0:
+            if self.reduce is not None:
+                norm = sharded_grad_norm(self.params, self.grad_clip)
+            elif self.grad_clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
             else:
                 norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params
@@ -152,3 +191,17 @@ class TrainStep:
     def _advance_schedule(self) -> None:
         if self.scheduler is not None:
             self.scheduler.step()
+
+
+def sharded_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global norm of FSDP's sharded gradients (each a DTensor: the norm of the whole tensor needs the other
+    ranks' shards), clipping them to `max_norm` when it is positive."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

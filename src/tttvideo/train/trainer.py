@@ -13,6 +13,12 @@ Run safety: the run folder is locked for the whole run (`runlock`), an earlier r
 deleted only as `train.if_exists` (or --resume / --new / --overwrite) says, damaged checkpoints are passed over
 (`checkpoint.newest_intact_checkpoint`), SIGINT / SIGTERM finish the step and save before stopping, and
 metrics.jsonl and TensorBoard hold each step once, whatever was logged after the checkpoint a run resumes from.
+
+Under torchrun (WORLD_SIZE > 1, `tttvideo.train.distributed`): the model is sharded with FSDP2 and runs with the
+sequence parallelism of `[parallel]`, each data-parallel rank reads its own samples and draws the noise one process
+would draw for them, so the losses equal a one-process run's at the same global batch; rank 0 holds the run
+folder's lock, prints, and writes the logs; checkpoints go through torch.distributed.checkpoint
+(`tttvideo.train.dcp`) and resume on another number of processes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -42,10 +47,14 @@ from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped
 from tttvideo.train.loss import NoiseSource
-from tttvideo.train.monitor import TrainMonitor, memory_gib
+from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
+from tttvideo.train.monitor import SilentMonitor, TrainMonitor, memory_gib
 from tttvideo.train.optim import build_optimizer, build_scheduler, group_lr
 from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
 from tttvideo.device import resolve_device
+from tttvideo.dtypes import torch_dtype
+from tttvideo.models.presets import get_preset
 
 
 log = logging.getLogger(__name__)
@@ -109,25 +118,23 @@ class Trainer:
                               "'fp32' on CPU")
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        par = cfg.parallel
-        if world > 1 or par.dp_shard > 1 or par.dp_replicate > 1 or par.sp > 1 or par.tensor_parallel > 1:
-            raise UserError(
-                f"tttv train runs in one process on one device; multi-GPU training (torchrun with WORLD_SIZE={world}, "
-                f"parallel.dp_shard={par.dp_shard}, dp_replicate={par.dp_replicate}, sp={par.sp}, tensor_parallel="
-                f"{par.tensor_parallel}) is not implemented yet: use one GPU with gradient accumulation "
-                f"(configs/cogvideox-5b/*-1gpu.toml)"
-            )
-        self.world_size, self.rank = 1, 0
-        self.grad_accum, self.global_batch = batch_plan(self.train, self.world_size)
+        # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
+        self.device = rank_device(self.device)
+        self.ranks = TrainRanks.start(cfg, get_preset(cfg.model.preset).num_attention_heads, self.device)
+        if not self.ranks.is_main:  # rank 0 alone speaks and writes logs
+            self.console, self.quiet = Console(quiet=True), True
+        # the global batch is data-parallel ranks wide: the ranks of a sequence-parallel group share their samples
+        self.grad_accum, self.global_batch = batch_plan(self.train, self.ranks.dp_size)
         self.layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
         # what to do with an earlier run in output_dir: --resume (resume=True) or train.if_exists
         self.if_exists = if_exists or ("resume" if resume else self.train.if_exists)
         if self.if_exists not in runfolder.IF_EXISTS:
             raise ConfigError(f"if_exists {self.if_exists!r}: expected one of {', '.join(runfolder.IF_EXISTS)}")
         # run() takes the run folder's lock and decides again under it
-        runfolder.check_before_work(cfg, self.output_dir, self.if_exists)
-        if self.train.sample_at_end or self.train.validate_every:
+        self.ranks.on_main(lambda: runfolder.check_before_work(cfg, self.output_dir, self.if_exists))
+        # an FSDP-sharded model samples only if every rank runs the sampler with it: not wired up yet
+        self.videos = bool(self.train.sample_at_end or self.train.validate_every) and not self.ranks.distributed
+        if self.videos:
             from tttvideo.sample.video import check_mp4_writer
 
             check_mp4_writer("train.sample_at_end / train.validate_every (set them to false and 0 to train without "
@@ -149,17 +156,18 @@ class Trainer:
             self.trained_duration_s = max(self.trained_duration_s, trained_duration(path) or 0)
             self.console.print(f"initialised from {path}")
         self.model.train()
+        self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
         self.optimizer = build_optimizer(self.model, self.train)
         self.scheduler = build_scheduler(self.optimizer, self.train)
         self.scaler = grad_scaler(self.device, self.train.precision)
         self.noise = NoiseSource(self.train.seed, self.device)
         objective = DiffusionObjective(ZeroSNRSchedule(), self.noise, self.layout, self.train.text_dropout,
-                                       self.train.precision, self.train.batch_size, self.global_batch, self.rank,
-                                       self.world_size)
+                                       self.train.precision, self.train.batch_size, self.global_batch,
+                                       self.ranks.dp_rank, self.ranks.dp_size, self.ranks.sequence)
         self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,
                                     grad_accum=self.grad_accum, grad_clip=self.train.grad_clip,
-                                    scheduler=self.scheduler)
-        self.dataset = runfolder.open_dataset(self.cfg, self.layout, self.model.spec, self.output_dir, self.console, stack)
+                                    scheduler=self.scheduler, reduce=self.ranks if self.ranks.distributed else None)
+        self._open_dataset(stack)
         self.step = 0
         self.nonfinite_skips = 0
         self.first_losses: list[float] = []
@@ -185,8 +193,18 @@ class Trainer:
                     raise UserError(f"{self.output_dir} has no loadable checkpoint ({bad.name}: {type(err).__name__}: "
                                     f"{err}); start over with --overwrite or beside it with --new") from None
 
+    def _open_dataset(self, stack: contextlib.ExitStack | None) -> None:
+        """Rank 0 first (it may build the demo set), then the others, which only read it."""
+        def open_here() -> None:
+            self.dataset = runfolder.open_dataset(self.cfg, self.layout, self.model.spec, self.output_dir,
+                                                  self.console, stack)
+
+        self.ranks.on_main(open_here)
+        if not self.ranks.is_main:
+            open_here()
+
     def _state(self) -> dict[str, Any]:
-        return {
+        state = {
             "step": self.step,
             "data_position": self.step * self.global_batch,
             "optimizer": self.optimizer.state_dict(),
@@ -198,12 +216,22 @@ class Trainer:
             "first_losses": self.first_losses,
             "global_batch": self.global_batch,
         }
+        if self.ranks.distributed:  # the sharded optimizer state goes into dcp/
+            del state["optimizer"]
+        return state
 
     def _restore(self, folder: Path) -> None:
         from tttvideo.models import load_checkpoint
         from tttvideo.models.weights import trained_duration
 
-        load_checkpoint(self.model, folder / ckpt.MODEL_FILE)
+        if is_sharded_checkpoint(folder):
+            load_sharded_checkpoint(folder, self.model, self.optimizer)
+        elif self.ranks.distributed:
+            raise SharedError(f"{folder} was written by a one-process run, which a multi-process run cannot resume "
+                              f"yet; resume it with one process, or start a new stage from it with "
+                              f"train.init_from = '{folder}'")
+        else:
+            load_checkpoint(self.model, folder / ckpt.MODEL_FILE)
         self.trained_duration_s = max(self.layout.duration_s, trained_duration(folder / ckpt.MODEL_FILE) or 0)
         state = ckpt.load_state(folder)
         if state["global_batch"] != self.global_batch:
@@ -211,7 +239,8 @@ class Trainer:
                 f"{folder} was trained with a global batch of {state['global_batch']}, this config has "
                 f"{self.global_batch}; resuming would change the data order, keep the batch settings of the run"
             )
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # a sharded checkpoint's is in dcp/
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
@@ -225,6 +254,12 @@ class Trainer:
     def _save(self) -> Path:
         meta = {"data_position": self.step * self.global_batch, "global_batch": self.global_batch,
                 "tttvideo": _version(), "torch": torch.__version__}
+        if self.ranks.distributed:
+            meta["processes"] = self.ranks.world_size
+            self.last_good = save_sharded_checkpoint(
+                self.output_dir, self.step, self.model, self.optimizer, self._state(), dump_toml(self.cfg),
+                self.train.keep_checkpoints, meta, self.trained_duration_s, self.ranks)
+            return self.last_good
         path = ckpt.save_training_checkpoint(self.output_dir, self.step, self.model, self._state(),
                                              dump_toml(self.cfg), self.train.keep_checkpoints, meta,
                                              trained_duration_s=self.trained_duration_s)
@@ -235,33 +270,43 @@ class Trainer:
     def run(self) -> TrainResult:
         """Lock the run folder, act on an earlier run there (train.if_exists), train, and let the folder go."""
         with contextlib.ExitStack() as stack:
-            folder, self.resume_from = runfolder.claim(self.output_dir, self.if_exists, stack, self.console)
+            # rank 0 holds the lock and decides; the others wait for its decision
+            folder, self.resume_from = self.ranks.on_main(
+                lambda: runfolder.claim(self.output_dir, self.if_exists, stack, self.console))
             if folder != self.output_dir:  # if_exists = 'new' moved beside it
                 self.output_dir = folder
                 self.train.output_dir = str(folder)  # the config saved with the run says where it is
-            return self._run(stack)
+            result = self._run(stack)
+        self.ranks.close()
+        return result
 
     def _run(self, stack: contextlib.ExitStack) -> TrainResult:
         t_start = time.perf_counter()
-        (self.output_dir / "config.toml").write_text(dump_toml(self.cfg), encoding="utf-8")
+        if self.ranks.is_main:
+            (self.output_dir / "config.toml").write_text(dump_toml(self.cfg), encoding="utf-8")
         self._build(stack)
         # the log holds what the checkpoint holds: the lines of steps after it (written by a run that was killed
         # before its next checkpoint, or all of them at step 0) go; TensorBoard drops them by its purge_step
-        _truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
+        if self.ranks.is_main:
+            _truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
+        if self.ranks.distributed and (self.train.sample_at_end or self.train.validate_every):
+            self.console.print("train.sample_at_end / validate_every: multi-process runs make no videos yet; "
+                               "sample from a checkpoint with tttv sample")
         total = self.train.steps
         result = TrainResult(self.output_dir, self.step, math.nan, math.nan)
         if self.step >= total:
             self.console.print(f"nothing to do: the run is at step {self.step} of {total}")
             return result
         loader = make_loader(self.dataset, self.train.seed, self.step, self.train.batch_size, self.grad_accum,
-                             self.rank, self.world_size, self.cfg.data.num_workers,
+                             self.ranks.dp_rank, self.ranks.dp_size, self.cfg.data.num_workers,
                              pin_memory=self.device.type == "cuda")
         batches = iter(loader)
         tokens_per_step = self.global_batch * self.layout.total_tokens
         log_window: list[float] = []
         last_loss = math.nan
-        monitor = TrainMonitor(self.output_dir, self.train, total, self.step, self.console,
-                               config_to_dict(self.cfg), show=not self.quiet)
+        monitor = (TrainMonitor(self.output_dir, self.train, total, self.step, self.console,
+                                config_to_dict(self.cfg), show=not self.quiet)
+                   if self.ranks.is_main else SilentMonitor())
         with monitor, StopSignals() as stop:
             while self.step < total:
                 t0 = time.perf_counter()
@@ -293,17 +338,19 @@ class Trainer:
                     path = self._save()
                     result.checkpoints.append(path)
                     monitor.note(f"checkpoint {path}")
-                if stop.signum is not None:  # SIGINT / SIGTERM: this step is done; save it and stop
+                # a signal to any rank stops them all after the same step (the save is a collective)
+                signum = (self.ranks.largest(stop.signum or 0) or None) if self.ranks.distributed else stop.signum
+                if signum is not None:  # SIGINT / SIGTERM: this step is done; save it and stop
                     if saved:
                         path = result.checkpoints[-1]
                     else:
                         path = self._save()
                         monitor.note(f"checkpoint {path}")
-                    raise TrainingStopped(stop.signum, self.step, total, path, self.output_dir)
-                if self.train.validate_every and self.step % self.train.validate_every == 0 and self.step < total:
+                    raise TrainingStopped(signum, self.step, total, path, self.output_dir)
+                if self.videos and self.train.validate_every and self.step % self.train.validate_every == 0 and self.step < total:
                     video = self._sample_video(f"step-{self.step:06d}", monitor)
                     monitor.note(f"validation video {video}")
-        if self.train.sample_at_end or self.train.validate_every:
+        if self.videos:
             result.video = self._sample_video(f"step-{self.step:06d}", None)
         result.steps_done = self.step
         result.nonfinite_skips = self.nonfinite_skips
@@ -337,7 +384,7 @@ class Trainer:
                 monitor.progress.start()
         return result.video
 
-    def _handle_nonfinite(self, loss: float, monitor: TrainMonitor) -> None:
+    def _handle_nonfinite(self, loss: float, monitor: TrainMonitor | SilentMonitor) -> None:
         step = self.step + 1
         where = (f"the last good checkpoint is {self.last_good}" if self.last_good is not None
                  else "no checkpoint was written yet")

@@ -1,0 +1,157 @@
+"""The trainer's view of a torchrun launch: which rank this is, who reads which samples, and the few collectives the
+training loop needs (agreeing on a loss, a flag, a decision rank 0 took).
+
+With WORLD_SIZE 1 `TrainRanks.start` initialises nothing (`distributed` is false), every collective is the identity
+and the trainer runs its one-process code path. Otherwise the process group and the mesh come from
+`tttvideo.parallel.init_parallel`, the model is sharded with FSDP2 over `plan.fsdp_mesh`, and the ranks of one
+sequence-parallel group share a data-parallel rank, so they read the same samples and draw the same noise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from tttvideo.config.schema import Config
+from tttvideo.errors import ConfigError, UserError
+from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard_model
+
+if TYPE_CHECKING:
+    from tttvideo.models.transformer import CogVideoXTTT
+    from tttvideo.parallel import SequenceParallel
+
+T = TypeVar("T")
+
+
+class SharedError(UserError):
+    """A UserError that every rank raises with the same sentence (a config check, or a decision rank 0 took and
+    broadcast): the CLI prints it on rank 0 only."""
+
+
+def launch_rank() -> int:
+    """This process's rank in a torchrun launch (0 without one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+@dataclass
+class TrainRanks:
+    plan: ParallelPlan
+    rank: int
+    world_size: int
+    device: torch.device  # where the collectives' tensors live (nccl takes CUDA tensors only)
+
+    @classmethod
+    def start(cls, cfg: Config, heads: int, device: torch.device) -> "TrainRanks":
+        """Validate `[parallel]` against WORLD_SIZE and the model's `heads`, then (WORLD_SIZE > 1) start the
+        process group (nccl on CUDA, gloo on CPU) and build the mesh."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if world > 1 and missing:
+            raise SharedError(f"WORLD_SIZE is {world} but {', '.join(missing)} are not set: start multi-process "
+                              f"training with torchrun (torchrun --nproc_per_node {world} -m tttvideo train ...), "
+                              f"or unset WORLD_SIZE to train in one process")
+        if world > 1 and cfg.train.precision == "fp16":
+            raise SharedError("train.precision 'fp16' is not supported with several processes (the gradient scaler "
+                              "does not unscale sharded gradients); use 'bf16'")
+        try:
+            plan = init_parallel(cfg.parallel, heads, device_type=device.type)
+        except ConfigError as err:
+            raise SharedError(str(err)) from None
+        if not plan.distributed:
+            return cls(plan, 0, 1, device)
+        return cls(plan, dist.get_rank(), dist.get_world_size(), device)
+
+    # ------------------------------------------------------------------ who is who
+    @property
+    def distributed(self) -> bool:
+        return self.plan.distributed
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.plan.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.dp_size
+
+    @property
+    def sequence(self) -> SequenceParallel | None:
+        return self.plan.sequence
+
+    def shard(self, model: CogVideoXTTT, param_dtype: torch.dtype | None) -> None:
+        """FSDP2 over the plan's mesh; gradients are reduced in fp32 whatever the compute dtype."""
+        if self.distributed:
+            shard_model(model, self.plan.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+    def close(self) -> None:
+        if self.distributed:
+            close_parallel()
+
+    # ------------------------------------------------------------------ collectives (identities on one process)
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def broadcast(self, value: T) -> T:
+        """Rank 0's `value` on every rank."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on rank 0 alone and give every rank its result; a UserError there is raised on every rank as
+        a SharedError (so that the others do not wait forever for a rank that stopped)."""
+        if not self.distributed:
+            return fn()
+        result: tuple[bool, object] = (True, None)
+        if self.is_main:
+            try:
+                result = (True, fn())
+            except UserError as err:
+                result = (False, str(err))
+        ok, value = self.broadcast(result)
+        if not ok:
+            raise SharedError(str(value))
+        return value  # type: ignore[return-value]
+
+    def mean(self, value: float) -> float:
+        """The mean of `value` over all ranks (the ranks of an sp group hold the same loss, so this is also the
+        mean over the data-parallel ranks)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t[0]) / self.world_size
+
+    def all_true(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t)
+        return int(t[0]) == 0
+
+    def largest(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t[0])
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """The device of this rank: under torchrun each rank takes the GPU LOCAL_RANK (train.device 'cuda' means 'the
+    GPUs of this host'); CPU stays CPU."""
+    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
