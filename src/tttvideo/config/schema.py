@@ -98,6 +98,10 @@ class TrainConfig:
     adam_beta1: float = bounded(0.9, 0.0, 1.0)
     adam_beta2: float = bounded(0.95, 0.0, 1.0)
     adam_eps: float = bounded(1e-8, 0.0)
+    optimizer: str = choice("adamw", "adamw", "adamw8bit",
+                            help="adamw8bit: both AdamW moments in 8 bits with one scale per 256 values (torchao's "
+                                 "AdamW8bit; needs pip install 'tttvideo[memory]'): 2 bytes of state per trainable "
+                                 "parameter instead of 4 (bf16 parameters) or 8 (fp32)")
     grad_clip: float = bounded(0.1, 0.0, help="max global gradient norm; 0 = no clipping")
     # loss
     text_dropout: float = bounded(0.1, 0.0, 1.0, help="probability of zeroing a sample's text (for CFG)")

@@ -8,6 +8,11 @@ Biases (`*.bias`, the inner model's `b1`/`b2`, `*_bias`) and normalisation weigh
 the TTT layer's `ttt_norm_*`) take no weight decay. Only parameters with requires_grad enter the optimizer, so the
 adapter (`model.adapter`) decides what trains.
 
+`train.optimizer` picks the update: "adamw" (torch.optim.AdamW, moments in the parameters' dtype) or "adamw8bit"
+(torchao's AdamW8bit: both moments as 8-bit codes with one fp32 scale per 256 values, ~2 bytes per trainable
+parameter instead of AdamW's 4 for bf16 or 8 for fp32 parameters; the update itself is computed in fp32). Tensors
+under 4096 values, or not a multiple of 256, keep fp32 moments (torchao's rule, after bitsandbytes).
+
 Schedule (the original's, per group): linear warmup from 0 over `warmup_steps`, then `decay` (linear in the original)
 takes `lr` and `decay_ssm` (cosine) takes `lr_ssm` to the same absolute `lr_end` at the last step. A group whose
 peak is below lr_end rises to it; a peak of 0 stays 0.
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from tttvideo.config.schema import TrainConfig
+from tttvideo.errors import ConfigError
 from tttvideo.models.adapters import is_ttt_parameter
 
 PRETRAINED, SSM = "pretrained", "ssm"  # optimizer group names, without the "_no_decay" suffix
@@ -67,14 +73,76 @@ def is_ssm_group(group: dict[str, Any]) -> bool:
 
 def group_lr(optimizer: torch.optim.Optimizer, ssm: bool) -> float:
     """The current learning rate of the first TTT (ssm=True) or pretrained group; 0.0 when there is none."""
-    return next((g["lr"] for g in optimizer.param_groups if is_ssm_group(g) == ssm), 0.0)
+    return next((float(g["lr"]) for g in optimizer.param_groups if is_ssm_group(g) == ssm), 0.0)
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
+    """`train.optimizer` over `param_groups(model)` with the config's betas and eps."""
     groups = param_groups(model, train.lr, train.lr_ssm, train.weight_decay)
     if not groups:
         raise ValueError("no parameter requires grad: the adapter froze the whole model")
-    return torch.optim.AdamW(groups, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+    betas = (train.adam_beta1, train.adam_beta2)
+    if train.optimizer == "adamw8bit":
+        return adamw8bit_class()(groups, betas=betas, eps=train.adam_eps)
+    return torch.optim.AdamW(groups, betas=betas, eps=train.adam_eps)
+
+
+@functools.cache
+def adamw8bit_class() -> type[torch.optim.Optimizer]:
+    """torchao's AdamW8bit, adapted: learning rates stay Python floats in the param groups (as with
+    torch.optim.AdamW), and parameters on the CPU are updated eagerly."""
+    try:
+        from torchao.optim import AdamW8bit
+        from torchao.optim.adam import single_param_adam
+    except ImportError:
+        raise ConfigError("train.optimizer = 'adamw8bit' needs torchao: run pip install 'tttvideo[memory]' (or "
+                          "pip install torchao), or set train.optimizer = 'adamw'") from None
+
+    class FloatLrAdamW8bit(AdamW8bit):
+        def add_param_group(self, param_group: dict[str, Any]) -> None:
+            lr = param_group.get("lr", self.defaults["lr"])
+            super().add_param_group(param_group)
+            # torchao turns lr into an fp32 tensor (so that compiled steps do not recompile when it changes); the
+            # float keeps the groups what the scheduler, the trainer's logging and saved states expect
+            self.param_groups[-1]["lr"] = float(lr)
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            floats = [g["lr"] for g in self.param_groups]
+            for g in self.param_groups:
+                g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
+            try:
+                if any(p.grad is not None and p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+                    self._eager_step()
+                else:
+                    super().step()
+            finally:
+                for g, lr in zip(self.param_groups, floats):
+                    g["lr"] = lr
+            return loss
+
+        def _eager_step(self) -> None:
+            # torchao compiles the per-parameter update (torch.compile, fullgraph); on the CPU that is a C++ build
+            # per parameter shape (about a minute each on a 2-core machine), so the same function runs eagerly
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                                      None, group["lr"], group["betas"][0], group["betas"][1],
+                                      group["weight_decay"], group["eps"], True, False)
+
+    return FloatLrAdamW8bit
 
 
 def lr_multiplier(step: int, total: int, warmup: int, decay: str, end_ratio: float) -> float:
