@@ -121,6 +121,26 @@ def test_fp8linear_refuses_trainable_and_reads_like_linear():
         assert f(x).dtype == torch.bfloat16
 
 
+def test_backward_keeps_codes_not_the_dequantised_weight():
+    lin = nn.Linear(32, 16).requires_grad_(False)
+    lin.bias.requires_grad_(True)  # a trainable bias on a frozen weight still gets its gradient
+    f = Fp8Linear(lin)
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = f(x)
+    assert not any(t.shape == (16, 32) and t.is_floating_point() and t.dtype != FP8 for t in saved)
+    assert sum(t.dtype == FP8 for t in saved) == 1
+    w = f.weight.detach().requires_grad_(False)
+    x2 = x.detach().clone().requires_grad_(True)
+    b2 = lin.bias.detach().clone().requires_grad_(True)
+    g = torch.randn(2, 3, 16)
+    y.backward(g)
+    torch.nn.functional.linear(x2, w, b2).backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lin.bias.grad, b2.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_lora_base_layers_convert_and_checkpoints_keep_working(tmp_path):
     pytest.importorskip("peft")
     model = tiny("lora")

@@ -4,7 +4,7 @@ Every `nn.Linear` whose weight does not require grad becomes an `Fp8Linear`: its
 `weight_fp8` (torch.float8_e4m3fn, 1 byte per value) and `weight_scale` (fp32, one per output row, amax / 448 so
 that the row's largest value lands on e4m3's largest finite value 448), and upcast to the compute dtype (the
 autocast dtype when autocast is on, else the input's) inside each call, so only one layer's full-precision weight
-exists at a time. Bias stays a frozen parameter in its original dtype. Layers that train (weight requires_grad)
+exists at a time; in training, backward dequantises again rather than keeping that weight from forward. Bias stays a frozen parameter in its original dtype. Layers that train (weight requires_grad)
 are never touched, so gradients, the optimizer and LoRA wrappers around frozen base layers see what they saw before.
 
 Why not the existing tools:
@@ -48,6 +48,30 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(dtype) * scale.to(dtype)[:, None]
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with W dequantised from e4m3 codes; backward saves the codes and scales, not W, and
+    dequantises again: the full-precision weight would otherwise stay alive from forward to backward in every
+    layer, as large as the bf16 weights fp8 storage replaces."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(codes, scale)
+        ctx.dtype = dtype
+        return F.linear(x, dequantize_rows(codes, scale, dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        codes, scale = ctx.saved_tensors
+        grad_x = grad_out @ dequantize_rows(codes, scale, ctx.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
+        return grad_x, None, None, grad_bias, None
+
+
 class Fp8Linear(nn.Module):
     """A frozen linear layer whose weight is stored as e4m3 codes with per-output-channel fp32 scales."""
 
@@ -62,14 +86,11 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.bias = linear.bias  # the same frozen Parameter object: no copy
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.weight_fp8.to(dtype) * self.weight_scale.to(dtype)[:, None])
-
     @property
     def weight(self) -> torch.Tensor:
         """The weight in the dtype it was built in (code that reads `layer.weight` keeps working; it costs a
         dequantisation of this layer)."""
-        return self.dequantized(self.dtype)
+        return dequantize_rows(self.weight_fp8, self.weight_scale, self.dtype)
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -79,7 +100,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), self.dequantized(dtype), bias)
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return _Fp8LinearFunction.apply(x.to(dtype), self.weight_fp8, self.weight_scale, bias, dtype)
+        return F.linear(x.to(dtype), dequantize_rows(self.weight_fp8, self.weight_scale, dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, storage=float8_e4m3fn/row"
