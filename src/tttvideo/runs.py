@@ -240,3 +240,16 @@ def is_full_checkpoint(path: Path) -> bool:
     from tttvideo.models.weights import model_file_metadata
 
     return model_file_metadata(path).get("partial") != "True"
+
+
+def config_for_checkpoint(path: str | Path) -> Path | None:
+    """The config a model was trained with: for a run folder, its newest intact checkpoint's config.toml (a damaged
+    newer checkpoint is a warning naming it); for a checkpoint folder or model file, the config.toml beside it;
+    None when there is none."""
+    path = Path(path)
+    if path.is_dir() and not (path / MODEL_FILE).is_file():
+        intact = newest_intact_checkpoint(path, advice="point --checkpoint at another run or checkpoint")
+        if intact is not None and (intact / CONFIG_FILE).is_file():
+            return intact / CONFIG_FILE
+    beside = path.parent / CONFIG_FILE if path.is_file() else path / CONFIG_FILE
+    return beside if beside.is_file() else None

@@ -55,19 +55,10 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
 def _config_file(args: argparse.Namespace) -> str | None:
     if args.config:
         return args.config
-    ckpt = Path(args.checkpoint)
-    if ckpt.is_dir() and not (ckpt / "model.safetensors").is_file():
-        # a run folder: the config of the checkpoint that will be sampled, its newest intact one (a damaged newer
-        # one is a warning naming the file; none intact is one sentence)
-        from tttvideo.runs import newest_intact_checkpoint
+    from tttvideo.runs import config_for_checkpoint
 
-        intact = newest_intact_checkpoint(ckpt, advice="point --checkpoint at another run or checkpoint")
-        if intact is not None and (intact / "config.toml").is_file():
-            return str(intact / "config.toml")
-    beside = ckpt.parent / "config.toml" if ckpt.is_file() else ckpt / "config.toml"
-    if beside.is_file():
-        return str(beside)
-    return None
+    found = config_for_checkpoint(args.checkpoint)
+    return str(found) if found is not None else None
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:

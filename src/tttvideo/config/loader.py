@@ -58,7 +58,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), *, schem
     return cfg
 
 
-def with_overrides(cfg: Any, overrides: Iterable[str]) -> Any:
+def with_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
     """A copy of `cfg` with `overrides` (each ``"section.key=value"``) applied and validated as `--set` is."""
     cfg = copy.deepcopy(cfg)
     for text in overrides:
@@ -461,7 +461,7 @@ def _toml_literal(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = config_to_dict(value)
+        value = _to_plain(value)
     if isinstance(value, dict):
         if not value:
             return "{}"

@@ -43,12 +43,12 @@ def _tensor_bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _resolve_device(cfg: Any, device: str) -> Any:
+def _resolve_device(cfg: Config, device: str) -> torch.device:
     """--device wins; 'auto' falls back to the config's train.device, then to what is visible."""
     from tttvideo.device import resolve_device
 
     if device == "auto":
-        device = str(getattr(cfg.train, "device", "auto"))
+        device = cfg.train.device
     return resolve_device(device, "--device")
 
 
@@ -198,10 +198,10 @@ def drive_sample(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.de
     prof.meta["decoded_frames"] = frames
 
 
-DRIVERS: dict[str, Callable[[Any, MemoryProfiler, int, Any], None]] = {"train": drive_train, "sample": drive_sample}
+DRIVERS: dict[str, Callable[[Config, MemoryProfiler, int, torch.device], None]] = {"train": drive_train, "sample": drive_sample}
 
 
-def profile(cfg: Any, phase: str, steps: int, out_dir: str | Path, *, device: str = "auto", snapshot: bool = False,
+def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device: str = "auto", snapshot: bool = False,
             trace: bool = False, meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
     """Run one driver under a fresh profiler and write the report folder. Returns (summary dict, exit status):
     0 ok, EXIT_OOM when the pipeline ran out of memory (the report then says where). Other errors propagate after

@@ -192,6 +192,15 @@ def _parse_jsonl(path: Path, text: str) -> list[Story]:
                     f"story (a list of scenes) per line")
 
 
+def story_from_scenes(scenes: Any, name: str = "video") -> Story:
+    """A story from Python values: a list whose items are scene texts or scene objects
+    ({"text": ..., "requires_scene_transition": ..., "neg_text": ...}), checked as a scenes file is."""
+    if isinstance(scenes, (str, dict)):
+        scenes = [scenes]
+    items = [{"text": s} if isinstance(s, str) else s for s in scenes] if isinstance(scenes, (list, tuple)) else scenes
+    return _story(Path("scenes"), name, items, where="scenes")
+
+
 def _story(path: Path, name: str, items: Any, where: str) -> Story:
     if not isinstance(items, list) or not items:
         raise UserError(f"{path}: {where} must be a non-empty list of scenes, got {_kind(items)}")
