@@ -1,0 +1,67 @@
+"""offload_activations (tttvideo.models.activation_offload): the same gradients with saved activations taken
+through host copies, a count of what was offloaded, parameters and small tensors left in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tttvideo.config.schema import TTTConfig
+from tttvideo.models import apply_adapter, get_preset, init_model
+from tttvideo.models.activation_offload import offload_activations
+from tttvideo.models.fp8_storage import store_fp8
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TTT = TTTConfig(mini_batch_size=16, scan_checkpoint_group_size=2)
+
+
+def grads(model: nn.Module, offload: offload_activations | None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, 13, 16, 4, 6, generator=g).requires_grad_()
+    text, t = torch.randn(1, 1, 5, 64, generator=g), torch.tensor([400.0])
+    model.zero_grad(set_to_none=True)
+    if offload is None:
+        out = model(latents, text, t)
+    else:
+        with offload:
+            out = model(latents, text, t)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    found = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    found["latents"] = latents.grad
+    return found
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gradients_equal_with_offload(fp8):
+    torch.manual_seed(0)
+    model = apply_adapter(init_model(get_preset("tiny"), TTT, True), "qkvo")
+    if fp8:
+        store_fp8(model)
+    plain = grads(model, None)
+    off = offload_activations(min_bytes=4096, keep=model)
+    moved = grads(model, off)
+    assert moved.keys() == plain.keys() and len(plain) > 10
+    for name, g in plain.items():
+        assert torch.equal(moved[name], g), name
+    assert off.offloaded_tensors > 0 and off.offloaded_bytes >= 4096 * off.offloaded_tensors
+
+
+def test_threshold_parameters_and_kept_buffers_stay():
+    lin = nn.Linear(64, 64)
+    codes = torch.randn(64, 64)  # stands for a module buffer (fp8 codes) saved by a custom backward
+    holder = nn.Module()
+    holder.register_buffer("codes", codes)
+    x = torch.randn(32, 64, requires_grad=True)
+    with offload_activations(min_bytes=1024) as off:
+        lin(x)  # saves x (8 KiB) and a view of the weight (a Parameter)
+    assert off.offloaded_tensors == 1 and off.offloaded_bytes == x.numel() * 4
+    with offload_activations(min_bytes=1024, keep=holder) as off:
+        y = lin(x) + (x @ codes).sum()  # saves x, the weight and codes (a kept buffer, 16 KiB)
+    assert off.offloaded_tensors == 1 and off.offloaded_bytes == x.numel() * 4
+    with offload_activations(min_bytes=1 << 20) as big:
+        lin(x)
+    assert big.offloaded_tensors == 0
+    y.sum().backward()
+    assert x.grad is not None
