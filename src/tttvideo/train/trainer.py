@@ -59,8 +59,9 @@ from tttvideo.models.presets import get_preset
 
 log = logging.getLogger(__name__)
 
-class TrainingDiverged(UserError):
-    """The loss became NaN or Inf."""
+class TrainingDiverged(SharedError):
+    """The loss became NaN or Inf. Under torchrun every rank raises it after the same step (they agree whether a
+    loss is finite), so rank 0 alone prints it."""
 
 
 @dataclass
@@ -347,7 +348,8 @@ class Trainer:
                         path = self._save()
                         monitor.note(f"checkpoint {path}")
                     raise TrainingStopped(signum, self.step, total, path, self.output_dir)
-                if self.videos and self.train.validate_every and self.step % self.train.validate_every == 0 and self.step < total:
+                every = self.train.validate_every
+                if self.videos and every and self.step % every == 0 and self.step < total:
                     video = self._sample_video(f"step-{self.step:06d}", monitor)
                     monitor.note(f"validation video {video}")
         if self.videos:
