@@ -1,0 +1,217 @@
+"""`tttv train` under torchrun on CPU (gloo): FSDP2, Ulysses sp and both against the one-process run at the same
+global batch, DCP checkpoints resumed on another number of processes (4 and 1), a rank killed mid-run, and the
+sentences a wrong launch gets.
+
+Every run trains the tiny model (fp32) for 4 steps on a 3-s, 32x32 layout (76 tokens: no sp padding here;
+tests/test_parallel.py covers it at the model level) with a global batch of 2 (one sample per micro-batch:
+grad_accum 2 on one process and with sp = 2 alone, 1 with dp_shard = 2). The losses match the one-process run within
+LOSS_RTOL and the weights of the last checkpoint within WEIGHT_ATOL; the parallel runs differ from it only in
+summation order (gradient reductions, sp exchanges), which the optimizer (Adam, lr 5e-3) carries into the weights.
+Measured: losses within 2e-7 relative, weights within 4.4e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from tttvideo.config.loader import load_config
+from tttvideo.train.trainer import Trainer
+
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEMO = str(Path(__file__).parents[1] / "configs" / "demo.toml")
+SETTINGS = [
+    "layout.duration=3s", "layout.height=32", "layout.width=32", "data.demo_videos=3",
+    "data.demo_text_encoder=table", "train.sample_at_end=false", "train.tensorboard=false", "train.batch_size=1",
+    "train.grad_accum=0", "train.global_batch=2", "train.steps=4", "train.checkpoint_every=2",
+    "train.keep_checkpoints=4", "train.log_every=1", "train.warmup_steps=1", "train.if_exists=refuse",
+]
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 2e-4
+LAUNCH_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("parallel-train")
+
+
+def settings(work: Path, out: str, *extra: str) -> list[str]:
+    return [*SETTINGS, f"data.demo_dir={work / 'data'}", f"train.output_dir={work / out}", *extra]
+
+
+def torchrun(work: Path, ranks: int, *sets: str, flags: tuple[str, ...] = ()) -> list[str]:
+    """The command line of `tttv train` on `ranks` processes, each rank's stdout and stderr in work/logs."""
+    logs = work / "logs" / f"{time.monotonic_ns()}"
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            "--log-dir", str(logs), "--redirects", "3", "-m", "tttvideo", "train", DEMO,
+            *[x for s in sets for x in ("--set", s)], *flags]
+
+
+def launch(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+
+
+def rank_log(cmd: list[str], rank: int, stream: str = "stderr") -> str:
+    """What rank `rank` of the launch `cmd` wrote to `stream` ('stdout' or 'stderr')."""
+    logs = Path(cmd[cmd.index("--log-dir") + 1])
+    return next(logs.glob(f"*/attempt_0/{rank}/{stream}.log")).read_text()
+
+
+def said(text: str) -> str:
+    """`text` with the console's line wrapping undone."""
+    return " ".join(text.split())
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run: Path, step: int = 4) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
+
+
+def assert_same_run(run: Path, reference: Path) -> None:
+    """`run` logged the reference's losses for all 4 steps and ended with its weights."""
+    assert losses(run) == pytest.approx(losses(reference), rel=LOSS_RTOL)
+    mine, theirs = weights(run), weights(reference)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def assert_ok(run: subprocess.CompletedProcess) -> None:
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+
+
+@pytest.fixture(scope="module")
+def reference(work) -> Path:
+    """The one-process run, in this process (it also writes the demo set the launches share)."""
+    Trainer(load_config(DEMO, settings(work, "one")), quiet=True).run()
+    return work / "one"
+
+
+@pytest.fixture(scope="module")
+def sp_run(work, reference) -> Path:
+    """2 processes, sp = 2 (one data-parallel rank: FSDP shards over the sp pair)."""
+    assert_ok(launch(torchrun(work, 2, *settings(work, "sp2", "parallel.sp=2"))))
+    return work / "sp2"
+
+
+def test_sp_and_fsdp_on_two_processes_match_one(work, reference, sp_run):
+    assert_same_run(sp_run, reference)
+    assert (sp_run / "checkpoints/step-000004/dcp/.metadata").is_file()
+    assert_ok(launch(torchrun(work, 2, *settings(work, "fsdp2", "parallel.dp_shard=2"))))
+    assert_same_run(work / "fsdp2", reference)
+
+
+def copy_at(run: Path, to: Path, step: int) -> Path:
+    """A copy of `run` as if it had stopped after checkpoint `step` (later checkpoints removed)."""
+    shutil.copytree(run, to)
+    for folder in (to / "checkpoints").iterdir():
+        if int(folder.name.split("-")[1]) > step:
+            shutil.rmtree(folder)
+    return to
+
+
+def test_two_process_checkpoint_resumes_on_four_and_on_one(work, reference, sp_run):
+    """Saved at step 2 on 2 processes (sp = 2); resumed on 4 (sp = 2 x dp_shard = 2) and on 1 (DCP reads every
+    shard into the whole model without a process group): the same steps 3 and 4 as the uninterrupted run."""
+    copy_at(sp_run, work / "on4", 2)
+    run = launch(torchrun(work, 4, *settings(work, "on4", "parallel.sp=2", "parallel.dp_shard=2"),
+                          flags=("--resume",)))
+    assert_ok(run)
+    assert "resumed from" in said(rank_log(run.args, 0, "stdout"))
+    assert_same_run(work / "on4", reference)
+
+    copy_at(sp_run, work / "on1", 2)
+    result = Trainer(load_config(DEMO, settings(work, "on1")), quiet=True, if_exists="resume").run()
+    assert result.steps_done == 4
+    assert_same_run(work / "on1", reference)
+
+
+def test_four_processes_sp_and_dp_shard_match_one(work, reference):
+    assert_ok(launch(torchrun(work, 4, *settings(work, "sp2dp2", "parallel.sp=2", "parallel.dp_shard=2"))))
+    assert_same_run(work / "sp2dp2", reference)
+
+
+def rank_pids(launcher: int, world: int, timeout_s: float = 60) -> dict[int, int]:
+    """{rank: pid} of the workers torchrun `launcher` started."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = {}
+        for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                found[rank] = int(child)
+        if len(found) == world:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"torchrun did not start {world} workers in {timeout_s} s")
+
+
+def test_killed_rank_stops_the_run_and_resume_continues(work, reference):
+    """SIGKILL of rank 1 after the first checkpoint: torchrun exits non-zero; a resume (2 processes) starts from the
+    newest checkpoint that was published and ends as the uninterrupted run."""
+    out = work / "killed"
+    cmd = torchrun(work, 2, *settings(work, "killed", "parallel.dp_shard=2", "train.checkpoint_every=1"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        pids = rank_pids(proc.pid, 2)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not (out / "checkpoints/step-000001").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGKILL)
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode != 0, log[-4000:]
+    published = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert published and published[-1] != "step-000004", published  # killed mid-run
+
+    run = launch(torchrun(work, 2, *settings(work, "killed", "parallel.dp_shard=2"), flags=("--resume",)))
+    assert_ok(run)
+    assert f"resumed from {out / 'checkpoints' / published[-1]}" in said(rank_log(run.args, 0, "stdout"))
+    assert_same_run(out, reference)
+
+
+def test_wrong_launches_are_one_sentence(work, reference):
+    """torchrun reports the failed rank (exit status 2) in its own summary; the rank itself prints one sentence."""
+    cmd = torchrun(work, 2, *settings(work, "bad", "parallel.sp=3"))
+    run = launch(cmd)
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stderr[-4000:]
+    err = rank_log(cmd, 0)
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    assert "parallel.sp = 3 does not divide the model's 2 attention heads" in err
+
+    # a one-process checkpoint cannot be resumed on several processes, but can start their run
+    shutil.copytree(reference, work / "one-on-2")
+    cmd = torchrun(work, 2, *settings(work, "one-on-2", "train.steps=6"), flags=("--resume",))
+    run = launch(cmd)
+    assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stderr[-4000:]
+    err = rank_log(cmd, 0)
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    assert "was written by a one-process run" in err and "train.init_from" in err
+    start = reference / "checkpoints/step-000004"
+    cmd = torchrun(work, 2, *settings(work, "from-one", f"train.init_from={start}", "train.steps=1"))
+    assert_ok(launch(cmd))
+    assert f"initialised from {start}" in said(rank_log(cmd, 0, "stdout"))
