@@ -15,3 +15,20 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"{field} is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")
     return torch.device(name)
+
+
+def cap_process_memory(gib: float, device: torch.device | str) -> float | None:
+    """Limit this process's CUDA caching allocator on `device` to `gib` GiB
+    (torch.cuda.set_per_process_memory_fraction with gib / the card's total memory), so that a run on a large card
+    runs out of memory where a smaller card would (the CUDA context and other libraries' memory are outside the
+    cap). Returns the fraction; on a non-CUDA device nothing is capped and it returns None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = gib * 2**30 / total
+    if not 0 < fraction <= 1:
+        raise UserError(f"a memory cap of {gib} GiB does not fit {device}, which has {total / 2**30:.1f} GiB; use a "
+                        f"cap above 0 and at most that")
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
