@@ -7,10 +7,15 @@ features of batch 1 with the diffusion objective: forward + backward by default,
 --optimizer-step. The model computes in its own dtype (model.dtype, bf16), without autocast (train.precision fp32).
 For 3 s (18,048 tokens) and 9 s (51,456 tokens) it prints the median step time, peak allocated / reserved memory
 and model FLOPs utilisation with the FLOP count split into dense matmuls (6 x per-token params x tokens), attention
-(the local windows) and the TTT scan; recomputation is not counted (model FLOPs, not hardware FLOPs). Results go to
+(the local windows) and the TTT scan; recomputation is not counted (model FLOPs, not hardware FLOPs).
+
+Under torchrun the step is the trainer's multi-process one (`tttvideo.train.distributed.TrainRanks`): the model
+sharded with FSDP2 over the `[parallel]` mesh, Ulysses sequence parallelism of degree parallel.sp, each data-parallel
+rank on its own sample; every rank reports its peak memory and rank 0 writes the result. Results go to
 benchmarks/results/model_step*.json. Run it from the repository root with the package importable:
 
     PYTHONPATH=src python3 benchmarks/model_step.py                    # the GPU run
+    PYTHONPATH=src torchrun --nproc_per_node 2 benchmarks/model_step.py --set parallel.sp=2   # two GPUs
     PYTHONPATH=src python3 benchmarks/model_step.py --preset tiny --device cpu --dtype fp32 --height 64 --width 96 \
         --text-tokens 8 --durations 3 --steps 1 --out /tmp/x.json     # a CPU smoke run of the same code
 """
@@ -18,6 +23,7 @@ benchmarks/results/model_step*.json. Run it from the repository root with the pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -35,6 +41,8 @@ from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.dtypes import torch_dtype
 from tttvideo.layout import VideoLayout
 from tttvideo.models import CogVideoXTTT, build_model, trainable_summary
+from tttvideo.models.presets import get_preset
+from tttvideo.train.distributed import TrainRanks, rank_device
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.optim import build_optimizer
 from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
@@ -152,14 +160,17 @@ def build(cfg: Config, device: torch.device) -> tuple[CogVideoXTTT, float, dict[
     return model, build_s, params
 
 
-def make_step(cfg: Config, model: CogVideoXTTT, device: torch.device, layout: VideoLayout) -> TrainStep:
-    """The trainer's step for `layout`: its objective, AdamW groups, scaler and clipping, one micro-batch."""
+def make_step(cfg: Config, model: CogVideoXTTT, device: torch.device, layout: VideoLayout,
+              ranks: TrainRanks) -> TrainStep:
+    """The trainer's step for `layout`: its objective, AdamW groups, scaler and clipping, one micro-batch per
+    data-parallel rank."""
     train = cfg.train
     optimizer = build_optimizer(model, train)
     objective = DiffusionObjective(ZeroSNRSchedule(), NoiseSource(train.seed, device), layout, train.text_dropout,
-                                   train.precision, train.batch_size, global_batch=train.batch_size)
+                                   train.precision, train.batch_size, train.batch_size * ranks.dp_size,
+                                   ranks.dp_rank, ranks.dp_size, ranks.sequence)
     return TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
-                     grad_clip=train.grad_clip)
+                     grad_clip=train.grad_clip, reduce=ranks if ranks.distributed else None)
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -174,10 +185,10 @@ def random_batch(model: CogVideoXTTT, layout: VideoLayout, dtype: torch.dtype,
 
 
 def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argparse.Namespace, device: torch.device,
-             deadline: float) -> dict[str, Any]:
+             deadline: float, ranks: TrainRanks) -> dict[str, Any]:
     dtype = torch_dtype(cfg.model.dtype)
-    batch = random_batch(model, layout, dtype, device)
-    train_step = make_step(cfg, model, device, layout)
+    batch = random_batch(model, layout, dtype, device)  # the same on every rank: an sp group shares its sample
+    train_step = make_step(cfg, model, device, layout, ranks)
 
     def step(i: int) -> float:
         train_step.optimizer.zero_grad(set_to_none=True)  # freeing the last step's gradients is not timed
@@ -195,8 +206,9 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
     while len(times) < args.steps:
-        if times and time.perf_counter() + max(times) > deadline:
-            break  # stay inside the device call's limit; report what was measured
+        # stay inside the device call's limit; report what was measured (all ranks stop after the same step)
+        if times and ranks.largest(int(time.perf_counter() + max(times) > deadline)):
+            break
         times.append(step(args.warmup + len(times)))
     train_step.optimizer.zero_grad(set_to_none=True)
     flops = model_flops(model, layout)
@@ -204,6 +216,7 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
     peak = PEAK_BF16.get(next((k for k in PEAK_BF16 if k in device_name(device)), ""), None)
     row = {
         "duration_s": layout.duration_s,
+        "gpus": ranks.world_size,
         "tokens": layout.total_tokens,
         "ttt_tokens": layout.ttt_tokens,
         "layout": layout.summary(),
@@ -215,24 +228,41 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
         "mfu": flops["total"] / median / peak if peak and dtype == torch.bfloat16 else None,
         "peak_flops_assumed": peak,
     }
+    if ranks.distributed:  # every data-parallel rank trains its own sample
+        row["achieved_tflops"] *= ranks.dp_size
+        row["tflops_per_gpu"] = row["achieved_tflops"] / ranks.world_size
     if device.type == "cuda":
-        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        allocated = every_rank(ranks, torch.cuda.max_memory_allocated() / 2**30)
+        reserved = every_rank(ranks, torch.cuda.max_memory_reserved() / 2**30)
+        row["peak_allocated_gib"], row["peak_reserved_gib"] = max(allocated), max(reserved)
+        if ranks.distributed:
+            row["peak_allocated_gib_per_rank"], row["peak_reserved_gib_per_rank"] = allocated, reserved
     return row
 
 
+def every_rank(ranks: TrainRanks, value: float) -> list[float]:
+    """`value` of every rank, in rank order."""
+    if not ranks.distributed:
+        return [value]
+    import torch.distributed as dist
+
+    values: list[float] = [0.0] * ranks.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
 def run_duration(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argparse.Namespace,
-                 device: torch.device, deadline: float) -> tuple[dict[str, Any], str | None]:
+                 device: torch.device, deadline: float, ranks: TrainRanks) -> tuple[dict[str, Any], str | None]:
     """One duration's row, falling back to the reference TTT scan when the configured fast path fails; returns
     (row, the fast path's failure or None)."""
     failure = None
     try:
-        return run_case(cfg, model, layout, args, device, deadline), None
+        return run_case(cfg, model, layout, args, device, deadline, ranks), None
     except torch.cuda.OutOfMemoryError as e:
         return {"duration_s": layout.duration_s, "tokens": layout.total_tokens,
                 "error": f"OOM: {str(e).splitlines()[0]}"}, None
     except Exception as e:  # noqa: BLE001 - a failing fast path must not cost the whole device run
-        if cfg.ttt.backend == "reference":
+        if cfg.ttt.backend == "reference" or ranks.distributed:  # ranks cannot agree on a retry after a failure
             raise
         failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     # outside the except block, so that the traceback (and the graph it holds) is gone
@@ -244,17 +274,17 @@ def run_duration(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: ar
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return run_case(cfg, model, layout, args, device, deadline), failure
+    return run_case(cfg, model, layout, args, device, deadline, ranks), failure
 
 
 def run_durations(cfg: Config, model: CogVideoXTTT, args: argparse.Namespace, device: torch.device,
-                  deadline: float, reference_calls: list[int]) -> list[dict[str, Any]]:
+                  deadline: float, reference_calls: list[int], ranks: TrainRanks) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     last_step, last_tokens = 0.0, 1
     for duration in args.durations:
         layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration)
         reference_calls[0] = 0
-        remaining = deadline - time.perf_counter()
+        remaining = ranks.broadcast(deadline - time.perf_counter())  # rank 0's clock decides for all
         estimate = last_step * layout.total_tokens / last_tokens if last_step else 0.0
         if estimate > remaining:
             rows.append({"duration_s": duration, "tokens": layout.total_tokens,
@@ -263,7 +293,7 @@ def run_durations(cfg: Config, model: CogVideoXTTT, args: argparse.Namespace, de
             continue
         if estimate and (args.warmup + 1) * estimate > remaining:
             args.warmup, args.steps = 0, 1  # one unwarmed step is all the time allows
-        row, failure = run_duration(cfg, model, layout, args, device, deadline)
+        row, failure = run_duration(cfg, model, layout, args, device, deadline, ranks)
         if "median_step_s" in row:
             last_step, last_tokens = row["median_step_s"], layout.total_tokens
         row["unwarmed"] = args.warmup == 0
@@ -272,7 +302,8 @@ def run_durations(cfg: Config, model: CogVideoXTTT, args: argparse.Namespace, de
         if failure:
             row["fast_path_failure"] = failure
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("layout",)}), flush=True)
+        if ranks.is_main:
+            print(json.dumps({k: v for k, v in row.items() if k not in ("layout",)}), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -318,13 +349,22 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
 def main() -> int:
     args = parse_args()
     deadline = time.perf_counter() + args.budget_s
-    device = torch.device(args.device)
+    device = rank_device(torch.device(args.device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     cfg = bench_config(args)
+    ranks = TrainRanks.start(cfg, get_preset(cfg.model.preset).num_attention_heads, device)
     reference_calls = count_reference_calls()
     model, build_s, params = build(cfg, device)
-    print(f"{device_name(device)}: {cfg.model.preset} built in {build_s:.1f} s, {params['total'] / 1e9:.3f} B params "
-          f"(TTT {params['ttt'] / 1e9:.3f} B, trainable {params['trainable'] / 1e9:.3f} B)", flush=True)
-    rows = run_durations(cfg, model, args, device, deadline, reference_calls)
+    ranks.shard(model, None)  # the weights' dtype is the compute dtype (no autocast)
+    if ranks.is_main:
+        print(f"{device_name(device)} x {ranks.world_size}: {cfg.model.preset} built in {build_s:.1f} s, "
+              f"{params['total'] / 1e9:.3f} B params (TTT {params['ttt'] / 1e9:.3f} B, trainable "
+              f"{params['trainable'] / 1e9:.3f} B)", flush=True)
+    rows = run_durations(cfg, model, args, device, deadline, reference_calls, ranks)
+    if not ranks.is_main:
+        ranks.close()
+        return 0
     result = {
         "benchmark": "model_step",
         "device": device_name(device),
@@ -332,6 +372,8 @@ def main() -> int:
         "triton": _version("triton"),
         "cuda": torch.version.cuda,
         "git_commit": args.commit,
+        "gpus": ranks.world_size,
+        "parallel": dataclasses.asdict(ranks.plan.degrees),
         "preset": cfg.model.preset,
         "dtype": cfg.model.dtype,
         "batch": cfg.train.batch_size,
@@ -350,6 +392,7 @@ def main() -> int:
     }
     write_result(result, args.out)
     print_table(result, cfg)
+    ranks.close()
     return 0
 
 
