@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tttvideo.config.schema import TTTConfig
-from tttvideo.models import apply_adapter, get_preset, init_model
+from tttvideo.config.schema import CheckpointingConfig, TTTConfig
+from tttvideo.models import apply_adapter, apply_checkpointing, get_preset, init_model
 from tttvideo.models.activation_offload import offload_activations
 from tttvideo.models.fp8_storage import store_fp8
 
@@ -33,12 +33,14 @@ def grads(model: nn.Module, offload: offload_activations | None) -> dict[str, to
     return found
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gradients_equal_with_offload(fp8):
+@pytest.mark.parametrize("fp8,block_checkpointing", [(False, False), (True, False), (False, True)])
+def test_gradients_equal_with_offload(fp8, block_checkpointing):
     torch.manual_seed(0)
     model = apply_adapter(init_model(get_preset("tiny"), TTT, True), "qkvo")
     if fp8:
         store_fp8(model)
+    if block_checkpointing:  # what a checkpointed block keeps (its inputs) goes through the hooks too
+        apply_checkpointing(model, CheckpointingConfig(block=True))
     plain = grads(model, None)
     off = offload_activations(min_bytes=4096, keep=model)
     moved = grads(model, off)
