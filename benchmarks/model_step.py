@@ -350,7 +350,7 @@ def main() -> int:
     args = parse_args()
     deadline = time.perf_counter() + args.budget_s
     device = rank_device(torch.device(args.device))
-    if device.type == "cuda":
+    if device.index is not None:  # under torchrun: this rank's GPU
         torch.cuda.set_device(device)
     cfg = bench_config(args)
     ranks = TrainRanks.start(cfg, get_preset(cfg.model.preset).num_attention_heads, device)
