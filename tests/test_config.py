@@ -150,7 +150,7 @@ def test_removed_memory_section_is_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert load_config(old) == load_config(None, ["train.steps=7"])
         assert load_config(None, ["memory.gpu_memory_gib=1"]) == Config()
-    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["memory", "memory"]
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["memory.gpu_memory_gib"] * 2
     assert "ignored" in caplog.records[0].getMessage()
 
 

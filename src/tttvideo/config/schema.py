@@ -227,6 +227,24 @@ class CheckpointingConfig(CheckpointSwitches):
 
     layers: list[CheckpointRule] = listed(list, help="per-layer rules ([[checkpointing.layers]]); the last rule "
                                                      "covering a layer wins, uncovered layers use the settings above")
+    offload_activations: bool = field(default=False, metadata={
+        "help": "training: move the tensors autograd saves for backward (1 MiB and larger; with block = true the "
+                "block inputs) to host memory in forward and back in backward, around each micro-batch; weights "
+                "stay. Same gradients, a copy each way (docs/memory.md)"})
+
+
+@dataclass
+class MemoryConfig:
+    """Limits that make a run behave like one on a smaller card."""
+
+    max_gpu_gib: float = bounded(0.0, 0.0, help="cap this process's CUDA caching allocator at this many GiB (to "
+                                                "rehearse a 24 GB card on a larger one: 24); 0 = no cap. The CUDA "
+                                                "context and other processes are outside the cap; ignored off CUDA")
+
+    # keys of earlier versions that no code read: the config loader warns and ignores them, so the config.toml
+    # saved with an older run still loads
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "gpu_memory_gib": "it was never read; memory.max_gpu_gib caps the allocator"}
 
 
 @dataclass
@@ -239,7 +257,4 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
-
-    # sections of earlier versions that no code read: the config loader warns and ignores them, so the config.toml
-    # saved with an older run still loads
-    REMOVED_KEYS: ClassVar[dict[str, str]] = {"memory": "its only key, gpu_memory_gib, was never read"}
+    memory: MemoryConfig = field(default_factory=MemoryConfig)

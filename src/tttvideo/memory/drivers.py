@@ -1,18 +1,20 @@
 """What `tttv profile CONFIG --phase train|sample` runs under the profiler, and the report it leaves.
 
-train: the trainer's own optimizer step (`tttvideo.train.step.TrainStep`) on the model of `build_model(cfg)` (preset,
-dtype, adapter, checkpointing), AdamW with the trainer's parameter groups, random latents and text features standing
-in for the latent cache (training reads the cache; the text encoder and the VAE are never on the GPU then): the
-diffusion objective (v-prediction MSE on ZeroSNR, under train.precision autocast), backward through the gradient
-scaler, clipping and the AdamW step, each phase marked from inside the step. One micro-batch per step: accumulation
-adds nothing to the peak, gradients persist across micro-batches either way.
+train: the trainer's own optimizer step (`tttvideo.train.step.TrainStep`, with checkpointing.offload_activations
+as configured) on the model of `build_model(cfg)` (preset, dtype, adapter, checkpointing), AdamW with the trainer's
+parameter groups, random latents and text features standing in for the latent cache (training reads the cache;
+the text encoder and the VAE are never on the GPU then): the diffusion objective (v-prediction MSE on ZeroSNR, under
+train.precision autocast), backward through the gradient scaler, clipping and the AdamW step, each phase marked from
+inside the step. One micro-batch per step: accumulation adds nothing to the peak, gradients persist across
+micro-batches either way.
 
 sample: one story as `tttv sample` runs it (`tttvideo.sample`): `load_model` (block offload if
 configured), `denoise` (the configured solver and guidance, `--steps` steps), the transformer released, the VAE
 decode (the identity decode when no VAE folder is configured).
 
-Components are recorded as they load, every transformer block through hooks, one phase per stage. Random inputs
-are enough: memory depends on shapes and dtypes, not on values.
+`memory.max_gpu_gib` caps the CUDA allocator before either runs. Components are recorded as they load, every
+transformer block through hooks, one phase per stage. Random inputs are enough: memory depends on shapes and dtypes,
+not on values.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def drive_train(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.dev
     objective = DiffusionObjective(ZeroSNRSchedule(), NoiseSource(train.seed, device), layout, train.text_dropout,
                                    train.precision, batch_size, global_batch=batch_size)
     train_step = TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
-                           grad_clip=train.grad_clip, profiler=_TrainPhases(prof, optimizer))
+                           grad_clip=train.grad_clip, profiler=_TrainPhases(prof, optimizer),
+                           offload=cfg.checkpointing.offload_activations)
     for step in range(steps):
         done = train_step(iter((batch,)), step)
         prof.meta.setdefault("loss", []).append(done.loss)
@@ -225,6 +228,9 @@ def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     from tttvideo.config.loader import config_to_dict
+    from tttvideo.memory.cap import apply_memory_cap
+
+    apply_memory_cap(cfg.memory, dev)  # before anything is allocated: the run sees the card it rehearses
 
     prof = MemoryProfiler(device=str(dev) if dev.type == "cuda" else "cpu",
                           meta={"phase": phase, "steps": steps, **(meta or {}), "resolved": config_to_dict(cfg)})

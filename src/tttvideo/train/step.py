@@ -7,6 +7,10 @@ profiler's train driver and benchmarks/model_step.py all run it, so what they ti
 
 A profiler passed as `profiler` sees the step's phases (`FORWARD`, `BACKWARD`, `OPTIMIZER`) as context managers
 opened around the real work; without one no phase is opened at all.
+
+With `offload=True` (`checkpointing.offload_activations`) each micro-batch's forward runs under
+`tttvideo.models.activation_offload.offload_activations`: what autograd saves for backward (tensors of at least
+`OFFLOAD_MIN_BYTES`, not the weights) waits in host memory until backward copies it back; the gradients are the same.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from torch import nn
 from tttvideo.data.loader import to_device
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.layout import VideoLayout
+from tttvideo.models.activation_offload import offload_activations
 from tttvideo.train.loss import NoiseSource, diffusion_loss
 
 if TYPE_CHECKING:
     from tttvideo.parallel import SequenceParallel
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
+# saved tensors smaller than this stay on the device under offload: a copy each way costs more than they free
+OFFLOAD_MIN_BYTES = 1 << 20
 
 Batch = dict[str, Any]
 # (model, micro-batch on the device, index of the micro-batch in the step) -> scalar loss
@@ -122,7 +129,7 @@ class TrainStep:
     def __init__(self, model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, device: torch.device, *, grad_accum: int = 1, grad_clip: float = 0.0,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 profiler: StepProfiler | None = None, reduce: StepReduce | None = None):
+                 profiler: StepProfiler | None = None, reduce: StepReduce | None = None, offload: bool = False):
         self.model = model
         self.objective = objective
         self.optimizer = optimizer
@@ -136,6 +143,8 @@ class TrainStep:
         # several processes: a non-finite loss on any rank skips the step on all (the gradient collectives need
         # every rank), the loss is reported as the mean over ranks, the gradients are FSDP's sharded DTensors
         self.reduce = reduce
+        self.offload = offload
+        self.offloaded_bytes = 0  # what the last micro-batch's forward moved to host memory (with offload)
 
     def __call__(self, batches: Iterator[Batch], step: int) -> StepResult:
         """Optimizer step `step` (0-based, for the profiler) on the next grad_accum batches of `batches`. A
@@ -157,8 +166,10 @@ class TrainStep:
         total = 0.0
         for micro in range(self.grad_accum):
             batch = to_device(next(batches), self.device)
-            with self._phase(FORWARD, step):
+            with self._phase(FORWARD, step), self._saved_tensors() as off:
                 loss = self.objective(self.model, batch, micro)
+            if off is not None:
+                self.offloaded_bytes = off.offloaded_bytes
             value = loss.item()
             finite = math.isfinite(value) if self.reduce is None else self.reduce.all_true(math.isfinite(value))
             if not finite:
@@ -187,6 +198,13 @@ class TrainStep:
             self.scaler.update()
         self._advance_schedule()
         return grad_norm
+
+    def _saved_tensors(self) -> AbstractContextManager[offload_activations | None]:
+        """Where the forward's saved tensors wait for backward: host memory with offload, else where they are.
+        The model's own tensors (parameters, fp8 codes) always stay."""
+        if not self.offload:
+            return contextlib.nullcontext()
+        return offload_activations(OFFLOAD_MIN_BYTES, keep=self.model)
 
     def _advance_schedule(self) -> None:
         if self.scheduler is not None:

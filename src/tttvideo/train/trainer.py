@@ -9,6 +9,10 @@ Exact resume: model, optimizer, scheduler, scaler, every RNG and the step are re
 and the data order is a pure function of (seed, data position) (`tttvideo.data.loader`), so a resumed run computes
 bit for bit what the uninterrupted run would have (on the same hardware and software).
 
+Memory: `memory.max_gpu_gib` caps the CUDA allocator (`tttvideo.memory.cap`), `checkpointing.offload_activations`
+is handed to the step, and a CUDA out-of-memory error in a step stops the run with one sentence
+(`tttvideo.memory.oom`): the phase and block it hit, the newest checkpoint, and the switches that would make room.
+
 Run safety: the run folder is locked for the whole run (`runlock`), an earlier run in it is resumed, kept or
 deleted only as `train.if_exists` (or --resume / --new / --overwrite) says, damaged checkpoints are passed over
 (`checkpoint.newest_intact_checkpoint`), SIGINT / SIGTERM finish the step and save before stopping, and
@@ -42,6 +46,8 @@ from tttvideo.data.loader import make_loader
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.layout import VideoLayout
+from tttvideo.memory.cap import apply_memory_cap
+from tttvideo.memory.oom import OomWatch, train_oom_error
 from tttvideo import runs
 from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
@@ -121,6 +127,7 @@ class Trainer:
             torch.set_num_threads(self.train.cpu_threads)
         # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
         self.device = rank_device(self.device)
+        apply_memory_cap(cfg.memory, self.device)
         self.ranks = TrainRanks.start(cfg, get_preset(cfg.model.preset).num_attention_heads, self.device)
         if not self.ranks.is_main:  # rank 0 alone speaks and writes logs
             self.console, self.quiet = Console(quiet=True), True
@@ -162,12 +169,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.train)
         self.scaler = grad_scaler(self.device, self.train.precision)
         self.noise = NoiseSource(self.train.seed, self.device)
+        self.oom_watch = OomWatch(self.model)
         objective = DiffusionObjective(ZeroSNRSchedule(), self.noise, self.layout, self.train.text_dropout,
                                        self.train.precision, self.train.batch_size, self.global_batch,
                                        self.ranks.dp_rank, self.ranks.dp_size, self.ranks.sequence)
         self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,
                                     grad_accum=self.grad_accum, grad_clip=self.train.grad_clip,
-                                    scheduler=self.scheduler, reduce=self.ranks if self.ranks.distributed else None)
+                                    scheduler=self.scheduler, reduce=self.ranks if self.ranks.distributed else None,
+                                    profiler=self.oom_watch, offload=self.cfg.checkpointing.offload_activations)
         self._open_dataset(stack)
         self.step = 0
         self.nonfinite_skips = 0
@@ -312,7 +321,10 @@ class Trainer:
             while self.step < total:
                 t0 = time.perf_counter()
                 lr_used = self.optimizer.param_groups[0]["lr"], group_lr(self.optimizer, ssm=True)
-                done = self.train_step(batches, self.step)
+                try:
+                    done = self.train_step(batches, self.step)
+                except torch.cuda.OutOfMemoryError as err:
+                    raise train_oom_error(err, self.cfg, self.model, self.oom_watch, self.last_good) from None
                 loss, finite = done.loss, done.finite
                 if not finite:
                     self._handle_nonfinite(loss, monitor)

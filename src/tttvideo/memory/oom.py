@@ -1,0 +1,200 @@
+"""What a CUDA out-of-memory error tells the user: where it happened and which switches would make room.
+
+`OomWatch(model)` follows a run: a forward pre-hook on every transformer block records the block running (in
+forward, and in backward where a checkpointed block is recomputed), and `phase(name, step)` (a
+`tttvideo.train.step.StepProfiler`) records the optimizer step's phase. `train_oom_error` / `sample_oom_error` turn
+what it saw into one `UserError` sentence: the phase, the block when known, the newest checkpoint (training), and the
+switches not yet on, each with what it would save counted from the model (frozen linear weights, optimizer state,
+block inputs, block weights), the largest first, and the command that shows where memory goes (`tttv profile`).
+
+The counts are of the whole model: under FSDP each GPU holds its shard of the weights and optimizer state, so
+divide those by the shard degree. Activations are not counted beyond the block inputs (the rest depends on the
+kernels); `tttv profile` measures them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tttvideo.config.schema import Config
+from tttvideo.dtypes import torch_dtype
+from tttvideo.errors import UserError
+from tttvideo.layout import VideoLayout
+
+GIB = 2**30
+# 8-bit AdamW: two 1-byte codes per value and one fp32 scale per 256 values of each moment
+_ADAMW8BIT_BYTES_PER_VALUE = 2 + 2 * 4 / 256
+
+
+class OutOfMemory(UserError):
+    """The GPU ran out of memory; the message says where and what to switch on."""
+
+
+@dataclass
+class Saving:
+    switch: str  # the setting that saves it, as the user writes it
+    what: str  # what it moves or shrinks
+    nbytes: int | None = None  # counted from the model; None where only a run measures it
+
+
+class OomWatch:
+    """Block and phase of a running model, for the message of an out-of-memory error. `close()` removes the hooks."""
+
+    def __init__(self, model: nn.Module):
+        self.block: int | None = None
+        self.running: str | None = None
+        self.step: int | None = None
+        blocks: Sequence[nn.Module] = getattr(model, "blocks", ())
+        self.num_blocks = len(blocks)
+        self._handles = [b.register_forward_pre_hook(functools.partial(self._enter, i)) for i, b in enumerate(blocks)]
+
+    def _enter(self, index: int, module: nn.Module, args: Any) -> None:
+        self.block = index
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        """Records `name` while it runs; an exception leaving it leaves it recorded, with the block it reached."""
+        self.running, self.step, self.block = name, step, None
+        yield
+        self.running = None
+
+    def where(self) -> str:
+        text = self.running or "the training step"
+        if self.step is not None:
+            text += f" of step {self.step + 1}"
+        if self.block is not None:
+            text += f", in block {self.block} of {self.num_blocks}"
+        return text
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+# ------------------------------------------------------------------------------------------------- what would help
+def frozen_linear_saving(model: nn.Module) -> int:
+    """Bytes fp8 storage would free: frozen plain `nn.Linear` weights at their size minus 1 byte per value and one
+    fp32 scale per output row."""
+    total = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and not m.weight.requires_grad:
+            total += m.weight.numel() * (m.weight.element_size() - 1) - 4 * m.weight.shape[0]
+    return total
+
+
+def adamw_state_saving(model: nn.Module) -> int:
+    """Bytes 8-bit AdamW would free against AdamW's two moments in the trainable parameters' dtypes."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return int(sum(p.numel() * (2 * p.element_size() - _ADAMW8BIT_BYTES_PER_VALUE) for p in params))
+
+
+def block_input_bytes(cfg: Config, model: nn.Module, batch: int) -> int:
+    """The residual stream entering one block: what block checkpointing keeps per block for backward."""
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    dim = model.spec.dim if hasattr(model, "spec") else 0
+    return batch * layout.total_tokens * dim * torch.tensor([], dtype=torch_dtype(cfg.model.dtype)).element_size()
+
+
+def block_weight_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for b in getattr(model, "blocks", ())
+               for t in (*b.parameters(), *b.buffers()))
+
+
+def _common_savings(cfg: Config, model: nn.Module) -> list[Saving]:
+    found = []
+    if cfg.model.frozen_weights != "fp8":
+        saved = frozen_linear_saving(model)
+        if saved > 0:
+            found.append(Saving("model.frozen_weights = 'fp8'", "of frozen linear weights", saved))
+    return found
+
+
+def train_savings(cfg: Config, model: nn.Module, gpus: int) -> list[Saving]:
+    """The switches of a training run that are off, with what each would save; largest first."""
+    found = _common_savings(cfg, model)
+    if cfg.train.optimizer == "adamw":
+        found.append(Saving("train.optimizer = 'adamw8bit'", "of optimizer state", adamw_state_saving(model)))
+    layers = len(getattr(model, "blocks", ()))
+    inputs = block_input_bytes(cfg, model, cfg.train.batch_size) * layers
+    ck = cfg.checkpointing
+    if not ck.block:
+        found.append(Saving("checkpointing.block = true", "of activations: each block is recomputed in backward and "
+                                                          "keeps only its input"))
+    if not ck.offload_activations:
+        found.append(Saving("checkpointing.offload_activations = true",
+                            "of saved activations to host memory (with block checkpointing: the block inputs)", inputs))
+    if gpus > 1 and cfg.parallel.sp == 1:
+        found.append(Saving(f"parallel.sp = {gpus} under torchrun", f"of activations: each of the {gpus} GPUs holds "
+                                                                    f"1/{gpus} of a video's tokens"))
+    return _largest_first(found)
+
+
+def sample_savings(cfg: Config, model: nn.Module) -> list[Saving]:
+    """The switches of sampling that are off, with what each would save; largest first."""
+    found = _common_savings(cfg, model)
+    s = cfg.sample
+    if not s.offload_blocks:
+        blocks = len(getattr(model, "blocks", ())) or 1
+        resident = block_weight_bytes(model) * (blocks - 1 - s.prefetch_blocks) // blocks
+        if resident > 0:
+            found.append(Saving("sample.offload_blocks = true", "of block weights kept in host memory", resident))
+    if s.cfg_batched and s.cfg > 0:
+        found.append(Saving("sample.cfg_batched = false", "of activations: conditional and unconditional passes run "
+                                                          "one after the other"))
+    return _largest_first(found)
+
+
+def _largest_first(found: list[Saving]) -> list[Saving]:
+    return sorted(found, key=lambda s: -1 if s.nbytes is None else s.nbytes, reverse=True)
+
+
+def _describe(saving: Saving) -> str:
+    size = "" if saving.nbytes is None else f"{saving.nbytes / GIB:.2f} GiB "
+    return f"{saving.switch} ({size}{saving.what})"
+
+
+def _advice(cfg: Config, savings: list[Saving], phase: str) -> str:
+    parts = []
+    if savings:
+        parts.append("switches not on yet, largest saving first: " + ", ".join(_describe(s) for s in savings))
+    else:
+        parts.append("every memory switch is already on: shorten layout.duration or use a larger card")
+    cap = cfg.memory.max_gpu_gib
+    if cap > 0:
+        parts.append(f"memory.max_gpu_gib = {cap:g} holds this process to {cap:g} GiB (0 lifts the cap)")
+    parts.append(f"tttv profile CONFIG --phase {phase} shows where the memory goes")
+    return "; ".join(parts)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0].rstrip(".") if text else type(err).__name__
+
+
+def train_oom_error(err: BaseException, cfg: Config, model: nn.Module, watch: OomWatch,
+                    newest_checkpoint: Path | None, gpus: int | None = None) -> OutOfMemory:
+    """The one-sentence error of a training step that ran out of GPU memory."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    kept = (f"the newest checkpoint is {newest_checkpoint} (resume from it with --resume)"
+            if newest_checkpoint is not None else "no checkpoint was written yet")
+    return OutOfMemory(f"out of GPU memory in the {watch.where()} ({_first_line(err)}); {kept}; "
+                       f"{_advice(cfg, train_savings(cfg, model, gpus), 'train')}")
+
+
+def sample_oom_error(err: BaseException, cfg: Config, model: nn.Module, watch: OomWatch, story: str,
+                     step: int) -> OutOfMemory:
+    """The one-sentence error of a denoising step (`step`, 1-based) that ran out of GPU memory."""
+    where = f"denoise step {step} of {cfg.sample.steps} of story {story!r}"
+    if watch.block is not None:
+        where += f", in block {watch.block} of {watch.num_blocks}"
+    return OutOfMemory(f"out of GPU memory in {where} ({_first_line(err)}); "
+                       f"{_advice(cfg, sample_savings(cfg, model), 'sample')}")
