@@ -2,10 +2,11 @@
 
 `OomWatch(model)` follows a run: a forward pre-hook on every transformer block records the block running (in
 forward, and in backward where a checkpointed block is recomputed), and `phase(name, step)` (a
-`tttvideo.train.step.StepProfiler`) records the optimizer step's phase. `train_oom_error` / `sample_oom_error` turn
-what it saw into one `UserError` sentence: the phase, the block when known, the newest checkpoint (training), and the
-switches not yet on, each with what it would save counted from the model (frozen linear weights, optimizer state,
-block inputs, block weights), the largest first, and the command that shows where memory goes (`tttv profile`).
+`tttvideo.train.step.StepProfiler`) records the optimizer step's phase; `DenoiseWatch` follows a sampler's
+denoising steps. `train_oom_error` / `sample_oom_error` turn what it saw into one `UserError` sentence: the phase,
+the block when known, the newest checkpoint (training), and the switches not yet on, each with what it would save
+counted from the model (frozen linear weights, optimizer state, block inputs, block weights), the largest first,
+and the command that shows where memory goes (`tttv profile`).
 
 The counts are of the whole model: under FSDP each GPU holds its shard of the weights and optimizer state, so
 divide those by the shard degree. Activations are not counted beyond the block inputs (the rest depends on the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,8 @@ def train_savings(cfg: Config, model: nn.Module, gpus: int) -> list[Saving]:
 
 
 def sample_savings(cfg: Config, model: nn.Module) -> list[Saving]:
-    """The switches of sampling that are off, with what each would save; largest first."""
+    """The switches of sampling that are off, with what each would save; largest first (a batched guidance pass
+    that runs out already falls back to two passes by itself, `tttvideo.sample.guidance`)."""
     found = _common_savings(cfg, model)
     s = cfg.sample
     if not s.offload_blocks:
@@ -147,9 +149,6 @@ def sample_savings(cfg: Config, model: nn.Module) -> list[Saving]:
         resident = block_weight_bytes(model) * (blocks - 1 - s.prefetch_blocks) // blocks
         if resident > 0:
             found.append(Saving("sample.offload_blocks = true", "of block weights kept in host memory", resident))
-    if s.cfg_batched and s.cfg > 0:
-        found.append(Saving("sample.cfg_batched = false", "of activations: conditional and unconditional passes run "
-                                                          "one after the other"))
     return _largest_first(found)
 
 
@@ -188,6 +187,31 @@ def train_oom_error(err: BaseException, cfg: Config, model: nn.Module, watch: Oo
             if newest_checkpoint is not None else "no checkpoint was written yet")
     return OutOfMemory(f"out of GPU memory in the {watch.where()} ({_first_line(err)}); {kept}; "
                        f"{_advice(cfg, train_savings(cfg, model, gpus), 'train')}")
+
+
+class DenoiseWatch(OomWatch):
+    """`with DenoiseWatch(cfg, model, story) as watch: denoise(..., on_step=watch.on_step(bar_update))`: a CUDA
+    out-of-memory error inside becomes `sample_oom_error` naming the denoising step that was running."""
+
+    def __init__(self, cfg: Config, model: nn.Module, story: str):
+        super().__init__(model)
+        self.cfg, self.model, self.story = cfg, model, story
+        self.completed = 0
+
+    def on_step(self, then: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
+        def note(i: int, n: int) -> Any:
+            self.completed = i + 1
+            return then(i, n)
+
+        return note
+
+    def __enter__(self) -> "DenoiseWatch":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
+        self.close()
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            raise sample_oom_error(err, self.cfg, self.model, self, self.story, self.completed + 1) from None
 
 
 def sample_oom_error(err: BaseException, cfg: Config, model: nn.Module, watch: OomWatch, story: str,

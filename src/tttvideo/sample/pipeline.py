@@ -29,6 +29,7 @@ from tttvideo.config.schema import Config
 from tttvideo.device import resolve_device
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
+from tttvideo.memory.oom import DenoiseWatch
 from tttvideo.runs import resolve_checkpoint
 from tttvideo.sample.guidance import denoise
 from tttvideo.sample.model import load_model, warn_beyond_training
@@ -110,8 +111,9 @@ def denoise_stories(model: torch.nn.Module, stories: list[Story], layouts: list[
             for story, layout, (cond, uncond) in zip(stories, layouts, texts):
                 task = bar.add_task(f"{story.name} ({layout.duration_s} s)", total=cfg.sample.steps)
                 t0 = time.perf_counter()
-                latents.append(denoise(model, layout, cond, uncond, cfg.sample, device,
-                                       on_step=lambda i, n, task=task: bar.update(task, completed=i + 1, total=n)))
+                with DenoiseWatch(cfg, model, story.name) as watch:  # a CUDA OOM: one sentence naming the step
+                    latents.append(denoise(model, layout, cond, uncond, cfg.sample, device, on_step=watch.on_step(
+                        lambda i, n, task=task: bar.update(task, completed=i + 1, total=n))))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 seconds.append(time.perf_counter() - t0)

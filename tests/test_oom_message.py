@@ -1,0 +1,111 @@
+"""A CUDA out-of-memory error becomes one sentence (tttvideo.memory.oom): `tttv train` and `tttv sample` exit 2 naming
+the phase, the block, the newest checkpoint and the switches not on with what each saves, counted from the model.
+The error is faked on CPU by a block that raises torch.cuda.OutOfMemoryError."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tttvideo.cli import main
+from tttvideo.config.loader import load_config
+from tttvideo.memory.oom import adamw_state_saving, frozen_linear_saving, train_savings
+from tttvideo.models import build_model
+from tttvideo.models.block import Block
+from tttvideo.models.fp8_storage import frozen_weight_bytes, store_fp8
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRAIN = ["train.if_exists=refuse", "layout.duration=3s", "data.demo_videos=2", "data.demo_text_encoder=table",
+         "train.batch_size=1", "train.steps=4", "train.checkpoint_every=2", "train.log_every=1",
+         "train.sample_at_end=false", "train.tensorboard=false", "model.adapter=qkvo"]
+LAYERS = 2  # the tiny preset's blocks
+
+
+def fail_at(monkeypatch, call: int) -> None:
+    """Block.forward raises CUDA's out-of-memory error on its `call`-th call (0-based, over all blocks)."""
+    forward, calls = Block.forward, [0]
+
+    def maybe_fail(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] - 1 == call:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Block, "forward", maybe_fail)
+
+
+def test_train_oom_is_one_sentence_with_phase_block_checkpoint_and_switches(tmp_path, monkeypatch, capsys):
+    fail_at(monkeypatch, 2 * LAYERS + 1)  # the forward of step 3, block 1: step 2 has been saved
+    run = tmp_path / "run"
+    code = main(["train", "configs/demo.toml", *[a for s in TRAIN for a in ("--set", s)],
+                 "--set", f"train.output_dir={run}", "--set", f"data.demo_dir={tmp_path / 'data'}"])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    msg = lines[0]
+    assert msg.startswith("tttv train: error: out of GPU memory in the forward of step 3, in block 1 of 2 (CUDA out "
+                          "of memory. Tried to allocate 2.00 GiB (simulated)); the newest checkpoint is "), msg
+    assert f"{run / 'checkpoints' / 'step-000002'}" in msg
+    cfg = load_config("configs/demo.toml", TRAIN)
+    model = build_model(cfg)
+    expected = [f"model.frozen_weights = 'fp8' ({frozen_linear_saving(model) / 2**30:.2f} GiB",
+                f"train.optimizer = 'adamw8bit' ({adamw_state_saving(model) / 2**30:.2f} GiB",
+                "checkpointing.block = true", "checkpointing.offload_activations = true (",
+                "tttv profile CONFIG --phase train shows where the memory goes"]
+    at = [msg.index(e) for e in expected]
+    # counted savings in decreasing order, then the uncounted ones
+    counted = sorted([(frozen_linear_saving(model), at[0]), (adamw_state_saving(model), at[1])], reverse=True)
+    assert [a for _, a in counted] == sorted(a for _, a in counted) and max(at[:2]) < at[2]
+
+
+def test_switches_already_on_are_not_suggested():
+    cfg = load_config("configs/demo.toml", TRAIN + ["model.frozen_weights=fp8", "train.optimizer=adamw8bit",
+                                                    "checkpointing.block=true", "memory.max_gpu_gib=24"])
+    model = build_model(cfg)
+    found = [s.switch for s in train_savings(cfg, model, gpus=2)]
+    assert found == ["checkpointing.offload_activations = true", "parallel.sp = 2 under torchrun"]
+
+
+def test_counts_match_fp8_storage_and_adamw_state():
+    cfg = load_config("configs/demo.toml", TRAIN)
+    model = build_model(cfg)
+    converted = copy.deepcopy(model)
+    store_fp8(converted)
+    assert frozen_linear_saving(model) == frozen_weight_bytes(model) - frozen_weight_bytes(converted) > 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    adamw = sum(s[k].nbytes for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    eight_bit = sum(2 * p.numel() + 2 * 4 * p.numel() / 256 for p in params)
+    assert adamw_state_saving(model) == int(adamw - eight_bit)
+
+
+def test_sample_oom_names_the_denoise_step(tmp_path, monkeypatch, capsys):
+    import json
+
+    from tttvideo.config.loader import dump_toml
+    from tttvideo.models import save_checkpoint
+
+    cfg = load_config(None, ['model.adapter="qkvo"', "layout.height=32", "layout.width=48", "layout.text_tokens=16",
+                             "ttt.mini_batch_size=16", "ttt.scan_checkpoint_group_size=0", 'ttt.backend="reference"',
+                             'data.demo_text_encoder="table"', 'sample.device="cpu"', "sample.steps=3",
+                             "sample.cfg_batched=false"])
+    folder = tmp_path / "ck"
+    save_checkpoint(build_model(cfg), folder / "model.safetensors")
+    (folder / "config.toml").write_text(dump_toml(cfg))
+    story = tmp_path / "story.json"
+    story.write_text(json.dumps([{"text": "a red circle moves right"}]))
+    fail_at(monkeypatch, 2 * 2 * LAYERS)  # two passes per step (cond, uncond): the first block of step 3
+    code = main(["sample", "--checkpoint", str(folder), "--scenes", str(story), "--out", str(tmp_path / "v.mp4")])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    msg = lines[-1]
+    assert msg.startswith("tttv sample: error: out of GPU memory in denoise step 3 of 3 of story 'story', in block 0 "
+                          "of 2"), msg
+    assert "model.frozen_weights = 'fp8' (" in msg and "tttv profile CONFIG --phase sample" in msg
