@@ -165,3 +165,30 @@ def test_config_key_builds_fp8_layers():
     cfg.model.adapter = "sft"
     with pytest.raises(ConfigError, match="model.frozen_weights"):
         build_model(cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_checkpoint_loads_into_fp8_model_quantised(tmp_path, dtype):
+    """A full checkpoint of a model without fp8 storage loads into one with it: the same codes as converting the
+    loaded model, and the output within the fp8 tolerance of the original's."""
+    from tttvideo.runs import is_full_checkpoint
+
+    source = tiny().to(dtype)
+    path = save_checkpoint(source, tmp_path / "full.safetensors")
+    assert is_full_checkpoint(path)
+    torch.manual_seed(5)  # other random weights: every value must come from the file
+    target = apply_adapter(init_model(get_preset("tiny"), TTT, True, dtype=dtype), "qkvo")
+    store_fp8(target)
+    loaded = load_checkpoint(target, path)
+    assert set(loaded) == {n for n, p in source.named_parameters()}
+    expected = copy.deepcopy(source)
+    store_fp8(expected)
+    for (name, got), (_, want) in zip(target.state_dict().items(), expected.state_dict().items()):
+        assert torch.equal(got.float(), want.float()), name
+    args = inputs()
+    with torch.no_grad():
+        assert rel(target(*args), source(*args)) < (0.03 if dtype == torch.float32 else 0.05)
+    # the fp8 model's own checkpoint lacks the frozen weights: marked partial, loaded over the base model's
+    back = save_checkpoint(target, tmp_path / "fp8.safetensors")
+    assert not is_full_checkpoint(back)
+    assert set(load_checkpoint(target, back)) == {n for n, _ in target.named_parameters()} < set(loaded)

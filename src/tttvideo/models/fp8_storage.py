@@ -23,9 +23,12 @@ Why not the existing tools:
 What a converted model saves: `state_dict()` holds `<layer>.weight_fp8` (float8_e4m3fn) and `<layer>.weight_scale`
 (fp32) instead of `<layer>.weight`, and `<layer>.bias` unchanged. `tttvideo.models.weights.save_checkpoint` walks
 `named_parameters()`, where the fp8 weights are buffers and therefore absent: a trainable-only checkpoint is the
-same as without fp8; a "full" checkpoint holds every parameter except the converted frozen weights, so it loads back
-into a model built with the same `model.frozen_weights = "fp8"` (the frozen weights come from
-`model.pretrained_path`), and a bf16 model refuses it naming them as missing.
+same as without fp8; a "full" checkpoint holds every parameter except the converted frozen weights and is marked
+partial: the sampler then builds the model from `model.pretrained_path` and loads it on top (with or without fp8
+storage), and a later stage that starts from it with `train.init_from` must set `model.pretrained_path` too (the
+frozen weights come from there). The other way round works too: a full
+checkpoint of a model without fp8 storage (bf16 or fp32) loads into a model with it, `load_checkpoint` quantising
+each frozen weight as it reads it (the same codes as loading into the unconverted model and then `store_fp8`).
 """
 
 from __future__ import annotations

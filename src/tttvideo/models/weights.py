@@ -22,6 +22,7 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
+from tttvideo.models.fp8_storage import Fp8Linear, quantize_rows
 from tttvideo.models.presets import ModelSpec, describe_config
 from tttvideo.models.transformer import CogVideoXTTT
 
@@ -239,7 +240,9 @@ def _names(names: Iterable[str], limit: int = 8) -> str:
 def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool = False,
                     trained_duration_s: int | None = None) -> Path:
     """Parameters (all, or only those with requires_grad) as one safetensors file with the spec in its metadata,
-    and the longest video duration the weights were trained on when known (`checkpoint_info`)."""
+    and the longest video duration the weights were trained on when known (`checkpoint_info`). A model with fp8
+    frozen weights saves its parameters only (the fp8 codes are buffers), so its file is marked partial: whoever
+    loads it builds the frozen weights from `model.pretrained_path` first, as for a trainable-only file."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -249,7 +252,7 @@ def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool 
         "format": CHECKPOINT_FORMAT,
         "spec": json.dumps(dataclasses.asdict(model.spec)),
         "use_ttt": str(model.use_ttt),
-        "partial": str(trainable_only),
+        "partial": str(trainable_only or any(isinstance(m, Fp8Linear) for m in model.modules())),
     }
     if trained_duration_s is not None:
         metadata["trained_duration_s"] = str(int(trained_duration_s))
@@ -313,17 +316,23 @@ def trained_duration(path: str | Path) -> int | None:
 @torch.no_grad()
 def load_checkpoint(model: CogVideoXTTT, path: str | Path) -> list[str]:
     """Copy a save_checkpoint file into `model`. Every tensor must exist in the model with its shape; a full
-    checkpoint must also cover every parameter. Returns the names loaded."""
+    checkpoint must also cover every parameter. The weight of a layer the model stores in fp8
+    (`model.frozen_weights = "fp8"`) is quantised as it loads, one layer at a time, exactly as `store_fp8` would
+    have converted it: a full bf16 or fp32 checkpoint loads into a model with fp8 frozen weights. Returns the names
+    loaded."""
     from safetensors import safe_open
 
     path = Path(path)
     meta = model_file_metadata(path)
     own = dict(model.named_parameters())
+    fp8 = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    shapes = {**{k: tuple(p.shape) for k, p in own.items()}, **{k: (m.out_features, m.in_features)
+                                                                 for k, m in fp8.items()}}
     with safe_open(str(path), framework="pt", device="cpu") as f:
         check_same_model(path, meta, model.spec)
         keys = list(f.keys())
-        unexpected = [k for k in keys if k not in own]
-        wrong = [k for k in keys if k in own and tuple(f.get_slice(k).get_shape()) != tuple(own[k].shape)]
+        unexpected = [k for k in keys if k not in shapes]
+        wrong = [k for k in keys if k in shapes and tuple(f.get_slice(k).get_shape()) != shapes[k]]
         missing = [] if meta.get("partial") == "True" else [n for n in own if n not in set(keys)]
         if unexpected or wrong or missing:
             parts = [f"{label} {_names(v)}" for label, v in
@@ -332,6 +341,16 @@ def load_checkpoint(model: CogVideoXTTT, path: str | Path) -> list[str]:
                 f"{path} does not fit this model ({'; '.join(parts)}); was it saved with another adapter or use_ttt?"
             )
         for k in keys:
+            if k in fp8:
+                _load_fp8(fp8[k], f.get_tensor(k))
+                continue
             p = own[k]
             p.copy_(f.get_tensor(k).to(device=p.device, dtype=p.dtype))
     return keys
+
+
+def _load_fp8(layer: Fp8Linear, weight: torch.Tensor) -> None:
+    # through the dtype the model was built in, as store_fp8 quantises a loaded model's weight: the same codes
+    codes, scale = quantize_rows(weight.to(device=layer.weight_fp8.device, dtype=layer.dtype))
+    layer.weight_fp8.copy_(codes)
+    layer.weight_scale.copy_(scale)
