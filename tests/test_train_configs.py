@@ -51,3 +51,49 @@ def test_demo_config_is_the_tiny_cpu_run():
     assert cfg.data.manifest == "" and cfg.train.sample_at_end
     lay = VideoLayout.from_config(cfg.layout, cfg.ttt)
     assert lay.num_segments >= 2  # the demo video has scene cuts
+
+
+# ------------------------------------------------------------------------------------------ the 24 GB configs
+def fixed_gib(cfg) -> float:
+    """Frozen weights (fp8: 1 byte + a scale per row), trainable parameters, their gradients and 8-bit AdamW state
+    of the config's model, counted on the meta device."""
+    import torch
+
+    from tttvideo.dtypes import torch_dtype
+    from tttvideo.memory.oom import adamw_state_saving, frozen_linear_saving
+    from tttvideo.models import apply_adapter, get_preset
+    from tttvideo.models.transformer import CogVideoXTTT
+
+    with torch.device("meta"):
+        model = CogVideoXTTT(get_preset(cfg.model.preset), cfg.ttt, cfg.model.use_ttt).to(torch_dtype(cfg.model.dtype))
+    apply_adapter(model, cfg.model.adapter, cfg.model.lora_rank, cfg.model.lora_alpha)
+    frozen = sum(p.nbytes for p in model.parameters() if not p.requires_grad) - frozen_linear_saving(model)
+    trainable = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    adamw = sum(2 * p.nbytes for p in model.parameters() if p.requires_grad)
+    return (frozen + 2 * trainable + adamw - adamw_state_saving(model)) / 2**30
+
+
+def test_24gb_training_configs_have_every_switch_on_and_chain():
+    pytest.importorskip("peft")
+    previous = None
+    for name, duration in (("24gb-3s", "3s"), ("24gb-9s", "9s")):
+        cfg = load_config(f"configs/cogvideox-5b/{name}.toml")
+        m, t, ck = cfg.model, cfg.train, cfg.checkpointing
+        assert (m.preset, m.adapter, m.dtype, m.frozen_weights, cfg.ttt.kind) == ("cogvideox-5b", "lora", "bf16",
+                                                                                   "fp8", "mlp")
+        assert (t.optimizer, t.precision, t.batch_size, cfg.memory.max_gpu_gib) == ("adamw8bit", "bf16", 1, 24)
+        assert ck.block and ck.offload_activations and cfg.ttt.scan_checkpoint_group_size > 0
+        assert cfg.layout.duration == duration and batch_plan(t, 1) == (64, 64)
+        # checkpoints of an fp8 model hold no frozen weights: every stage builds them from the base model
+        assert m.pretrained_path and t.init_from == (previous or "")
+        assert t.output_dir.endswith(name)
+        # what docs/memory.md counts: ~14.9 GiB before activations, ~7 GiB left on a 24 GB card
+        assert 14 < fixed_gib(cfg) < 15.5
+        previous = t.output_dir
+
+
+def test_24gb_sample_config_streams_blocks_with_fp8_weights():
+    cfg = load_config("configs/cogvideox-5b/24gb-sample-63s.toml")
+    assert cfg.layout.duration == "63s" and cfg.model.adapter == "lora" and cfg.model.frozen_weights == "fp8"
+    assert cfg.model.pretrained_path and cfg.sample.offload_blocks and not cfg.sample.cfg_batched
+    assert cfg.memory.max_gpu_gib == 24
