@@ -252,12 +252,18 @@ def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool 
         "format": CHECKPOINT_FORMAT,
         "spec": json.dumps(dataclasses.asdict(model.spec)),
         "use_ttt": str(model.use_ttt),
-        "partial": str(trainable_only or any(isinstance(m, Fp8Linear) for m in model.modules())),
+        "partial": str(trainable_only or _has_fp8_layers(model)),
     }
     if trained_duration_s is not None:
         metadata["trained_duration_s"] = str(int(trained_duration_s))
     save_file(tensors, str(path), metadata=metadata)
     return path
+
+
+def _has_fp8_layers(model: object) -> bool:
+    # the multi-process trainer saves a gathered stand-in (train/dcp.py) that has parameters but no modules
+    modules = getattr(model, "modules", None)
+    return modules is not None and any(isinstance(m, Fp8Linear) for m in modules())
 
 
 def model_file_metadata(path: str | Path) -> dict[str, str]:
