@@ -40,6 +40,7 @@ from tttvideo.config.schema import Config
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.dtypes import torch_dtype
 from tttvideo.layout import VideoLayout
+from tttvideo.memory.cap import apply_memory_cap
 from tttvideo.models import CogVideoXTTT, build_model, trainable_summary
 from tttvideo.models.presets import get_preset
 from tttvideo.train.distributed import TrainRanks, rank_device
@@ -170,7 +171,8 @@ def make_step(cfg: Config, model: CogVideoXTTT, device: torch.device, layout: Vi
                                    train.precision, train.batch_size, train.batch_size * ranks.dp_size,
                                    ranks.dp_rank, ranks.dp_size, ranks.sequence)
     return TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
-                     grad_clip=train.grad_clip, reduce=ranks if ranks.distributed else None)
+                     grad_clip=train.grad_clip, reduce=ranks if ranks.distributed else None,
+                     offload=cfg.checkpointing.offload_activations)
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -332,7 +334,7 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
     print(f"\n{result['device']}, torch {result['torch']}, {cfg.model.preset} + TTT-MLP, "
           f"bf16={cfg.model.dtype == 'bf16'}, batch 1, {cfg.model.adapter}, block checkpoint group "
           f"{ck['block_group_size']}, scan group {ck['ttt_scan_checkpoint_group_size']}, "
-          f"optimizer step {result['optimizer_step']}")
+          f"optimizer step {result['optimizer_step']}, {result['switches']}")
     print(f"{'dur':>4} {'tokens':>7} {'step s':>8} {'alloc GiB':>9} {'resv GiB':>9} {'dense TF':>9} {'attn TF':>8} "
           f"{'TTT TF':>8} {'TFLOP/s':>8} {'MFU':>6}  backend")
     for r in result["results"]:
@@ -353,6 +355,7 @@ def main() -> int:
     if device.index is not None:  # under torchrun: this rank's GPU
         torch.cuda.set_device(device)
     cfg = bench_config(args)
+    capped = apply_memory_cap(cfg.memory, device)  # memory.max_gpu_gib: rehearse a smaller card
     ranks = TrainRanks.start(cfg, get_preset(cfg.model.preset).num_attention_heads, device)
     reference_calls = count_reference_calls()
     model, build_s, params = build(cfg, device)
@@ -381,6 +384,10 @@ def main() -> int:
         "checkpointing": {"block_group_size": cfg.checkpointing.group_size if cfg.checkpointing.block else 0,
                           "ttt_scan_checkpoint_group_size": cfg.ttt.scan_checkpoint_group_size},
         "optimizer_step": args.optimizer_step,
+        "memory_cap_fraction": capped,
+        "switches": {"frozen_weights": cfg.model.frozen_weights, "optimizer": cfg.train.optimizer,
+                     "offload_activations": cfg.checkpointing.offload_activations,
+                     "max_gpu_gib": cfg.memory.max_gpu_gib},
         "objective": "diffusion_loss: v-prediction MSE on the ZeroSNR schedule, as the trainer's",
         "flops_convention": "model FLOPs: dense 6 x per-token matmul params x tokens (all weights, also frozen ones); "
                             "attention 3 x 4 x windows x W^2 x C per layer; TTT-MLP 3 x 2 directions x 14 D E per "
