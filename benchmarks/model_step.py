@@ -59,7 +59,10 @@ ADAPTER = "qkvo"
 def per_token_params(model: CogVideoXTTT) -> dict[str, int]:
     """Weights applied to every token (the adaLN linears act once per sample on the timestep: left out)."""
     blocks = 0
-    for name, p in model.blocks.named_parameters():
+    # frozen weights stored in fp8 are buffers (weight_fp8), not parameters: they count as the weights they stand for
+    weights = [*model.blocks.named_parameters(), *((n, b) for n, b in model.blocks.named_buffers()
+                                                   if n.endswith("weight_fp8"))]
+    for name, p in weights:
         if p.dim() < 2 or ".norm1." in f".{name}" or ".norm2." in f".{name}":
             continue  # biases, norms, gates, modulation
         if name.endswith(("W1", "W2")):
