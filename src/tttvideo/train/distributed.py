@@ -20,6 +20,8 @@ import torch.distributed as dist
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard_model
+# re-exported: the trainer and `tttv train` import them from here
+from tttvideo.parallel.launch import SharedError, launch_rank, rank_device
 
 if TYPE_CHECKING:
     from tttvideo.models.transformer import CogVideoXTTT
@@ -27,15 +29,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-
-class SharedError(UserError):
-    """A UserError that every rank raises with the same sentence (a config check, or a decision rank 0 took and
-    broadcast): the CLI prints it on rank 0 only."""
-
-
-def launch_rank() -> int:
-    """This process's rank in a torchrun launch (0 without one)."""
-    return int(os.environ.get("RANK", "0"))
+__all__ = ["SharedError", "TrainRanks", "launch_rank", "rank_device"]
 
 
 @dataclass
@@ -148,10 +142,3 @@ class TrainRanks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t[0])
 
-
-def rank_device(device: torch.device) -> torch.device:
-    """The device of this rank: under torchrun each rank takes the GPU LOCAL_RANK (train.device 'cuda' means 'the
-    GPUs of this host'); CPU stays CPU."""
-    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device

@@ -1,0 +1,38 @@
+"""What a process of a torchrun launch knows about itself before any process group exists: its rank, its device,
+and the error type that every rank raises with the same sentence. `tttv train` and `tttv sample` both use them."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tttvideo.errors import UserError
+
+
+class SharedError(UserError):
+    """A UserError that every rank raises with the same sentence (a config check, or a decision rank 0 took and
+    broadcast): the CLI prints it on rank 0 only."""
+
+
+def launch_rank() -> int:
+    """This process's rank in a torchrun launch (0 without one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch_world_size() -> int:
+    """The number of processes of a torchrun launch (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def missing_launch_variables() -> list[str]:
+    """torchrun's variables other than WORLD_SIZE that are not set (a WORLD_SIZE exported by hand lacks them)."""
+    return [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """The device of this rank: under torchrun each rank takes the GPU LOCAL_RANK ('cuda' means 'the GPUs of this
+    host'); CPU stays CPU."""
+    if device.type == "cuda" and launch_world_size() > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
