@@ -2,12 +2,17 @@
 
 The config is the checkpoint's own (`config.toml` in its folder, written by `tttv train`) unless a CONFIG file is
 given; `--set` and the flags below override it. The duration follows the scene count (one scene per 3-s segment).
+
+Under torchrun (`torchrun --nproc_per_node N -m tttvideo sample ...`) every rank runs this command: rank 0 alone
+prints, and the ranks split the work as `tttvideo.sample.distributed` describes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 from pathlib import Path
 
 from tttvideo.cli.common import SET_HELP
@@ -78,16 +83,30 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from tttvideo.parallel.launch import SharedError, launch_rank
 
+    rank = launch_rank()
+    if rank != 0:  # one voice: the other ranks print only errors of their own
+        logging.getLogger("tttvideo").setLevel(logging.ERROR)
+    try:
+        return _sample(args, quiet=rank != 0)
+    except UserError as err:
+        # a SharedError is the same sentence on every rank: rank 0 prints it once; one rank's own says whose
+        if rank == 0:
+            raise
+        if not isinstance(err, SharedError):
+            print(f"tttv sample: error on rank {rank}: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _checked_inputs(args: argparse.Namespace):
+    """The stories and the config, every input checked before anything heavy is loaded."""
     from tttvideo.config.loader import load_config
     from tttvideo.outputs import check_writable_file
-    from tttvideo.sample.pipeline import output_paths, sample_stories
+    from tttvideo.sample.pipeline import output_paths
     from tttvideo.sample.scenes import load_stories
     from tttvideo.sample.video import check_mp4_writer
 
-    # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
-    console = Console()
     if not Path(args.checkpoint).exists():
         raise UserError(f"checkpoint {args.checkpoint} does not exist; give a model file, checkpoint folder or run "
                         f"folder written by tttv train")
@@ -96,11 +115,35 @@ def run(args: argparse.Namespace) -> int:
         check_writable_file(path, "--out")
     check_mp4_writer()
     cfg_path = _config_file(args)
-    cfg = load_config(cfg_path, _overrides(args))
+    return stories, cfg_path, load_config(cfg_path, _overrides(args))
+
+
+def _sample(args: argparse.Namespace, quiet: bool) -> int:
+    from rich.console import Console
+
+    from tttvideo.models.presets import get_preset
+    from tttvideo.parallel.launch import SharedError, launch_world_size
+    from tttvideo.sample.distributed import start_sample_ranks
+    from tttvideo.sample.pipeline import sample_stories
+
+    # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
+    console = Console(quiet=quiet)
+    launched = launch_world_size() > 1
+    try:
+        stories, cfg_path, cfg = _checked_inputs(args)
+    except UserError as err:
+        if not launched:
+            raise
+        raise SharedError(str(err)) from None  # every rank read the same inputs: rank 0 alone says so
     console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")
-    results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
-                             console=console)
+    ranks = start_sample_ranks(cfg, get_preset(cfg.model.preset).num_attention_heads) if launched else None
+    try:
+        results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
+                                 console=console, progress=not quiet, ranks=ranks)
+    finally:
+        if ranks is not None:
+            ranks.close()
     for r in results:
         console.print(f"{r.video}: {r.frames} frames ({r.duration_s} s), denoise {r.denoise_s:.1f} s, decode "
-                      f"{r.decode_s:.1f} s; scenes in {r.scenes}")
+                      f"{r.decode_s:.1f} s; scenes in {r.scenes}" + (f"; latents in {r.latents}" if r.latents else ""))
     return 0

@@ -182,6 +182,11 @@ class SampleConfig:
     offload_blocks: bool = field(default=False, metadata={"help": "keep transformer blocks on the CPU and prefetch "
                                                                   "each onto the GPU on a side stream (CUDA only)"})
     prefetch_blocks: int = bounded(1, 1, 8, help="with offload_blocks: blocks copied ahead of the one running")
+    split_guidance: bool = field(default=False, metadata={"help": "under torchrun: half of the ranks run the "
+                                                                  "conditional pass, the other half the "
+                                                                  "unconditional one, exchanged every step"})
+    save_latents: bool = field(default=False, metadata={"help": "also write each story's final latents beside its "
+                                                                "mp4 (<video>.latents.safetensors, float32)"})
 
 
 @dataclass

@@ -12,6 +12,10 @@ the largest component's, never their sum):
    its mp4 and the story is written beside it (`out.scenes.json`, readable again as a scenes file).
 
 Determinism: see `tttvideo.sample.guidance.denoise` (one CPU generator per story, seeded with `sample.seed`).
+
+Under torchrun (`tttv sample` with a `SampleRanks`, `tttvideo.sample.distributed`) every rank runs phases 1-3 for
+its story group's stories with the whole model, its sequence-parallel group and its half of the guidance; the first
+rank of each story group alone decodes and writes them, and every rank returns all the results.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +41,9 @@ from tttvideo.sample.scenes import Story, check_duration, check_token_counts, en
 from tttvideo.sample.video import Mp4Writer, to_uint8_frames, write_scenes
 from tttvideo.text.encoders import make_text_encoder
 
+if TYPE_CHECKING:
+    from tttvideo.sample.distributed import SampleRanks
+
 
 @dataclass
 class SampleResult:
@@ -47,6 +54,7 @@ class SampleResult:
     duration_s: int
     denoise_s: float
     decode_s: float
+    latents: Path | None = None  # with sample.save_latents
 
 
 def output_paths(stories: list[Story], out: str | Path) -> list[Path]:
@@ -95,9 +103,11 @@ def encode_stories(cfg: Config, stories: list[Story], layouts: list[VideoLayout]
 
 def denoise_stories(model: torch.nn.Module, stories: list[Story], layouts: list[VideoLayout],
                     texts: list[tuple[torch.Tensor, torch.Tensor]], cfg: Config, device: torch.device,
-                    console: Any = None, progress: bool = True) -> tuple[list[torch.Tensor], list[float]]:
+                    console: Any = None, progress: bool = True,
+                    ranks: SampleRanks | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """Clean latents [1, T, C, h, w] (CPU) and the denoising seconds of every story, with a progress bar per story.
-    The model is put in eval mode for the loop and given back in the mode it came in."""
+    The model is put in eval mode for the loop and given back in the mode it came in. `ranks`: this rank's
+    sequence-parallel group and guidance half under torchrun."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
@@ -113,7 +123,8 @@ def denoise_stories(model: torch.nn.Module, stories: list[Story], layouts: list[
                 t0 = time.perf_counter()
                 with DenoiseWatch(cfg, model, story.name) as watch:  # a CUDA OOM: one sentence naming the step
                     latents.append(denoise(model, layout, cond, uncond, cfg.sample, device, on_step=watch.on_step(
-                        lambda i, n, task=task: bar.update(task, completed=i + 1, total=n))))
+                        lambda i, n, task=task: bar.update(task, completed=i + 1, total=n)),
+                        sp=ranks.sequence if ranks else None, split=ranks.split if ranks else None))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 seconds.append(time.perf_counter() - t0)
@@ -163,34 +174,62 @@ def write_videos(cfg: Config, stories: list[Story], layouts: list[VideoLayout], 
         t0 = time.perf_counter()
         frames = write_video(decoder, lat, path, layout.fps)
         scenes = write_scenes(path, story.to_json(sampling_record(cfg, checkpoint, layout, frames)))
+        saved = save_latents(lat, path) if cfg.sample.save_latents else None
         results.append(SampleResult(story.name, path, scenes, frames, layout.duration_s, d_s,
-                                    time.perf_counter() - t0))
+                                    time.perf_counter() - t0, saved))
     del decoder
     free_memory()
     return results
 
 
+def save_latents(latents: torch.Tensor, video: Path) -> Path:
+    """Write the final latents [1, T, C, h, w] (float32) beside `video` as <stem>.latents.safetensors, key
+    "latents": the exact output of the solver, which the mp4 only holds decoded and 8-bit."""
+    from safetensors.torch import save_file
+
+    path = video.with_suffix(".latents.safetensors")
+    save_file({"latents": latents.float().contiguous()}, str(path))
+    return path
+
+
 # ---------------------------------------------------------------------------------------------------------- driver
 def sample_stories(cfg: Config, stories: list[Story], out: str | Path, checkpoint: str | Path | None = None,
                    duration: str | int | None = None, model: torch.nn.Module | None = None, console: Any = None,
-                   progress: bool = True) -> list[SampleResult]:
+                   progress: bool = True, ranks: SampleRanks | None = None) -> list[SampleResult]:
     """Sample every story into its mp4. Pass a loaded `model` (the trainer's end-of-run video; it is sampled where
-    it lives and kept) or a `checkpoint` (loaded after the text phase and released before decoding)."""
+    it lives and kept) or a `checkpoint` (loaded after the text phase and released before decoding). `ranks`
+    (`tttv sample` under torchrun, with a `checkpoint`): this rank samples its story group's share of the stories,
+    and every rank returns the results of all of them (a UserError on any rank is raised on all as one
+    SharedError, so that none waits for a rank that stopped)."""
     from rich.console import Console
 
+    console = console or Console()
+    if ranks is None:
+        return _sample_share(cfg, stories, out, checkpoint, duration, model, console, progress)
+    return ranks.gather(lambda: _sample_share(cfg, stories, out, checkpoint, duration, None, console, progress, ranks))
+
+
+def _sample_share(cfg: Config, stories: list[Story], out: str | Path, checkpoint: str | Path | None,
+                  duration: str | int | None, model: torch.nn.Module | None, console: Any, progress: bool,
+                  ranks: SampleRanks | None = None) -> list[SampleResult]:
+    """The results this rank writes: every story with one process, its story group's share (or none, on a rank
+    that does not write) under torchrun."""
     from tttvideo.models.presets import get_preset
 
-    console = console or Console()
     if model is not None:
         device = next(model.parameters()).device
     else:
-        device = resolve_device(cfg.sample.device, "sample.device")
+        device = ranks.device if ranks is not None else resolve_device(cfg.sample.device, "sample.device")
     paths = output_paths(stories, out)
     layouts = story_layouts(cfg, stories, duration)
     if model is None and checkpoint:
         # a wrong path fails now, not after the text encoder has run
         warn_beyond_training(resolve_checkpoint(checkpoint, cfg), stories, layouts)
     spec = model.spec if model is not None else get_preset(cfg.model.preset)
+    if ranks is not None:  # every story is checked above; this rank's group samples its share
+        stories, layouts, paths = ranks.mine(stories), ranks.mine(layouts), ranks.mine(paths)
+        if not stories:
+            return []
 
     texts, described = encode_stories(cfg, stories, layouts, spec.text_embed_dim, device)
     console.print(f"text: {described}; {len(stories)} story(ies) encoded, encoder released")
@@ -200,7 +239,9 @@ def sample_stories(cfg: Config, stories: list[Story], out: str | Path, checkpoin
     else:
         with load_model(cfg, checkpoint, device, offload=cfg.sample.offload_blocks) as loaded:
             latents, denoise_s = denoise_stories(loaded.model, stories, layouts, texts, cfg, device, console,
-                                                 progress)
+                                                 progress, ranks)
         del loaded
         free_memory()
+    if ranks is not None and not ranks.writes:
+        return []
     return write_videos(cfg, stories, layouts, latents, paths, denoise_s, checkpoint, device)
