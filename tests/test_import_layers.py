@@ -19,9 +19,10 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what every layer may use: errors, config, layout arithmetic, devices and dtypes, the diffusion schedule, and
-    # the process-group plumbing the model's layers are handed (the sequence shards, the device mesh)
+    # the process-group plumbing the model's layers are handed (the sequence shards, the device mesh), and the
+    # memory package's lower half that train and sample call (the allocator cap, the out-of-memory explanation)
     ("base", ("errors", "outputs", "device", "dtypes", "config", "layout", "rope", "diffusion",
-              "parallel.sequence", "parallel.mesh")),
+              "parallel.sequence", "parallel.mesh", "memory.cap", "memory.oom")),
     ("ttt", ("ttt",)),
     # FSDP sharding walks the model's blocks, and the parallel package's __init__ imports it
     ("models", ("models", "parallel", "parallel.fsdp")),
