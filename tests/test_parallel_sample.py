@@ -29,18 +29,13 @@ from tttvideo.config.loader import dump_toml, load_config
 from tttvideo.errors import ConfigError
 from tttvideo.sample.distributed import resolve_sample_degrees, warn_if_nothing_to_split
 
+from tests.test_sample import RED, TINY  # the one-process sampler tests' tiny model and scene
+
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = [
-    'model.preset="tiny"', 'model.dtype="fp32"', 'model.adapter="sft"',
-    "layout.height=32", "layout.width=48", "layout.text_tokens=16",
-    "ttt.mini_batch_size=16", "ttt.scan_checkpoint_group_size=0", 'ttt.backend="reference"',
-    'data.demo_text_encoder="table"', 'sample.device="cpu"',
-]
-RED = {"text": "a red circle moves right on a black background", "neg_text": "blurry"}
 BLUE = {"text": "a blue square moves up on a grey background"}
 FLAGS = ("--steps", "3", "--solver", "dpm++2m", "--cfg", "3", "--set", "sample.save_latents=true")
 LATENT_ATOL = 1e-5
