@@ -11,8 +11,8 @@ neighbours (one host):
 - stories (`parallel.dp_replicate x parallel.dp_shard`, or what is left of WORLD_SIZE with dp_shard = -1): each
   story group samples every n-th story, and its first rank decodes and writes them.
 
-Every rank holds the whole model: no FSDP at inference, since the 5B transformer in bf16 (about 11 GB) fits each GPU
-and sharding it would all-gather every block at every step. Every rank of a group draws the same seeded noise and
+Every rank holds the whole model: no FSDP at inference, since the 5B transformer with TTT in bf16 (about 14.5 GB)
+fits each GPU and sharding it would all-gather every block at every step. Every rank of a group draws the same seeded noise and
 gets the same predictions, so all of them step the same latents.
 """
 
