@@ -20,6 +20,8 @@ from tttvideo.sample.model import load_model
 from tttvideo.sample.offload import BlockOffloader
 from tttvideo.sample.scenes import load_stories
 
+from tests.test_sample_guidance import NoBatchTwo  # the model as a card too small for batch 2 runs it
+
 TINY = [
     'model.preset="tiny"', 'model.dtype="fp32"', 'model.adapter="sft"',
     # 32x48 px = 4x6 latents = 6 tokens per frame: the CPU cost of a step stays small
@@ -109,19 +111,6 @@ def test_batch2_out_of_memory_falls_back_to_two_passes(checkpoint, tmp_path, cap
     cond, uncond = torch.randn(1, 16, 64), torch.zeros(1, 16, 64)
     cfg.sample.cfg_batched = False
     two_pass = denoise(model, layout, cond, uncond, cfg.sample, torch.device("cpu"))
-
-    class NoBatchTwo(torch.nn.Module):
-        """The model, as a card too small for batch 2 would run it."""
-
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.spec, self.calls = inner, inner.spec, []
-
-        def forward(self, x, *args):
-            self.calls.append(x.shape[0])
-            if x.shape[0] > 1:
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-            return self.inner(x, *args)
 
     wrapped = NoBatchTwo(model)
     cfg.sample.cfg_batched = True
