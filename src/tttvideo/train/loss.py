@@ -35,6 +35,17 @@ class NoiseSource:
         if self.dev is not self.cpu:
             self.dev.set_state(state["dev"])
 
+    def draw(self, x0: torch.Tensor, num_train_timesteps: int, first_stratum: int, num_strata: int,
+             text_dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What one micro-batch of latents `x0` draws, in this order: timesteps (stratified), which samples drop
+        their text, the noise (float32, on x0's device). A rank that skips another rank's micro-batch calls this
+        too and drops the result, so that the generators advance the same way on every rank."""
+        b = x0.shape[0]
+        t = stratified_timesteps(b, num_train_timesteps, self.cpu, first_stratum, num_strata)
+        dropped = torch.rand(b, generator=self.cpu) < text_dropout
+        eps = torch.randn(x0.shape, generator=self.dev, device=x0.device, dtype=torch.float32)
+        return t, dropped, eps
+
 
 def autocast_context(device: torch.device, precision: str):
     if precision == "fp32":
@@ -49,9 +60,8 @@ def diffusion_loss(model: torch.nn.Module, batch: dict[str, Any], schedule: Zero
     x0 = batch["latents"]
     text = batch["text"]
     b = x0.shape[0]
-    t = stratified_timesteps(b, schedule.num_train_timesteps, noise.cpu, first_stratum, num_strata)
-    dropped = torch.rand(b, generator=noise.cpu) < text_dropout
-    eps = torch.randn(x0.shape, generator=noise.dev, device=x0.device, dtype=torch.float32).to(x0.dtype)
+    t, dropped, eps = noise.draw(x0, schedule.num_train_timesteps, first_stratum, num_strata, text_dropout)
+    eps = eps.to(x0.dtype)
     if dropped.any():
         keep = (~dropped).to(device=text.device, dtype=text.dtype).view(b, *([1] * (text.dim() - 1)))
         text = text * keep

@@ -99,23 +99,21 @@ class DiffusionObjective:
     sp: SequenceParallel | None = None
 
     def __call__(self, model: nn.Module, batch: Batch, micro: int) -> torch.Tensor:
-        first = (micro * self.world_size + self.rank) * self.batch_size
-        shape = tuple(batch["latents"].shape)
-        for _ in range(self.rank):  # the row's micro-batches before this rank's
-            self._skip(shape, batch["latents"])
+        row = micro * self.world_size
+        for other in range(self.rank):  # the row's micro-batches before this rank's
+            self._skip(batch["latents"], row + other)
         forward = model if self.sp is None else functools.partial(model, sp=self.sp)
-        loss, _ = diffusion_loss(forward, batch, self.schedule, self.noise, self.layout, self.text_dropout, first,
-                                 self.global_batch, self.precision)
-        for _ in range(self.rank + 1, self.world_size):  # and those after it
-            self._skip(shape, batch["latents"])
+        loss, _ = diffusion_loss(forward, batch, self.schedule, self.noise, self.layout, self.text_dropout,
+                                 (row + self.rank) * self.batch_size, self.global_batch, self.precision)
+        for other in range(self.rank + 1, self.world_size):  # and those after it
+            self._skip(batch["latents"], row + other)
         return loss
 
-    def _skip(self, shape: tuple[int, ...], like: torch.Tensor) -> None:
-        """Draw what `diffusion_loss` draws for a micro-batch of `shape`, in its order, and drop it."""
-        b = shape[0]
-        torch.rand(b, generator=self.noise.cpu, dtype=torch.float64)  # stratified_timesteps
-        torch.rand(b, generator=self.noise.cpu)  # text dropout
-        torch.randn(shape, generator=self.noise.dev, device=like.device, dtype=torch.float32)  # eps
+    def _skip(self, latents: torch.Tensor, index: int) -> None:
+        """Draw what the micro-batch `index` of the row (another rank's, of the shape of `latents`) draws, and drop
+        it."""
+        self.noise.draw(latents, self.schedule.num_train_timesteps, index * self.batch_size, self.global_batch,
+                        self.text_dropout)
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
