@@ -352,7 +352,7 @@ class Trainer:
                     result.checkpoints.append(path)
                     monitor.note(f"checkpoint {path}")
                 # a signal to any rank stops them all after the same step (the save is a collective)
-                signum = (self.ranks.largest(stop.signum or 0) or None) if self.ranks.distributed else stop.signum
+                signum = self.ranks.largest(stop.signum or 0) or None  # the identity with one process
                 if signum is not None:  # SIGINT / SIGTERM: this step is done; save it and stop
                     if saved:
                         path = result.checkpoints[-1]
