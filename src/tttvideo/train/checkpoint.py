@@ -47,24 +47,44 @@ def save_training_checkpoint(output_dir: str | Path, step: int, model: torch.nn.
                              trained_duration_s: int | None = None) -> Path:
     """Write checkpoint `step` atomically (its manifest last) and delete all but the newest `keep`; returns its
     folder. `trained_duration_s` goes into the model file's metadata (`tttvideo.models.weights.trained_duration`)."""
+    return publish_checkpoint(output_dir, step, model, state, config_text, keep, meta or {}, trained_duration_s)
+
+
+def staging_folder(output_dir: str | Path, step: int) -> Path:
+    """A fresh, empty temporary folder beside where checkpoint `step` will be, to assemble it in."""
+    tmp = _staging_path(output_dir, step)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _staging_path(output_dir: str | Path, step: int) -> Path:
+    return checkpoint_root(output_dir) / f".tmp-step-{step:06d}-{os.getpid()}"
+
+
+def publish_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, state: dict[str, Any],
+                       config_text: str, keep: int, meta: dict[str, Any], trained_duration_s: int | None,
+                       tmp: Path | None = None) -> Path:
+    """Complete a checkpoint in `tmp` (a `staging_folder`, which may already hold files, e.g. a multi-process run's
+    dcp/ shards; None: a new one) with the model file, state.pt, config.toml and the manifest last, make it durable,
+    rename it to step-NNNNNN (replacing a checkpoint of the same step: a resumed run's final save) and prune to the
+    newest `keep`. `model` is anything `tttvideo.models.save_checkpoint` reads (named parameters, spec, use_ttt)."""
     from tttvideo.models import save_checkpoint
 
     root = checkpoint_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        tmp = staging_folder(output_dir, step) if tmp is None else tmp
         save_checkpoint(model, tmp / MODEL_FILE, trained_duration_s=trained_duration_s)
         torch.save(state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-        write_manifest(tmp, step, meta or {})
+        write_manifest(tmp, step, meta)
         _fsync_dir_files(tmp)
     except Exception as err:
-        _write_failed(err, tmp, final, output_dir)
+        _write_failed(err, tmp or _staging_path(output_dir, step), final, output_dir)
         raise
-    if final.exists():  # re-saving the same step (a resumed run's final save): replace it as a whole
+    if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)

@@ -15,8 +15,6 @@ the final one, its manifest written last, renamed into place by rank 0, pruned t
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
-from tttvideo.runs import CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_root
-from tttvideo.train.checkpoint import _fsync_dir, _fsync_dir_files, _write_failed, prune, write_manifest
+from tttvideo.train.checkpoint import publish_checkpoint, staging_folder
 
 if TYPE_CHECKING:
     from tttvideo.models.presets import ModelSpec
@@ -61,42 +58,12 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: CogVideoXT
                             optimizer: torch.optim.Optimizer, state: dict[str, Any], config_text: str, keep: int,
                             meta: dict[str, Any], trained_duration_s: int | None, ranks: TrainRanks) -> Path:
     """Write checkpoint `step` from every rank (a collective: all ranks call it) and return its folder."""
-    from tttvideo.models import save_checkpoint
-
-    root = checkpoint_root(output_dir)
-    final = root / f"step-{step:06d}"
-
-    def prepare() -> Path:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        return tmp
-
-    tmp = ranks.on_main(prepare)
+    tmp = ranks.on_main(lambda: staging_folder(output_dir, step))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
     whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def publish() -> Path:
-        try:
-            save_checkpoint(_WholeWeights(model, whole), tmp / MODEL_FILE,  # type: ignore[arg-type]
-                            trained_duration_s=trained_duration_s)
-            torch.save(state, tmp / STATE_FILE)
-            (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-            write_manifest(tmp, step, meta)
-            _fsync_dir_files(tmp)
-        except Exception as err:
-            _write_failed(err, tmp, final, output_dir)
-            raise
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        prune(output_dir, keep)
-        return final
-
-    return ranks.on_main(publish)
+    return ranks.on_main(lambda: publish_checkpoint(output_dir, step, _WholeWeights(model, whole), state, config_text,
+                                                    keep, meta, trained_duration_s, tmp))
 
 
 def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
