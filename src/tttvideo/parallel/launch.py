@@ -25,9 +25,16 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def missing_launch_variables() -> list[str]:
-    """torchrun's variables other than WORLD_SIZE that are not set (a WORLD_SIZE exported by hand lacks them)."""
-    return [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+def check_launch(command: str, activity: str) -> int:
+    """The world size, after checking that a WORLD_SIZE above 1 comes with torchrun's other variables (a WORLD_SIZE
+    exported by hand lacks them); `command` ("train") and `activity` ("training") word the message."""
+    world = launch_world_size()
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if world > 1 and missing:
+        raise SharedError(f"WORLD_SIZE is {world} but {', '.join(missing)} are not set: start multi-process {activity} "
+                          f"with torchrun (torchrun --nproc_per_node {world} -m tttvideo {command} ...), or unset "
+                          f"WORLD_SIZE to {command} in one process")
+    return world
 
 
 def rank_device(device: torch.device) -> torch.device:

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tttvideo.config.schema import Config
 from tttvideo.device import resolve_device
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.parallel.launch import SharedError, launch_world_size, missing_launch_variables, rank_device
+from tttvideo.parallel.launch import SharedError, check_launch, rank_device
 from tttvideo.parallel.sequence import SequenceParallel
 from tttvideo.sample.solvers import GuidanceSchedule
 
@@ -143,12 +143,7 @@ class SampleRanks:
 def start_sample_ranks(cfg: Config, heads: int) -> SampleRanks:
     """Check the launch and the degrees (before any process group exists, so that every rank raises the same
     SharedError), then build the mesh and this rank's groups."""
-    world = launch_world_size()
-    missing = missing_launch_variables()
-    if missing:
-        raise SharedError(f"WORLD_SIZE is {world} but {', '.join(missing)} are not set: start multi-process sampling "
-                          f"with torchrun (torchrun --nproc_per_node {world} -m tttvideo sample ...), or unset "
-                          f"WORLD_SIZE to sample in one process")
+    world = check_launch("sample", "sampling")
     try:
         degrees = resolve_sample_degrees(cfg, heads, world)
     except ConfigError as err:

@@ -9,7 +9,6 @@ sequence-parallel group share a data-parallel rank, so they read the same sample
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -21,7 +20,7 @@ from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard_model
 # re-exported: the trainer and `tttv train` import them from here
-from tttvideo.parallel.launch import SharedError, launch_rank, rank_device
+from tttvideo.parallel.launch import SharedError, check_launch, launch_rank, rank_device
 
 if TYPE_CHECKING:
     from tttvideo.models.transformer import CogVideoXTTT
@@ -43,12 +42,7 @@ class TrainRanks:
     def start(cls, cfg: Config, heads: int, device: torch.device) -> "TrainRanks":
         """Validate `[parallel]` against WORLD_SIZE and the model's `heads`, then (WORLD_SIZE > 1) start the
         process group (nccl on CUDA, gloo on CPU) and build the mesh."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if world > 1 and missing:
-            raise SharedError(f"WORLD_SIZE is {world} but {', '.join(missing)} are not set: start multi-process "
-                              f"training with torchrun (torchrun --nproc_per_node {world} -m tttvideo train ...), "
-                              f"or unset WORLD_SIZE to train in one process")
+        world = check_launch("train", "training")
         if world > 1 and cfg.train.precision == "fp16":
             raise SharedError("train.precision 'fp16' is not supported with several processes (the gradient scaler "
                               "does not unscale sharded gradients); use 'bf16'")
