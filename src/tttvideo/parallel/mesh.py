@@ -44,19 +44,29 @@ class Degrees:
         return self.dp_replicate * self.dp_shard
 
 
-def resolve_degrees(cfg: ParallelConfig, heads: int, world_size: int) -> Degrees:
-    """The degrees of `cfg` for `world_size` ranks and a model of `heads` attention heads; dp_shard = -1 takes what
-    dp_replicate and sp leave. Every inconsistency is one ConfigError naming the key."""
+def check_tensor_parallel(cfg: ParallelConfig, instead: str) -> None:
+    """Only tensor_parallel = 1 exists; `instead` names the keys that split the work."""
     if cfg.tensor_parallel != 1:
         raise ConfigError(f"parallel.tensor_parallel = {cfg.tensor_parallel}: tensor parallelism is not implemented; "
-                          f"split the work with parallel.dp_shard and parallel.sp instead")
-    if cfg.dp_shard == 0 or cfg.dp_shard < -1:
-        raise ConfigError(f"parallel.dp_shard = {cfg.dp_shard} is not a degree; use -1 (the ranks dp_replicate and sp "
-                          f"leave) or a number of ranks from 1 up")
+                          f"split the work with {instead} instead")
+
+
+def check_sp_divides_heads(cfg: ParallelConfig, heads: int) -> None:
+    """Ulysses gives each sp rank whole attention heads: sp must divide the model's `heads`."""
     if heads % cfg.sp:
         divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
         raise ConfigError(f"parallel.sp = {cfg.sp} does not divide the model's {heads} attention heads; use one of "
                           f"{divisors}")
+
+
+def resolve_degrees(cfg: ParallelConfig, heads: int, world_size: int) -> Degrees:
+    """The degrees of `cfg` for `world_size` ranks and a model of `heads` attention heads; dp_shard = -1 takes what
+    dp_replicate and sp leave. Every inconsistency is one ConfigError naming the key."""
+    check_tensor_parallel(cfg, "parallel.dp_shard and parallel.sp")
+    if cfg.dp_shard == 0 or cfg.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard = {cfg.dp_shard} is not a degree; use -1 (the ranks dp_replicate and sp "
+                          f"leave) or a number of ranks from 1 up")
+    check_sp_divides_heads(cfg, heads)
     if world_size % cfg.sp:
         raise ConfigError(f"parallel.sp = {cfg.sp} does not divide the world size {world_size} (WORLD_SIZE)")
     dp_shard = cfg.dp_shard

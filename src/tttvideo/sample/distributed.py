@@ -31,6 +31,7 @@ from tttvideo.config.schema import Config
 from tttvideo.device import resolve_device
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.parallel.launch import SharedError, check_launch, rank_device
+from tttvideo.parallel.mesh import check_sp_divides_heads, check_tensor_parallel
 from tttvideo.parallel.sequence import SequenceParallel
 from tttvideo.sample.solvers import GuidanceSchedule
 
@@ -54,16 +55,11 @@ def resolve_sample_degrees(cfg: Config, heads: int, world_size: int) -> SampleDe
     """The degrees of a sampling launch of `world_size` ranks for a model of `heads` attention heads; each
     inconsistency is one ConfigError naming the key."""
     par = cfg.parallel
-    if par.tensor_parallel != 1:
-        raise ConfigError(f"parallel.tensor_parallel = {par.tensor_parallel}: tensor parallelism is not implemented; "
-                          f"split the work with parallel.sp and sample.split_guidance instead")
+    check_tensor_parallel(par, "parallel.sp and sample.split_guidance")
     if cfg.sample.offload_blocks:
         raise ConfigError("sample.offload_blocks is not supported with several processes (every rank holds the whole "
                           "model); set sample.offload_blocks = false, or sample in one process")
-    if heads % par.sp:
-        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-        raise ConfigError(f"parallel.sp = {par.sp} does not divide the model's {heads} attention heads; use one of "
-                          f"{divisors}")
+    check_sp_divides_heads(par, heads)
     guidance = 2 if cfg.sample.split_guidance else 1
     per_group = guidance * par.sp
     if par.dp_shard == -1:
