@@ -245,6 +245,15 @@ class MemoryConfig:
     max_gpu_gib: float = bounded(0.0, 0.0, help="cap this process's CUDA caching allocator at this many GiB (to "
                                                 "rehearse a 24 GB card on a larger one: 24); 0 = no cap. The CUDA "
                                                 "context and other processes are outside the cap; ignored off CUDA")
+    chunked_inference: bool = field(default=False, metadata={
+        "help": "without gradients (sampling, validation), run each block in bounded memory: attention one window "
+                "at a time, projections, TTT glue and MLP over chunks of inference_chunk_tokens tokens, in place on "
+                "the residual stream; same results up to matmul summation order (docs/memory.md). One process or "
+                "parallel.sp = 1"})
+    inference_chunk_tokens: int = bounded(16384, 256, help="tokens per chunk of the chunked inference forward")
+    ttt_head_groups: int = bounded(1, 1, help="chunked inference: scan the TTT heads in this many groups (1 is the "
+                                              "fastest; each group costs about one full scan's time and holds 1/G "
+                                              "of its inputs)")
 
     # keys of earlier versions that no code read: the config loader warns and ignores them, so the config.toml
     # saved with an older run still loads

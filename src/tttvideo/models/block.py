@@ -24,6 +24,7 @@ from torch import nn
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import LocalAttention
+from tttvideo.models import chunked_inference
 from tttvideo.models.checkpointing import maybe_checkpoint
 from tttvideo.models.presets import ModelSpec
 from tttvideo.ttt.layer import BidirectionalTTT
@@ -98,6 +99,8 @@ class Block(nn.Module):
         # the TTT passes have their own switches on self.ttt
         self.checkpoint_attention = False
         self.checkpoint_mlp = False
+        # bounded-memory forward without gradients (memory.chunked_inference, set by build_model); None: plain
+        self.inference_chunks: chunked_inference.ChunkPlan | None = None
 
     def _attention(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, text_tokens: int,
                    sp: SequenceParallel | None):
@@ -110,7 +113,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout,
                 sp: SequenceParallel | None = None) -> torch.Tensor:
-        """x: the residual stream [B, L, dim], or with `sp` this rank's shard of it [B, L / sp, dim]."""
+        """x: the residual stream [B, L, dim], or with `sp` this rank's shard of it [B, L / sp, dim]. Without
+        gradients and with `inference_chunks` set (one process), x is updated in place and returned."""
+        if self.inference_chunks is not None and sp is None and not torch.is_grad_enabled():
+            return chunked_inference.block_forward(self, x, temb_act, layout, self.inference_chunks)
         T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
         a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout, T, sp)
         if self.ttt is not None:

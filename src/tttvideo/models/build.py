@@ -9,6 +9,7 @@ from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import ConfigError
 from tttvideo.models.adapters import apply_adapter
 from tttvideo.models.checkpointing import apply_checkpointing
+from tttvideo.models.chunked_inference import apply_chunked_inference
 from tttvideo.models.fp8_storage import store_fp8
 from tttvideo.models.presets import get_preset
 from tttvideo.models.transformer import CogVideoXTTT
@@ -20,7 +21,7 @@ from tttvideo.ttt.ops import check_backend_config
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT:
     """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt,
     frozen_weights: fp8 storage of the linears the adapter froze),
-    `cfg.ttt` and `cfg.checkpointing`. Random initialisation follows torch's current seed. The trainer, the
+    `cfg.ttt`, `cfg.checkpointing` and `cfg.memory.chunked_inference`. Random initialisation follows torch's current seed. The trainer, the
     sampler's `load_model`, the memory profiler and benchmarks/model_step.py all build their model here."""
     m = cfg.model
     spec = get_preset(m.preset)
@@ -40,4 +41,5 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT
                               f"= {m.adapter!r} trains them all); use adapter 'qkvo' or 'lora', or frozen_weights "
                               f"'dtype'")
     apply_checkpointing(model, cfg.checkpointing)
+    apply_chunked_inference(model, cfg.memory)
     return model

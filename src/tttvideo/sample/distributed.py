@@ -60,6 +60,10 @@ def resolve_sample_degrees(cfg: Config, heads: int, world_size: int) -> SampleDe
         raise ConfigError("sample.offload_blocks is not supported with several processes (every rank holds the whole "
                           "model); set sample.offload_blocks = false, or sample in one process")
     check_sp_divides_heads(par, heads)
+    if cfg.memory.chunked_inference and par.sp > 1:
+        raise ConfigError(f"memory.chunked_inference runs the blocks of one process; with parallel.sp = {par.sp} "
+                          f"each rank already holds 1/{par.sp} of the activations: set memory.chunked_inference = "
+                          f"false, or parallel.sp = 1")
     guidance = 2 if cfg.sample.split_guidance else 1
     per_group = guidance * par.sp
     if par.dp_shard == -1:

@@ -39,7 +39,7 @@ TARGET_LN_EPS = 1e-8
 
 
 @lru_cache(maxsize=16)
-def _layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: torch.device):
+def layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: torch.device):
     """Index maps and RoPE tables of a layout on a device, shared by every layer of the model: the scan order and
     its inverse of the forward and of the reverse pass, and the RoPE cos/sin.
 
@@ -88,7 +88,7 @@ def scan_inputs(
 _compiled_scan_inputs = None
 
 
-def _scan_inputs_fn(x: torch.Tensor, compile_glue: bool):
+def scan_inputs_fn(x: torch.Tensor, compile_glue: bool):
     """torch.compile'd glue on CUDA (one-time compile per layout shape); plain eager elsewhere."""
     global _compiled_scan_inputs
     if not (compile_glue and x.is_cuda):
@@ -163,9 +163,11 @@ class TTTLayer(nn.Module):
     def inner_params(self) -> tuple[torch.Tensor, ...]:
         return (self.W1, self.b1, self.W2, self.b2) if self.kind == "mlp" else (self.W1, self.b1)
 
-    def eta(self, x: torch.Tensor, mini_batch_size: int) -> torch.Tensor:
-        """Per-token, per-head inner learning rate [B, L, H]: base_lr * sigmoid(theta_h . x + b_h) / D / b."""
-        gate = F.linear(x, self.learnable_ttt_lr_weight.to(x.dtype), self.learnable_ttt_lr_bias.to(x.dtype))
+    def eta(self, x: torch.Tensor, mini_batch_size: int, heads: slice = slice(None)) -> torch.Tensor:
+        """Per-token, per-head inner learning rate [B, L, h] of `heads` (all H by default):
+        base_lr * sigmoid(theta_h . x + b_h) / D / b."""
+        w, b = self.learnable_ttt_lr_weight[heads], self.learnable_ttt_lr_bias[heads]
+        gate = F.linear(x, w.to(x.dtype), b.to(x.dtype))
         return self.base_lr * torch.sigmoid(gate.float()) / (self.head_dim * mini_batch_size)
 
     def forward(self, x: torch.Tensor, layout: VideoLayout, reverse: bool = False,
@@ -173,7 +175,7 @@ class TTTLayer(nn.Module):
         """x [B, L, C] in residual order -> [B, L, C]; reverse: scan the reversed sequence (the output is in x's
         order). With `sp`, x and the output are this rank's shard [B, L / sp, C]."""
         B, L, C = x.shape
-        forward_order, reverse_order, cos, sin = _layout_tensors(layout, self.head_dim, self.rope_theta, x.device)
+        forward_order, reverse_order, cos, sin = layout_tensors(layout, self.head_dim, self.rope_theta, x.device)
         scan_order, residual_order = reverse_order if reverse else forward_order
 
         if sp is None:
@@ -192,11 +194,16 @@ class TTTLayer(nn.Module):
         out = sp.to_sequence_shards(out, layout, head_axis=2).flatten(2)
         return self.wo(self.post_norm(out))
 
+    def qkv_projection(self, heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weight [3 h D, C] and bias [3 h D] of the q/k/v projections of `heads` (all H by default), stacked."""
+        H, D, C = self.num_heads, self.head_dim, self.dim
+        w = torch.stack([self.wq.weight, self.wk.weight, self.wv.weight]).view(3, H, D, C)[:, heads]
+        b = torch.stack([self.wq.bias, self.wk.bias, self.wv.bias]).view(3, H, D)[:, heads]
+        return w.reshape(-1, C), b.reshape(-1)
+
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The three projections in one matmul: [B, L, C] -> [B, L, 3, H, D]."""
-        w_qkv = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-        b_qkv = torch.cat([self.wq.bias, self.wk.bias, self.wv.bias])
-        return F.linear(x, w_qkv, b_qkv).unflatten(-1, (3, self.num_heads, self.head_dim))
+        return F.linear(x, *self.qkv_projection()).unflatten(-1, (3, self.num_heads, self.head_dim))
 
     def _scan(self, qkv: torch.Tensor, eta: torch.Tensor, layout: VideoLayout, cos: torch.Tensor, sin: torch.Tensor,
               heads: slice | None, dtype: torch.dtype) -> torch.Tensor:
@@ -205,21 +212,24 @@ class TTTLayer(nn.Module):
         residual stream's)."""
         L = qkv.shape[1]
         pad = layout.ttt_padding
-
-        def mine(p: torch.Tensor) -> torch.Tensor:
-            return p if heads is None else p[heads]
-
-        norm_w, norm_b = mine(self.ttt_norm_weight), mine(self.ttt_norm_bias)
-        q, k, v = _scan_inputs_fn(qkv, self.compile_glue)(qkv, cos, sin, norm_w, norm_b, pad, dtype)
+        heads = slice(None) if heads is None else heads
+        q, k, v = scan_inputs_fn(qkv, self.compile_glue)(qkv, cos, sin, self.ttt_norm_weight[heads],
+                                                           self.ttt_norm_bias[heads], pad, dtype)
         eta = F.pad(eta.transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
+        return self.scan(q, k, v, eta, layout, heads)[:, :, :L].transpose(1, 2)
+
+    def scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, layout: VideoLayout,
+             heads: slice = slice(None)) -> torch.Tensor:
+        """The scan alone on prepared inputs (`scan_inputs`): q/k/v [B, h, L + pad, D], eta [B, h, L + pad] with
+        zeros on the padding -> [B, h, L + pad, D], with the inner weights of `heads`."""
         scan = ops.ttt_mlp if self.kind == "mlp" else ops.ttt_linear
-        out = scan(
-            q, k, v, eta, norm_w, norm_b, *(mine(p) for p in self.inner_params()),
+        return scan(
+            q, k, v, eta, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads],
+            *(p[heads] for p in self.inner_params()),
             mini_batch_size=layout.mini_batch_size,
             checkpoint_group_size=self.scan_checkpoint_group_size,
             backend=self.backend,
         )
-        return out[:, :, :L].transpose(1, 2)
 
 
 class BidirectionalTTT(nn.Module):

@@ -1,0 +1,244 @@
+"""CogVideoX-5B + TTT-MLP on an emulated 24 GB (and 12 GB) card: the project's own commands under `memory.max_gpu_gib`,
+each in its own process, with one table at the end.
+
+    PYTHONPATH=src python3 benchmarks/fit_24gb.py --parts sample train-profile train-run \\
+        --out benchmarks/results/fit_24gb_h100.json
+
+Parts (each replaces its own key in --out, so the parts can run in separate calls):
+- `sample`: one guided 63-s denoising step (`tttv profile configs/cogvideox-5b/24gb-sample-63s.toml --phase sample
+  --steps 2`, random init, two passes of batch 1) with the plain forward, uncapped, against `memory.chunked_inference`
+  uncapped, capped at 24 GiB (fp8 frozen weights, blocks streamed from host memory) and capped at 12 GiB (the same
+  with the TTT heads in groups). The step time is the second step's (the first compiles the kernels), from the
+  profiler's synchronised step marks; the peaks are the profiler's.
+- `train-profile`: one 3-s and one 9-s training step of the 24 GB configs under `tttv profile --phase train`:
+  peak per phase.
+- `train-run`: `tttv train configs/cogvideox-5b/24gb-9s.toml` for 20 steps on the built-in demo set's latents under
+  the 24 GiB cap: loss, step time and memory per step from the run's metrics.jsonl.
+
+Every subprocess gets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (docs/memory.md says why). A 24 GB card is
+emulated: the cap is torch's per-process memory fraction, and the CUDA context (about 0.5-0.8 GiB) is outside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs" / "cogvideox-5b"
+GIB = 2**30
+NO_WEIGHTS = ["model.pretrained_path=", "train.init_from="]
+EXTRA: list[str] = []  # --set: overrides for every subprocess (a CPU rehearsal with the tiny model)
+
+SAMPLE_VARIANTS = [
+    ("uncapped, plain forward, bf16 resident, guidance batched",
+     ["memory.max_gpu_gib=0", "memory.chunked_inference=false", "model.frozen_weights=dtype",
+      "sample.offload_blocks=false", "sample.cfg_batched=true"]),
+    ("uncapped, chunked, bf16 resident, two passes",
+     ["memory.max_gpu_gib=0", "memory.chunked_inference=true", "model.frozen_weights=dtype",
+      "sample.offload_blocks=false"]),
+    ("24 GiB: chunked, fp8, streamed (24gb-sample-63s.toml)", []),
+    ("12 GiB: chunked, 4 TTT head groups, fp8, streamed",
+     ["memory.max_gpu_gib=12", "memory.ttt_head_groups=4"]),
+]
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            code = -9
+    return code, time.perf_counter() - t0
+
+
+def tail(log: Path, lines: int = 3) -> str:
+    return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-600:]
+
+
+def profile(config: Path, phase: str, steps: int, overrides: list[str], out: Path, timeout: float) -> dict:
+    """One `tttv profile` run -> its summary (status, phases, totals, oom) and the step times from its marks."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tttvideo", "profile", str(config), "--phase", phase, "--steps", str(steps),
+           "--out", str(out)]
+    for o in NO_WEIGHTS + overrides + EXTRA:
+        cmd += ["--set", o]
+    code, seconds = run(cmd, out / "log.txt", timeout)
+    row = {"command": " ".join(cmd[1:]), "exit_code": code, "process_s": round(seconds, 1)}
+    summary_path = out / "summary.json"
+    if not summary_path.is_file():
+        row["status"] = "error"
+        row["error"] = tail(out / "log.txt")
+        return row
+    s = json.loads(summary_path.read_text())
+    row["status"] = s.get("status")
+    row["oom"] = s.get("oom")
+    row["totals"] = {k: s.get("totals", {}).get(k) for k in ("peak_allocated", "peak_reserved", "driver_peak")}
+    row["phases"] = [{k: p.get(k) for k in ("name", "occurrences", "activation_peak", "peak_allocated",
+                                            "peak_reserved", "seconds")} for p in s.get("phases", [])]
+    row["step_s"] = step_times(out / "events.json")
+    return row
+
+
+def step_times(events_path: Path) -> list[float]:
+    """Seconds per step: between consecutive 'denoise step k/n' marks (the first from the phase's start), or for
+    training the sum of each step's phases (forward, backward, optimizer step)."""
+    if not events_path.is_file():
+        return []
+    events = json.loads(events_path.read_text())["events"]
+    marks = [e for e in events if e["kind"] == "mark" and e["name"].startswith("denoise step ")]
+    phases = [e for e in events if e["kind"] == "phase"]
+    if marks:
+        t = [phases[0]["start"]["t"]] + [m["start"]["t"] for m in marks]
+        return [round(b - a, 3) for a, b in zip(t, t[1:])]
+    per_step: dict[int, float] = {}
+    for e in phases:
+        if e.get("step") is not None:
+            per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["end"]["t"] - e["start"]["t"]
+    return [round(per_step[k], 3) for k in sorted(per_step)]
+
+
+def part_sample(args, work: Path) -> dict:
+    rows = []
+    config = CONFIGS / "24gb-sample-63s.toml"
+    for name, overrides in SAMPLE_VARIANTS:
+        print(f"sample: {name}", flush=True)
+        row = profile(config, "sample", 2, [f"layout.duration={args.duration}"] + overrides,
+                      work / f"sample-{len(rows)}", args.timeout)
+        row["variant"] = name
+        rows.append(row)
+    base = rows[0].get("step_s") or []
+    for r in rows:
+        if base and r.get("step_s") and r.get("status") == "ok":
+            r["ratio_to_uncapped_plain"] = round(r["step_s"][-1] / base[-1], 3)
+    return {"duration": args.duration, "variants": rows}
+
+
+def part_train_profile(args, work: Path) -> dict:
+    rows = []
+    for config in ("24gb-3s.toml", "24gb-9s.toml"):
+        print(f"train-profile: {config}", flush=True)
+        row = profile(CONFIGS / config, "train", 2, [], work / f"train-{config}", args.timeout)
+        row["config"] = config
+        rows.append(row)
+    return {"runs": rows}
+
+
+def part_train_run(args, work: Path) -> dict:
+    out = work / "run-24gb-9s"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "tttvideo", "train", str(CONFIGS / "24gb-9s.toml"), "--overwrite"]
+    for o in NO_WEIGHTS + ["data.manifest=", f"data.demo_videos={args.demo_videos}", f"train.steps={args.steps}",
+                           "train.grad_accum=1", "train.global_batch=1", f"train.checkpoint_every={args.steps}",
+                           "train.sample_at_end=false", "train.validate_every=0", "train.log_every=1",
+                           f"train.output_dir={out}"] + EXTRA:
+        cmd += ["--set", o]
+    print("train-run: 24gb-9s.toml", flush=True)
+    log = work / "run-24gb-9s.log"
+    code, seconds = run(cmd, log, args.timeout)
+    metrics = out / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    result = {"command": " ".join(cmd[1:]), "exit_code": code, "process_s": round(seconds, 1),
+              "losses": [x["loss"] for x in lines], "step_time_s": [x["step_time"] for x in lines],
+              "memory_gib": [x["memory_gib"] for x in lines]}
+    if code != 0:
+        result["error"] = tail(log)
+    return result
+
+
+def environment() -> dict:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip()
+    except OSError:
+        commit = ""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton_version, "git_commit": commit,
+            "emulation": "memory.max_gpu_gib caps the CUDA caching allocator (torch.cuda.set_per_process_memory_"
+                         "fraction); the CUDA context (~0.5-0.8 GiB) is outside the cap; every process runs with "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"}
+
+
+def gib(x) -> str:
+    return "" if x is None else f"{x / GIB:.1f}"
+
+
+def print_table(data: dict) -> None:
+    print("\n| part | setup | status | step s | ratio | peak alloc GiB | peak reserved GiB | note |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in data.get("sample", {}).get("variants", []):
+        step = r.get("step_s") or []
+        note = (r.get("oom") or {}).get("location") or r.get("error", "")
+        print(f"| sample {data['sample']['duration']} | {r['variant']} | {r.get('status')} | "
+              f"{step[-1] if step else ''} | {r.get('ratio_to_uncapped_plain', '')} | "
+              f"{gib(r.get('totals', {}).get('peak_allocated'))} | {gib(r.get('totals', {}).get('peak_reserved'))} "
+              f"| {note} |")
+    for r in data.get("train_profile", {}).get("runs", []):
+        step = r.get("step_s") or []
+        phases = ", ".join(f"{p['name']} {gib(p['peak_allocated'])}" for p in r.get("phases", []))
+        print(f"| train profile | {r['config']} | {r.get('status')} | {step[-1] if step else ''} | | "
+              f"{gib(r.get('totals', {}).get('peak_allocated'))} | {gib(r.get('totals', {}).get('peak_reserved'))} "
+              f"| {phases} |")
+    tr = data.get("train_run_9s")
+    if tr:
+        losses, times = tr["losses"], tr["step_time_s"]
+        if losses:
+            k = min(5, len(losses))
+            note = (f"{len(losses)} steps, loss {statistics.mean(losses[:k]):.3f} -> {statistics.mean(losses[-k:]):.3f}"
+                    f" (mean of first / last {k})")
+        else:
+            note = tr.get("error", "")
+        med = statistics.median(times[1:]) if len(times) > 1 else ""
+        print(f"| train run | 24gb-9s.toml | exit {tr['exit_code']} | {med} | | {max(tr['memory_gib'], default='')} "
+              f"| | {note} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["sample", "train-profile", "train-run"],
+                    choices=("sample", "train-profile", "train-run"))
+    ap.add_argument("--duration", default="63s", help="sampling duration (default 63s)")
+    ap.add_argument("--steps", type=int, default=20, help="train-run: optimizer steps")
+    ap.add_argument("--demo-videos", type=int, default=4, help="train-run: videos in the demo set")
+    ap.add_argument("--timeout", type=float, default=1500, help="seconds per subprocess")
+    ap.add_argument("--work", default="runs/fit_24gb", help="folder for the reports and the run")
+    ap.add_argument("--out", default="benchmarks/results/fit_24gb.json")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="config override for every run (e.g. model.preset=tiny to rehearse on a CPU)")
+    args = ap.parse_args(argv)
+    EXTRA[:] = args.overrides
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.is_file() else {}
+    data.update({"benchmark": "fit_24gb", **environment()})
+    data.pop("sampling_63s", None)  # the earlier sampling figures, replaced by part "sample"
+    for part in args.parts:
+        key = {"train-run": "train_run_9s"}.get(part, part.replace("-", "_"))
+        data[key] = {"sample": part_sample, "train-profile": part_train_profile, "train-run": part_train_run}[part](
+            args, work)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1))  # after every part: a later failure keeps what was measured
+    print_table(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
