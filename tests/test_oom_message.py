@@ -54,7 +54,8 @@ def test_train_oom_is_one_sentence_with_phase_block_checkpoint_and_switches(tmp_
     expected = [f"model.frozen_weights = 'fp8' ({frozen_linear_saving(model) / 2**30:.2f} GiB",
                 f"train.optimizer = 'adamw8bit' ({adamw_state_saving(model) / 2**30:.2f} GiB",
                 "checkpointing.block = true", "checkpointing.offload_activations = true (",
-                "tttv profile CONFIG --phase train shows where the memory goes"]
+                "tttv profile CONFIG --phase train shows where the memory goes",
+                "`tttv plan CONFIG --gpu-mem SIZE --phase train` (or --auto-fit) picks the fastest setup that fits"]
     at = [msg.index(e) for e in expected]
     # counted savings in decreasing order, then the uncounted ones
     counted = sorted([(frozen_linear_saving(model), at[0]), (adamw_state_saving(model), at[1])], reverse=True)
@@ -109,3 +110,4 @@ def test_sample_oom_names_the_denoise_step(tmp_path, monkeypatch, capsys):
     assert msg.startswith("tttv sample: error: out of GPU memory in denoise step 3 of 3 of story 'story', in block 0 "
                           "of 2"), msg
     assert "model.frozen_weights = 'fp8' (" in msg and "tttv profile CONFIG --phase sample" in msg
+    assert "`tttv plan CONFIG --gpu-mem SIZE --phase sample`" in msg

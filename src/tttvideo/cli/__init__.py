@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "train": "tttvideo.cli.train_cmd",
     "precompute": "tttvideo.cli.precompute_cmd",
     "profile": "tttvideo.cli.profile_cmd",
+    "plan": "tttvideo.cli.plan_cmd",
     "sample": "tttvideo.cli.sample_cmd",
 }
 

@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--offload-blocks", action="store_true", help="keep transformer blocks on the CPU, prefetched")
     p.add_argument("--text-encoder-on-cpu", action="store_true", help="run T5 on the CPU")
     p.add_argument("--no-vae-tiling", action="store_true", help="decode whole frames (more memory)")
+    p.add_argument("--auto-fit", action="store_true",
+                   help="set the memory switches (chunked forward, block streaming, fp8 weights, guidance batching) "
+                        "to the fastest setup `tttv plan --phase sample` predicts to fit this GPU")
     p.add_argument("--set", dest="overrides", action="append", default=None, metavar="KEY=VALUE", help=SET_HELP)
     p.set_defaults(run=run)
 
@@ -115,7 +118,12 @@ def _checked_inputs(args: argparse.Namespace):
         check_writable_file(path, "--out")
     check_mp4_writer()
     cfg_path = _config_file(args)
-    return stories, cfg_path, load_config(cfg_path, _overrides(args))
+    cfg = load_config(cfg_path, _overrides(args))
+    if args.auto_fit:
+        from tttvideo.memory.planner import auto_fit
+
+        cfg = auto_fit(cfg, "sample", cfg_path, args.duration or f"{stories[0].duration_s}s")
+    return stories, cfg_path, cfg
 
 
 def _sample(args: argparse.Namespace, quiet: bool) -> int:

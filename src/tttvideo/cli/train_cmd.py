@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     group.add_argument("--overwrite", action="store_true",
                        help="delete an earlier run's checkpoints, metrics, TensorBoard logs and videos in "
                             "train.output_dir and start over; train.if_exists = 'overwrite'")
+    p.add_argument("--auto-fit", action="store_true",
+                   help="set the memory switches (checkpointing, offload, fp8 weights, 8-bit AdamW, sp) to the "
+                        "fastest setup `tttv plan` predicts to fit this GPU (docs/memory.md)")
     p.set_defaults(run=run)
 
 
@@ -42,6 +45,8 @@ def resume_command(args: argparse.Namespace, output_dir: str, configured_dir: st
         parts += ["--set", item]
     if output_dir != configured_dir:
         parts += ["--set", f"train.output_dir={output_dir}"]
+    if getattr(args, "auto_fit", False):
+        parts.append("--auto-fit")
     return shlex.join([*parts, "--resume"])
 
 
@@ -55,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     cfg = config_from_args(args)
+    if args.auto_fit:
+        from tttvideo.memory.planner import auto_fit
+
+        cfg = auto_fit(cfg, "train", args.config)
     configured_dir = cfg.train.output_dir
     if_exists = next((value for flag, value in IF_EXISTS_FLAGS.items() if getattr(args, flag, False)), None)
     try:

@@ -91,6 +91,7 @@ class Summary:
     fragmentation: Fragmentation
     oom: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    step_seconds: list[float] = field(default_factory=list)  # per training / denoising step, in order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -218,6 +219,21 @@ def totals(events: list[Event], timeline: list[MemorySample]) -> Totals:
     )
 
 
+def step_seconds(events: list[Event]) -> list[float]:
+    """Seconds of each step: between consecutive 'denoise step k/n' marks (the first from the enclosing phase's
+    start), or the sum of the phases a training step was split into (forward, backward, optimizer step)."""
+    steps = [e for e in events if e.kind == MARK and e.name.startswith("denoise step ")]
+    if steps:
+        starts = [e for e in events if e.kind == PHASE and e.name == steps[0].phase]
+        t = [starts[0].start.t if starts else steps[0].start.t] + [e.start.t for e in steps]
+        return [b - a for a, b in zip(t, t[1:])]
+    per_step: dict[int, float] = {}
+    for e in events:
+        if e.kind == PHASE and e.step is not None:
+            per_step[e.step] = per_step.get(e.step, 0.0) + e.duration
+    return [per_step[k] for k in sorted(per_step)]
+
+
 def summarize(rec: Recording, status: str | None = None) -> Summary:
     meta = rec.meta
     oom = meta.get("oom")
@@ -236,4 +252,5 @@ def summarize(rec: Recording, status: str | None = None) -> Summary:
         fragmentation=fragmentation(rec.timeline),
         oom=dict(oom) if oom else None,
         meta={k: v for k, v in meta.items() if k not in ("labels", "oom")},
+        step_seconds=step_seconds(rec.events),
     )

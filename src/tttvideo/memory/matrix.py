@@ -199,7 +199,7 @@ def matrix_table(rows: list[MatrixRow]) -> tuple[list[str], list[list[str]]]:
     """Columns and display rows: one row per variant, whatever happened to it."""
     phase_names = _phase_names(rows)
     cols = ["variant", "status", "peak allocated", "peak reserved", "base", *[f"act. {p}" for p in phase_names],
-            "frag. at peak", "outside torch", "retries", "seconds", "note"]
+            "frag. at peak", "outside torch", "retries", "last step s", "seconds", "note"]
     out = []
     for r in rows:
         s = r.summary or {}
@@ -216,6 +216,7 @@ def matrix_table(rows: list[MatrixRow]) -> tuple[list[str], list[list[str]]]:
             fmt_bytes(f.get("at_peak")) if f and not cpu else ("n/a" if f else ""),
             fmt_bytes(t.get("outside_torch_max")) if t.get("outside_torch_max") is not None else "",
             "" if f.get("alloc_retries") is None else str(f.get("alloc_retries")),
+            f"{s['step_seconds'][-1]:.2f}" if s.get("step_seconds") else "",
             f"{r.seconds:.1f}", r.note,
         ])
     return cols, out

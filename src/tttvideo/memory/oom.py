@@ -170,8 +170,18 @@ def _advice(cfg: Config, savings: list[Saving], phase: str) -> str:
     cap = cfg.memory.max_gpu_gib
     if cap > 0:
         parts.append(f"memory.max_gpu_gib = {cap:g} holds this process to {cap:g} GiB (0 lifts the cap)")
-    parts.append(f"tttv profile CONFIG --phase {phase} shows where the memory goes")
+    parts.append(f"tttv profile CONFIG --phase {phase} shows where the memory goes, and `tttv plan CONFIG "
+                 f"--gpu-mem {_card_gib(cfg)} --phase {phase}` (or --auto-fit) picks the fastest setup that fits")
     return "; ".join(parts)
+
+
+def _card_gib(cfg: Config) -> str:
+    """The memory the plan should fit: the cap when one is set, else this GPU's."""
+    if cfg.memory.max_gpu_gib > 0:
+        return f"{cfg.memory.max_gpu_gib:g}GiB"
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_properties(0).total_memory / GIB:.0f}GiB"
+    return "SIZE"
 
 
 def _first_line(err: BaseException) -> str:

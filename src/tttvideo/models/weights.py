@@ -185,10 +185,13 @@ def from_pretrained(
 
 def init_model(spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu") -> CogVideoXTTT:
-    """A randomly initialised model built directly on `device` in `dtype` (meta first, so no CPU copy of 5B)."""
+    """A randomly initialised model built directly on `device` in `dtype` (meta first, so no CPU copy of 5B). On
+    the meta device itself: the skeleton with every shape and dtype and no data (the memory planner counts it)."""
     dtype = torch_dtype(dtype)
     with torch.device("meta"):
         model = CogVideoXTTT(spec, ttt, use_ttt)
+    if torch.device(device).type == "meta":
+        return model.to(dtype)
     materialize(model, torch.device(device), dtype)
     return model
 

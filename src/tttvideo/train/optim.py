@@ -11,7 +11,8 @@ adapter (`model.adapter`) decides what trains.
 `train.optimizer` picks the update: "adamw" (torch.optim.AdamW, moments in the parameters' dtype) or "adamw8bit"
 (torchao's AdamW8bit: both moments as 8-bit codes with one fp32 scale per 256 values, ~2 bytes per trainable
 parameter instead of AdamW's 4 for bf16 or 8 for fp32 parameters; the update itself is computed in fp32). Tensors
-under 4096 values, or not a multiple of 256, keep fp32 moments (torchao's rule, after bitsandbytes).
+under 4096 values, or not a multiple of 256, keep plain moments in the parameter's dtype (torchao's rule, after
+bitsandbytes).
 
 Schedule (the original's, per group): linear warmup from 0 over `warmup_steps`, then `decay` (linear in the original)
 takes `lr` and `decay_ssm` (cosine) takes `lr_ssm` to the same absolute `lr_end` at the last step. A group whose

@@ -1,0 +1,219 @@
+"""Measure the planner's per-token costs on a GPU, fit them, and check the predictions against held-out runs.
+
+    # on the GPU: profile every setup (one process each), keep the measurements
+    PYTHONPATH=src python3 benchmarks/plan_calibration.py run --gpu-kind h100 \\
+        --out benchmarks/results/plan_calibration_h100.json
+    # anywhere: fit the costs from the calibration setups, write src/tttvideo/memory/plan_costs.json, and print
+    # predicted against measured for every setup (the held-out ones are the test)
+    PYTHONPATH=src python3 benchmarks/plan_calibration.py fit benchmarks/results/plan_calibration_h100.json \\
+        [--also benchmarks/results/fit_24gb_h100.json]
+
+A setup is a config, a phase, a duration and `--set` overrides; `run` profiles it with `tttv profile --steps 2`
+(random init, no cap, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) and records the peak allocated memory and
+the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan_count`) from each measured peak and
+fits activation = per_token x tokens + fixed per regime from the setups marked `calibrate` (two durations each),
+and step time likewise; then it predicts every setup and prints the errors. `--also` adds the profiler runs of
+benchmarks/fit_24gb.py's JSON as held-out measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+NO_WEIGHTS = ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0"]
+LORA = "configs/cogvideox-5b/24gb-3s.toml"  # lora, bf16, fp8, 8-bit AdamW, sub-block checkpointing, offload
+QKVO = "configs/cogvideox-5b/stage1-3s-1gpu.toml"  # qkvo, fp32 weights under bf16 autocast, sub-block
+SAMPLE = "configs/cogvideox-5b/24gb-sample-63s.toml"
+BLOCK = ["checkpointing.attention=false", "checkpointing.forward_ttt=false", "checkpointing.reverse_ttt=false",
+         "checkpointing.mlp=false"]
+BF16_PLAIN = ["model.frozen_weights=dtype", "train.optimizer=adamw", "checkpointing.offload_activations=false"]
+
+# (name, config, phase, overrides, durations to calibrate on, durations held out)
+SETUPS = [
+    ("lora, block ckpt, bf16, AdamW", LORA, "train", BLOCK + BF16_PLAIN, ["3s", "9s"], ["18s"]),
+    ("lora, sub-block ckpt + offload, fp8, 8-bit AdamW", LORA, "train", [], ["3s", "9s"], ["18s"]),
+    ("qkvo, sub-block ckpt, fp32 weights, AdamW", QKVO, "train", [], ["3s", "9s"], []),
+    ("qkvo, block ckpt, bf16, 8-bit AdamW", QKVO, "train",
+     BLOCK + ["model.dtype=bf16", "train.optimizer=adamw8bit"], ["3s", "9s"], []),
+    # held out: the same regimes with other counted parts (weight storage, optimizer)
+    ("lora, block ckpt, fp8, 8-bit AdamW", LORA, "train",
+     BLOCK + ["checkpointing.offload_activations=false"], [], ["9s"]),
+    ("qkvo, sub-block ckpt, fp32 weights, 8-bit AdamW", QKVO, "train", ["train.optimizer=adamw8bit"], [], ["9s"]),
+    ("sample: plain, guidance batched, bf16 resident", SAMPLE, "sample",
+     ["memory.chunked_inference=false", "sample.cfg_batched=true", "sample.offload_blocks=false",
+      "model.frozen_weights=dtype"], ["3s", "9s"], ["18s"]),
+    ("sample: chunked, bf16 resident", SAMPLE, "sample",
+     ["sample.offload_blocks=false", "model.frozen_weights=dtype"], ["3s", "9s"], ["18s"]),
+    ("sample: chunked, fp8 streamed", SAMPLE, "sample", [], ["3s", "9s"], []),
+    ("sample: chunked, 4 head groups, fp8 streamed", SAMPLE, "sample", ["memory.ttt_head_groups=4"],
+     ["3s", "9s"], ["18s"]),
+]
+
+
+def measure(config: str, phase: str, duration: str, overrides: list[str], work: Path, timeout: float) -> dict:
+    out = Path(tempfile.mkdtemp(dir=work))
+    cmd = [sys.executable, "-m", "tttvideo", "profile", config, "--phase", phase, "--steps", "2", "--out", str(out)]
+    for o in NO_WEIGHTS + [f"layout.duration={duration}"] + overrides:
+        cmd += ["--set", o]
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(out / "log.txt", "w") as log:
+        try:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = -9
+    row = {"config": config, "phase": phase, "duration": duration, "overrides": overrides, "exit_code": code}
+    summary = out / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        row.update(status=s["status"], peak_allocated=s["totals"]["peak_allocated"],
+                   peak_reserved=s["totals"]["peak_reserved"], step_seconds=s.get("step_seconds", []),
+                   oom=(s.get("oom") or {}).get("location"))
+    else:
+        row.update(status="error", error=(out / "log.txt").read_text(errors="replace")[-500:])
+    return row
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, config, phase, overrides, cal, held in SETUPS:
+        for duration in cal + held:
+            print(f"{name} @ {duration}", flush=True)
+            row = measure(config, phase, duration, overrides, work, args.timeout)
+            row.update(name=name, calibrate=duration in cal)
+            rows.append(row)
+            print(f"  {row['status']} peak {row.get('peak_allocated', 0) / GIB:.2f} GiB, steps "
+                  f"{row.get('step_seconds')}", flush=True)
+            Path(args.out).write_text(json.dumps(_result(rows, args, torch), indent=1))
+    return 0
+
+
+def _result(rows, args, torch) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    return {"benchmark": "plan_calibration", "gpu_kind": args.gpu_kind,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "git_commit": commit, "setups": rows}
+
+
+def _config(row: dict):
+    from tttvideo.config.loader import load_config
+
+    return load_config(ROOT / row["config"], NO_WEIGHTS + [f"layout.duration={row['duration']}"] + row["overrides"])
+
+
+def rows_from_fit_24gb(path: Path) -> list[dict]:
+    """The `tttv profile` runs of benchmarks/fit_24gb.py's JSON as held-out measurements."""
+    data = json.loads(path.read_text())
+    runs = data.get("sample", {}).get("variants", []) + data.get("train_profile", {}).get("runs", [])
+    out = []
+    for r in runs:
+        if r.get("status") != "ok":
+            continue
+        argv = shlex.split(r["command"])
+        config = str(Path(argv[argv.index("profile") + 1]).resolve().relative_to(ROOT)) \
+            if Path(argv[argv.index("profile") + 1]).is_absolute() else argv[argv.index("profile") + 1]
+        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        duration = next((s.split("=", 1)[1] for s in sets if s.startswith("layout.duration=")), None)
+        sets = [s for s in sets if not s.startswith("layout.duration=")
+                and s.split("=", 1)[0] not in ("model.pretrained_path", "train.init_from")]
+        out.append({"name": r.get("variant") or r.get("config"), "config": config,
+                    "phase": argv[argv.index("--phase") + 1], "duration": duration or "3s", "overrides": sets,
+                    "status": "ok", "peak_allocated": r["totals"]["peak_allocated"],
+                    "step_seconds": r.get("step_s", []), "calibrate": False, "source": str(path)})
+    return out
+
+
+def cmd_fit(args) -> int:
+    from tttvideo.layout import VideoLayout
+    from tttvideo.memory.plan_costs import CostTable, Linear, activation_key, save_costs, time_key
+    from tttvideo.memory.plan_count import count
+
+    data = json.loads(Path(args.measured).read_text())
+    rows = [r for r in data["setups"] if r.get("status") == "ok"]
+    for extra in args.also:
+        rows += rows_from_fit_24gb(Path(extra))
+    points: dict[str, dict[str, list]] = {"activation": {}, "time": {}}
+    prepared = []
+    for r in rows:
+        cfg = _config(r)
+        phase = r["phase"]
+        tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens * (cfg.train.batch_size if phase == "train"
+                                                                               else 1)
+        counted = count(cfg, phase).total
+        prepared.append((r, cfg, phase, tokens, counted))
+        if r.get("calibrate"):
+            points["activation"].setdefault(activation_key(cfg, phase), []).append(
+                (tokens, r["peak_allocated"] - counted))
+            if r.get("step_seconds"):
+                points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1]))
+    table = CostTable(args.gpu_kind or data["gpu_kind"], data.get("device", ""), str(args.measured),
+                      {k: Linear.fit(v) for k, v in points["activation"].items()},
+                      {k: Linear.fit(v) for k, v in points["time"].items()},
+                      {int(k): v for k, v in (args.sp_efficiency or {}).items()})
+    save_costs(table)
+    print(f"wrote {len(table.activation)} activation and {len(table.time)} time regimes for {table.gpu}")
+    print("\n| setup | duration | calibration? | measured peak GiB | predicted GiB | error | measured s | "
+          "predicted s | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    mem_err, time_err = [], []
+    for r, cfg, phase, tokens, counted in prepared:
+        act = table.activation.get(activation_key(cfg, phase))
+        tim = table.time.get(time_key(cfg, phase))
+        pred = None if act is None else counted + act(tokens)
+        pred_s = None if tim is None else tim(tokens)
+        meas_s = r["step_seconds"][-1] if r.get("step_seconds") else None
+        e_m = None if pred is None else (pred - r["peak_allocated"]) / r["peak_allocated"]
+        e_t = None if pred_s is None or not meas_s else (pred_s - meas_s) / meas_s
+        if not r.get("calibrate"):
+            if e_m is not None:
+                mem_err.append(abs(e_m))
+            if e_t is not None:
+                time_err.append(abs(e_t))
+        print(f"| {r['name']} | {r['duration']} | {'yes' if r.get('calibrate') else 'held out'} | "
+              f"{r['peak_allocated'] / GIB:.2f} | {'' if pred is None else f'{pred / GIB:.2f}'} | "
+              f"{'' if e_m is None else f'{100 * e_m:+.1f}%'} | {'' if meas_s is None else f'{meas_s:.2f}'} | "
+              f"{'' if pred_s is None else f'{pred_s:.2f}'} | {'' if e_t is None else f'{100 * e_t:+.1f}%'} |")
+    if mem_err:
+        print(f"\nheld out: {len(mem_err)} peaks, median |error| {100 * statistics.median(mem_err):.1f}%, max "
+              f"{100 * max(mem_err):.1f}%; {len(time_err)} step times, median |error| "
+              f"{100 * statistics.median(time_err) if time_err else float('nan'):.1f}%, max "
+              f"{100 * max(time_err) if time_err else float('nan'):.1f}%")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="profile every setup on this GPU")
+    r.add_argument("--gpu-kind", default="h100")
+    r.add_argument("--out", default="benchmarks/results/plan_calibration.json")
+    r.add_argument("--work", default="runs/plan_calibration")
+    r.add_argument("--timeout", type=float, default=900)
+    f = sub.add_parser("fit", help="fit the costs and check the predictions")
+    f.add_argument("measured")
+    f.add_argument("--also", action="append", default=[], help="benchmarks/fit_24gb.py JSON: held-out runs")
+    f.add_argument("--gpu-kind", default=None)
+    f.add_argument("--sp-efficiency", type=json.loads, default=None,
+                   help='measured sequence-parallel efficiency per degree, e.g. \'{"2": 0.75}\'')
+    args = ap.parse_args(argv)
+    return cmd_run(args) if args.cmd == "run" else cmd_fit(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

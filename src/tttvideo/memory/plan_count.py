@@ -1,0 +1,123 @@
+"""The part of a setup's GPU memory that can be counted: weights, gradients and optimizer state, per GPU.
+
+The model of a config is built on the meta device (every shape and dtype, no data: a few seconds for CogVideoX-5B
+on a CPU) with the config's adapter and weight storage, and its tensors are summed:
+
+- weights: every parameter and buffer (fp8 codes and their scales included) in its storage dtype; when sampling
+  streams the blocks from host memory (`sample.offload_blocks`), only `prefetch_blocks + 1` blocks of them;
+- gradients: the trainable parameters, in their dtype (training only);
+- optimizer state: AdamW's two moments in the parameters' dtype; 8-bit AdamW's (torchao) 1 byte per value plus one
+  fp32 scale per 256 values for each tensor of at least 4096 values that is a multiple of 256, two moments in the
+  parameter's dtype for the others (training only); the optimizers' scalar step counters are left out;
+- with FSDP2 (`parallel.dp_shard` > 1) each of these divided by the shard degree, plus the all-gathered full
+  weights of the two blocks in flight (FSDP's prefetch of the next block while one computes).
+
+These are exact for the tensors they name (tests/test_planner.py checks them against a built model); what a step
+allocates beyond them is the activation model's job (`tttvideo.memory.plan_costs`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from tttvideo.config.schema import Config
+
+# torchao's rule for which tensors get 8-bit state (tttvideo.train.optim says the same)
+_Q_MIN_SIZE, _Q_BLOCK = 4096, 256
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Bytes per GPU of what is counted; `trainable_params` is a count, not bytes."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    trainable_params: int
+    block_weights: int  # one block's weights, unsharded (the unit that streams or is all-gathered)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def adamw8bit_state_bytes(numel: int, element_size: int) -> int:
+    """Both moments of one tensor under torchao's AdamW8bit: 8-bit codes and an fp32 scale per 256 values, or,
+    for the tensors it leaves alone, two moments in the parameter's dtype."""
+    if numel >= _Q_MIN_SIZE and numel % _Q_BLOCK == 0:
+        return 2 * (numel + 4 * (numel // _Q_BLOCK))
+    return 2 * element_size * numel
+
+
+@lru_cache(maxsize=32)
+def _model_tensors(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_weights: str, use_ttt: bool,
+                   ttt_kind: str) -> tuple[int, int, int, int, int, int]:
+    """(all weight bytes, one block's weight bytes, trainable parameter count, their bytes, AdamW state bytes,
+    8-bit AdamW state bytes) of a model built on the meta device."""
+    from tttvideo.models import build_model
+
+    cfg = Config()
+    cfg.model.preset, cfg.model.dtype, cfg.model.adapter = preset, dtype, adapter
+    cfg.model.lora_rank, cfg.model.frozen_weights, cfg.model.use_ttt = lora_rank, frozen_weights, use_ttt
+    cfg.ttt.kind, cfg.ttt.backend = ttt_kind, "reference"  # the backend changes no tensor
+    model = build_model(cfg, device="meta")
+    weights = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
+    block = model.blocks[0]
+    block_bytes = _tensor_bytes(block.parameters()) + _tensor_bytes(block.buffers())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in trainable)
+    grad_bytes = _tensor_bytes(trainable)
+    adamw = 2 * grad_bytes
+    adamw8 = sum(adamw8bit_state_bytes(p.numel(), p.element_size()) for p in trainable)
+    return weights, block_bytes, n, grad_bytes, adamw, adamw8
+
+
+def count(cfg: Config, phase: str, gpus: int = 1) -> Counted:
+    """The counted memory per GPU of `cfg` for `phase` ("train" or "sample") on `gpus` GPUs."""
+    m = cfg.model
+    weights, block, n, grads, adamw, adamw8 = _model_tensors(m.preset, m.dtype, m.adapter, m.lora_rank,
+                                                             m.frozen_weights, m.use_ttt, cfg.ttt.kind)
+    if phase == "sample":
+        from tttvideo.models import get_preset
+
+        if cfg.sample.offload_blocks:
+            layers = get_preset(m.preset).num_layers
+            weights = weights - layers * block + (cfg.sample.prefetch_blocks + 1) * block
+        return Counted(weights, 0, 0, 0, block)
+    optimizer = adamw8 if cfg.train.optimizer == "adamw8bit" else adamw
+    shard = data_parallel_shard(cfg, gpus)
+    if shard > 1:
+        return Counted(weights // shard + 2 * block, grads // shard, optimizer // shard, n, block)
+    return Counted(weights, grads, optimizer, n, block)
+
+
+def data_parallel_shard(cfg: Config, gpus: int) -> int:
+    """FSDP2's shard degree of a training launch on `gpus` GPUs (parallel.dp_shard = -1 fills what sp leaves)."""
+    par = cfg.parallel
+    if gpus <= 1:
+        return 1
+    if par.dp_shard == -1:
+        return max(1, gpus // (par.sp * par.dp_replicate))
+    return par.dp_shard
+
+
+def with_overrides(cfg: Config, overrides: dict[str, object]) -> Config:
+    """A copy of `cfg` with dotted keys set (the planner's candidates)."""
+    out = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def tensor_bytes(dtype: str) -> int:
+    return torch.tensor([], dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+                        ).element_size()

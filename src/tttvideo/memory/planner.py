@@ -1,0 +1,265 @@
+"""`tttv plan`: predict the peak GPU memory and step time of every setup the project offers for a config, and pick
+the fastest that fits.
+
+A candidate is the config plus a few switches (`Candidate.overrides`, dotted keys as `--set` takes them):
+- training: activation checkpointing (whole blocks, or blocks and their four parts), activation offload to host
+  memory, fp8 storage of the frozen weights (not with `sft`, which freezes none), AdamW or 8-bit AdamW, and on
+  several GPUs the sequence-parallel degree (the rest FSDP2 sharding);
+- sampling: the plain forward with guidance batched or in two passes, the chunked forward with 1 or 4 TTT head
+  groups, blocks streamed from host memory or resident, fp8 storage of the frozen weights, and on several GPUs
+  sequence parallelism.
+The adapter, the duration and the resolution are the user's experiment, not memory switches: they stay as given.
+
+Each candidate's peak = counted (weights, gradients, optimizer state: `plan_count`) + activations (per-token costs
+measured on a GPU kind: `plan_costs`); its step time = per-token time cost. It fits a card of M bytes when
+peak x (1 + FRAGMENTATION) + CUDA_CONTEXT <= M: the allocator's reserved memory runs a few percent above what is
+allocated, and the CUDA context sits outside PyTorch's figures. The best candidate is the fastest that fits; a
+candidate whose regime was never measured is listed but never chosen.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tttvideo.config.schema import Config
+from tttvideo.errors import UserError
+from tttvideo.layout import VideoLayout
+from tttvideo.memory.plan_costs import CostTable, activation_key, time_key
+from tttvideo.memory.plan_count import Counted, count, with_overrides
+
+GIB = 2**30
+FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (docs/memory.md: measured 2-8%)
+CUDA_CONTEXT = int(0.8 * GIB)  # measured 0.5-0.8 GiB outside PyTorch on H100 / H200 with torch 2.11
+
+CHECKPOINTING = {
+    "block": {"checkpointing.block": True, "checkpointing.group_size": 1, "checkpointing.attention": False,
+              "checkpointing.forward_ttt": False, "checkpointing.reverse_ttt": False, "checkpointing.mlp": False,
+              "checkpointing.layers": []},
+    "sub-block": {"checkpointing.block": True, "checkpointing.group_size": 1, "checkpointing.attention": True,
+                  "checkpointing.forward_ttt": True, "checkpointing.reverse_ttt": True, "checkpointing.mlp": True,
+                  "checkpointing.layers": []},
+}
+SAMPLE_FORWARDS = {
+    "plain, guidance batched": {"memory.chunked_inference": False, "sample.cfg_batched": True},
+    "plain, two passes": {"memory.chunked_inference": False, "sample.cfg_batched": False},
+    "chunked": {"memory.chunked_inference": True, "memory.ttt_head_groups": 1, "sample.cfg_batched": False},
+    "chunked, 4 head groups": {"memory.chunked_inference": True, "memory.ttt_head_groups": 4,
+                               "sample.cfg_batched": False},
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str
+    overrides: tuple[tuple[str, Any], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.overrides)
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    config: Config
+    tokens_per_gpu: int
+    counted: Counted
+    activation: int | None  # bytes; None when the regime was never measured
+    step_s: float | None
+    fits: bool | None  # None: unknown (not measured)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.activation is None else self.counted.total + self.activation
+
+
+def sp_degrees(gpus: int, heads: int) -> list[int]:
+    return [d for d in range(1, gpus + 1) if gpus % d == 0 and heads % d == 0]
+
+
+def candidates(cfg: Config, phase: str, gpus: int = 1) -> list[Candidate]:
+    from tttvideo.models import get_preset
+
+    heads = get_preset(cfg.model.preset).num_attention_heads
+    frozen = ["dtype"] if cfg.model.adapter == "sft" else ["dtype", "fp8"]
+    out = []
+    if phase == "train":
+        for (ck, ck_over), offload, weights, optim, sp in itertools.product(
+                CHECKPOINTING.items(), (False, True), frozen, ("adamw", "adamw8bit"), sp_degrees(gpus, heads)):
+            over = {**ck_over, "checkpointing.offload_activations": offload, "model.frozen_weights": weights,
+                    "train.optimizer": optim}
+            label = f"ckpt {ck}{', offload' if offload else ''}, {weights} weights, {optim}"
+            if gpus > 1:
+                over.update({"parallel.sp": sp, "parallel.dp_shard": gpus // sp, "parallel.dp_replicate": 1})
+                label += f", sp {sp} x fsdp {gpus // sp}"
+            out.append(Candidate(label, tuple(over.items())))
+        return out
+    if phase != "sample":
+        raise ValueError(f"phase must be 'train' or 'sample', got {phase!r}")
+    for (fw, fw_over), streamed, weights in itertools.product(SAMPLE_FORWARDS.items(), (False, True), frozen):
+        over = {**fw_over, "sample.offload_blocks": streamed, "model.frozen_weights": weights}
+        label = f"{fw}, {'streamed' if streamed else 'resident'} blocks, {weights} weights"
+        if gpus > 1:
+            if fw.startswith("chunked") or streamed or gpus not in sp_degrees(gpus, heads):
+                continue  # chunked and streamed run one process; sp over all GPUs
+            over.update({"parallel.sp": gpus, "sample.split_guidance": False})
+            label += f", sp {gpus}"
+        out.append(Candidate(label, tuple(over.items())))
+    return out
+
+
+def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpus: int = 1,
+            gpu_mem: int | None = None) -> Prediction:
+    c = with_overrides(cfg, candidate.as_dict())
+    layout = VideoLayout.from_config(c.layout, c.ttt)
+    batch = c.train.batch_size if phase == "train" else 1
+    sp = c.parallel.sp if gpus > 1 else 1
+    tokens = layout.total_tokens * batch // sp
+    counted = count(c, phase, gpus)
+    notes = []
+    act_cost = costs.activation.get(activation_key(c, phase))
+    activation = None if act_cost is None else max(0, int(act_cost(tokens)))
+    if act_cost is None:
+        notes.append("activation regime not measured")
+    time_cost = costs.time.get(time_key(c, phase))
+    step_s = None
+    if time_cost is not None:
+        one = time_cost(layout.total_tokens * batch)
+        if sp == 1:
+            step_s = one
+        elif sp in costs.sp_efficiency:
+            step_s = one / (sp * costs.sp_efficiency[sp])
+        else:
+            notes.append(f"sp {sp} efficiency not measured")
+    else:
+        notes.append("time not measured")
+    fits = None
+    if activation is not None and gpu_mem is not None:
+        fits = fits_in(counted.total + activation, gpu_mem)
+    if sp > 1:
+        notes.append("sp: one-GPU per-token costs")
+    return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes)
+
+
+def fits_in(peak: int, gpu_mem: int) -> bool:
+    return peak * (1 + FRAGMENTATION) + CUDA_CONTEXT <= gpu_mem
+
+
+def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1) -> list[Prediction]:
+    """Every candidate's prediction, best first: those that fit by step time (unknown time last), then those that
+    do not by peak, then the unmeasured."""
+    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem) for c in candidates(cfg, phase, gpus)]
+
+    def rank(p: Prediction) -> tuple:
+        if p.fits:
+            return (0, p.step_s if p.step_s is not None else float("inf"), p.peak)
+        if p.fits is False:
+            return (1, p.peak, 0)
+        return (2, 0, 0)
+
+    return sorted(preds, key=rank)
+
+
+def best(preds: list[Prediction]) -> Prediction | None:
+    return next((p for p in preds if p.fits), None)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def parse_size(text: str) -> int:
+    """'24GiB', '24 GiB', '80GB', '24' (GiB) -> bytes."""
+    t = text.strip().replace(" ", "")
+    units = {"gib": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
+    for unit, size in sorted(units.items(), key=lambda u: -len(u[0])):
+        if t.lower().endswith(unit):
+            number = t[: -len(unit)]
+            break
+    else:
+        number, size = t, GIB
+    try:
+        value = float(number)
+    except ValueError:
+        raise UserError(f"--gpu-mem {text!r} is not a size; write it like 24GiB, 80GB or 24 (GiB)") from None
+    if value <= 0:
+        raise UserError(f"--gpu-mem {text!r} must be positive")
+    return int(value * size)
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list) and not value:
+        return "[]"
+    raise TypeError(f"cannot write {value!r} as a plan value")
+
+
+def plan_toml(pred: Prediction, config_path: str | Path | None, out_path: str | Path, command: str,
+              extra: dict[str, Any] | None = None) -> str:
+    """A config file that includes the user's config and sets the chosen switches."""
+    lines = [f"# written by: {command}",
+             f"# predicted peak {pred.peak / GIB:.1f} GiB per GPU"
+             + (f", {pred.step_s:.2f} s per step" if pred.step_s is not None else "")
+             + f" ({pred.candidate.label})"]
+    if config_path:
+        rel = os.path.relpath(Path(config_path).resolve(), Path(out_path).resolve().parent)
+        lines.append(f"include = {json.dumps(rel)}")
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in {**(extra or {}), **pred.candidate.as_dict()}.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    for section, values in sections.items():
+        lines.append(f"\n[{section}]")
+        lines.extend(f"{name} = {_literal(v)}" for name, v in values.items())
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ --auto-fit
+def gpu_kind(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100': the cost table a device's name points to."""
+    lowered = name.lower()
+    for kind in ("h200", "h100", "a100", "l40s", "l4", "4090", "3090"):
+        if kind in lowered:
+            return kind
+    return lowered.split()[-1] if lowered else ""
+
+
+def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | None = None) -> Config:
+    """`--auto-fit`: `cfg` with the switches of the fastest measured setup that fits this launch's GPUs (their
+    memory, or memory.max_gpu_gib when set); one sentence when none does."""
+    import logging
+
+    import torch
+
+    from tttvideo.memory.plan_costs import known_gpus, load_costs
+
+    log = logging.getLogger(__name__)
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    if not torch.cuda.is_available():
+        raise UserError("--auto-fit plans for a CUDA GPU and this machine has none; drop --auto-fit (on a CPU the "
+                        "memory switches do not matter), or run `tttv plan` to see what a GPU would need")
+    name = torch.cuda.get_device_name()
+    cap = cfg.memory.max_gpu_gib
+    gpu_mem = int(cap * GIB) + CUDA_CONTEXT if cap > 0 else torch.cuda.get_device_properties(0).total_memory
+    kind = gpu_kind(name)
+    if kind not in known_gpus():
+        log.warning("--auto-fit: no measured costs for %s; using the H100's", name)
+        kind = "h100"
+    if duration:
+        cfg.layout.duration = duration
+    preds = plan(cfg, phase, gpu_mem, load_costs(kind), gpus)
+    chosen = best(preds)
+    if chosen is None:
+        raise UserError(f"--auto-fit: no measured {phase} setup fits {gpu_mem / GIB:.1f} GiB per GPU on {gpus} "
+                        f"GPU(s) at {cfg.layout.duration}; `tttv plan {config_path or 'CONFIG'} --gpu-mem "
+                        f"{gpu_mem / GIB:.0f}GiB --gpus {gpus} --phase {phase}` lists the candidates")
+    log.info("--auto-fit: %s (predicted peak %.1f GiB per GPU%s)", chosen.candidate.label, chosen.peak / GIB,
+             "" if chosen.step_s is None else f", {chosen.step_s:.2f} s per step")
+    return chosen.config

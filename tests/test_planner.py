@@ -1,0 +1,212 @@
+"""The memory planner on the tiny model: what it counts equals the built model's tensors, the optimizer's real state
+and the streamed weights; predictions grow with the tokens; a setup that fits nowhere is reported as such; the plan
+it writes is a config the trainer reads; `tttv plan` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tttvideo.config.loader import load_config
+from tttvideo.config.schema import Config
+from tttvideo.layout import VideoLayout
+from tttvideo.memory.plan_costs import CostTable, Linear, activation_key, load_costs, save_costs, time_key
+from tttvideo.memory.plan_count import count
+from tttvideo.memory.planner import GIB, best, candidates, fits_in, parse_size, plan, plan_toml, predict
+from tttvideo.models import build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(adapter: str = "lora", frozen: str = "fp8", optimizer: str = "adamw8bit", dtype: str = "bf16") -> Config:
+    cfg = Config()
+    cfg.model.adapter, cfg.model.frozen_weights, cfg.model.dtype = adapter, frozen, dtype
+    cfg.model.lora_rank = 4
+    cfg.train.optimizer = optimizer
+    cfg.ttt.mini_batch_size = 16
+    cfg.layout.height, cfg.layout.width, cfg.layout.text_tokens = 32, 48, 8
+    return cfg
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def state_bytes(optimizer) -> int:
+    """Both moments of every parameter as they sit in memory (8-bit codes and scales, or plain tensors)."""
+    total = 0
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = state[key]
+            if hasattr(t, "codes"):
+                total += tensor_bytes([t.codes, t.scale])
+            else:
+                total += tensor_bytes([t])
+    return total
+
+
+@pytest.mark.parametrize("adapter,frozen,optimizer,dtype", [
+    ("lora", "fp8", "adamw8bit", "bf16"),
+    ("qkvo", "dtype", "adamw", "fp32"),
+    ("sft", "dtype", "adamw", "bf16"),
+])
+def test_counted_parts_equal_the_built_model_and_its_optimizer(adapter, frozen, optimizer, dtype):
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao")
+    from tttvideo.train.optim import build_optimizer
+
+    cfg = tiny(adapter, frozen, optimizer, dtype)
+    counted = count(cfg, "train")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert counted.weights == tensor_bytes(model.parameters()) + tensor_bytes(model.buffers())
+    assert counted.gradients == tensor_bytes(trainable)
+    assert counted.trainable_params == sum(p.numel() for p in trainable)
+    opt = build_optimizer(model, cfg.train)
+    for p in trainable:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert counted.optimizer == state_bytes(opt)
+
+
+def test_streamed_sampling_counts_only_the_blocks_in_flight():
+    cfg = tiny()
+    resident = count(cfg, "sample")
+    cfg.sample.offload_blocks, cfg.sample.prefetch_blocks = True, 1
+    streamed = count(cfg, "sample")
+    model = build_model(cfg)
+    layers = len(model.blocks)
+    block = tensor_bytes(model.blocks[0].parameters()) + tensor_bytes(model.blocks[0].buffers())
+    assert resident.weights == tensor_bytes(model.parameters()) + tensor_bytes(model.buffers())
+    assert streamed.weights == resident.weights - (layers - 2) * block
+    assert resident.gradients == resident.optimizer == 0
+
+
+def test_fsdp_shards_the_counted_parts():
+    cfg = tiny()
+    cfg.parallel.sp, cfg.parallel.dp_shard = 1, -1
+    one, four = count(cfg, "train", 1), count(cfg, "train", 4)
+    assert four.gradients == one.gradients // 4 and four.optimizer == one.optimizer // 4
+    assert four.weights == one.weights // 4 + 2 * one.block_weights
+
+
+def synthetic_costs(cfg: Config, phase: str) -> CostTable:
+    """A cost for every regime the planner proposes: 1 KiB and 1 ms per token, more without offload."""
+    table = CostTable("test")
+    for cand in candidates(cfg, phase):
+        from tttvideo.memory.plan_count import with_overrides
+
+        c = with_overrides(cfg, cand.as_dict())
+        per_token = 2048.0 if phase == "train" and not c.checkpointing.offload_activations else 1024.0
+        table.activation[activation_key(c, phase)] = Linear(per_token, 1e6)
+        table.time[time_key(c, phase)] = Linear(1e-3 * (1.5 if c.checkpointing.offload_activations else 1.0), 0.1)
+    return table
+
+
+@pytest.mark.parametrize("phase", ["train", "sample"])
+def test_predictions_grow_with_the_tokens(phase):
+    cfg = tiny()
+    costs = synthetic_costs(cfg, phase)
+    previous = None
+    for duration in ("3s", "6s", "9s", "18s"):
+        cfg.layout.duration = duration
+        preds = [predict(cfg, phase, c, costs) for c in candidates(cfg, phase)]
+        peaks = [p.peak for p in preds]
+        times = [p.step_s for p in preds]
+        if previous is not None:
+            assert all(a > b for a, b in zip(peaks, previous[0]))
+            assert all(a > b for a, b in zip(times, previous[1]))
+        previous = (peaks, times)
+
+
+def test_fastest_fitting_candidate_is_chosen_and_nothing_fits_a_tiny_card():
+    cfg = tiny()
+    costs = synthetic_costs(cfg, "train")
+    preds = plan(cfg, "train", 80 * GIB, costs)
+    chosen = best(preds)
+    assert chosen is not None and all(p.fits for p in preds)
+    assert chosen.step_s == min(p.step_s for p in preds)
+    none = plan(cfg, "train", 2**20, costs)
+    assert best(none) is None and all(p.fits is False for p in none)
+    # a regime nobody measured is listed, with no prediction, and never chosen
+    empty = plan(cfg, "train", 80 * GIB, CostTable("empty"))
+    assert best(empty) is None and all(p.fits is None and p.peak is None for p in empty)
+    assert all("not measured" in "; ".join(p.notes) for p in empty)
+
+
+def test_fit_margin_and_sizes():
+    assert fits_in(10 * GIB, 24 * GIB) and not fits_in(23 * GIB, 24 * GIB)
+    assert parse_size("24GiB") == parse_size("24 GiB") == parse_size("24") == 24 * GIB
+    assert parse_size("80GB") == 80 * 10**9
+    from tttvideo.errors import UserError
+
+    with pytest.raises(UserError, match="--gpu-mem"):
+        parse_size("lots")
+
+
+def test_linear_fit_recovers_a_line():
+    line = Linear.fit([(100, 1300.0), (300, 3300.0), (200, 2300.0)])
+    assert line.per_token == pytest.approx(10.0) and line.fixed == pytest.approx(300.0)
+    assert Linear.fit([(100, 500.0)])(300) == pytest.approx(1500.0)
+
+
+def test_plan_file_is_a_config_that_includes_the_base(tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text('[model]\nadapter = "lora"\nlora_rank = 4\n[ttt]\nmini_batch_size = 16\n'
+                    '[layout]\nheight = 32\nwidth = 48\ntext_tokens = 8\n')
+    cfg = load_config(base)
+    costs = synthetic_costs(cfg, "train")
+    chosen = best(plan(cfg, "train", 80 * GIB, costs))
+    out = tmp_path / "plans" / "plan.toml"
+    out.parent.mkdir()
+    out.write_text(plan_toml(chosen, base, out, "tttv plan base.toml --gpu-mem 80GiB", {"layout.duration": "9s"}))
+    loaded = load_config(out)
+    assert loaded.model.lora_rank == 4 and loaded.layout.duration == "9s"
+    for key, value in chosen.candidate.overrides:
+        section, name = key.split(".")
+        assert getattr(getattr(loaded, section), name) == value
+
+
+def test_plan_command_end_to_end(tmp_path, capsys):
+    from tttvideo.cli import main
+
+    cfg = tiny()
+    costs_file = tmp_path / "costs.json"
+    table = synthetic_costs(cfg, "sample")
+    table.gpu = "testgpu"
+    save_costs(table, costs_file)
+    assert load_costs("testgpu", costs_file).activation == table.activation
+    config = tmp_path / "tiny.toml"
+    config.write_text('[model]\nadapter = "lora"\nlora_rank = 4\nfrozen_weights = "fp8"\ndtype = "bf16"\n'
+                      '[train]\noptimizer = "adamw8bit"\n[ttt]\nmini_batch_size = 16\n'
+                      '[layout]\nheight = 32\nwidth = 48\ntext_tokens = 8\n')
+    out = tmp_path / "plan.toml"
+    code = main(["plan", str(config), "--gpu-mem", "24GiB", "--phase", "sample", "--gpu-kind", "testgpu",
+                 "--costs", str(costs_file), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "sample plan" in printed and out.is_file()
+    assert load_config(out).model.lora_rank == 4
+    code = main(["plan", str(config), "--gpu-mem", "1MiB", "--phase", "sample", "--gpu-kind", "testgpu",
+                 "--costs", str(costs_file)])
+    assert code == 1 and "nothing measured fits" in capsys.readouterr().err
+
+
+def test_unknown_gpu_kind_is_one_sentence(tmp_path):
+    from tttvideo.errors import UserError
+
+    (tmp_path / "c.json").write_text(json.dumps({}))
+    with pytest.raises(UserError, match="no measured costs for GPU kind 'a100'"):
+        load_costs("a100", tmp_path / "c.json")
+
+
+def test_auto_fit_without_a_gpu_is_one_sentence(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only message")
+    from tttvideo.cli import main
+
+    code = main(["train", "configs/demo.toml", "--auto-fit", "--set", f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--auto-fit plans for a CUDA GPU" in err and "Traceback" not in err
