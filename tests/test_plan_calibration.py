@@ -1,0 +1,72 @@
+"""benchmarks/plan_calibration.py's fit: from measured peaks that are the counted part plus a linear activation term
+(and step times linear in the tokens), it recovers the costs, and the planner then predicts held-out setups exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tttvideo.config.loader import load_config
+from tttvideo.layout import VideoLayout
+from tttvideo.memory.plan_costs import activation_key, load_costs
+from tttvideo.memory.plan_count import count
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.adapter=lora", "model.lora_rank=4", "model.dtype=bf16", "ttt.mini_batch_size=16"]
+
+
+def calibration_module():
+    spec = importlib.util.spec_from_file_location("plan_calibration", ROOT / "benchmarks" / "plan_calibration.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic_row(name, phase, duration, overrides, calibrate, per_token=3000.0, fixed=5e6):
+    cfg = load_config(ROOT / "configs/demo.toml", ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0",
+                                                   f"layout.duration={duration}"] + overrides)
+    tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens * (cfg.train.batch_size if phase == "train"
+                                                                           else 1)
+    peak = count(cfg, phase).total + per_token * tokens + fixed
+    return {"name": name, "config": "configs/demo.toml", "phase": phase, "duration": duration,
+            "overrides": overrides, "status": "ok", "peak_allocated": int(peak),
+            "step_seconds": [9.9, 1e-4 * tokens + 0.5], "calibrate": calibrate}
+
+
+def test_fit_recovers_the_costs_and_predicts_held_out_setups(tmp_path, capsys):
+    module = calibration_module()
+    adamw = TINY + ["train.optimizer=adamw"]
+    rows = [synthetic_row("a", "train", "3s", adamw, True), synthetic_row("a", "train", "9s", adamw, True),
+            synthetic_row("a", "train", "18s", adamw, False),
+            # the same activation regime with fp8 frozen weights: only the counted part differs
+            synthetic_row("a fp8", "train", "9s", adamw + ["model.frozen_weights=fp8"], False),
+            synthetic_row("s", "sample", "3s", TINY, True, 1000.0, 1e6),
+            synthetic_row("s", "sample", "12s", TINY, True, 1000.0, 1e6),
+            synthetic_row("s", "sample", "6s", TINY, False, 1000.0, 1e6)]
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"gpu_kind": "testgpu", "device": "synthetic", "setups": rows}))
+    costs = tmp_path / "costs.json"
+    assert module.main(["fit", str(measured), "--costs-out", str(costs), "--sp-efficiency", '{"2": 0.8}']) == 0
+    out = capsys.readouterr().out
+    table = load_costs("testgpu", costs)
+    cfg = load_config(ROOT / "configs/demo.toml", adamw)
+    line = table.activation[activation_key(cfg, "train")]
+    assert line.per_token == pytest.approx(3000.0) and line.fixed == pytest.approx(5e6, rel=1e-6)
+    assert table.sp_efficiency == {2: 0.8}
+    assert "held out: 3 peaks, median |error| 0.0%, max 0.0%" in out
+    assert "2 step times, median |error| 0.0%, max 0.0%" in out  # the fp8 setup's time regime is unmeasured
+
+
+def test_setups_name_existing_configs_and_valid_overrides():
+    """Every setup of the device run loads (a typo would only show on the GPU)."""
+    module = calibration_module()
+    for name, config, phase, overrides, calibrate, held in module.SETUPS:
+        assert phase in ("train", "sample") and (calibrate or held), name
+        assert len(calibrate) != 1, f"{name}: a regime needs two durations to fit"
+        for duration in calibrate + held:
+            load_config(ROOT / config, module.NO_WEIGHTS + [f"layout.duration={duration}"] + overrides)
