@@ -9,7 +9,7 @@ Parts (each replaces its own key in --out, so the parts can run in separate call
   --steps 2`, random init, two passes of batch 1) with the plain forward, uncapped, against `memory.chunked_inference`
   uncapped, capped at 24 GiB (fp8 frozen weights, blocks streamed from host memory) and capped at 12 GiB (the same
   with the TTT heads in groups). The step time is the second step's (the first compiles the kernels), from the
-  profiler's synchronised step marks; the peaks are the profiler's.
+  profiler's synchronised step marks (its summary's step_seconds); the peaks are the profiler's.
 - `train-profile`: one 3-s and one 9-s training step of the 24 GB configs under `tttv profile --phase train`:
   peak per phase.
 - `train-run`: `tttv train configs/cogvideox-5b/24gb-9s.toml` for 20 steps on the built-in demo set's latents under
@@ -45,6 +45,8 @@ SAMPLE_VARIANTS = [
      ["memory.max_gpu_gib=0", "memory.chunked_inference=true", "model.frozen_weights=dtype",
       "sample.offload_blocks=false"]),
     ("24 GiB: chunked, fp8, streamed (24gb-sample-63s.toml)", []),
+    ("12 GiB: chunked, 2 TTT head groups, fp8, streamed",
+     ["memory.max_gpu_gib=12", "memory.ttt_head_groups=2"]),
     ("12 GiB: chunked, 4 TTT head groups, fp8, streamed",
      ["memory.max_gpu_gib=12", "memory.ttt_head_groups=4"]),
 ]
@@ -86,37 +88,25 @@ def profile(config: Path, phase: str, steps: int, overrides: list[str], out: Pat
     row["totals"] = {k: s.get("totals", {}).get(k) for k in ("peak_allocated", "peak_reserved", "driver_peak")}
     row["phases"] = [{k: p.get(k) for k in ("name", "occurrences", "activation_peak", "peak_allocated",
                                             "peak_reserved", "seconds")} for p in s.get("phases", [])]
-    row["step_s"] = step_times(out / "events.json")
+    row["step_s"] = [round(t, 3) for t in s.get("step_seconds", [])]
     return row
-
-
-def step_times(events_path: Path) -> list[float]:
-    """Seconds per step: between consecutive 'denoise step k/n' marks (the first from the phase's start), or for
-    training the sum of each step's phases (forward, backward, optimizer step)."""
-    if not events_path.is_file():
-        return []
-    events = json.loads(events_path.read_text())["events"]
-    marks = [e for e in events if e["kind"] == "mark" and e["name"].startswith("denoise step ")]
-    phases = [e for e in events if e["kind"] == "phase"]
-    if marks:
-        t = [phases[0]["start"]["t"]] + [m["start"]["t"] for m in marks]
-        return [round(b - a, 3) for a, b in zip(t, t[1:])]
-    per_step: dict[int, float] = {}
-    for e in phases:
-        if e.get("step") is not None:
-            per_step[e["step"]] = per_step.get(e["step"], 0.0) + e["end"]["t"] - e["start"]["t"]
-    return [round(per_step[k], 3) for k in sorted(per_step)]
 
 
 def part_sample(args, work: Path) -> dict:
     rows = []
     config = CONFIGS / "24gb-sample-63s.toml"
     for name, overrides in SAMPLE_VARIANTS:
+        if args.variants and args.variants not in name:
+            continue
         print(f"sample: {name}", flush=True)
         row = profile(config, "sample", 2, [f"layout.duration={args.duration}"] + overrides,
                       work / f"sample-{len(rows)}", args.timeout)
         row["variant"] = name
         rows.append(row)
+    if args.variants:  # a re-run of some variants: keep the others' earlier rows
+        kept = {r["variant"]: r for r in args.previous.get("sample", {}).get("variants", [])}
+        kept.update({r["variant"]: r for r in rows})
+        rows = [kept[name] for name, _ in SAMPLE_VARIANTS if name in kept]
     base = rows[0].get("step_s") or []
     for r in rows:
         if base and r.get("step_s") and r.get("status") == "ok":
@@ -220,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per subprocess")
     ap.add_argument("--work", default="runs/fit_24gb", help="folder for the reports and the run")
     ap.add_argument("--out", default="benchmarks/results/fit_24gb.json")
+    ap.add_argument("--variants", default=None, help="sample: run only the variants whose name contains this text "
+                                                     "(the others keep their rows in --out)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="config override for every run (e.g. model.preset=tiny to rehearse on a CPU)")
     args = ap.parse_args(argv)
@@ -228,6 +220,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.is_file() else {}
+    args.previous = dict(data)
     data.update({"benchmark": "fit_24gb", **environment()})
     data.pop("sampling_63s", None)  # the earlier sampling figures, replaced by part "sample"
     for part in args.parts:

@@ -210,3 +210,27 @@ def test_auto_fit_without_a_gpu_is_one_sentence(tmp_path, capsys):
     code = main(["train", "configs/demo.toml", "--auto-fit", "--set", f"train.output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2 and "--auto-fit plans for a CUDA GPU" in err and "Traceback" not in err
+
+
+def test_streamed_fp8_weights_leave_two_blocks_counted():
+    from tttvideo.models.fp8_storage import Fp8Linear
+
+    cfg = tiny()
+    resident = count(cfg, "train")
+    cfg.memory.stream_frozen_weights = True
+    streamed = count(cfg, "train")
+    model = build_model(cfg)
+    fp8 = tensor_bytes(t for m in model.modules() if isinstance(m, Fp8Linear) for t in (m.weight_fp8, m.weight_scale))
+    block_fp8 = tensor_bytes(t for m in model.blocks[0].modules() if isinstance(m, Fp8Linear)
+                             for t in (m.weight_fp8, m.weight_scale))
+    assert fp8 > 0 and streamed.weights == resident.weights - fp8 + 2 * block_fp8
+    assert any(c.as_dict().get("memory.stream_frozen_weights") for c in candidates(tiny(), "train"))
+
+
+def test_streaming_needs_fp8_weights(tmp_path, capsys):
+    from tttvideo.cli import main
+
+    code = main(["train", "configs/demo.toml", "--set", "memory.stream_frozen_weights=true",
+                 "--set", f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "memory.stream_frozen_weights streams the fp8-stored frozen weights" in err

@@ -245,6 +245,11 @@ class MemoryConfig:
     max_gpu_gib: float = bounded(0.0, 0.0, help="cap this process's CUDA caching allocator at this many GiB (to "
                                                 "rehearse a 24 GB card on a larger one: 24); 0 = no cap. The CUDA "
                                                 "context and other processes are outside the cap; ignored off CUDA")
+    stream_frozen_weights: bool = field(default=False, metadata={
+        "help": "training with model.frozen_weights = 'fp8': keep the frozen fp8 weights in pinned host memory and "
+                "copy each layer's to the GPU when it runs (forward, and the recompute of checkpointed blocks), so "
+                "the GPU holds only the layers in flight; one process (sampling streams whole blocks with "
+                "sample.offload_blocks)"})
     chunked_inference: bool = field(default=False, metadata={
         "help": "without gradients (sampling, validation), run each block in bounded memory: attention one window "
                 "at a time, projections, TTT glue and MLP over chunks of inference_chunk_tokens tokens, in place on "

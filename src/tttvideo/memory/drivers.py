@@ -78,6 +78,11 @@ def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool)
     trainable = [p for p in model.parameters() if p.requires_grad]
     prof.meta["parameters"] = {"total": sum(p.numel() for p in model.parameters()),
                                "trainable": sum(p.numel() for p in trainable) if train else 0}
+    if train and cfg.memory.stream_frozen_weights:
+        from tttvideo.models.fp8_storage import stream_fp8_weights
+
+        with prof.component("frozen fp8 weights streamed to pinned host memory"):
+            stream_fp8_weights(model)
     if train:
         # The adapter's trainable parameters live inside the transformer's load; listed by count, not added again.
         prof.add_component(f"trainable parameters ({cfg.model.adapter}, inside transformer)", _tensor_bytes(trainable))

@@ -10,7 +10,9 @@ on a CPU) with the config's adapter and weight storage, and its tensors are summ
   fp32 scale per 256 values for each tensor of at least 4096 values that is a multiple of 256, two moments in the
   parameter's dtype for the others (training only); the optimizers' scalar step counters are left out;
 - with FSDP2 (`parallel.dp_shard` > 1) each of these divided by the shard degree, plus the all-gathered full
-  weights of the two blocks in flight (FSDP's prefetch of the next block while one computes).
+  weights of the two blocks in flight (FSDP's prefetch of the next block while one computes);
+- with `memory.stream_frozen_weights` (training) the fp8 codes and scales live in host memory: two blocks' worth
+  is counted for the copies in flight.
 
 These are exact for the tensors they name (tests/test_planner.py checks them against a built model); what a step
 allocates beyond them is the activation model's job (`tttvideo.memory.plan_costs`).
@@ -59,10 +61,11 @@ def adamw8bit_state_bytes(numel: int, element_size: int) -> int:
 
 @lru_cache(maxsize=32)
 def _model_tensors(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_weights: str, use_ttt: bool,
-                   ttt_kind: str) -> tuple[int, int, int, int, int, int]:
+                   ttt_kind: str) -> tuple[int, ...]:
     """(all weight bytes, one block's weight bytes, trainable parameter count, their bytes, AdamW state bytes,
-    8-bit AdamW state bytes) of a model built on the meta device."""
+    8-bit AdamW state bytes, fp8-stored weight bytes, one block's of those) of a model built on the meta device."""
     from tttvideo.models import build_model
+    from tttvideo.models.fp8_storage import Fp8Linear
 
     cfg = Config()
     cfg.model.preset, cfg.model.dtype, cfg.model.adapter = preset, dtype, adapter
@@ -72,19 +75,23 @@ def _model_tensors(preset: str, dtype: str, adapter: str, lora_rank: int, frozen
     weights = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
     block = model.blocks[0]
     block_bytes = _tensor_bytes(block.parameters()) + _tensor_bytes(block.buffers())
+    fp8 = _tensor_bytes(t for m in model.modules() if isinstance(m, Fp8Linear)
+                        for t in (m.weight_fp8, m.weight_scale))
+    block_fp8 = _tensor_bytes(t for m in block.modules() if isinstance(m, Fp8Linear)
+                              for t in (m.weight_fp8, m.weight_scale))
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in trainable)
     grad_bytes = _tensor_bytes(trainable)
     adamw = 2 * grad_bytes
     adamw8 = sum(adamw8bit_state_bytes(p.numel(), p.element_size()) for p in trainable)
-    return weights, block_bytes, n, grad_bytes, adamw, adamw8
+    return weights, block_bytes, n, grad_bytes, adamw, adamw8, fp8, block_fp8
 
 
 def count(cfg: Config, phase: str, gpus: int = 1) -> Counted:
     """The counted memory per GPU of `cfg` for `phase` ("train" or "sample") on `gpus` GPUs."""
     m = cfg.model
-    weights, block, n, grads, adamw, adamw8 = _model_tensors(m.preset, m.dtype, m.adapter, m.lora_rank,
-                                                             m.frozen_weights, m.use_ttt, cfg.ttt.kind)
+    weights, block, n, grads, adamw, adamw8, fp8, block_fp8 = _model_tensors(
+        m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind)
     if phase == "sample":
         from tttvideo.models import get_preset
 
@@ -92,6 +99,8 @@ def count(cfg: Config, phase: str, gpus: int = 1) -> Counted:
             layers = get_preset(m.preset).num_layers
             weights = weights - layers * block + (cfg.sample.prefetch_blocks + 1) * block
         return Counted(weights, 0, 0, 0, block)
+    if cfg.memory.stream_frozen_weights and m.frozen_weights == "fp8":
+        weights = weights - fp8 + 2 * block_fp8  # the block computing and the one whose backward comes next
     optimizer = adamw8 if cfg.train.optimizer == "adamw8bit" else adamw
     shard = data_parallel_shard(cfg, gpus)
     if shard > 1:

@@ -3,8 +3,8 @@ the fastest that fits.
 
 A candidate is the config plus a few switches (`Candidate.overrides`, dotted keys as `--set` takes them):
 - training: activation checkpointing (whole blocks, or blocks and their four parts), activation offload to host
-  memory, fp8 storage of the frozen weights (not with `sft`, which freezes none), AdamW or 8-bit AdamW, and on
-  several GPUs the sequence-parallel degree (the rest FSDP2 sharding);
+  memory, fp8 storage of the frozen weights (not with `sft`, which freezes none) resident or streamed from host
+  memory (one GPU), AdamW or 8-bit AdamW, and on several GPUs the sequence-parallel degree (the rest FSDP2 sharding);
 - sampling: the plain forward with guidance batched or in two passes, the chunked forward with 1 or 4 TTT head
   groups, blocks streamed from host memory or resident, fp8 storage of the frozen weights, and on several GPUs
   sequence parallelism.
@@ -92,8 +92,11 @@ def candidates(cfg: Config, phase: str, gpus: int = 1) -> list[Candidate]:
         for (ck, ck_over), offload, weights, optim, sp in itertools.product(
                 CHECKPOINTING.items(), (False, True), frozen, ("adamw", "adamw8bit"), sp_degrees(gpus, heads)):
             over = {**ck_over, "checkpointing.offload_activations": offload, "model.frozen_weights": weights,
-                    "train.optimizer": optim}
+                    "train.optimizer": optim, "memory.stream_frozen_weights": False}
             label = f"ckpt {ck}{', offload' if offload else ''}, {weights} weights, {optim}"
+            if weights == "fp8" and gpus == 1:
+                out.append(Candidate(label.replace("fp8 weights", "fp8 weights streamed"),
+                                     tuple({**over, "memory.stream_frozen_weights": True}.items())))
             if gpus > 1:
                 over.update({"parallel.sp": sp, "parallel.dp_shard": gpus // sp, "parallel.dp_replicate": 1})
                 label += f", sp {sp} x fsdp {gpus // sp}"

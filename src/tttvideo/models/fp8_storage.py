@@ -100,12 +100,22 @@ class Fp8Linear(nn.Module):
             return torch.get_autocast_dtype(x.device.type)
         return x.dtype
 
+    def codes_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and scales on `device`: the stored ones, or (streamed from pinned host memory,
+        `stream_fp8_weights`) a copy queued on the current stream, which lives as long as this call's result or,
+        in training, until backward has used it."""
+        codes, scale = self.weight_fp8, self.weight_scale
+        if codes.device != device:
+            codes, scale = codes.to(device, non_blocking=True), scale.to(device, non_blocking=True)
+        return codes, scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
+        codes, scale = self.codes_on(x.device)
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-            return _Fp8LinearFunction.apply(x.to(dtype), self.weight_fp8, self.weight_scale, bias, dtype)
-        return F.linear(x.to(dtype), dequantize_rows(self.weight_fp8, self.weight_scale, dtype), bias)
+            return _Fp8LinearFunction.apply(x.to(dtype), codes, scale, bias, dtype)
+        return F.linear(x.to(dtype), dequantize_rows(codes, scale, dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, storage=float8_e4m3fn/row"
@@ -143,3 +153,19 @@ def frozen_weight_bytes(model: nn.Module) -> int:
         elif isinstance(m, nn.Linear) and not m.weight.requires_grad:
             total += m.weight.nbytes
     return total
+
+
+@torch.no_grad()
+def stream_fp8_weights(model: nn.Module) -> int:
+    """Keep every `Fp8Linear`'s codes and scales in pinned host memory; each call copies its layer's to the input's
+    GPU on the compute stream (`Fp8Linear.codes_on`), so the GPU holds only the layers in flight and, in training,
+    those whose backward is still to come (with block checkpointing: one block's). Returns the bytes moved. A
+    no-op (0) when the codes are not on a CUDA device."""
+    moved = 0
+    for m in model.modules():
+        if isinstance(m, Fp8Linear) and m.weight_fp8.device.type == "cuda":
+            for name in ("weight_fp8", "weight_scale"):
+                t = m._buffers[name]
+                m._buffers[name] = t.to("cpu").pin_memory()
+                moved += t.nbytes
+    return moved

@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,12 @@ class Trainer:
         if self.train.precision == "fp16" and self.device.type == "cpu":
             raise ConfigError("train.precision 'fp16' needs a GPU (the gradient scaler is CUDA only); use 'bf16' or "
                               "'fp32' on CPU")
+        if cfg.memory.stream_frozen_weights and cfg.model.frozen_weights != "fp8":
+            raise ConfigError("memory.stream_frozen_weights streams the fp8-stored frozen weights; set "
+                              "model.frozen_weights = 'fp8' too, or memory.stream_frozen_weights = false")
+        if cfg.memory.stream_frozen_weights and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("memory.stream_frozen_weights runs in one process (FSDP2 already shards the weights "
+                              "across GPUs); set it false under torchrun")
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
         # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
@@ -165,6 +172,13 @@ class Trainer:
             self.console.print(f"initialised from {path}")
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
+        if self.cfg.memory.stream_frozen_weights:
+            from tttvideo.models.fp8_storage import stream_fp8_weights
+
+            moved = stream_fp8_weights(self.model)
+            if moved:
+                self.console.print(f"frozen fp8 weights streamed from pinned host memory: {moved / 2**30:.2f} GiB "
+                                   f"off the GPU")
         self.optimizer = build_optimizer(self.model, self.train)
         self.scheduler = build_scheduler(self.optimizer, self.train)
         self.scaler = grad_scaler(self.device, self.train.precision)
