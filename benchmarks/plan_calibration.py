@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 NO_WEIGHTS = ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0"]
 LORA = "configs/cogvideox-5b/24gb-3s.toml"  # lora, bf16, fp8, 8-bit AdamW, sub-block checkpointing, offload
-QKVO = "configs/cogvideox-5b/stage1-3s-1gpu.toml"  # qkvo, fp32 weights under bf16 autocast, sub-block
+QKVO = "configs/cogvideox-5b/stage2-9s-1gpu.toml"  # qkvo, fp32 weights under bf16 autocast, sub-block
 SAMPLE = "configs/cogvideox-5b/24gb-sample-63s.toml"
 BLOCK = ["checkpointing.attention=false", "checkpointing.forward_ttt=false", "checkpointing.reverse_ttt=false",
          "checkpointing.mlp=false"]

@@ -14,10 +14,11 @@ from tttvideo.errors import ConfigError
 from tttvideo.models import build_model, get_preset, init_model
 from tttvideo.models.chunked_inference import ChunkPlan, apply_chunked_inference
 
+from tests.test_model import inputs, rel  # the same inputs as the model's own tests
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TTT = TTTConfig(mini_batch_size=16, scan_checkpoint_group_size=2)
-H_LAT, W_LAT, TEXT = 4, 6, 5
 
 
 def model_with_heads(heads: int = 4, seed: int = 0):
@@ -32,20 +33,9 @@ def model_with_heads(heads: int = 4, seed: int = 0):
     return model
 
 
-def inputs(segments: int, batch: int = 1, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    latents = torch.randn(batch, 13 + 12 * (segments - 1), 16, H_LAT, W_LAT, generator=g)
-    text = torch.randn(batch, segments, TEXT, 64, generator=g)
-    return latents, text, torch.tensor([400.0] * batch)
-
-
 def set_plan(model, plan):
     for block in model.blocks:
         block.inference_chunks = plan
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("segments,batch,tokens,groups", [

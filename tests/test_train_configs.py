@@ -96,4 +96,6 @@ def test_24gb_sample_config_streams_blocks_with_fp8_weights():
     cfg = load_config("configs/cogvideox-5b/24gb-sample-63s.toml")
     assert cfg.layout.duration == "63s" and cfg.model.adapter == "lora" and cfg.model.frozen_weights == "fp8"
     assert cfg.model.pretrained_path and cfg.sample.offload_blocks and not cfg.sample.cfg_batched
-    assert cfg.memory.max_gpu_gib == 24
+    assert cfg.memory.max_gpu_gib == 24 and cfg.memory.chunked_inference and cfg.memory.ttt_head_groups == 1
+    small = load_config("configs/cogvideox-5b/12gb-sample-63s.toml")
+    assert small.memory.max_gpu_gib == 12 and small.memory.ttt_head_groups == 2 and small.memory.chunked_inference
