@@ -149,10 +149,17 @@ def cmd_fit(args) -> int:
     from tttvideo.memory.plan_costs import CostTable, Linear, activation_key, save_costs, time_key
     from tttvideo.memory.plan_count import count
 
-    data = json.loads(Path(args.measured).read_text())
+    data = json.loads(Path(args.measured).read_text()) if args.measured else {"gpu_kind": None, "setups": []}
     rows = [r for r in data["setups"] if r.get("status") == "ok"]
     for extra in args.also:
-        rows += rows_from_fit_24gb(Path(extra))
+        more = rows_from_fit_24gb(Path(extra))
+        for r in more:
+            r["calibrate"] = args.calibrate_also
+        rows += more
+        if not data.get("device"):
+            data["device"] = json.loads(Path(extra).read_text()).get("device", "")
+    if not rows:
+        raise SystemExit("no measured setup to fit")
     points: dict[str, dict[str, list]] = {"activation": {}, "time": {}}
     prepared = []
     for r in rows:
@@ -167,7 +174,8 @@ def cmd_fit(args) -> int:
                 (tokens, r["peak_allocated"] - counted))
             if r.get("step_seconds"):
                 points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1]))
-    table = CostTable(args.gpu_kind or data["gpu_kind"], data.get("device", ""), str(args.measured),
+    sources = ", ".join(str(x) for x in ([args.measured] if args.measured else []) + args.also)
+    table = CostTable(args.gpu_kind or data["gpu_kind"] or "h100", data.get("device", ""), sources,
                       {k: Linear.fit(v) for k, v in points["activation"].items()},
                       {k: Linear.fit(v) for k, v in points["time"].items()},
                       {int(k): v for k, v in (args.sp_efficiency or {}).items()})
@@ -214,8 +222,10 @@ def main(argv=None) -> int:
     r.add_argument("--set", dest="overrides", action="append", default=[],
                    help="config override for every run (e.g. model.preset=tiny to rehearse on a CPU)")
     f = sub.add_parser("fit", help="fit the costs and check the predictions")
-    f.add_argument("measured")
+    f.add_argument("measured", nargs="?", default=None, help="the JSON `run` wrote")
     f.add_argument("--also", action="append", default=[], help="benchmarks/fit_24gb.py JSON: held-out runs")
+    f.add_argument("--calibrate-also", action="store_true",
+                   help="fit on the --also runs too (when no calibration run exists yet)")
     f.add_argument("--gpu-kind", default=None)
     f.add_argument("--costs-out", default=None, help="write the table here (default: tttvideo's plan_costs.json)")
     f.add_argument("--sp-efficiency", type=json.loads, default=None,

@@ -92,6 +92,18 @@ def frozen_linear_saving(model: nn.Module) -> int:
     return total
 
 
+def fp8_streaming_saving(model: nn.Module) -> int:
+    """Bytes streaming the fp8 codes from host memory frees: all of them but two blocks' worth in flight. (Fp8Linear
+    is known by its buffers: this module sits below the models package.)"""
+
+    def fp8_bytes(module: nn.Module) -> int:
+        return sum(m._buffers[name].nbytes for m in module.modules() if "weight_fp8" in m._buffers
+                   for name in ("weight_fp8", "weight_scale"))
+
+    blocks = list(getattr(model, "blocks", ()))
+    return max(0, fp8_bytes(model) - 2 * (fp8_bytes(blocks[0]) if blocks else 0))
+
+
 def adamw_state_saving(model: nn.Module) -> int:
     """Bytes 8-bit AdamW would free against AdamW's two moments in the trainable parameters' dtypes."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -124,6 +136,9 @@ def train_savings(cfg: Config, model: nn.Module, gpus: int) -> list[Saving]:
     found = _common_savings(cfg, model)
     if cfg.train.optimizer == "adamw":
         found.append(Saving("train.optimizer = 'adamw8bit'", "of optimizer state", adamw_state_saving(model)))
+    if cfg.model.frozen_weights == "fp8" and not cfg.memory.stream_frozen_weights and gpus == 1:
+        found.append(Saving("memory.stream_frozen_weights = true", "of fp8 frozen weights kept in host memory",
+                            fp8_streaming_saving(model)))
     layers = len(getattr(model, "blocks", ()))
     inputs = block_input_bytes(cfg, model, cfg.train.batch_size) * layers
     ck = cfg.checkpointing

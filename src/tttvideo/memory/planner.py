@@ -5,7 +5,7 @@ A candidate is the config plus a few switches (`Candidate.overrides`, dotted key
 - training: activation checkpointing (whole blocks, or blocks and their four parts), activation offload to host
   memory, fp8 storage of the frozen weights (not with `sft`, which freezes none) resident or streamed from host
   memory (one GPU), AdamW or 8-bit AdamW, and on several GPUs the sequence-parallel degree (the rest FSDP2 sharding);
-- sampling: the plain forward with guidance batched or in two passes, the chunked forward with 1 or 4 TTT head
+- sampling: the plain forward with guidance batched or in two passes, the chunked forward with 1, 2 or 4 TTT head
   groups, blocks streamed from host memory or resident, fp8 storage of the frozen weights, and on several GPUs
   sequence parallelism.
 The adapter, the duration and the resolution are the user's experiment, not memory switches: they stay as given.
@@ -48,6 +48,8 @@ SAMPLE_FORWARDS = {
     "plain, guidance batched": {"memory.chunked_inference": False, "sample.cfg_batched": True},
     "plain, two passes": {"memory.chunked_inference": False, "sample.cfg_batched": False},
     "chunked": {"memory.chunked_inference": True, "memory.ttt_head_groups": 1, "sample.cfg_batched": False},
+    "chunked, 2 head groups": {"memory.chunked_inference": True, "memory.ttt_head_groups": 2,
+                               "sample.cfg_batched": False},
     "chunked, 4 head groups": {"memory.chunked_inference": True, "memory.ttt_head_groups": 4,
                                "sample.cfg_batched": False},
 }
