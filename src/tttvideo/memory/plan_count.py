@@ -9,8 +9,9 @@ on a CPU) with the config's adapter and weight storage, and its tensors are summ
 - optimizer state: AdamW's two moments in the parameters' dtype; 8-bit AdamW's (torchao) 1 byte per value plus one
   fp32 scale per 256 values for each tensor of at least 4096 values that is a multiple of 256, two moments in the
   parameter's dtype for the others (training only); the optimizers' scalar step counters are left out;
-- with FSDP2 (`parallel.dp_shard` > 1) each of these divided by the shard degree, plus the all-gathered full
-  weights of the two blocks in flight (FSDP's prefetch of the next block while one computes);
+- with FSDP2 (`parallel.dp_shard` > 1) each of these divided by the shard degree, buffers (fp8 codes and scales
+  among them) excepted, which FSDP2 keeps whole on every GPU, plus the all-gathered full weights of the two blocks
+  in flight (FSDP's prefetch of the next block while one computes);
 - with `memory.stream_frozen_weights` (training) the fp8 codes and scales live in host memory: two blocks' worth
   is counted for the copies in flight.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -59,11 +61,24 @@ def adamw8bit_state_bytes(numel: int, element_size: int) -> int:
     return 2 * element_size * numel
 
 
+class _ModelBytes(NamedTuple):
+    """What `count` needs from one model: bytes unless said otherwise."""
+
+    weights: int  # parameters and buffers
+    buffers: int
+    block: int  # one block's parameters and buffers
+    fp8: int  # fp8 codes and scales
+    block_fp8: int
+    trainable: int  # a count of values
+    gradients: int
+    adamw: int
+    adamw8bit: int
+
+
 @lru_cache(maxsize=32)
-def _model_tensors(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_weights: str, use_ttt: bool,
-                   ttt_kind: str) -> tuple[int, ...]:
-    """(all weight bytes, one block's weight bytes, trainable parameter count, their bytes, AdamW state bytes,
-    8-bit AdamW state bytes, fp8-stored weight bytes, one block's of those) of a model built on the meta device."""
+def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_weights: str, use_ttt: bool,
+                 ttt_kind: str) -> _ModelBytes:
+    """The tensors of a model built on the meta device, summed."""
     from tttvideo.models import build_model
     from tttvideo.models.fp8_storage import Fp8Linear
 
@@ -72,40 +87,47 @@ def _model_tensors(preset: str, dtype: str, adapter: str, lora_rank: int, frozen
     cfg.model.lora_rank, cfg.model.frozen_weights, cfg.model.use_ttt = lora_rank, frozen_weights, use_ttt
     cfg.ttt.kind, cfg.ttt.backend = ttt_kind, "reference"  # the backend changes no tensor
     model = build_model(cfg, device="meta")
-    weights = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
     block = model.blocks[0]
-    block_bytes = _tensor_bytes(block.parameters()) + _tensor_bytes(block.buffers())
-    fp8 = _tensor_bytes(t for m in model.modules() if isinstance(m, Fp8Linear)
-                        for t in (m.weight_fp8, m.weight_scale))
-    block_fp8 = _tensor_bytes(t for m in block.modules() if isinstance(m, Fp8Linear)
-                              for t in (m.weight_fp8, m.weight_scale))
+
+    def fp8_bytes(module: torch.nn.Module) -> int:
+        return _tensor_bytes(t for m in module.modules() if isinstance(m, Fp8Linear)
+                             for t in (m.weight_fp8, m.weight_scale))
+
     trainable = [p for p in model.parameters() if p.requires_grad]
-    n = sum(p.numel() for p in trainable)
-    grad_bytes = _tensor_bytes(trainable)
-    adamw = 2 * grad_bytes
-    adamw8 = sum(adamw8bit_state_bytes(p.numel(), p.element_size()) for p in trainable)
-    return weights, block_bytes, n, grad_bytes, adamw, adamw8, fp8, block_fp8
+    gradients = _tensor_bytes(trainable)
+    return _ModelBytes(
+        weights=_tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers()),
+        buffers=_tensor_bytes(model.buffers()),
+        block=_tensor_bytes(block.parameters()) + _tensor_bytes(block.buffers()),
+        fp8=fp8_bytes(model), block_fp8=fp8_bytes(block),
+        trainable=sum(p.numel() for p in trainable), gradients=gradients, adamw=2 * gradients,
+        adamw8bit=sum(adamw8bit_state_bytes(p.numel(), p.element_size()) for p in trainable))
 
 
 def count(cfg: Config, phase: str, gpus: int = 1) -> Counted:
     """The counted memory per GPU of `cfg` for `phase` ("train" or "sample") on `gpus` GPUs."""
     m = cfg.model
-    weights, block, n, grads, adamw, adamw8, fp8, block_fp8 = _model_tensors(
-        m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind)
+    b = _model_bytes(m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind)
+    weights = b.weights
     if phase == "sample":
         from tttvideo.models import get_preset
 
         if cfg.sample.offload_blocks:
             layers = get_preset(m.preset).num_layers
-            weights = weights - layers * block + (cfg.sample.prefetch_blocks + 1) * block
-        return Counted(weights, 0, 0, 0, block)
+            weights = weights - layers * b.block + (cfg.sample.prefetch_blocks + 1) * b.block
+        return Counted(weights, 0, 0, 0, b.block)
+    buffers = b.buffers
     if cfg.memory.stream_frozen_weights and m.frozen_weights == "fp8":
-        weights = weights - fp8 + 2 * block_fp8  # the block computing and the one whose backward comes next
-    optimizer = adamw8 if cfg.train.optimizer == "adamw8bit" else adamw
+        # the block computing and the one whose backward comes next
+        weights = weights - b.fp8 + 2 * b.block_fp8
+        buffers = buffers - b.fp8 + 2 * b.block_fp8
+    optimizer = b.adamw8bit if cfg.train.optimizer == "adamw8bit" else b.adamw
     shard = data_parallel_shard(cfg, gpus)
     if shard > 1:
-        return Counted(weights // shard + 2 * block, grads // shard, optimizer // shard, n, block)
-    return Counted(weights, grads, optimizer, n, block)
+        # FSDP2 shards parameters; buffers (fp8 codes and scales among them) stay whole on every GPU
+        return Counted((weights - buffers) // shard + buffers + 2 * b.block, b.gradients // shard,
+                       optimizer // shard, b.trainable, b.block)
+    return Counted(weights, b.gradients, optimizer, b.trainable, b.block)
 
 
 def data_parallel_shard(cfg: Config, gpus: int) -> int:
