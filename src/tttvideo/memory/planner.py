@@ -244,9 +244,10 @@ def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | N
     import torch
 
     from tttvideo.memory.plan_costs import known_gpus, load_costs
+    from tttvideo.parallel.launch import launch_world_size
 
     log = logging.getLogger(__name__)
-    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    gpus = launch_world_size()
     if not torch.cuda.is_available():
         raise UserError("--auto-fit plans for a CUDA GPU and this machine has none; drop --auto-fit (on a CPU the "
                         "memory switches do not matter), or run `tttv plan` to see what a GPU would need")

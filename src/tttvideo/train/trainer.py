@@ -31,7 +31,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
 from tttvideo.train.monitor import SilentMonitor, TrainMonitor, memory_gib
 from tttvideo.train.optim import build_optimizer, build_scheduler, group_lr
@@ -127,7 +127,7 @@ class Trainer:
         if cfg.memory.stream_frozen_weights and cfg.model.frozen_weights != "fp8":
             raise ConfigError("memory.stream_frozen_weights streams the fp8-stored frozen weights; set "
                               "model.frozen_weights = 'fp8' too, or memory.stream_frozen_weights = false")
-        if cfg.memory.stream_frozen_weights and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if cfg.memory.stream_frozen_weights and launch_world_size() > 1:
             raise ConfigError("memory.stream_frozen_weights runs in one process (FSDP2 already shards the weights "
                               "across GPUs); set it false under torchrun")
         if self.train.cpu_threads:
