@@ -52,13 +52,17 @@ SAMPLE_VARIANTS = [
 ]
 
 
+def use_environment() -> None:
+    """What every subprocess inherits: the package from this checkout and the allocator setting."""
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+
 def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
-               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=ROOT).returncode
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
             code = -9
     return code, time.perf_counter() - t0
@@ -68,22 +72,22 @@ def tail(log: Path, lines: int = 3) -> str:
     return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-600:]
 
 
-def profile(config: Path, phase: str, steps: int, overrides: list[str], out: Path, timeout: float) -> dict:
-    """One `tttv profile` run -> its summary (status, phases, totals, oom) and the step times from its marks."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tttvideo", "profile", str(config), "--phase", phase, "--steps", str(steps),
-           "--out", str(out)]
-    for o in NO_WEIGHTS + overrides + EXTRA:
-        cmd += ["--set", o]
-    code, seconds = run(cmd, out / "log.txt", timeout)
-    row = {"command": " ".join(cmd[1:]), "exit_code": code, "process_s": round(seconds, 1)}
-    summary_path = out / "summary.json"
-    if not summary_path.is_file():
-        row["status"] = "error"
-        row["error"] = tail(out / "log.txt")
+def profile(name: str, config: Path, phase: str, steps: int, overrides: list[str], work: Path,
+            timeout: float) -> dict:
+    """One `tttv profile` run in its own process (`tttvideo.memory.matrix.run_variant`) -> its status, peaks per
+    phase, totals, out-of-memory location and step times."""
+    from tttvideo.memory.matrix import Matrix, Variant, child_command, run_variant
+
+    matrix = Matrix(Path(__file__), config, [], timeout_s=timeout)
+    variant = Variant(name, NO_WEIGHTS + overrides + EXTRA, phase, steps)
+    r = run_variant(matrix, variant, work)
+    cmd = child_command(matrix, variant, Path(r.out_dir))
+    row = {"command": " ".join(cmd[1:]), "exit_code": r.exit_code, "process_s": round(r.seconds, 1),
+           "status": r.status}
+    s = r.summary
+    if s is None:
+        row["error"] = r.note
         return row
-    s = json.loads(summary_path.read_text())
-    row["status"] = s.get("status")
     row["oom"] = s.get("oom")
     row["totals"] = {k: s.get("totals", {}).get(k) for k in ("peak_allocated", "peak_reserved", "driver_peak")}
     row["phases"] = [{k: p.get(k) for k in ("name", "occurrences", "activation_peak", "peak_allocated",
@@ -99,8 +103,8 @@ def part_sample(args, work: Path) -> dict:
         if args.variants and args.variants not in name:
             continue
         print(f"sample: {name}", flush=True)
-        row = profile(config, "sample", 2, [f"layout.duration={args.duration}"] + overrides,
-                      work / f"sample-{len(rows)}", args.timeout)
+        row = profile(f"sample {name}", config, "sample", 2, [f"layout.duration={args.duration}"] + overrides, work,
+                      args.timeout)
         row["variant"] = name
         rows.append(row)
     if args.variants:  # a re-run of some variants: keep the others' earlier rows
@@ -118,7 +122,7 @@ def part_train_profile(args, work: Path) -> dict:
     rows = []
     for config in ("24gb-3s.toml", "24gb-9s.toml"):
         print(f"train-profile: {config}", flush=True)
-        row = profile(CONFIGS / config, "train", 2, [], work / f"train-{config}", args.timeout)
+        row = profile(f"train {config}", CONFIGS / config, "train", 2, [], work, args.timeout)
         row["config"] = config
         rows.append(row)
     return {"runs": rows}
@@ -216,6 +220,7 @@ def main(argv=None) -> int:
                     help="config override for every run (e.g. model.preset=tiny to rehearse on a CPU)")
     args = ap.parse_args(argv)
     EXTRA[:] = args.overrides
+    use_environment()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)

@@ -25,7 +25,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,28 +59,23 @@ SETUPS = [
 ]
 
 
-def measure(config: str, phase: str, duration: str, overrides: list[str], work: Path, timeout: float) -> dict:
-    out = Path(tempfile.mkdtemp(dir=work))
-    cmd = [sys.executable, "-m", "tttvideo", "profile", config, "--phase", phase, "--steps", "2", "--out", str(out)]
-    for o in NO_WEIGHTS + [f"layout.duration={duration}"] + overrides:
-        cmd += ["--set", o]
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
-               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(out / "log.txt", "w") as log:
-        try:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                  timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = -9
-    row = {"config": config, "phase": phase, "duration": duration, "overrides": overrides, "exit_code": code}
-    summary = out / "summary.json"
-    if summary.is_file():
-        s = json.loads(summary.read_text())
-        row.update(status=s["status"], peak_allocated=s["totals"]["peak_allocated"],
-                   peak_reserved=s["totals"]["peak_reserved"], step_seconds=s.get("step_seconds", []),
-                   oom=(s.get("oom") or {}).get("location"))
+def measure(name: str, config: str, phase: str, duration: str, overrides: list[str], work: Path,
+            timeout: float) -> dict:
+    """One `tttv profile --steps 2` in its own process (`tttvideo.memory.matrix.run_variant`) -> the row `fit`
+    reads."""
+    from tttvideo.memory.matrix import Matrix, Variant, run_variant
+
+    r = run_variant(Matrix(Path(__file__), ROOT / config, [], timeout_s=timeout),
+                    Variant(f"{name} @ {duration}", NO_WEIGHTS + [f"layout.duration={duration}"] + overrides, phase,
+                            2), work)
+    row = {"config": config, "phase": phase, "duration": duration, "overrides": overrides,
+           "exit_code": r.exit_code, "status": r.status}
+    s = r.summary
+    if s is None:
+        row["error"] = r.note
     else:
-        row.update(status="error", error=(out / "log.txt").read_text(errors="replace")[-500:])
+        row.update(peak_allocated=s["totals"]["peak_allocated"], peak_reserved=s["totals"]["peak_reserved"],
+                   step_seconds=s.get("step_seconds", []), oom=(s.get("oom") or {}).get("location"))
     return row
 
 
@@ -90,13 +84,15 @@ def cmd_run(args) -> int:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # every profile process inherits it
+    os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
     rows = []
     for name, config, phase, overrides, cal, held in SETUPS:
         if args.only and args.only not in name:
             continue
         for duration in cal + held:
             print(f"{name} @ {duration}", flush=True)
-            row = measure(config, phase, duration, overrides + args.overrides, work, args.timeout)
+            row = measure(name, config, phase, duration, overrides + args.overrides, work, args.timeout)
             row.update(name=name, calibrate=duration in cal)
             rows.append(row)
             print(f"  {row['status']} peak {row.get('peak_allocated', 0) / GIB:.2f} GiB, steps "
