@@ -72,6 +72,11 @@ class AdaLNZero(nn.Module):
         shift, scale, gate, t_shift, t_scale, t_gate = self.linear(temb_act).chunk(6, dim=1)
         return modulate(self.norm(x), text_tokens, (t_shift, t_scale), (shift, scale)), gate, t_gate
 
+    def gates(self, temb_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video gate, text gate) [B, C] alone, for a caller that modulates elsewhere."""
+        chunks = self.linear(temb_act).chunk(6, dim=1)
+        return chunks[2], chunks[5]
+
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = True):

@@ -76,39 +76,34 @@ def _modal_chunks(length: int, text_tokens: int, size: int) -> Iterator[tuple[in
 def block_forward(block: Block, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout,
                   plan: ChunkPlan) -> torch.Tensor:
     """`Block.forward` without gradients and without sequence parallelism, in bounded memory; x [B, L, C] is updated
-    in place and returned."""
+    in place and returned. The adaLN layers run per window or chunk (their modulation linear is a [B, 6C] vector:
+    recomputing it is free)."""
     T = layout.total_text_tokens
-    shift, scale, gate, t_shift, t_scale, t_gate = block.norm1.linear(temb_act).chunk(6, dim=1)
-    a = _attention(block, x, layout, plan, (t_shift, t_scale), (shift, scale))
+    a = _attention(block, x, temb_act, layout, plan)
     if block.ttt is not None:
         _bidirectional_ttt(block.ttt, a, layout, plan)
+    gate, t_gate = block.norm1.gates(temb_act)
     x[:, :T].addcmul_(a[:, :T], t_gate[:, None])
     x[:, T:].addcmul_(a[:, T:], gate[:, None])
     del a
-    shift, scale, gate, t_shift, t_scale, t_gate = block.norm2.linear(temb_act).chunk(6, dim=1)
     for s, e, is_text in _modal_chunks(x.shape[1], T, plan.tokens):
-        sh, sc, g = (t_shift, t_scale, t_gate) if is_text else (shift, scale, gate)
-        h = torch.addcmul(sh[:, None], block.norm2.norm(x[:, s:e]), 1 + sc[:, None])
-        x[:, s:e].addcmul_(block.mlp(h), g[:, None])
+        h, gate, t_gate = block.norm2(x[:, s:e], temb_act, e - s if is_text else 0)
+        x[:, s:e].addcmul_(block.mlp(h), (t_gate if is_text else gate)[:, None])
     return x
 
 
-def _attention(block: Block, x: torch.Tensor, layout: VideoLayout, plan: ChunkPlan,
-               text_mod: tuple[torch.Tensor, torch.Tensor], video_mod: tuple[torch.Tensor, torch.Tensor]
-               ) -> torch.Tensor:
+def _attention(block: Block, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout,
+               plan: ChunkPlan) -> torch.Tensor:
     """adaLN1 + LocalAttention one window at a time -> the attention output [B, L, C] (a new tensor)."""
     attn = block.attn
     B, L, _ = x.shape
     H, D = attn.num_heads, attn.head_dim
     index, cos, sin, inv_count = window_tensors(layout, D, attn.rope_theta, x.device)
     n, W = index.shape
-    text = layout.text_tokens  # every window starts with its segment's text
     acc = x.new_zeros(B, L, H * D)
     for i in range(n):
         idx = index[i]
-        h = block.norm1.norm(x[:, idx])
-        h = torch.cat([torch.addcmul(text_mod[0][:, None], h[:, :text], 1 + text_mod[1][:, None]),
-                       torch.addcmul(video_mod[0][:, None], h[:, text:], 1 + video_mod[1][:, None])], dim=1)
+        h, _, _ = block.norm1(x[:, idx], temb_act, layout.text_tokens)  # every window starts with its text
         q = attn.norm_q(attn.to_q(h).view(B, W, H, D)).transpose(1, 2)
         k = attn.norm_k(attn.to_k(h).view(B, W, H, D)).transpose(1, 2)
         v = attn.to_v(h).view(B, W, H, D).transpose(1, 2)
