@@ -71,7 +71,10 @@ def _inputs(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, batch: int,
 
 def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool) -> CogVideoXTTT:
     from tttvideo.models import build_model
+    from tttvideo.models.fp8_storage import check_weight_streaming, stream_fp8_weights
 
+    if train:
+        check_weight_streaming(cfg, 1)  # the profiler runs one process
     with prof.component("transformer") as info:
         model = build_model(cfg, device=device)
         info["counted_bytes"] = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
@@ -79,8 +82,6 @@ def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool)
     prof.meta["parameters"] = {"total": sum(p.numel() for p in model.parameters()),
                                "trainable": sum(p.numel() for p in trainable) if train else 0}
     if train and cfg.memory.stream_frozen_weights:
-        from tttvideo.models.fp8_storage import stream_fp8_weights
-
         with prof.component("frozen fp8 weights streamed to pinned host memory"):
             stream_fp8_weights(model)
     if train:

@@ -80,7 +80,7 @@ def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_w
                  ttt_kind: str) -> _ModelBytes:
     """The tensors of a model built on the meta device, summed."""
     from tttvideo.models import build_model
-    from tttvideo.models.fp8_storage import Fp8Linear
+    from tttvideo.models.fp8_storage import fp8_code_bytes
 
     cfg = Config()
     cfg.model.preset, cfg.model.dtype, cfg.model.adapter = preset, dtype, adapter
@@ -89,17 +89,13 @@ def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_w
     model = build_model(cfg, device="meta")
     block = model.blocks[0]
 
-    def fp8_bytes(module: torch.nn.Module) -> int:
-        return _tensor_bytes(t for m in module.modules() if isinstance(m, Fp8Linear)
-                             for t in (m.weight_fp8, m.weight_scale))
-
     trainable = [p for p in model.parameters() if p.requires_grad]
     gradients = _tensor_bytes(trainable)
     return _ModelBytes(
         weights=_tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers()),
         buffers=_tensor_bytes(model.buffers()),
         block=_tensor_bytes(block.parameters()) + _tensor_bytes(block.buffers()),
-        fp8=fp8_bytes(model), block_fp8=fp8_bytes(block),
+        fp8=fp8_code_bytes(model), block_fp8=fp8_code_bytes(block),
         trainable=sum(p.numel() for p in trainable), gradients=gradients, adamw=2 * gradients,
         adamw8bit=sum(adamw8bit_state_bytes(p.numel(), p.element_size()) for p in trainable))
 

@@ -20,9 +20,9 @@ from tttvideo.ttt.ops import check_backend_config
 
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT:
     """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt,
-    frozen_weights: fp8 storage of the linears the adapter froze),
-    `cfg.ttt`, `cfg.checkpointing` and `cfg.memory.chunked_inference`. Random initialisation follows torch's current seed. The trainer, the
-    sampler's `load_model`, the memory profiler and benchmarks/model_step.py all build their model here."""
+    frozen_weights: fp8 storage of the linears the adapter froze), `cfg.ttt`, `cfg.checkpointing` and
+    `cfg.memory.chunked_inference`. Random initialisation follows torch's current seed. The trainer, the sampler's
+    `load_model`, the memory profiler and benchmarks/model_step.py all build their model here."""
     m = cfg.model
     spec = get_preset(m.preset)
     head_dim = spec.attention_head_dim

@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tttvideo.config.schema import Config
+from tttvideo.errors import ConfigError
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 # an all-zero row still needs a finite, non-zero scale to divide by
@@ -144,15 +147,27 @@ def store_fp8(model: nn.Module) -> int:
     return _convert_children(model)
 
 
+def fp8_code_bytes(module: nn.Module) -> int:
+    """Bytes of the fp8 codes and scales of every `Fp8Linear` in `module`."""
+    return sum(t.nbytes for m in module.modules() if isinstance(m, Fp8Linear) for t in (m.weight_fp8, m.weight_scale))
+
+
 def frozen_weight_bytes(model: nn.Module) -> int:
     """Bytes of frozen linear weights: fp8 codes and scales of converted layers, plain weights of frozen Linears."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            total += m.weight_fp8.nbytes + m.weight_scale.nbytes
-        elif isinstance(m, nn.Linear) and not m.weight.requires_grad:
-            total += m.weight.nbytes
-    return total
+    plain = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad)
+    return fp8_code_bytes(model) + plain
+
+
+def check_weight_streaming(cfg: Config, world_size: int) -> None:
+    """One sentence when `memory.stream_frozen_weights` cannot apply: it streams fp8 codes, in one process."""
+    if not cfg.memory.stream_frozen_weights:
+        return
+    if cfg.model.frozen_weights != "fp8":
+        raise ConfigError("memory.stream_frozen_weights streams the fp8-stored frozen weights; set "
+                          "model.frozen_weights = 'fp8' too, or memory.stream_frozen_weights = false")
+    if world_size > 1:
+        raise ConfigError("memory.stream_frozen_weights runs in one process (FSDP2 already shards the weights "
+                          "across GPUs); set it false under torchrun")
 
 
 @torch.no_grad()

@@ -54,6 +54,7 @@ from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from tttvideo.models.fp8_storage import check_weight_streaming, stream_fp8_weights
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
 from tttvideo.train.monitor import SilentMonitor, TrainMonitor, memory_gib
@@ -124,12 +125,7 @@ class Trainer:
         if self.train.precision == "fp16" and self.device.type == "cpu":
             raise ConfigError("train.precision 'fp16' needs a GPU (the gradient scaler is CUDA only); use 'bf16' or "
                               "'fp32' on CPU")
-        if cfg.memory.stream_frozen_weights and cfg.model.frozen_weights != "fp8":
-            raise ConfigError("memory.stream_frozen_weights streams the fp8-stored frozen weights; set "
-                              "model.frozen_weights = 'fp8' too, or memory.stream_frozen_weights = false")
-        if cfg.memory.stream_frozen_weights and launch_world_size() > 1:
-            raise ConfigError("memory.stream_frozen_weights runs in one process (FSDP2 already shards the weights "
-                              "across GPUs); set it false under torchrun")
+        check_weight_streaming(cfg, launch_world_size())
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
         # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
@@ -173,8 +169,6 @@ class Trainer:
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
         if self.cfg.memory.stream_frozen_weights:
-            from tttvideo.models.fp8_storage import stream_fp8_weights
-
             moved = stream_fp8_weights(self.model)
             if moved:
                 self.console.print(f"frozen fp8 weights streamed from pinned host memory: {moved / 2**30:.2f} GiB "
