@@ -91,14 +91,15 @@ def candidates(cfg: Config, phase: str, gpus: int = 1) -> list[Candidate]:
     frozen = ["dtype"] if cfg.model.adapter == "sft" else ["dtype", "fp8"]
     out = []
     if phase == "train":
-        for (ck, ck_over), offload, weights, optim, sp in itertools.product(
-                CHECKPOINTING.items(), (False, True), frozen, ("adamw", "adamw8bit"), sp_degrees(gpus, heads)):
+        # (label, model.frozen_weights, memory.stream_frozen_weights); streaming runs in one process
+        storages = [(w, w, False) for w in frozen]
+        if "fp8" in frozen and gpus == 1:
+            storages.append(("fp8 streamed", "fp8", True))
+        for (ck, ck_over), offload, (stored, weights, streamed), optim, sp in itertools.product(
+                CHECKPOINTING.items(), (False, True), storages, ("adamw", "adamw8bit"), sp_degrees(gpus, heads)):
             over = {**ck_over, "checkpointing.offload_activations": offload, "model.frozen_weights": weights,
-                    "train.optimizer": optim, "memory.stream_frozen_weights": False}
-            label = f"ckpt {ck}{', offload' if offload else ''}, {weights} weights, {optim}"
-            if weights == "fp8" and gpus == 1:
-                out.append(Candidate(label.replace("fp8 weights", "fp8 weights streamed"),
-                                     tuple({**over, "memory.stream_frozen_weights": True}.items())))
+                    "train.optimizer": optim, "memory.stream_frozen_weights": streamed}
+            label = f"ckpt {ck}{', offload' if offload else ''}, {stored} weights, {optim}"
             if gpus > 1:
                 over.update({"parallel.sp": sp, "parallel.dp_shard": gpus // sp, "parallel.dp_replicate": 1})
                 label += f", sp {sp} x fsdp {gpus // sp}"
