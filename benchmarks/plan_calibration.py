@@ -86,18 +86,23 @@ def cmd_run(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # every profile process inherits it
     os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
-    rows = []
+    out = Path(args.out)
+    # a rerun (another machine, after a time limit) keeps what an earlier one measured and runs the rest
+    rows = [r for r in json.loads(out.read_text())["setups"] if r.get("status") == "ok"] if out.is_file() else []
+    done = {(r["name"], r["duration"]) for r in rows}
     for name, config, phase, overrides, cal, held in SETUPS:
         if args.only and args.only not in name:
             continue
         for duration in cal + held:
+            if (name, duration) in done:
+                continue
             print(f"{name} @ {duration}", flush=True)
             row = measure(name, config, phase, duration, overrides + args.overrides, work, args.timeout)
             row.update(name=name, calibrate=duration in cal)
             rows.append(row)
             print(f"  {row['status']} peak {row.get('peak_allocated', 0) / GIB:.2f} GiB, steps "
                   f"{row.get('step_seconds')}", flush=True)
-            Path(args.out).write_text(json.dumps(_result(rows, args, torch), indent=1))
+            out.write_text(json.dumps(_result(rows, args, torch), indent=1))
     return 0
 
 
@@ -211,7 +216,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="profile every setup on this GPU")
     r.add_argument("--gpu-kind", default="h100")
-    r.add_argument("--out", default="benchmarks/results/plan_calibration.json")
+    r.add_argument("--out", default="benchmarks/results/plan_calibration.json",
+                   help="the results JSON; setups it already holds as ok are not run again")
     r.add_argument("--work", default="runs/plan_calibration")
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("--only", default=None, help="run only the setups whose name contains this text")
