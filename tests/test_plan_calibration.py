@@ -59,7 +59,7 @@ def test_fit_recovers_the_costs_and_predicts_held_out_setups(tmp_path, capsys):
     assert line.per_token == pytest.approx(3000.0) and line.fixed == pytest.approx(5e6, rel=1e-6)
     assert table.sp_efficiency == {2: 0.8}
     assert "held out: 3 peaks, median |error| 0.0%, max 0.0%" in out
-    assert "2 step times, median |error| 0.0%, max 0.0%" in out  # the fp8 setup's time regime is unmeasured
+    assert "3 step times, median |error| 0.0%, max 0.0%" in out  # fp8 weights share the bf16 time regime
 
 
 def test_setups_name_existing_configs_and_valid_overrides():

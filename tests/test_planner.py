@@ -132,6 +132,9 @@ def test_fastest_fitting_candidate_is_chosen_and_nothing_fits_a_tiny_card():
     chosen = best(preds)
     assert chosen is not None and all(p.fits for p in preds)
     assert chosen.step_s == min(p.step_s for p in preds)
+    # as fast (weight storage and optimizer share a time regime), so the exact setup is taken over fp8 / 8-bit
+    assert chosen.config.model.frozen_weights == "dtype" and chosen.config.train.optimizer == "adamw"
+    assert any(p.step_s == chosen.step_s and p.config.model.frozen_weights == "fp8" for p in preds)
     none = plan(cfg, "train", 2**20, costs)
     assert best(none) is None and all(p.fits is False for p in none)
     # a regime nobody measured is listed, with no prediction, and never chosen
