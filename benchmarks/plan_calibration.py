@@ -211,6 +211,62 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    """For each card size and duration: write the planner's choice as a plan file (what `tttv plan --out` writes),
+    profile it under that card's cap, and for `--faster` of them also the fastest candidate predicted not to fit
+    (which should run out of memory)."""
+    import torch
+
+    from tttvideo.config.loader import load_config
+    from tttvideo.memory.matrix import Matrix, Variant, run_variant
+    from tttvideo.memory.plan_costs import load_costs
+    from tttvideo.memory.planner import CUDA_CONTEXT, best, lossy, plan, plan_toml
+
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    costs = load_costs(args.gpu_kind)
+    rows = [r for r in json.loads(out.read_text())["setups"] if r.get("status") in ("ok", "oom")] \
+        if out.is_file() else []
+    done = {(r["gpu_mem_gib"], r["duration"], r["role"]) for r in rows}
+    cases = [(float(m), d) for m in args.gpu_mem.split(",") for d in args.durations.split(",")]
+    for i, (mem, duration) in enumerate(cases):
+        cfg = load_config(ROOT / args.config, NO_WEIGHTS + [f"layout.duration={duration}"])
+        preds = plan(cfg, args.phase, int(mem * GIB), costs)
+        chosen = best(preds)
+        if chosen is None:
+            rows.append({"gpu_mem_gib": mem, "duration": duration, "role": "chosen", "status": "nothing fits"})
+            continue
+        tries = [("chosen", chosen)]
+        faster = [p for p in preds if p.fits is False and p.step_s is not None and p.step_s < chosen.step_s]
+        if i < args.faster and faster:
+            tries.append(("faster, predicted not to fit",
+                          min(faster, key=lambda p: (p.step_s, lossy(p.config), p.peak))))
+        cap = round((mem * GIB - CUDA_CONTEXT) / GIB, 2)  # the card less its CUDA context, as the planner counts
+        for role, pred in tries:
+            if (mem, duration, role) in done:
+                continue
+            name = f"{mem:g} GiB {duration} {role}"
+            plan_file = work / f"plan-{mem:g}gib-{duration}-{role.split(',')[0]}.toml"
+            plan_file.write_text(plan_toml(pred, ROOT / args.config, plan_file, f"plan_calibration.py check {name}"))
+            print(f"{name}: {pred.candidate.label} (predicted {pred.peak / GIB:.2f} GiB, {pred.step_s:.2f} s)",
+                  flush=True)
+            r = run_variant(Matrix(Path(__file__), plan_file, [], timeout_s=args.timeout),
+                            Variant(name, NO_WEIGHTS + [f"layout.duration={duration}", f"memory.max_gpu_gib={cap}"],
+                                    args.phase, 2), work)
+            s = r.summary or {}
+            rows.append({"gpu_mem_gib": mem, "duration": duration, "role": role, "setup": pred.candidate.label,
+                         "overrides": {k: v for k, v in pred.candidate.overrides}, "cap_gib": cap,
+                         "predicted_peak": pred.peak, "predicted_step_s": pred.step_s, "status": r.status,
+                         "note": r.note, "peak_allocated": s.get("totals", {}).get("peak_allocated"),
+                         "peak_reserved": s.get("totals", {}).get("peak_reserved"),
+                         "step_seconds": s.get("step_seconds", [])})
+            print(f"  {r.status} {r.note}", flush=True)
+            out.write_text(json.dumps({**_result(rows, args, torch), "benchmark": "plan_check",
+                                       "config": args.config, "phase": args.phase}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -232,8 +288,20 @@ def main(argv=None) -> int:
     f.add_argument("--costs-out", default=None, help="write the table here (default: tttvideo's plan_costs.json)")
     f.add_argument("--sp-efficiency", type=json.loads, default=None,
                    help='measured sequence-parallel efficiency per degree, e.g. \'{"2": 0.75}\'')
+    c = sub.add_parser("check", help="run the planner's choice for each card size under its cap")
+    c.add_argument("--config", default="configs/cogvideox-5b/24gb-9s.toml")
+    c.add_argument("--phase", default="train", choices=["train", "sample"])
+    c.add_argument("--gpu-mem", default="24,48,80", help="card sizes in GiB, comma separated")
+    c.add_argument("--durations", default="3s,9s")
+    c.add_argument("--faster", type=int, default=2,
+                   help="for this many of the cases also run the fastest candidate predicted not to fit")
+    c.add_argument("--gpu-kind", default="h100")
+    c.add_argument("--out", default="benchmarks/results/plan_check.json",
+                   help="the results JSON; cases it already holds are not run again")
+    c.add_argument("--work", default="runs/plan_check")
+    c.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
-    return cmd_run(args) if args.cmd == "run" else cmd_fit(args)
+    return {"run": cmd_run, "fit": cmd_fit, "check": cmd_check}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -84,3 +85,16 @@ def test_train_sample_and_profile_apply_the_key(command, monkeypatch, caplog, tm
 
             assert profile(cfg, "train", 1, tmp_path / "report", device="cpu")[1] == 0
     assert len(off_cuda_notes(caplog)) == 1
+
+
+# ------------------------------------------------------------------------------------------- allocator setting
+@pytest.mark.parametrize("preset", [None, "max_split_size_mb:64"])
+def test_tttv_sets_expandable_segments_unless_the_user_did(monkeypatch, preset):
+    from tttvideo.cli import main
+
+    if preset is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", preset)
+    assert main(["layout", "--duration", "3s"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (preset or "expandable_segments:True")
