@@ -230,8 +230,6 @@ def main(argv=None) -> int:
     data.pop("sampling_63s", None)  # the earlier sampling figures, replaced by part "sample"
     for part in args.parts:
         key = {"train-run": "train_run_9s"}.get(part, part.replace("-", "_"))
-        if part == "train-run":
-            data.pop("train_run_9s_without_streaming", None)  # the run of the config before it streamed weights
         data[key] = {"sample": part_sample, "train-profile": part_train_profile, "train-run": part_train_run}[part](
             args, work)
         out.parent.mkdir(parents=True, exist_ok=True)
