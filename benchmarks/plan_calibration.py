@@ -2,18 +2,20 @@
 
     # on the GPU: profile every setup (one process each), keep the measurements
     PYTHONPATH=src python3 benchmarks/plan_calibration.py run --gpu-kind h100 \\
-        --out benchmarks/results/plan_calibration_h100.json
+        --out benchmarks/results/plan_calibration_h100.json --also benchmarks/results/fit_24gb_h100.json
     # anywhere: fit the costs from the calibration setups, write src/tttvideo/memory/plan_costs.json, and print
     # predicted against measured for every setup (the held-out ones are the test)
     PYTHONPATH=src python3 benchmarks/plan_calibration.py fit benchmarks/results/plan_calibration_h100.json \\
-        [--also benchmarks/results/fit_24gb_h100.json]
+        --also benchmarks/results/fit_24gb_h100.json
+    # on the GPU: run the planner's choice for 24, 48 and 80 GiB cards at 3 and 9 s under each card's cap
+    PYTHONPATH=src python3 benchmarks/plan_calibration.py check --out benchmarks/results/plan_check_h100.json
 
 A setup is a config, a phase, a duration and `--set` overrides; `run` profiles it with `tttv profile --steps 2`
 (random init, no cap, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) and records the peak allocated memory and
 the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan_count`) from each measured peak and
-fits activation = per_token x tokens + fixed per regime from the setups marked `calibrate` (two durations each),
-and step time likewise; then it predicts every setup and prints the errors. `--also` adds the profiler runs of
-benchmarks/fit_24gb.py's JSON as held-out measurements.
+keeps the activation per regime as a curve through the calibration durations of `SETUPS` (`plan_costs.Curve`), and
+step time likewise; then it predicts every setup and prints the errors. `--also` takes the profiler runs of
+benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured twice).
 """
 
 from __future__ import annotations
@@ -37,17 +39,25 @@ BLOCK = ["checkpointing.attention=false", "checkpointing.forward_ttt=false", "ch
          "checkpointing.mlp=false"]
 BF16_PLAIN = ["model.frozen_weights=dtype", "train.optimizer=adamw", "checkpointing.offload_activations=false"]
 
-# (name, config, phase, overrides, durations to calibrate on, durations held out)
+# (name, config, phase, overrides, durations to calibrate on, durations held out). A setup's measurement may also come
+# from `--also` (benchmarks/fit_24gb.py's JSON): a run there with the same resolved switches counts as this setup's.
+SAMPLE_PLAIN = ["memory.chunked_inference=false", "sample.cfg_batched=true", "sample.offload_blocks=false",
+                "model.frozen_weights=dtype"]
 SETUPS = [
     ("lora, block ckpt, bf16, AdamW", LORA, "train", BLOCK + BF16_PLAIN, ["3s", "9s"], ["18s"]),
     ("lora, sub-block ckpt + offload, fp8, 8-bit AdamW", LORA, "train", [], ["3s", "9s"], ["18s"]),
-    ("sample: plain, guidance batched, bf16 resident", SAMPLE, "sample",
-     ["memory.chunked_inference=false", "sample.cfg_batched=true", "sample.offload_blocks=false",
-      "model.frozen_weights=dtype"], ["3s", "9s"], ["18s"]),
-    ("sample: chunked, bf16 resident", SAMPLE, "sample",
-     ["sample.offload_blocks=false", "model.frozen_weights=dtype"], ["3s", "9s"], ["18s"]),
-    ("sample: chunked, 4 head groups, fp8 streamed", SAMPLE, "sample", ["memory.ttt_head_groups=4"],
-     ["3s", "9s"], ["18s"]),
+    ("lora, sub-block ckpt + offload, fp8 streamed, 8-bit AdamW", LORA, "train",
+     ["memory.stream_frozen_weights=true"], [], ["9s"]),
+    # sampling is planned up to 63 s, so its curves run to 63 s (the plain forward's per-token cost measured
+    # 205-210 KB at 3-18 s and 173 KB at 63 s: a line through 3 and 9 s alone overshoots 63 s by 18%)
+    ("sample: plain, guidance batched, bf16 resident", SAMPLE, "sample", SAMPLE_PLAIN, ["9s", "18s", "63s"], ["3s"]),
+    ("sample: chunked, bf16 resident", SAMPLE, "sample", ["sample.offload_blocks=false", "model.frozen_weights=dtype"],
+     ["9s", "63s"], ["3s"]),
+    ("sample: chunked, fp8 streamed", SAMPLE, "sample", [], [], ["63s"]),
+    ("sample: chunked, 2 head groups, fp8 streamed", SAMPLE, "sample", ["memory.ttt_head_groups=2"], ["9s", "63s"],
+     []),
+    ("sample: chunked, 4 head groups, fp8 streamed", SAMPLE, "sample", ["memory.ttt_head_groups=4"], ["9s", "63s"],
+     ["3s"]),
     # held out: calibrated activation regimes with other counted parts (weight storage, optimizer)
     ("lora, block ckpt, fp8, 8-bit AdamW", LORA, "train",
      BLOCK + ["checkpointing.offload_activations=false"], [], ["9s"]),
@@ -88,8 +98,9 @@ def cmd_run(args) -> int:
     os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
     out = Path(args.out)
     # a rerun (another machine, after a time limit) keeps what an earlier one measured and runs the rest
-    rows = [r for r in json.loads(out.read_text())["setups"] if r.get("status") == "ok"] if out.is_file() else []
-    done = {(r["name"], r["duration"]) for r in rows}
+    rows = [r for r in json.loads(out.read_text())["setups"] if r.get("status") in ("ok", "oom")] \
+        if out.is_file() else []
+    done = {(r["name"], r["duration"]) for r in rows + also_rows(args.also, rows)}
     for name, config, phase, overrides, cal, held in SETUPS:
         if args.only and args.only not in name:
             continue
@@ -123,8 +134,41 @@ def _config(row: dict):
     return cfg
 
 
+def signature(cfg, phase: str) -> str:
+    """What a setup's peak and step time depend on: every switch except the duration and the memory cap (a cap
+    changes when the allocator frees its cache, not what the tensors take)."""
+    from dataclasses import asdict
+
+    d = {k: asdict(getattr(cfg, k)) for k in ("model", "ttt", "layout", "checkpointing", "memory")}
+    d["model"].pop("pretrained_path")
+    d["layout"].pop("duration")
+    d["memory"].pop("max_gpu_gib")
+    d["train"] = {"optimizer": cfg.train.optimizer, "batch_size": cfg.train.batch_size}
+    d["sample"] = {k: getattr(cfg.sample, k) for k in ("cfg_batched", "offload_blocks", "prefetch_blocks")}
+    return json.dumps([phase, d], sort_keys=True, default=str)
+
+
+def also_rows(paths: list[str], measured: list[dict]) -> list[dict]:
+    """The `--also` runs, each named after the setup with the same switches (calibration or held out as that setup
+    lists its duration), left out where the run JSON measured that setup and duration itself, and held out under
+    their own name where no setup matches."""
+    from tttvideo.config.loader import load_config
+
+    known = {signature(load_config(ROOT / config, NO_WEIGHTS + overrides), phase): (name, cal)
+             for name, config, phase, overrides, cal, _ in SETUPS}
+    have = {(r["name"], r["duration"]) for r in measured}
+    out = []
+    for path in paths:
+        for r in rows_from_fit_24gb(Path(path)):
+            name, cal = known.get(signature(_config(r), r["phase"]), (r["name"], []))
+            if (name, r["duration"]) not in have:
+                have.add((name, r["duration"]))
+                out.append({**r, "name": name, "calibrate": r["duration"] in cal})
+    return out
+
+
 def rows_from_fit_24gb(path: Path) -> list[dict]:
-    """The `tttv profile` runs of benchmarks/fit_24gb.py's JSON as held-out measurements."""
+    """The `tttv profile` runs of benchmarks/fit_24gb.py's JSON, as rows of this benchmark."""
     data = json.loads(path.read_text())
     runs = data.get("sample", {}).get("variants", []) + data.get("train_profile", {}).get("runs", [])
     out = []
@@ -147,18 +191,17 @@ def rows_from_fit_24gb(path: Path) -> list[dict]:
 
 def cmd_fit(args) -> int:
     from tttvideo.layout import VideoLayout
-    from tttvideo.memory.plan_costs import CostTable, Linear, activation_key, save_costs, time_key
+    from tttvideo.memory.plan_costs import CostTable, Curve, activation_key, save_costs, time_key
     from tttvideo.memory.plan_count import count
 
     data = json.loads(Path(args.measured).read_text()) if args.measured else {"gpu_kind": None, "setups": []}
-    rows = [r for r in data["setups"] if r.get("status") == "ok"]
-    for extra in args.also:
-        more = rows_from_fit_24gb(Path(extra))
-        for r in more:
-            r["calibrate"] = args.calibrate_also
-        rows += more
-        if not data.get("device"):
-            data["device"] = json.loads(Path(extra).read_text()).get("device", "")
+    calibration = {name: cal for name, _, _, _, cal, _ in SETUPS}
+    # which durations calibrate is the design's (SETUPS), not what it was when the run wrote its JSON
+    rows = [{**r, "calibrate": r["duration"] in calibration[r["name"]] if r["name"] in calibration
+             else r.get("calibrate", False)} for r in data["setups"] if r.get("status") == "ok"]
+    rows += also_rows(args.also, rows)
+    if not data.get("device") and args.also:
+        data["device"] = json.loads(Path(args.also[0]).read_text()).get("device", "")
     if not rows:
         raise SystemExit("no measured setup to fit")
     points: dict[str, dict[str, list]] = {"activation": {}, "time": {}}
@@ -177,8 +220,8 @@ def cmd_fit(args) -> int:
                 points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1]))
     sources = ", ".join(str(x) for x in ([args.measured] if args.measured else []) + args.also)
     table = CostTable(args.gpu_kind or data["gpu_kind"] or "h100", data.get("device", ""), sources,
-                      {k: Linear.fit(v) for k, v in points["activation"].items()},
-                      {k: Linear.fit(v) for k, v in points["time"].items()},
+                      {k: Curve.fit(v) for k, v in points["activation"].items()},
+                      {k: Curve.fit(v) for k, v in points["time"].items()},
                       {int(k): v for k, v in (args.sp_efficiency or {}).items()})
     save_costs(table, *([Path(args.costs_out)] if args.costs_out else []))
     print(f"wrote {len(table.activation)} activation and {len(table.time)} time regimes for {table.gpu}")
@@ -220,7 +263,7 @@ def cmd_check(args) -> int:
     from tttvideo.config.loader import load_config
     from tttvideo.memory.matrix import Matrix, Variant, run_variant
     from tttvideo.memory.plan_costs import load_costs
-    from tttvideo.memory.planner import CUDA_CONTEXT, best, lossy, plan, plan_toml
+    from tttvideo.memory.planner import CUDA_CONTEXT, best, overheads, plan, plan_toml
 
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -241,7 +284,7 @@ def cmd_check(args) -> int:
         faster = [p for p in preds if p.fits is False and p.step_s is not None and p.step_s < chosen.step_s]
         if i < args.faster and faster:
             tries.append(("faster, predicted not to fit",
-                          min(faster, key=lambda p: (p.step_s, lossy(p.config), p.peak))))
+                          min(faster, key=lambda p: (p.step_s, overheads(p.config), p.peak))))
         cap = round((mem * GIB - CUDA_CONTEXT) / GIB, 2)  # the card less its CUDA context, as the planner counts
         for role, pred in tries:
             if (mem, duration, role) in done:
@@ -273,17 +316,18 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="profile every setup on this GPU")
     r.add_argument("--gpu-kind", default="h100")
     r.add_argument("--out", default="benchmarks/results/plan_calibration.json",
-                   help="the results JSON; setups it already holds as ok are not run again")
+                   help="the results JSON; setups it already holds (ok or out of memory) are not run again")
     r.add_argument("--work", default="runs/plan_calibration")
     r.add_argument("--timeout", type=float, default=900)
+    r.add_argument("--also", action="append", default=[],
+                   help="benchmarks/fit_24gb.py JSON: the setups it measured are not run again")
     r.add_argument("--only", default=None, help="run only the setups whose name contains this text")
     r.add_argument("--set", dest="overrides", action="append", default=[],
                    help="config override for every run (e.g. model.preset=tiny to rehearse on a CPU)")
     f = sub.add_parser("fit", help="fit the costs and check the predictions")
     f.add_argument("measured", nargs="?", default=None, help="the JSON `run` wrote")
-    f.add_argument("--also", action="append", default=[], help="benchmarks/fit_24gb.py JSON: held-out runs")
-    f.add_argument("--calibrate-also", action="store_true",
-                   help="fit on the --also runs too (when no calibration run exists yet)")
+    f.add_argument("--also", action="append", default=[],
+                   help="benchmarks/fit_24gb.py JSON: its runs count as the setups with the same switches")
     f.add_argument("--gpu-kind", default=None)
     f.add_argument("--costs-out", default=None, help="write the table here (default: tttvideo's plan_costs.json)")
     f.add_argument("--sp-efficiency", type=json.loads, default=None,

@@ -56,7 +56,8 @@ def test_fit_recovers_the_costs_and_predicts_held_out_setups(tmp_path, capsys):
     table = load_costs("testgpu", costs)
     cfg = load_config(ROOT / "configs/demo.toml", adamw)
     line = table.activation[activation_key(cfg, "train")]
-    assert line.per_token == pytest.approx(3000.0) and line.fixed == pytest.approx(5e6, rel=1e-6)
+    tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens * cfg.train.batch_size
+    assert line(tokens) == pytest.approx(3000.0 * tokens + 5e6)
     assert table.sp_efficiency == {2: 0.8}
     assert "held out: 3 peaks, median |error| 0.0%, max 0.0%" in out
     assert "3 step times, median |error| 0.0%, max 0.0%" in out  # fp8 weights share the bf16 time regime

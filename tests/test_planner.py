@@ -12,7 +12,7 @@ import torch
 from tttvideo.config.loader import load_config
 from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan_costs import CostTable, Linear, activation_key, load_costs, save_costs, time_key
+from tttvideo.memory.plan_costs import CostTable, Curve, activation_key, load_costs, save_costs, time_key
 from tttvideo.memory.plan_count import count
 from tttvideo.memory.planner import GIB, best, candidates, fits_in, parse_size, plan, plan_toml, predict
 from tttvideo.models import build_model
@@ -104,8 +104,9 @@ def synthetic_costs(cfg: Config, phase: str) -> CostTable:
 
         c = with_overrides(cfg, cand.as_dict())
         per_token = 2048.0 if phase == "train" and not c.checkpointing.offload_activations else 1024.0
-        table.activation[activation_key(c, phase)] = Linear(per_token, 1e6)
-        table.time[time_key(c, phase)] = Linear(1e-3 * (1.5 if c.checkpointing.offload_activations else 1.0), 0.1)
+        table.activation[activation_key(c, phase)] = Curve.fit([(t, per_token * t + 1e6) for t in (1e3, 1e5)])
+        seconds = 1e-3 * (1.5 if c.checkpointing.offload_activations else 1.0)
+        table.time[time_key(c, phase)] = Curve.fit([(t, seconds * t + 0.1) for t in (1e3, 1e5)])
     return table
 
 
@@ -153,10 +154,14 @@ def test_fit_margin_and_sizes():
         parse_size("lots")
 
 
-def test_linear_fit_recovers_a_line():
-    line = Linear.fit([(100, 1300.0), (300, 3300.0), (200, 2300.0)])
-    assert line.per_token == pytest.approx(10.0) and line.fixed == pytest.approx(300.0)
-    assert Linear.fit([(100, 500.0)])(300) == pytest.approx(1500.0)
+def test_curve_interpolates_the_measured_points():
+    curve = Curve.fit([(300, 3000.0), (100, 1000.0), (200, 2500.0), (100, 1200.0)])
+    assert curve.points == ((100.0, 1100.0), (200.0, 2500.0), (300.0, 3000.0))  # sorted, repeats averaged
+    assert curve(200) == pytest.approx(2500.0) and curve(150) == pytest.approx(1800.0)
+    assert curve(400) == pytest.approx(3500.0) and curve(50) == pytest.approx(400.0)  # the end segments, extended
+    assert Curve.fit([(100, 500.0)])(300) == pytest.approx(1500.0)
+    with pytest.raises(ValueError):
+        Curve.fit([])
 
 
 def test_plan_file_is_a_config_that_includes_the_base(tmp_path):

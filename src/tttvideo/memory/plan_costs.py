@@ -1,25 +1,27 @@
-"""The measured half of the planner: activation memory and step time per token, per GPU kind.
+"""The measured half of the planner: activation memory and step time as functions of the tokens one GPU holds, per
+GPU kind.
 
-Local attention works window by window and the TTT scan, the MLP and every projection token by token, so a step's
-activation memory (its peak minus what `plan_count` counts) and its time are, for a fixed setup, linear in the tokens
-one GPU holds: value = per_token x tokens + fixed. The two coefficients are fitted by least squares from profiler
-runs at two or more durations (`benchmarks/plan_calibration.py`, which writes `plan_costs.json` beside this module
-and checks the predictions against held-out runs).
+Local attention works window by window and the TTT scan, the MLP and every projection token by token, so for a
+fixed setup a step's activation memory (its peak minus what `plan_count` counts) and its time grow with the tokens
+and nothing else. Not always on one line: the plain sampling forward measured 205-210 KB per token at 3-18 s and
+173 KB at 63 s. So a cost is the measured points themselves (`Curve`): linear between two measured token counts,
+along the nearest two beyond them. `benchmarks/plan_calibration.py` measures the points, writes `plan_costs.json`
+beside this module and checks the predictions against held-out runs.
 
-A coefficient pair belongs to a regime, the switches that change what a step allocates or how long it takes:
+A curve belongs to a regime, the switches that change what a step allocates or how long it takes:
 - activation, training: preset, weight dtype (fp32 weights under bf16 autocast keep bf16 copies), adapter, activation
   checkpointing policy, activation offload;
 - activation, sampling: preset, weight dtype, forward (plain at batch 2 or 1, or chunked with G TTT head groups);
-- time: the activation regime, and in training whether the fp8 weights stream from host memory (copies on the
-  compute stream, not hidden). Weight storage and optimizer are left out: an fp8 layer's upcast and an 8-bit AdamW
-  step cost under 3% of a step (docs/memory.md), below what the fit resolves; sampling's block streaming is left
-  out too (prefetched on a side stream, +2% at 63 s).
+- time: the activation regime alone. Weight storage, optimizer and streaming are left out: an fp8 layer's upcast,
+  an 8-bit AdamW step and the host copies of streamed weights each cost a few percent of a step (docs/memory.md:
+  streamed fp8 weights +1.7% at 9 s, streamed sampling blocks +2% at 63 s), below what the fit resolves.
 Weights, gradients and optimizer state are counted, not fitted, so one regime covers every weight dtype and
 optimizer. A regime with no measurement has no prediction: the planner lists it as unmeasured and never picks it.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,29 +33,29 @@ COSTS_FILE = Path(__file__).with_name("plan_costs.json")
 
 
 @dataclass(frozen=True)
-class Linear:
-    """value = per_token x tokens + fixed, fitted from `points` runs."""
+class Curve:
+    """value(tokens) through measured (tokens, value) points: linear between neighbours, extended along the first or
+    last two beyond them; one point gives a line through the origin."""
 
-    per_token: float
-    fixed: float
-    points: int = 0
+    points: tuple[tuple[float, float], ...]
 
     def __call__(self, tokens: float) -> float:
-        return self.per_token * tokens + self.fixed
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] * tokens / pts[0][0]
+        k = min(max(bisect.bisect_left([t for t, _ in pts], tokens) - 1, 0), len(pts) - 2)
+        (t0, v0), (t1, v1) = pts[k], pts[k + 1]
+        return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
 
     @classmethod
-    def fit(cls, points: list[tuple[float, float]]) -> "Linear":
-        """Least squares through (tokens, value) points; one point gives a line through the origin."""
+    def fit(cls, points: list[tuple[float, float]]) -> "Curve":
+        """The curve through `points`, repeated measurements at one token count averaged."""
         if not points:
             raise ValueError("no points to fit")
-        if len({t for t, _ in points}) == 1:
-            t, v = points[0][0], sum(v for _, v in points) / len(points)
-            return cls(v / t, 0.0, len(points))
-        n = len(points)
-        mt = sum(t for t, _ in points) / n
-        mv = sum(v for _, v in points) / n
-        slope = sum((t - mt) * (v - mv) for t, v in points) / sum((t - mt) ** 2 for t, _ in points)
-        return cls(slope, mv - slope * mt, n)
+        by_tokens: dict[float, list[float]] = {}
+        for t, v in points:
+            by_tokens.setdefault(float(t), []).append(float(v))
+        return cls(tuple((t, sum(v) / len(v)) for t, v in sorted(by_tokens.items())))
 
 
 @dataclass
@@ -61,14 +63,14 @@ class CostTable:
     gpu: str
     device: str = ""
     source: str = ""
-    activation: dict[str, Linear] = field(default_factory=dict)
-    time: dict[str, Linear] = field(default_factory=dict)
+    activation: dict[str, Curve] = field(default_factory=dict)
+    time: dict[str, Curve] = field(default_factory=dict)
     # measured sequence-parallel efficiency per degree: step time on sp GPUs = one GPU's / (sp x efficiency)
     sp_efficiency: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        def lines(d: dict[str, Linear]) -> dict[str, Any]:
-            return {k: {"per_token": v.per_token, "fixed": v.fixed, "points": v.points} for k, v in sorted(d.items())}
+        def lines(d: dict[str, Curve]) -> dict[str, Any]:
+            return {k: [list(p) for p in v.points] for k, v in sorted(d.items())}
 
         return {"gpu": self.gpu, "device": self.device, "source": self.source,
                 "activation": lines(self.activation), "time": lines(self.time),
@@ -76,8 +78,8 @@ class CostTable:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CostTable":
-        def lines(x: dict[str, Any]) -> dict[str, Linear]:
-            return {k: Linear(float(v["per_token"]), float(v["fixed"]), int(v.get("points", 0))) for k, v in x.items()}
+        def lines(x: dict[str, Any]) -> dict[str, Curve]:
+            return {k: Curve(tuple((float(t), float(v)) for t, v in pts)) for k, pts in x.items()}
 
         return cls(d["gpu"], d.get("device", ""), d.get("source", ""), lines(d.get("activation", {})),
                    lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()})
@@ -142,6 +144,4 @@ def activation_key(cfg: Config, phase: str) -> str:
 
 
 def time_key(cfg: Config, phase: str) -> str:
-    if phase == "sample":
-        return activation_key(cfg, phase)
-    return activation_key(cfg, phase) + ("|streamed" if cfg.memory.stream_frozen_weights else "")
+    return activation_key(cfg, phase)

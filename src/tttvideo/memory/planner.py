@@ -158,12 +158,12 @@ def fits_in(peak: int, gpu_mem: int) -> bool:
 
 def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1) -> list[Prediction]:
     """Every candidate's prediction, best first: those that fit by step time (unknown time last; of equal times the
-    one with fewer lossy switches), then those that do not by peak, then the unmeasured."""
+    one with fewer `overheads`), then those that do not by peak, then the unmeasured."""
     preds = [predict(cfg, phase, c, costs, gpus, gpu_mem) for c in candidates(cfg, phase, gpus)]
 
     def rank(p: Prediction) -> tuple:
         if p.fits:
-            return (0, p.step_s if p.step_s is not None else float("inf"), lossy(p.config), p.peak)
+            return (0, p.step_s if p.step_s is not None else float("inf"), overheads(p.config), p.peak)
         if p.fits is False:
             return (1, p.peak, 0, 0)
         return (2, 0, 0, 0)
@@ -171,10 +171,11 @@ def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1)
     return sorted(preds, key=rank)
 
 
-def lossy(cfg: Config) -> int:
-    """How many of the candidate's switches round numbers (fp8 weights, 8-bit optimizer state): of two setups as
-    fast, the planner takes the exact one."""
-    return (cfg.model.frozen_weights == "fp8") + (cfg.train.optimizer == "adamw8bit")
+def overheads(cfg: Config) -> tuple[int, int]:
+    """What the time fit leaves out, to order setups it predicts as fast: first how many switches round numbers
+    (fp8 weights, 8-bit optimizer state), then how many copy weights from host memory each step; fewer is better."""
+    lossy = (cfg.model.frozen_weights == "fp8") + (cfg.train.optimizer == "adamw8bit")
+    return lossy, int(cfg.memory.stream_frozen_weights) + int(cfg.sample.offload_blocks)
 
 
 def best(preds: list[Prediction]) -> Prediction | None:
