@@ -9,6 +9,13 @@ For 3 s (18,048 tokens) and 9 s (51,456 tokens) it prints the median step time, 
 and model FLOPs utilisation with the FLOP count split into dense matmuls (6 x per-token params x tokens), attention
 (the local windows) and the TTT scan; recomputation is not counted (model FLOPs, not hardware FLOPs).
 
+With --forward it also times the inference forward of the same model on the same inputs (no grad, eval mode:
+`forward_s`). --yardstick diffusers implies --forward and, after each duration, times diffusers'
+CogVideoXTransformer3DModel of the same preset in the same process, on the same latents and one segment's text
+(benchmarks/diffusers_yardstick.py: its forward and a forward + backward with every block checkpointed), stores it
+under the row's `yardstick` and prints the ratios diffusers time / ours. At 3 s both see the same tokens; at longer
+durations diffusers attends over all frames at once (the row's `yardstick.note`). One process only.
+
 Under torchrun the step is the trainer's multi-process one (`tttvideo.train.distributed.TrainRanks`): the model
 sharded with FSDP2 over the `[parallel]` mesh, Ulysses sequence parallelism of degree parallel.sp, each data-parallel
 rank on its own sample; every rank reports its peak memory and rank 0 writes the result. Results go to
@@ -18,6 +25,8 @@ benchmarks/results/model_step*.json. Run it from the repository root with the pa
     PYTHONPATH=src torchrun --nproc_per_node 2 benchmarks/model_step.py --set parallel.sp=2   # two GPUs
     PYTHONPATH=src python3 benchmarks/model_step.py --preset tiny --device cpu --dtype fp32 --height 64 --width 96 \
         --text-tokens 8 --durations 3 --steps 1 --out /tmp/x.json     # a CPU smoke run of the same code
+    PYTHONPATH=src python3 benchmarks/model_step.py --yardstick diffusers --set model.use_ttt=false --durations 3 \
+        --out benchmarks/results/model_step_yardstick.json            # the backbone against diffusers'
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +106,7 @@ def model_flops(model: CogVideoXTTT, layout: VideoLayout) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------------- setup
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cogvideox-5b")
     ap.add_argument("--device", default="cuda")
@@ -110,12 +121,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--scan-group", type=int, default=16, help="TTT scan checkpoint group (mini-batches)")
     ap.add_argument("--ttt-backend", default="auto", choices=list(ops.BACKENDS))
     ap.add_argument("--optimizer-step", action="store_true", help="time the AdamW step too (unscale, clip, step)")
+    ap.add_argument("--forward", action="store_true", help="time the inference forward too (no grad)")
+    ap.add_argument("--yardstick", choices=["diffusers"], default=None,
+                    help="also time diffusers' CogVideoXTransformer3DModel at the same shape (implies --forward)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="any other config key, applied last (as tttv's --set)")
     ap.add_argument("--budget-s", type=float, default=480, help="stop timing new steps after this many seconds")
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     ap.add_argument("--out", default="benchmarks/results/model_step.json")
-    return ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.yardstick and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        ap.error("--yardstick runs in one process: the yardstick is a single-GPU model")
+    args.forward = args.forward or args.yardstick is not None
+    return args
 
 
 def bench_config(args: argparse.Namespace) -> Config:
@@ -189,24 +207,20 @@ def random_batch(model: CogVideoXTTT, layout: VideoLayout, dtype: torch.dtype,
     return {"latents": latents, "text": text}
 
 
-def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argparse.Namespace, device: torch.device,
-             deadline: float, ranks: TrainRanks) -> dict[str, Any]:
-    dtype = torch_dtype(cfg.model.dtype)
-    batch = random_batch(model, layout, dtype, device)  # the same on every rank: an sp group shares its sample
-    train_step = make_step(cfg, model, device, layout, ranks)
+def timed(call: Callable[[int], None], prepare: Callable[[], None], args: argparse.Namespace, device: torch.device,
+          deadline: float, ranks: TrainRanks) -> tuple[list[float], list[float]]:
+    """(warm-up seconds, timed seconds) of call(i) for --warmup then --steps calls, `prepare()` before each one
+    untimed; the peak memory statistics are reset between the warm-up and the timed calls."""
 
-    def step(i: int) -> float:
-        train_step.optimizer.zero_grad(set_to_none=True)  # freeing the last step's gradients is not timed
+    def once(i: int) -> float:
+        prepare()
         sync(device)
         start = time.perf_counter()
-        if args.optimizer_step:
-            train_step(iter((batch,)), i)
-        else:
-            train_step.gradients(iter((batch,)), i)
+        call(i)
         sync(device)
         return time.perf_counter() - start
 
-    warm = [step(i) for i in range(args.warmup)]
+    warm = [once(i) for i in range(args.warmup)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
@@ -214,7 +228,42 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
         # stay inside the device call's limit; report what was measured (all ranks stop after the same step)
         if times and ranks.largest(int(time.perf_counter() + max(times) > deadline)):
             break
-        times.append(step(args.warmup + len(times)))
+        times.append(once(args.warmup + len(times)))
+    return warm, times
+
+
+def time_forward(model: CogVideoXTTT, batch: dict[str, torch.Tensor], layout: VideoLayout,
+                 args: argparse.Namespace, device: torch.device, deadline: float, ranks: TrainRanks) -> dict[str, Any]:
+    """The inference forward of `model` on the step's inputs (no grad, eval mode; the yardstick's timestep)."""
+    timestep = torch.full((batch["latents"].shape[0],), 500, dtype=torch.long, device=device)
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        warm, times = timed(lambda i: model(batch["latents"], batch["text"], timestep, layout, sp=ranks.sequence),
+                            lambda: None, args, device, deadline, ranks)
+    model.train(training)
+    row: dict[str, Any] = {"forward_s": statistics.median(times), "forward_steps_s": times, "forward_warmup_s": warm,
+                           "latents_shape": list(batch["latents"].shape), "text_shape": list(batch["text"].shape)}
+    if device.type == "cuda":
+        row["peak_forward_allocated_gib"] = max(every_rank(ranks, torch.cuda.max_memory_allocated() / 2**30))
+    return row
+
+
+def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argparse.Namespace, device: torch.device,
+             deadline: float, ranks: TrainRanks) -> dict[str, Any]:
+    dtype = torch_dtype(cfg.model.dtype)
+    batch = random_batch(model, layout, dtype, device)  # the same on every rank: an sp group shares its sample
+    forward = time_forward(model, batch, layout, args, device, deadline, ranks) if args.forward else {}
+    train_step = make_step(cfg, model, device, layout, ranks)
+
+    def step(i: int) -> None:
+        if args.optimizer_step:
+            train_step(iter((batch,)), i)
+        else:
+            train_step.gradients(iter((batch,)), i)
+
+    # freeing the last step's gradients is not timed
+    warm, times = timed(step, lambda: train_step.optimizer.zero_grad(set_to_none=True), args, device, deadline, ranks)
     train_step.optimizer.zero_grad(set_to_none=True)
     flops = model_flops(model, layout)
     median = statistics.median(times)
@@ -232,6 +281,7 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
         "achieved_tflops": flops["total"] / median / 1e12,
         "mfu": flops["total"] / median / peak if peak and dtype == torch.bfloat16 else None,
         "peak_flops_assumed": peak,
+        **forward,
     }
     if ranks.distributed:  # every data-parallel rank trains its own sample
         row["achieved_tflops"] *= ranks.dp_size
@@ -306,12 +356,54 @@ def run_durations(cfg: Config, model: CogVideoXTTT, args: argparse.Namespace, de
         row["ttt_backend"] = "reference" if reference_calls[0] else f"triton ({cfg.ttt.backend})"
         if failure:
             row["fast_path_failure"] = failure
+        if args.yardstick:
+            row["yardstick"] = run_yardstick(cfg, model, layout, row, args, device, deadline, ranks)
         rows.append(row)
         if ranks.is_main:
             print(json.dumps({k: v for k, v in row.items() if k not in ("layout",)}), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def yardstick_module() -> Any:
+    """benchmarks/diffusers_yardstick.py, imported only with --yardstick (it imports diffusers). This script's folder
+    is on sys.path when it runs as a script, not when a test loads it by its path."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.append(here)  # last: a test that loads this script by its path keeps its own imports first
+    import diffusers_yardstick
+
+    return diffusers_yardstick
+
+
+def run_yardstick(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, row: dict[str, Any],
+                  args: argparse.Namespace, device: torch.device, deadline: float,
+                  ranks: TrainRanks) -> dict[str, Any]:
+    """diffusers' transformer of the same preset on the inputs our model got in `row`'s case, timed by the same
+    loop, with the ratios diffusers time / ours; an OOM is the yardstick's error."""
+    yardstick = yardstick_module()
+    batch = random_batch(model, layout, torch_dtype(cfg.model.dtype), device)  # seeded: the case's own inputs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    error = None
+    try:
+        result = yardstick.run(model.spec, layout, batch, cfg.model.adapter,
+                               lambda call, prepare: timed(call, prepare, args, device, deadline, ranks))
+    except torch.cuda.OutOfMemoryError as e:
+        error = f"OOM: {str(e).splitlines()[0]}"
+    # outside the except block, so that a traceback (and the model it holds) is gone too: free it before the next case
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if error is not None:
+        return {"name": yardstick.NAME, "version": yardstick.diffusers.__version__, "error": error}
+    result["vs_ours"] = {
+        "forward": result["forward_s"] / row["forward_s"] if "forward_s" in row else None,
+        "train_step": result["train_step_s"] / row["median_step_s"] if "median_step_s" in row else None,
+        "ours_includes_optimizer_step": args.optimizer_step,
+    }
+    return result
 
 
 # ------------------------------------------------------------------------------------------------------ output
@@ -351,8 +443,38 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
               f"{f['ttt'] / 1e12:>8.1f} {r['achieved_tflops']:>8.1f} {mfu:>6}  {r['ttt_backend']}")
 
 
-def main() -> int:
-    args = parse_args()
+def print_yardstick(result: dict[str, Any], cfg: Config) -> None:
+    """Ours against the yardstick per duration: times and the ratios diffusers time / ours (> 1: ours is faster)."""
+    rows = [r for r in result["results"] if "yardstick" in r]
+    if not rows:
+        return
+    first = rows[0]["yardstick"]
+    adamw = "includes" if result["optimizer_step"] else "excludes"
+    print(f"\nours ({cfg.model.preset}, TTT {'on' if cfg.model.use_ttt else 'off'}) against {first['name']} "
+          f"{first['version']}; ratio = diffusers time / ours (> 1: ours faster); our step {adamw} the AdamW step")
+    print(f"{'dur':>4} {'tokens':>7} {'fwd s':>8} {'diff fwd':>8} {'ratio':>6} {'step s':>8} {'diff step':>9} "
+          f"{'ratio':>6} {'diff GiB fwd/step':>17}")
+
+    def num(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    notes = []
+    for r in rows:
+        y = r["yardstick"]
+        if "error" in y:
+            print(f"{r['duration_s']:>3}s {r['tokens']:>7}  diffusers: {y['error']}")
+            continue
+        ratio = y["vs_ours"]
+        memory = f"{num(y['peak_forward_allocated_gib'], '.1f')}/{num(y['peak_train_allocated_gib'], '.1f')}"
+        print(f"{r['duration_s']:>3}s {r['tokens']:>7} {num(r.get('forward_s'), '.3f'):>8} {y['forward_s']:>8.3f} "
+              f"{num(ratio['forward'], '.2f'):>6} {num(r.get('median_step_s'), '.3f'):>8} {y['train_step_s']:>9.3f} "
+              f"{num(ratio['train_step'], '.2f'):>6} {memory:>17}")
+        notes.append(f"  {r['duration_s']} s: {y['note']}")
+    print("\n".join(notes))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     deadline = time.perf_counter() + args.budget_s
     device = rank_device(torch.device(args.device))
     if device.index is not None:  # under torchrun: this rank's GPU
@@ -402,6 +524,7 @@ def main() -> int:
     }
     write_result(result, args.out)
     print_table(result, cfg)
+    print_yardstick(result, cfg)
     ranks.close()
     return 0
 
