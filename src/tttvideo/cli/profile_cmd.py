@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tttvideo.cli.common import add_config_arguments, config_from_args
 from tttvideo.errors import UserError
+from tttvideo.memory.pipeline_config import PIPELINE_NAMES, is_pipeline_profile
 from tttvideo.outputs import check_writable_dir
 
 
@@ -19,7 +20,11 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
         "a matrix file in its own process and print one table.",
     )
     add_config_arguments(p, config_required=False)
-    p.add_argument("--phase", choices=("train", "sample"), default="train", help="what to profile (default train)")
+    p.add_argument("--phase", choices=("train", "sample"), default=None,
+                   help="what to profile (default train; a diffusers pipeline is always inference)")
+    p.add_argument("--pipeline", choices=PIPELINE_NAMES, default=None,
+                   help="profile this diffusers pipeline at its published sizes instead of our own (random weights "
+                        "unless --set pipeline.weights=FOLDER); a CONFIG with a [pipeline] table does the same")
     p.add_argument("--steps", type=int, default=1, help="training or denoising steps to run (default 1)")
     p.add_argument("--out", default=None, help="report folder (default runs/profile/<phase> or runs/profile/<matrix>)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda or cuda:N")
@@ -38,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--matrix takes its base config and overrides from the matrix file; "
                             "drop CONFIG and --set (or put them into the file)")
         return _run_matrix(args)
+    if args.pipeline or (args.config and is_pipeline_profile(args.config)):
+        return _run_pipeline(args)
+    args.phase = args.phase or "train"
     cfg = config_from_args(args)
     out = check_writable_dir(args.out or f"runs/profile/{args.phase}", "--out")
     from tttvideo.memory.drivers import profile
@@ -45,6 +53,22 @@ def run(args: argparse.Namespace) -> int:
     summary, code = profile(cfg, args.phase, args.steps, out, device=args.device, snapshot=args.snapshot,
                             trace=args.trace, meta={"config": args.config or "(defaults)",
                                                     "overrides": list(args.overrides or [])})
+    _print_summary(summary, out)
+    return code
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    from tttvideo.memory.drivers import profile_pipeline
+    from tttvideo.memory.pipeline_config import load_pipeline_profile
+
+    if args.phase == "train":
+        raise UserError("a diffusers pipeline is profiled for inference only; drop --phase train")
+    overrides = ([f"pipeline.name={args.pipeline}"] if args.pipeline else []) + list(args.overrides or [])
+    pc = load_pipeline_profile(args.config, overrides)
+    out = check_writable_dir(args.out or f"runs/profile/{pc.name}", "--out")
+    summary, code = profile_pipeline(pc, args.steps, out, device=args.device, snapshot=args.snapshot,
+                                     trace=args.trace, meta={"config": args.config or f"--pipeline {pc.name}",
+                                                             "overrides": overrides})
     _print_summary(summary, out)
     return code
 
@@ -61,7 +85,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     rows = run_matrix(m, out, progress=lambda text: console.print(f"profile: {text}"))
     print_matrix(rows, title=f"memory matrix: {m.path.name} ({len(rows)} variants)")
-    console.print(f"profile: reports under {out}/<variant>/, table in {out}/matrix.md")
+    console.print(f"profile: reports under {out}/<variant>/, side by side in {out}/matrix.html (and matrix.md)")
     return 0
 
 

@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tttvideo.config.schema import Config
+from tttvideo.config.schema import Config, MemoryConfig
 from tttvideo.errors import UserError
+from tttvideo.memory.pipeline_config import PipelineProfile
 from tttvideo.memory.profiler import MemoryProfiler, is_oom
 from tttvideo.memory.report import write_report
 
@@ -154,6 +155,7 @@ def drive_train(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.dev
     for step in range(steps):
         done = train_step(iter((batch,)), step)
         prof.meta.setdefault("loss", []).append(done.loss)
+        prof.end_step(f"training step {step + 1}/{steps}")
     optimizer.zero_grad(set_to_none=True)
     prof.mark("gradients released")
 
@@ -188,7 +190,7 @@ def drive_sample(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.de
         uncond = torch.zeros_like(cond)
     with prof.phase("denoise"):
         latents = denoise(model, layout, cond, uncond, cfg.sample, device,
-                          on_step=lambda i, n: prof.mark(f"denoise step {i + 1}/{n}"))
+                          on_step=lambda i, n: prof.end_step(f"denoise step {i + 1}/{n}"))
     prof.detach_hooks()
     with prof.component("transformer released"):
         loaded.close()
@@ -215,13 +217,47 @@ def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device:
     """Run one driver under a fresh profiler and write the report folder. Returns (summary dict, exit status):
     0 ok, EXIT_OOM when the pipeline ran out of memory (the report then says where). Other errors propagate after
     the partial report is written."""
-    import json
+    from tttvideo.config.loader import config_to_dict
 
     if phase not in DRIVERS:
         raise UserError(f"unknown profile phase {phase!r}; use one of {', '.join(PHASES)}")
+    dev = _resolve_device(cfg, device)
+    return run_profiled(lambda prof, d: DRIVERS[phase](cfg, prof, steps, d), dev, cfg.memory, steps, out_dir,
+                        meta={"phase": phase, "steps": steps, **(meta or {}), "resolved": config_to_dict(cfg)},
+                        snapshot=snapshot, trace=trace)
+
+
+def profile_pipeline(pc: PipelineProfile, steps: int, out_dir: str | Path, *, device: str = "auto",
+                     snapshot: bool = False, trace: bool = False,
+                     meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+    """`profile` for a diffusers pipeline (`tttvideo.memory.pipelines`): inference, `steps` denoising steps."""
+    from dataclasses import asdict
+
+    from tttvideo.device import resolve_device
+    from tttvideo.memory.pipelines import drive_pipeline
+
+    dev = resolve_device("cuda" if device == "auto" and _cuda() else ("cpu" if device == "auto" else device),
+                         "--device")
+    return run_profiled(lambda prof, d: drive_pipeline(pc, prof, steps, d), dev,
+                        MemoryConfig(max_gpu_gib=pc.max_gpu_gib), steps, out_dir,
+                        meta={"phase": f"pipeline {pc.name}", "steps": steps, **(meta or {}),
+                              "pipeline": asdict(pc)}, snapshot=snapshot, trace=trace)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_profiled(drive: Callable[[MemoryProfiler, torch.device], None], dev: torch.device, memory: MemoryConfig,
+                 steps: int, out_dir: str | Path, *, meta: dict[str, Any], snapshot: bool,
+                 trace: bool) -> tuple[dict[str, Any], int]:
+    """`drive(profiler, device)` under a fresh profiler (the memory cap applied first, an OOM a finished report)."""
+    import json
+
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
-    dev = _resolve_device(cfg, device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -233,20 +269,18 @@ def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
-    from tttvideo.config.loader import config_to_dict
     from tttvideo.memory.cap import apply_memory_cap
+    from tttvideo.memory.trace import traced
 
-    apply_memory_cap(cfg.memory, dev)  # before anything is allocated: the run sees the card it rehearses
-
-    prof = MemoryProfiler(device=str(dev) if dev.type == "cuda" else "cpu",
-                          meta={"phase": phase, "steps": steps, **(meta or {}), "resolved": config_to_dict(cfg)})
+    apply_memory_cap(memory, dev)  # before anything is allocated: the run sees the card it rehearses
+    prof = MemoryProfiler(device=str(dev) if dev.type == "cuda" else "cpu", meta=meta)
     if snapshot and not prof.start_snapshot():
         print("profile: --snapshot needs CUDA (torch's allocator history); skipped on CPU", file=sys.stderr)
-    tracer = _tracer(dev, out) if trace else contextlib.nullcontext()
+    tracer = traced(dev, out, steps, prof) if trace else contextlib.nullcontext()
     status, code, error = "ok", 0, None
     try:
         with tracer:
-            DRIVERS[phase](cfg, prof, steps, dev)
+            drive(prof, dev)
     except BaseException as exc:  # noqa: BLE001 - re-raised below unless it is an OOM
         if is_oom(exc):
             prof.record_oom(exc)
@@ -263,20 +297,3 @@ def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device:
     if error is not None:
         raise error
     return summary, code
-
-
-@contextlib.contextmanager
-def _tracer(dev: Any, out: Path) -> Any:
-    """torch.profiler with memory events, exported as a Chrome trace (chrome://tracing, ui.perfetto.dev)."""
-    import torch
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if dev.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    p = torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True)
-    try:
-        with p:
-            yield p
-    finally:
-        # Also after an OOM: the trace up to the failure is what explains it.
-        p.export_chrome_trace(str(out / "trace.json"))

@@ -11,10 +11,16 @@ A matrix file is TOML:
     name = "bf16"
     set = ["model.dtype=bf16"]
 
+    [[variant]]
+    name = "wan, fp16"
+    config = "wan21/fp16.toml"  # a variant may bring its own config file (one file per variant)
+
 Each variant runs `python -m tttvideo profile CONFIG --phase P --steps N --set ... --out OUT/<name>` in a fresh
 process, so one variant's peaks, allocator cache and CUDA context never leak into the next. The child writes its
 report (summary.json included) even when it runs out of memory, recording where; a child that fails in any other way
-becomes a row with its exit code and last error line. The matrix itself never fails because a variant did.
+becomes a row with its exit code and last error line. The matrix itself never fails because a variant did. The
+folder gets matrix.json (every row), and matrix.md / matrix.html / matrix.png (`matrix_report`: the table, the
+variants ranked by peak and by step time, bars of both).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 from tttvideo.errors import UserError
 from tttvideo.memory.drivers import EXIT_OOM, PHASES
+from tttvideo.memory.matrix_report import write_matrix_report
 from tttvideo.memory.report import fmt_bytes
 
 if sys.version_info >= (3, 11):
@@ -46,6 +53,7 @@ class Variant:
     overrides: list[str] = field(default_factory=list)
     phase: str = "train"
     steps: int = 1
+    config: Path | None = None  # its own config file, instead of the matrix's
 
 
 @dataclass
@@ -84,13 +92,7 @@ def load_matrix(path: str | Path) -> Matrix:
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
-    config = data.get("config")
-    cfg_path = None
-    if config:
-        cfg_path = (path.parent / str(config)).resolve()
-        if not cfg_path.is_file():
-            raise UserError(f"{path}: config = {config!r} resolves to {cfg_path}, which does not exist "
-                            "(paths are relative to the matrix file)")
+    cfg_path = _config_path(path, data.get("config"), "config")
     phase = str(data.get("phase", "train"))
     steps = data.get("steps", 1)
     raw = data.get("variant")
@@ -100,10 +102,10 @@ def load_matrix(path: str | Path) -> Matrix:
     for i, v in enumerate(raw):
         if not isinstance(v, dict) or "name" not in v:
             raise UserError(f"{path}: variant #{i + 1} has no name; every [[variant]] needs name = \"...\"")
-        extra = sorted(set(v) - {"name", "set", "phase", "steps"})
+        extra = sorted(set(v) - {"name", "set", "phase", "steps", "config"})
         if extra:
             raise UserError(f"{path}: variant {v['name']!r} has unknown key(s) {', '.join(extra)}; "
-                            "allowed: name, set, phase, steps")
+                            "allowed: name, set, phase, steps, config")
         name = str(v["name"])
         if _slug(name) in seen:
             raise UserError(f"{path}: two variants are named {name!r} (or the same once made a folder name)")
@@ -117,18 +119,34 @@ def load_matrix(path: str | Path) -> Matrix:
         vsteps = v.get("steps", steps)
         if not isinstance(vsteps, int) or vsteps < 1:
             raise UserError(f"{path}: variant {name!r}: steps must be a positive integer, got {vsteps!r}")
-        variants.append(Variant(name, list(sets), vphase, vsteps))
+        variants.append(Variant(name, list(sets), vphase, vsteps,
+                                _config_path(path, v.get("config"), f"variant {name!r}: config")))
     timeout = data.get("timeout_s", 1800)
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise UserError(f"{path}: timeout_s must be a positive number of seconds, got {timeout!r}")
     return Matrix(path, cfg_path, variants, float(timeout), str(data.get("device", "auto")))
 
 
+def _config_path(matrix: Path, value: object, what: str) -> Path | None:
+    if not value:
+        return None
+    resolved = (matrix.parent / str(value)).resolve()
+    if not resolved.is_file():
+        raise UserError(f"{matrix}: {what} = {value!r} resolves to {resolved}, which does not exist "
+                        "(paths are relative to the matrix file)")
+    return resolved
+
+
 def child_command(m: Matrix, v: Variant, out_dir: Path) -> list[str]:
+    from tttvideo.memory.pipeline_config import is_pipeline_profile
+
     cmd = [sys.executable, "-m", "tttvideo", "profile"]
-    if m.config is not None:
-        cmd.append(str(m.config))
-    cmd += ["--phase", v.phase, "--steps", str(v.steps), "--out", str(out_dir), "--device", m.device]
+    config = v.config or m.config
+    if config is not None:
+        cmd.append(str(config))
+    if config is None or not is_pipeline_profile(config):  # a diffusers pipeline has no train / sample choice
+        cmd += ["--phase", v.phase]
+    cmd += ["--steps", str(v.steps), "--out", str(out_dir), "--device", m.device]
     for s in v.overrides:
         cmd += ["--set", s]
     return cmd
@@ -181,8 +199,7 @@ def run_matrix(m: Matrix, out_root: str | Path, progress: Any = None) -> list[Ma
         {"matrix": str(m.path), "config": str(m.config) if m.config else None,
          "variants": [asdict(v) for v in m.variants], "rows": [asdict(r) for r in rows]}, indent=1))
     cols, table = matrix_table(rows)
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(r) + " |" for r in table]
-    (out_root / "matrix.md").write_text("\n".join(md) + "\n")
+    write_matrix_report(rows, cols, table, out_root, f"memory matrix: {m.path.name}")
     return rows
 
 

@@ -9,7 +9,7 @@ from tttvideo.memory.analysis import Summary
 from tttvideo.memory.events import GIB, MIB, OOM, PHASE, Recording
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,7 +23,7 @@ def _scale(max_bytes: float) -> tuple[float, str]:
 
 
 def _empty(path: Path, text: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 2))
     ax.text(0.5, 0.5, text, ha="center", va="center")
     ax.set_axis_off()
@@ -33,7 +33,7 @@ def _empty(path: Path, text: str) -> None:
 
 def timeline(rec: Recording, s: Summary, path: Path) -> None:
     """Allocated and reserved over time (plus the driver figure on CUDA), with every phase shaded and named."""
-    plt = _plt()
+    plt = pyplot()
     tl = rec.timeline
     if not tl:
         _empty(path, "no samples recorded")
@@ -79,7 +79,7 @@ def components(s: Summary, path: Path) -> None:
     if not s.components:
         _empty(path, "no components recorded")
         return
-    plt = _plt()
+    plt = pyplot()
     rows = s.components
     top = max(max(abs(c.measured), abs(c.counted or 0)) for c in rows)
     div, unit = _scale(top)
@@ -103,7 +103,7 @@ def blocks(s: Summary, path: Path) -> None:
     if not s.blocks:
         _empty(path, "no block hooks recorded")
         return
-    plt = _plt()
+    plt = pyplot()
     names = list(dict.fromkeys(b.name for b in s.blocks))
     series = {
         "forward retained": {b.name: b.retained for b in s.blocks if b.direction == "forward"},

@@ -93,6 +93,7 @@ class MemoryProfiler:
         self._stack: list[_Frame] = []
         self._open_blocks: dict[str, list[_Frame]] = {}
         self._hooks: list[Any] = []
+        self.step_listeners: list[Callable[[], None]] = []  # called at each end_step (torch.profiler's schedule)
         self._snapshot_on = False
         if not enabled:
             return
@@ -216,6 +217,12 @@ class MemoryProfiler:
         self.events.append(Event(kind=MARK, name=name, start=s, end=s, peak_allocated=s.peak_allocated,
                                  peak_reserved=s.peak_reserved, phase=self._current_phase(), depth=len(self._stack)))
         return s
+
+    def end_step(self, name: str) -> None:
+        """The end of a training or denoising step: a mark named `name`, then the step listeners."""
+        self.mark(name)
+        for listener in self.step_listeners:
+            listener()
 
     def location(self) -> str:
         """Where the pipeline is now, in words: "backward of block 17", "forward", "load of transformer"."""

@@ -1,0 +1,134 @@
+"""`tttv profile` on diffusers pipelines (tttvideo.memory.pipelines): tiny random Wan2.1 and CogVideoX pipelines give
+a complete report, a local pipeline folder loads, the variant files of the studies load, a failing variant is a
+one-sentence error (a matrix row), and the matrix report ranks its rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tttvideo.memory.pipeline_config import PIPELINE_NAMES, is_pipeline_profile, load_pipeline_profile
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["pipeline.tiny=true", "pipeline.height=32", "pipeline.width=32", "pipeline.frames=9",
+        "pipeline.text_tokens=8"]
+
+
+def tiny(name: str, *extra: str):
+    return load_pipeline_profile(None, [f"pipeline.name={name}", *TINY, *extra])
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_tiny_pipeline_gives_a_complete_report(tmp_path, name):
+    from tttvideo.memory.drivers import profile_pipeline
+
+    summary, code = profile_pipeline(tiny(name), 2, tmp_path, device="cpu", trace=True)
+    assert code == 0 and summary["status"] == "ok"
+    components = [c["name"] for c in summary["components"]]
+    assert [c.split(" (")[0] for c in components] == ["text encoder", "VAE", "transformer"]
+    assert all("random weights" in c for c in components)
+    phases = {p["name"]: p["occurrences"] for p in summary["phases"]}
+    # Wan runs the conditional and the unconditional pass one after the other, CogVideoX batches them
+    calls = 4 if name.startswith("wan") else 2
+    assert phases == {"text encoding": 1, "denoise": 1, "transformer forward": calls, "VAE decode": 1}
+    assert {b["name"] for b in summary["blocks"]} == {"block 0", "block 1"}
+    assert all(b["occurrences"] == calls for b in summary["blocks"])
+    assert len(summary["step_seconds"]) == 2 and all(s > 0 for s in summary["step_seconds"])
+    assert summary["meta"]["video_shape"] == [1, 9, 3, 32, 32]
+    assert summary["meta"]["pipeline"]["name"] == name
+    for f in ("report.html", "summary.md", "summary.csv", "events.json", "timeline.png", "components.png",
+              "trace.json", "trace_top.md"):
+        assert (tmp_path / f).is_file(), f
+    top = json.loads((tmp_path / "trace_top.json").read_text())
+    assert top["by_time"] and top["by_memory"]
+    assert not any(".py(" in r["operator"] for r in top["by_time"])  # operators, not the Python frames of stacks
+
+
+def test_memory_switches_run_and_show_as_components(tmp_path):
+    from tttvideo.memory.drivers import profile_pipeline
+
+    pc = tiny("wan2.1-t2v-1.3b", "pipeline.loading=blockwise", "pipeline.text_encoder_device=cpu",
+              "pipeline.offload=group", "pipeline.vae_tiling=true", "pipeline.fp8_weights=true")
+    summary, code = profile_pipeline(pc, 1, tmp_path, device="cpu")
+    assert code == 0
+    names = [c["name"] for c in summary["components"]]
+    assert "text encoder (umT5-XXL, random weights, on CPU)" in names
+    assert "transformer weights to fp8 (layerwise casting)" in names and "offload hooks (group)" in names
+
+
+def test_local_pipeline_folder_loads_its_weights(tmp_path):
+    import torch
+
+    from tttvideo.memory.pipelines import PIPELINES, build_pipeline
+    from tttvideo.memory.profiler import MemoryProfiler
+
+    torch.manual_seed(0)
+    factories = PIPELINES["wan2.1-t2v-1.3b"].build(True)
+    saved = {}
+    for part in ("text_encoder", "vae", "transformer"):
+        saved[part] = factories[part]()
+        saved[part].save_pretrained(tmp_path / part)
+    pc = tiny("wan2.1-t2v-1.3b", f"pipeline.weights={tmp_path}", "pipeline.precision=fp32")
+    pipe, text_encoder = build_pipeline(pc, MemoryProfiler.disabled(), torch.device("cpu"))
+    for part, loaded in (("text_encoder", text_encoder), ("vae", pipe.vae), ("transformer", pipe.transformer)):
+        want = saved[part].state_dict()
+        got = loaded.state_dict()
+        assert want.keys() == got.keys(), part
+        assert all(torch.equal(want[k], got[k]) for k in want), part
+    missing = load_pipeline_profile(None, [f"pipeline.weights={tmp_path / 'nowhere'}", *TINY])
+    from tttvideo.errors import UserError
+
+    with pytest.raises(UserError, match="has no text_encoder/ folder"):
+        build_pipeline(missing, MemoryProfiler.disabled(), torch.device("cpu"))
+
+
+def test_study_variant_files_load():
+    from tttvideo.memory.matrix import child_command, load_matrix
+
+    for study, count in (("wan21", 15), ("cogvideox5b-diffusers", 6)):
+        m = load_matrix(ROOT / "configs" / "profile" / study / "matrix.toml")
+        assert len(m.variants) == count and m.config is None
+        for v in m.variants:
+            assert v.config is not None and is_pipeline_profile(v.config)
+            load_pipeline_profile(v.config)
+            cmd = child_command(m, v, Path("out"))
+            assert str(v.config) in cmd and "--phase" not in cmd  # a pipeline has no train / sample choice
+    smallest = load_pipeline_profile(ROOT / "configs/profile/wan21/smallest.toml")
+    assert (smallest.text_encoder_device, smallest.offload, smallest.fp8_weights, smallest.frames) == \
+        ("cpu", "group", True, 81)
+
+
+def test_bad_pipeline_variant_is_one_sentence(tmp_path, capsys):
+    from tttvideo.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pipeline]\nname = 'wan2.1-t2v-1.3b'\ntiny = true\nheight = 32\nwidth = 32\nframes = 9\n"
+                   "text_tokens = 8\nattention_backend = 'no-such-backend'\n")
+    assert main(["profile", str(bad), "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tttv profile: error: pipeline.attention_backend = 'no-such-backend'")
+    assert main(["profile", "--pipeline", "wan2.1-t2v-1.3b", "--phase", "train", "--out", str(tmp_path / "t")]) == 2
+    assert "inference only" in capsys.readouterr().err
+
+
+def test_matrix_report_ranks_by_peak_and_time(tmp_path):
+    from tttvideo.memory.matrix import MatrixRow, matrix_table
+    from tttvideo.memory.matrix_report import rankings, write_matrix_report
+
+    def row(name, status, peak=None, step=None):
+        summary = None if peak is None else {"totals": {"peak_allocated": peak}, "step_seconds": [9.0, step]}
+        return MatrixRow(name, status, 0, 1.0, "", str(tmp_path), summary)
+
+    rows = [row("a", "ok", 3 * 2**30, 2.0), row("b", "oom"), row("c", "ok", 2 * 2**30, 5.0), row("d", "error")]
+    ranks = rankings(rows)
+    assert [n for n, _ in ranks["peak"]] == ["c", "a", "b", "d"] and ranks["peak"][2] == ("b", "oom")
+    assert [n for n, _ in ranks["step time"]] == ["a", "c", "b", "d"]
+    cols, table = matrix_table(rows)
+    write_matrix_report(rows, cols, table, tmp_path, "test matrix")
+    md = (tmp_path / "matrix.md").read_text()
+    assert "## Ranked by peak" in md and "## Ranked by step time" in md
+    assert (tmp_path / "matrix.png").stat().st_size > 0 and "<img" in (tmp_path / "matrix.html").read_text()
