@@ -119,6 +119,7 @@ def _pictures(cfg, result, console) -> list:
         if not cfg.data.manifest:
             from tttvideo.data.demo_score import score_video_file
 
-            console.print(f"  {score_video_file(result.video).summary()}")
+            score = score_video_file(result.video, long_range=cfg.data.demo_kind == "long-range")
+            console.print(f"  {score.summary()}")
     pictures.append(loss_curve(result.output_dir / "metrics.jsonl", result.output_dir / "loss.png"))
     return pictures

