@@ -109,7 +109,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _materialize_blockwise(model: nn.Module, device: torch.device) -> None:
     """A meta-device model made real on `device` one module at a time, each tensor filled at once (random values:
-    N(0, 0.02) for matrices, ones / zeros for norms and biases), so no moment holds more than the model itself."""
+    N(0, 0.02) for matrices, ones / zeros for norms and biases), so no moment holds more than the model itself.
+    Buffers computed in `__init__` (rotary tables) get the same placeholder values: the outputs mean nothing, the
+    memory and time do not depend on them."""
     import torch
 
     for module in model.modules():
