@@ -80,6 +80,9 @@ def test_matrix_rows_for_ok_oom_and_failing_variants(tmp_path, capsys):
     lines = [f'config = "{BASE}"', 'phase = "train"', "steps = 1", 'device = "cpu"']
     for name, sets in variants:
         lines += ["[[variant]]", f'name = "{name}"', "set = [" + ", ".join(f'"{s}"' for s in sets) + "]"]
+    # a variant with its own config file: a diffusers pipeline profile with a typo, refused before anything loads
+    (tmp_path / "pipeline-typo.toml").write_text("[pipeline]\nname = 'wan2.1-t2v-1.3b'\nprecison = 'fp16'\n")
+    lines += ["[[variant]]", 'name = "own file"', 'config = "pipeline-typo.toml"']
     mfile = tmp_path / "matrix.toml"
     mfile.write_text("\n".join(lines) + "\n")
 
@@ -91,7 +94,10 @@ def test_matrix_rows_for_ok_oom_and_failing_variants(tmp_path, capsys):
 
     data = json.loads((out / "matrix.json").read_text())
     rows = {r["variant"]: r for r in data["rows"]}
-    assert set(rows) == {name for name, _ in variants}
+    assert set(rows) == {name for name, _ in variants} | {"own file"}
+    own = rows.pop("own file")
+    assert own["status"] == "error" and "precison" in own["note"]
+    assert (out / "matrix.html").is_file() and (out / "matrix.png").is_file()
     ok = rows["tiny ok"]
     assert ok["status"] == "ok" and ok["exit_code"] == 0
     assert [p["name"] for p in ok["summary"]["phases"]] == ["forward", "backward", "optimizer step"]

@@ -193,11 +193,12 @@ def run_matrix(m: Matrix, out_root: str | Path, progress: Any = None) -> list[Ma
     rows = []
     for i, v in enumerate(m.variants):
         if progress is not None:
-            progress(f"[{i + 1}/{len(m.variants)}] {v.name}: {' '.join(v.overrides) or '(base config)'}")
+            what = " ".join(([v.config.name] if v.config else []) + v.overrides) or "(base config)"
+            progress(f"[{i + 1}/{len(m.variants)}] {v.name}: {what}")
         rows.append(run_variant(m, v, out_root))
     (out_root / "matrix.json").write_text(json.dumps(
         {"matrix": str(m.path), "config": str(m.config) if m.config else None,
-         "variants": [asdict(v) for v in m.variants], "rows": [asdict(r) for r in rows]}, indent=1))
+         "variants": [asdict(v) for v in m.variants], "rows": [asdict(r) for r in rows]}, indent=1, default=str))
     cols, table = matrix_table(rows)
     write_matrix_report(rows, cols, table, out_root, f"memory matrix: {m.path.name}")
     return rows
