@@ -236,18 +236,11 @@ def profile_pipeline(pc: PipelineProfile, steps: int, out_dir: str | Path, *, de
     from tttvideo.device import resolve_device
     from tttvideo.memory.pipelines import drive_pipeline
 
-    dev = resolve_device("cuda" if device == "auto" and _cuda() else ("cpu" if device == "auto" else device),
-                         "--device")
+    dev = resolve_device(device, "--device")
     return run_profiled(lambda prof, d: drive_pipeline(pc, prof, steps, d), dev,
                         MemoryConfig(max_gpu_gib=pc.max_gpu_gib), steps, out_dir,
                         meta={"phase": f"pipeline {pc.name}", "steps": steps, **(meta or {}),
                               "pipeline": asdict(pc)}, snapshot=snapshot, trace=trace)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def run_profiled(drive: Callable[[MemoryProfiler, torch.device], None], dev: torch.device, memory: MemoryConfig,
