@@ -26,7 +26,8 @@ def tiny(name: str, *extra: str):
 def test_tiny_pipeline_gives_a_complete_report(tmp_path, name):
     from tttvideo.memory.drivers import profile_pipeline
 
-    summary, code = profile_pipeline(tiny(name), 2, tmp_path, device="cpu", trace=True)
+    traced = name.startswith("wan")  # torch.profiler's first start costs ~10 s on 2 cores: one pipeline traces
+    summary, code = profile_pipeline(tiny(name), 2, tmp_path, device="cpu", trace=traced)
     assert code == 0 and summary["status"] == "ok"
     components = [c["name"] for c in summary["components"]]
     assert [c.split(" (")[0] for c in components] == ["text encoder", "VAE", "transformer"]
@@ -40,9 +41,11 @@ def test_tiny_pipeline_gives_a_complete_report(tmp_path, name):
     assert len(summary["step_seconds"]) == 2 and all(s > 0 for s in summary["step_seconds"])
     assert summary["meta"]["video_shape"] == [1, 9, 3, 32, 32]
     assert summary["meta"]["pipeline"]["name"] == name
-    for f in ("report.html", "summary.md", "summary.csv", "events.json", "timeline.png", "components.png",
-              "trace.json", "trace_top.md"):
+    for f in ("report.html", "summary.md", "summary.csv", "events.json", "timeline.png", "components.png"):
         assert (tmp_path / f).is_file(), f
+    if not traced:
+        return
+    assert (tmp_path / "trace.json").is_file() and (tmp_path / "trace_top.md").is_file()
     top = json.loads((tmp_path / "trace_top.json").read_text())
     assert top["by_time"] and top["by_memory"]
     assert not any(".py(" in r["operator"] for r in top["by_time"])  # operators, not the Python frames of stacks
