@@ -86,7 +86,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tttvideo.parallel.launch import SharedError, launch_rank
+    from tttvideo.parallel.launch import SharedError, launch_rank, let_rank_zero_speak
 
     rank = launch_rank()
     if rank != 0:  # one voice: the other ranks print only errors of their own
@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         if not isinstance(err, SharedError):
             print(f"tttv sample: error on rank {rank}: {err}", file=sys.stderr, flush=True)
+        else:
+            let_rank_zero_speak()
         return 2
 
 

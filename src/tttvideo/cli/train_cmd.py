@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tttvideo.errors import UserError
+    from tttvideo.parallel.launch import let_rank_zero_speak
     from tttvideo.train.distributed import SharedError, launch_rank
     from tttvideo.train.stop import TrainingStopped
     from tttvideo.train.trainer import Trainer
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         if not isinstance(err, SharedError):
             print(f"tttv train: error on rank {launch_rank()}: {err}", file=sys.stderr, flush=True)
+        else:
+            let_rank_zero_speak()
         return 2
     if launch_rank() != 0:
         return 0

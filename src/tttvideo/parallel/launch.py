@@ -4,6 +4,7 @@ and the error type that every rank raises with the same sentence. `tttv train` a
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -13,6 +14,18 @@ from tttvideo.errors import UserError
 class SharedError(UserError):
     """A UserError that every rank raises with the same sentence (a config check, or a decision rank 0 took and
     broadcast): the CLI prints it on rank 0 only."""
+
+
+# how long a rank other than 0 waits before exiting on a SharedError: torchrun stops every rank as soon as one exits
+# with an error, and rank 0, the one that says the sentence, may be a few seconds behind (still importing, say)
+SHARED_ERROR_GRACE_S = 5.0
+
+
+def let_rank_zero_speak() -> None:
+    """Called by a rank other than 0 that stops on a SharedError, before it exits: rank 0 raises the same sentence
+    at the same point and prints it, unless torchrun has already stopped it because this rank exited first."""
+    if launch_world_size() > 1 and launch_rank() != 0:
+        time.sleep(SHARED_ERROR_GRACE_S)
 
 
 def launch_rank() -> int:
