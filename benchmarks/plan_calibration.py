@@ -11,8 +11,8 @@
     PYTHONPATH=src python3 benchmarks/plan_calibration.py check --out benchmarks/results/plan_check_h100.json
 
 A setup is a config, a phase, a duration and `--set` overrides; `run` profiles it with `tttv profile --steps 2`
-(random init, no cap, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) and records the peak allocated memory and
-the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan_count`) from each measured peak and
+(random init, no cap, the expandable allocator segments `tttv` sets by default) and records the peak allocated
+memory and the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan_count`) from each measured peak and
 keeps the activation per regime as a curve through the calibration durations of `SETUPS` (`plan_costs.Curve`), and
 step time likewise; then it predicts every setup and prints the errors. `--also` takes the profiler runs of
 benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured twice).
@@ -94,7 +94,6 @@ def cmd_run(args) -> int:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # every profile process inherits it
     os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
     out = Path(args.out)
     # a rerun (another machine, after a time limit) keeps what an earlier one measured and runs the rest
