@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # memory package's lower half that train and sample call (the allocator cap, the out-of-memory explanation)
     ("base", ("errors", "outputs", "device", "dtypes", "config", "layout", "rope", "diffusion",
               "parallel.sequence", "parallel.mesh", "memory.cap", "memory.oom")),
-    ("ttt", ("ttt",)),
+    # the long-range layers: TTT and the baselines beside it, which share its gated bidirectional wrapper
+    ("ttt", ("ttt", "sequence")),
     # FSDP sharding walks the model's blocks, and the parallel package's __init__ imports it
     ("models", ("models", "parallel", "parallel.fsdp")),
     # reading run folders (the model file, the newest intact checkpoint, what a --checkpoint path names): it reads

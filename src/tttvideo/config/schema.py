@@ -42,7 +42,14 @@ class ModelConfig:
                                "original: sft at 3 s, qkvo from 9 s)")
     lora_rank: int = bounded(64, 1, 4096)
     lora_alpha: float = bounded(64.0, 0.0)
-    use_ttt: bool = field(default=True, metadata={"help": "False: local attention only (the no-TTT baseline)"})
+    use_ttt: bool = field(default=True, metadata={"help": "False: local attention only (the no-TTT baseline; the "
+                                                          "same as sequence_layer = 'none')"})
+    sequence_layer: str = choice("ttt", "ttt", "none", "full-attention", "mamba2", "gated-deltanet",
+                                 help="the long-range layer after local attention in every block: ttt (TTT-MLP or "
+                                      "TTT-Linear by ttt.kind), none, full attention over the whole video, Mamba 2 "
+                                      "or Gated DeltaNet (flash-linear-attention's kernels on CUDA: pip install "
+                                      "'tttvideo[long-range]'); all but ttt are the baselines of "
+                                      "benchmarks/long_range.py and run on one GPU")
     frozen_weights: str = choice("dtype", "dtype", "fp8",
                                  help="storage of frozen linear weights (those the adapter does not train): dtype = "
                                       "model.dtype; fp8 = float8 e4m3 with one scale per output channel, upcast "

@@ -27,7 +27,7 @@ from tttvideo.models.attention import LocalAttention
 from tttvideo.models import chunked_inference
 from tttvideo.models.checkpointing import maybe_checkpoint
 from tttvideo.models.presets import ModelSpec
-from tttvideo.ttt.layer import BidirectionalTTT
+from tttvideo.sequence.build import sequence_layer
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the block needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
@@ -89,15 +89,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, ttt: TTTConfig | None):
-        """ttt: the TTT layer's settings; None builds the attention-only block."""
+    def __init__(self, spec: ModelSpec, ttt: TTTConfig | None, kind: str = "ttt"):
+        """ttt: the TTT layer's settings; None builds the attention-only block. kind: the long-range layer
+        (`tttvideo.sequence.build.SEQUENCE_LAYERS`), TTT unless a baseline is asked for."""
         super().__init__()
         dim = spec.dim
         self.norm1 = AdaLNZero(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
         self.attn = LocalAttention(dim, spec.num_attention_heads, spec.attention_head_dim, bias=spec.attention_bias,
                                    qk_norm_eps=spec.qk_norm_eps, norm_elementwise_affine=spec.norm_elementwise_affine,
                                    rope_theta=spec.rope_theta)
-        self.ttt = BidirectionalTTT(dim, spec.num_attention_heads, ttt) if ttt is not None else None
+        # the long-range layer, TTT or a baseline, is `ttt` whatever its kind (parameter names, the trainer's groups)
+        self.ttt = sequence_layer(kind if ttt is not None else "none", dim, spec.num_attention_heads, ttt,
+                                  spec.rope_theta)
         self.norm2 = AdaLNZero(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
         self.mlp = MLP(dim, 4 * dim)
         # activation checkpointing of the two halves (set by tttvideo.models.checkpointing.apply_checkpointing);

@@ -18,6 +18,20 @@ from tttvideo.ttt.layer import inner_hidden
 from tttvideo.ttt.ops import check_backend_config
 
 
+def long_range_layer(cfg: Config) -> str:
+    """The long-range layer of a config's blocks: model.sequence_layer, or "none" with model.use_ttt = false."""
+    m = cfg.model
+    if not m.use_ttt and m.sequence_layer not in ("ttt", "none"):
+        raise ConfigError(f"model.use_ttt = false builds no long-range layer, but model.sequence_layer = "
+                          f"{m.sequence_layer!r} asks for one; set only sequence_layer (use_ttt = false is "
+                          f"sequence_layer = 'none')")
+    layer = m.sequence_layer if m.use_ttt else "none"
+    if layer not in ("ttt", "none") and cfg.memory.chunked_inference:
+        raise ConfigError(f"memory.chunked_inference runs the TTT layer in chunks; model.sequence_layer = {layer!r} "
+                          f"has no chunked forward: set memory.chunked_inference = false")
+    return layer
+
+
 def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT:
     """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt,
     frozen_weights: fp8 storage of the linears the adapter froze), `cfg.ttt`, `cfg.checkpointing` and
@@ -26,13 +40,16 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT
     m = cfg.model
     spec = get_preset(m.preset)
     head_dim = spec.attention_head_dim
-    check_backend_config(cfg.ttt, head_dim, inner_hidden(cfg.ttt.kind, head_dim), device)
+    layer = long_range_layer(cfg)
+    if layer == "ttt":
+        check_backend_config(cfg.ttt, head_dim, inner_hidden(cfg.ttt.kind, head_dim), device)
     dtype = torch_dtype(m.dtype)
+    use_ttt = layer != "none"
     if m.pretrained_path:
-        model = from_pretrained(m.pretrained_path, spec=spec, ttt=cfg.ttt, use_ttt=m.use_ttt, dtype=dtype,
-                                device=device)
+        model = from_pretrained(m.pretrained_path, spec=spec, ttt=cfg.ttt, use_ttt=use_ttt, dtype=dtype,
+                                device=device, sequence_layer=layer)
     else:
-        model = init_model(spec, cfg.ttt, m.use_ttt, dtype=dtype, device=device)
+        model = init_model(spec, cfg.ttt, use_ttt, dtype=dtype, device=device, sequence_layer=layer)
     apply_adapter(model, m.adapter, m.lora_rank, m.lora_alpha)
     if m.frozen_weights == "fp8":
         # after the adapter: requires_grad decides which linears are frozen

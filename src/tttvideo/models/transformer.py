@@ -45,17 +45,20 @@ class OutputNorm(nn.Module):
 
 
 class CogVideoXTTT(nn.Module):
-    def __init__(self, spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True):
-        """spec: backbone size; ttt: a TTTConfig (defaults when None); use_ttt=False: local attention only."""
+    def __init__(self, spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True,
+                 sequence_layer: str = "ttt"):
+        """spec: backbone size; ttt: a TTTConfig (defaults when None); use_ttt=False: local attention only;
+        sequence_layer: the long-range layer when use_ttt (`tttvideo.sequence.build.SEQUENCE_LAYERS`)."""
         super().__init__()
         if ttt is None:
             ttt = TTTConfig()
         spec.validate()
         self.spec, self.ttt_config, self.use_ttt = spec, ttt, use_ttt
+        self.sequence_layer = sequence_layer if use_ttt else "none"
         dim = spec.dim
         self.embed = PatchEmbed(spec.in_channels, dim, spec.text_embed_dim, spec.patch_size, bias=spec.patch_bias)
         self.time_embed = TimestepEmbedding(dim, spec.time_embed_dim, spec.flip_sin_to_cos, spec.freq_shift)
-        self.blocks = nn.ModuleList([Block(spec, ttt if use_ttt else None) for _ in range(spec.num_layers)])
+        self.blocks = nn.ModuleList([Block(spec, ttt if use_ttt else None, sequence_layer) for _ in range(spec.num_layers)])
         self.norm_final = nn.LayerNorm(dim, eps=spec.norm_eps, elementwise_affine=spec.norm_elementwise_affine)
         self.norm_out = OutputNorm(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
         self.proj_out = nn.Linear(dim, spec.patch_size * spec.patch_size * spec.out_channels)

@@ -134,6 +134,7 @@ def from_pretrained(
     use_ttt: bool = True,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
+    sequence_layer: str = "ttt",
 ) -> CogVideoXTTT:
     """Our model with the backbone weights of a diffusers CogVideoX transformer folder and freshly initialised TTT.
 
@@ -147,7 +148,7 @@ def from_pretrained(
     files = weight_files(folder)
 
     with torch.device("meta"):
-        model = CogVideoXTTT(spec, ttt, use_ttt)
+        model = CogVideoXTTT(spec, ttt, use_ttt, sequence_layer)
     expected = {n: p for n, p in model.named_parameters() if not is_ttt_parameter(n)}
     name_map = diffusers_name_map(spec.num_layers)
     loaded: set[str] = set()
@@ -184,12 +185,12 @@ def from_pretrained(
 
 
 def init_model(spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> CogVideoXTTT:
+               device: torch.device | str = "cpu", sequence_layer: str = "ttt") -> CogVideoXTTT:
     """A randomly initialised model built directly on `device` in `dtype` (meta first, so no CPU copy of 5B). On
     the meta device itself: the skeleton with every shape and dtype and no data (the memory planner counts it)."""
     dtype = torch_dtype(dtype)
     with torch.device("meta"):
-        model = CogVideoXTTT(spec, ttt, use_ttt)
+        model = CogVideoXTTT(spec, ttt, use_ttt, sequence_layer)
     if torch.device(device).type == "meta":
         return model.to(dtype)
     materialize(model, torch.device(device), dtype)
@@ -255,6 +256,7 @@ def save_checkpoint(model: CogVideoXTTT, path: str | Path, trainable_only: bool 
         "format": CHECKPOINT_FORMAT,
         "spec": json.dumps(dataclasses.asdict(model.spec)),
         "use_ttt": str(model.use_ttt),
+        "sequence_layer": model.sequence_layer,
         "partial": str(trainable_only or _has_fp8_layers(model)),
     }
     if trained_duration_s is not None:
@@ -347,7 +349,7 @@ def load_checkpoint(model: CogVideoXTTT, path: str | Path) -> list[str]:
             parts = [f"{label} {_names(v)}" for label, v in
                      (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if v]
             raise UserError(
-                f"{path} does not fit this model ({'; '.join(parts)}); was it saved with another adapter or use_ttt?"
+                f"{path} does not fit this model ({'; '.join(parts)}); was it saved with another adapter, use_ttt or sequence_layer?"
             )
         for k in keys:
             if k in fp8:

@@ -42,11 +42,12 @@ def is_sharded_checkpoint(folder: Path) -> bool:
 
 class _WholeWeights:
     """The gathered state dict in the shape `tttvideo.models.save_checkpoint` reads a model in (named parameters,
-    spec, use_ttt): the sharded model's own parameters are DTensors."""
+    spec, use_ttt, sequence_layer): the sharded model's own parameters are DTensors."""
 
     def __init__(self, model: CogVideoXTTT, tensors: dict[str, torch.Tensor]):
         self.spec: ModelSpec = model.spec
         self.use_ttt: bool = model.use_ttt
+        self.sequence_layer: str = model.sequence_layer
         names = {n for n, _ in model.named_parameters()}
         self._tensors = {n: t for n, t in tensors.items() if n in names}
 

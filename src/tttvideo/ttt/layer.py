@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
+from tttvideo.sequence.bidirectional import GatedBidirectional
 from tttvideo.ttt import ops
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the layer needs it only when given a group
@@ -232,45 +232,9 @@ class TTTLayer(nn.Module):
         )
 
 
-class BidirectionalTTT(nn.Module):
+class BidirectionalTTT(GatedBidirectional):
     """Forward and reverse TTT passes sharing all parameters, each behind per-modality tanh gates."""
 
     def __init__(self, dim: int, num_heads: int, config: TTTConfig | None = None):
-        super().__init__()
         config = config if config is not None else TTTConfig()
-        self.ttt = TTTLayer(dim, num_heads, config)
-        gate_init = self.gate_init = config.gate_init
-        self.forward_gate_text = nn.Parameter(torch.full((dim,), gate_init))
-        self.forward_gate_video = nn.Parameter(torch.full((dim,), gate_init))
-        self.reverse_gate_text = nn.Parameter(torch.full((dim,), gate_init))
-        self.reverse_gate_video = nn.Parameter(torch.full((dim,), gate_init))
-        # activation checkpointing of each pass (set by the model's checkpointing policy)
-        self.checkpoint_forward = False
-        self.checkpoint_reverse = False
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        self.ttt.reset_parameters()
-        for gate in (self.forward_gate_text, self.forward_gate_video, self.reverse_gate_text, self.reverse_gate_video):
-            gate.fill_(self.gate_init)
-
-    def _pass(self, x: torch.Tensor, layout: VideoLayout, reverse: bool, remat: bool,
-              sp: SequenceParallel | None) -> torch.Tensor:
-        if remat and torch.is_grad_enabled():
-            return checkpoint(self.ttt, x, layout, reverse, sp, use_reentrant=False)
-        return self.ttt(x, layout, reverse, sp)
-
-    @staticmethod
-    def _gated(y: torch.Tensor, text_gate: torch.Tensor, video_gate: torch.Tensor, text_tokens: int) -> torch.Tensor:
-        return torch.cat(
-            [torch.tanh(text_gate).to(y.dtype) * y[:, :text_tokens], torch.tanh(video_gate).to(y.dtype) * y[:, text_tokens:]],
-            dim=1,
-        )
-
-    def forward(self, x: torch.Tensor, layout: VideoLayout, sp: SequenceParallel | None = None) -> torch.Tensor:
-        """x [B, L, C] in residual order (with `sp`: this rank's shard [B, L / sp, C]) -> the same shape."""
-        T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
-        z = x + self._gated(self._pass(x, layout, False, self.checkpoint_forward, sp), self.forward_gate_text,
-                            self.forward_gate_video, T)
-        back = self._pass(z, layout, True, self.checkpoint_reverse, sp)
-        return z + self._gated(back, self.reverse_gate_text, self.reverse_gate_video, T)
+        super().__init__(TTTLayer(dim, num_heads, config), dim, config.gate_init)

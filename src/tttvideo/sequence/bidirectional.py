@@ -1,0 +1,84 @@
+"""The gated bidirectional wrapper every long-range layer runs in, as the paper runs TTT:
+
+    Z  = X + tanh(alpha) * f(X)                 (f: one pass over the sequence in scan order)
+    Z' = Z + tanh(beta) * f_reverse(Z)          (the same parameters over the reversed scan order)
+
+with separate per-channel gates for text and video tokens. Scan order is the layout's interleave: each 3-s
+segment's text, then its video, segment after segment (`VideoLayout.interleave_perm`); the reverse pass walks the
+reversed sequence in the same interleave (`reverse_interleave_perm`). A layer that sees the whole sequence at once
+(full attention) runs one pass."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tttvideo.layout import VideoLayout
+
+if TYPE_CHECKING:
+    from tttvideo.parallel.sequence import SequenceParallel
+
+
+@lru_cache(maxsize=16)
+def scan_permutations(layout: VideoLayout, device: torch.device, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual -> scan order gather, scan -> residual order gather) of one direction, on `device`."""
+    if reverse:
+        return layout.reverse_interleave_perm.to(device), layout.reverse_deinterleave_perm.to(device)
+    return layout.interleave_perm.to(device), layout.deinterleave_perm.to(device)
+
+
+def gated(y: torch.Tensor, text_gate: torch.Tensor, video_gate: torch.Tensor, text_tokens: int) -> torch.Tensor:
+    """tanh(gate) * y with the text gate on the first `text_tokens` tokens and the video gate on the rest."""
+    return torch.cat([torch.tanh(text_gate).to(y.dtype) * y[:, :text_tokens],
+                      torch.tanh(video_gate).to(y.dtype) * y[:, text_tokens:]], dim=1)
+
+
+class GatedBidirectional(nn.Module):
+    """A long-range layer `inner` (forward(x, layout, reverse, sp) -> same shape, residual order) behind the gates.
+
+    The inner layer is the attribute `ttt` whatever it is, so that the trainer's parameter groups (the long-range
+    layer's learning rate) and checkpoints name every kind the same way."""
+
+    def __init__(self, inner: nn.Module, dim: int, gate_init: float, bidirectional: bool = True):
+        super().__init__()
+        self.ttt = inner
+        self.gate_init = gate_init
+        self.bidirectional = bidirectional
+        self.forward_gate_text = nn.Parameter(torch.full((dim,), gate_init))
+        self.forward_gate_video = nn.Parameter(torch.full((dim,), gate_init))
+        if bidirectional:
+            self.reverse_gate_text = nn.Parameter(torch.full((dim,), gate_init))
+            self.reverse_gate_video = nn.Parameter(torch.full((dim,), gate_init))
+        # activation checkpointing of each pass (set by the model's checkpointing policy)
+        self.checkpoint_forward = False
+        self.checkpoint_reverse = False
+
+    def gates(self) -> list[nn.Parameter]:
+        both = [self.forward_gate_text, self.forward_gate_video]
+        return both + [self.reverse_gate_text, self.reverse_gate_video] if self.bidirectional else both
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.ttt.reset_parameters()
+        for gate in self.gates():
+            gate.fill_(self.gate_init)
+
+    def _pass(self, x: torch.Tensor, layout: VideoLayout, reverse: bool, remat: bool,
+              sp: SequenceParallel | None) -> torch.Tensor:
+        if remat and torch.is_grad_enabled():
+            return checkpoint(self.ttt, x, layout, reverse, sp, use_reentrant=False)
+        return self.ttt(x, layout, reverse, sp)
+
+    def forward(self, x: torch.Tensor, layout: VideoLayout, sp: SequenceParallel | None = None) -> torch.Tensor:
+        """x [B, L, C] in residual order (with `sp`: this rank's shard [B, L / sp, C]) -> the same shape."""
+        T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
+        z = x + gated(self._pass(x, layout, False, self.checkpoint_forward, sp), self.forward_gate_text,
+                      self.forward_gate_video, T)
+        if not self.bidirectional:
+            return z
+        back = self._pass(z, layout, True, self.checkpoint_reverse, sp)
+        return z + gated(back, self.reverse_gate_text, self.reverse_gate_video, T)
