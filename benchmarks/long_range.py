@@ -1,0 +1,282 @@
+"""Long-range consistency: does the layer beside local attention carry what the first scene said into later scenes?
+
+Each variant (the long-range layer: TTT-MLP, TTT-Linear, none, full attention, Mamba 2, Gated DeltaNet) is trained
+with the same data, steps and seeds (configs/long-range.toml: the tiny model on the long-range demo set, where only
+the first scene's caption names the shape's colour and every later 3-s segment cuts to a new scene in that colour),
+then samples a fixed set of held-out stories of the same kind. The probe (`tttvideo.data.demo_score.
+score_persistence`) reads the colour of the shape back from every later scene of every sampled video; chance is 1/6.
+Local attention sees only its own segment's caption, so without a long-range layer the colour of a later scene is a
+guess.
+
+Per duration and variant: the accuracy per scene distance (+1 = the scene right after the first, ...) as mean and
+spread over the seeds, the overall accuracy, the median training step time and the peak GPU memory of training.
+Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
+score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
+run and a rerun skips the runs it holds (resume after a time limit); a table is printed and a plot written beside
+the JSON. 3-s videos have one scene, so nothing to carry: durations start at 6 s.
+
+    PYTHONPATH=src python3 benchmarks/long_range.py --out benchmarks/results/long_range_h100.json   # the GPU run
+    PYTHONPATH=src python3 benchmarks/long_range.py --durations 6s --seeds 0 --steps 3 --eval-videos 2 \\
+        --set sample.steps=2 --out /tmp/lr.json                      # a CPU smoke run of the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# the layer each variant puts after local attention; TTT-Linear takes the original's inner learning rate
+VARIANTS = {
+    "ttt-mlp": ["model.sequence_layer=ttt", "ttt.kind=mlp"],
+    "ttt-linear": ["model.sequence_layer=ttt", "ttt.kind=linear", "ttt.base_lr=1.0"],
+    "none": ["model.sequence_layer=none"],
+    "full-attention": ["model.sequence_layer=full-attention"],
+    "mamba2": ["model.sequence_layer=mamba2"],
+    "gated-deltanet": ["model.sequence_layer=gated-deltanet"],
+}
+EVAL_SEED = 9_000  # the held-out stories: another generator stream than any training set's
+
+
+def eval_stories(segments: int, count: int):
+    """`count` long-range stories of `segments` scenes, the same for every variant and seed."""
+    import numpy as np
+
+    from tttvideo.data.demo import long_range_video
+    from tttvideo.sample.scenes import Scene, Story
+
+    rng = np.random.Generator(np.random.PCG64(EVAL_SEED + segments))
+    videos = [long_range_video(rng, segments) for _ in range(count)]
+    stories = [Story(name=f"eval-{i:03d}", source="benchmarks/long_range.py",
+                     scenes=[Scene(**scene) for scene in v.story()]) for i, v in enumerate(videos)]
+    return videos, stories
+
+
+def probe_check(cfg, videos) -> dict:
+    """The probe on the held-out stories' own latents (kept) and on the same stories with every later scene in
+    another colour (forgotten): 1.0 and 0.0 when it reads what it should."""
+    from dataclasses import replace
+
+    import torch
+
+    from tttvideo.data.demo import COLOURS, DemoVideo, render_video
+    from tttvideo.data.demo_score import latent_frames, score_persistence
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models.presets import get_preset
+
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    channels = get_preset(cfg.model.preset).in_channels
+    names = list(COLOURS)
+    kept, lost = [], []
+    for v in videos:
+        other = names[(names.index(v.scenes[0].colour) + 1) % len(names)]
+        forgot = DemoVideo([v.scenes[0]] + [replace(s, colour=other) for s in v.scenes[1:]], v.scene_start,
+                           v.scene_end)
+        captions = [s.caption for s in v.scenes]
+        for video, into in ((v, kept), (forgot, lost)):
+            frames = latent_frames(torch.from_numpy(render_video(video, layout, channels)).permute(1, 0, 2, 3))
+            into.append(score_persistence(frames, captions).accuracy)
+    return {"kept": statistics.mean(kept), "forgotten": statistics.mean(lost)}
+
+
+def train_and_score(base: Path, variant: str, duration: str, seed: int, args, work: Path) -> dict:
+    """One run: train, sample the held-out stories from its checkpoint, score them."""
+    import torch
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from tttvideo.api import train
+    from tttvideo.config.loader import load_config
+    from tttvideo.data.demo_score import latent_frames, score_persistence
+    from tttvideo.sample.pipeline import sample_stories
+
+    out = work / duration / variant / f"seed{seed}"
+    overrides = VARIANTS[variant] + [f"layout.duration={duration}", f"train.seed={seed}",
+                                     f"train.output_dir={out}", f"data.demo_dir={work / 'data' / duration}"]
+    if args.steps:
+        overrides.append(f"train.steps={args.steps}")
+    overrides += args.overrides
+    cfg = load_config(base, overrides)
+    cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    result = train(cfg, quiet=True)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    step_s = step_times(result.output_dir)
+    videos, stories = eval_stories(num_segments(cfg), args.eval_videos)
+    samples = sample_stories(cfg, stories, out / "eval", checkpoint=result.output_dir, console=Console(quiet=True),
+                             progress=False)
+    distances: list[list[bool]] = []
+    for video, sample in zip(videos, samples):
+        frames = latent_frames(load_file(str(sample.latents))["latents"][0])
+        distances.append(score_persistence(frames, [s.caption for s in video.scenes]).by_distance())
+    per_distance = [statistics.mean(float(d[i]) for d in distances) for i in range(len(distances[0]))]
+    params = sum(p.numel() for n, p in load_file(str(newest_model(result.output_dir))).items() if ".ttt." in n)
+    return {"variant": variant, "duration": duration, "seed": seed, "steps": result.steps_done,
+            "first_loss": result.first_loss, "last_loss": result.last_loss, "train_s": result.seconds,
+            "median_step_s": statistics.median(step_s) if step_s else result.seconds / max(result.steps_done, 1),
+            "peak_allocated": peak, "long_range_params": params, "accuracy_by_distance": per_distance,
+            "accuracy": statistics.mean(per_distance), "eval_videos": len(samples)}
+
+
+def num_segments(cfg) -> int:
+    from tttvideo.layout import VideoLayout
+
+    return VideoLayout.from_config(cfg.layout, cfg.ttt).num_segments
+
+
+def step_times(run: Path) -> list[float]:
+    """Seconds per optimizer step from the run's metrics log (the trainer's `metrics.jsonl`), when it has them."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["step_time"] for r in rows if isinstance(r.get("step_time"), (int, float))]
+
+
+def newest_model(run: Path) -> Path:
+    from tttvideo.runs import find_model_file
+
+    return find_model_file(run)
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Mean and spread (sample standard deviation) over seeds, per duration and variant."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["duration"], r["variant"]), []).append(r)
+    rows = []
+    for (duration, variant), rs in groups.items():
+        acc = [r["accuracy"] for r in rs]
+        by = list(zip(*(r["accuracy_by_distance"] for r in rs)))
+        peaks = [r["peak_allocated"] for r in rs if r["peak_allocated"] is not None]
+        rows.append({"duration": duration, "variant": variant, "seeds": sorted(r["seed"] for r in rs),
+                     "accuracy": statistics.mean(acc), "accuracy_sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                     "accuracy_by_distance": [statistics.mean(d) for d in by],
+                     "accuracy_by_distance_sd": [statistics.stdev(d) if len(d) > 1 else 0.0 for d in by],
+                     "median_step_s": statistics.median(r["median_step_s"] for r in rs),
+                     "peak_allocated": max(peaks) if peaks else None,
+                     "long_range_params": rs[0]["long_range_params"]})
+    return rows
+
+
+def table(rows: list[dict], chance: float) -> str:
+    lines = [f"chance = {chance:.2f}", "",
+             "| duration | layer | accuracy (mean +- sd over seeds) | by scene distance +1, +2, ... | step (s) | "
+             "peak GiB | layer params |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        by = ", ".join(f"{a:.2f}" for a in r["accuracy_by_distance"])
+        peak = f"{r['peak_allocated'] / 2**30:.2f}" if r["peak_allocated"] else "-"
+        lines.append(f"| {r['duration']} | {r['variant']} | {r['accuracy']:.2f} +- {r['accuracy_sd']:.2f} "
+                     f"(seeds {r['seeds']}) | {by} | {r['median_step_s']:.3f} | {peak} | {r['long_range_params']:,} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], chance: float, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'tttvideo[report]'): no plot", file=sys.stderr)
+        return None
+    durations = sorted({r["duration"] for r in rows}, key=lambda d: int(d.rstrip("s")))
+    fig, axes = plt.subplots(1, len(durations), figsize=(5 * len(durations), 4), squeeze=False)
+    for ax, duration in zip(axes[0], durations):
+        for r in (r for r in rows if r["duration"] == duration):
+            x = list(range(1, len(r["accuracy_by_distance"]) + 1))
+            ax.errorbar(x, r["accuracy_by_distance"], yerr=r["accuracy_by_distance_sd"], marker="o", capsize=3,
+                        label=r["variant"])
+            ax.set_xticks(x)
+        ax.axhline(chance, color="grey", linestyle="--", label="chance")
+        ax.set(title=f"{duration}: first scene's colour kept", xlabel="scenes after the first (3 s each)",
+               ylabel="accuracy", ylim=(-0.05, 1.05))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "long-range.toml"))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--durations", default="9s,18s", help="comma separated, 6 s and longer")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=0, help="training steps per run (0: the config's train.steps)")
+    ap.add_argument("--eval-videos", type=int, default=16, help="held-out stories sampled per run")
+    ap.add_argument("--work", default="runs/long-range-benchmark", help="run folders")
+    ap.add_argument("--out", default="benchmarks/results/long_range.json")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from tttvideo.config.loader import load_config
+    from tttvideo.data.demo_score import CHANCE
+
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    work, out = Path(args.work), Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    held = json.loads(out.read_text()) if out.is_file() else {}
+    runs = held.get("runs", [])
+    done = {(r["variant"], r["duration"], r["seed"]) for r in runs}
+    probes = held.get("probe", {})
+    for duration in args.durations.split(","):
+        cfg = load_config(args.config, [f"layout.duration={duration}"] + args.overrides)
+        segments = num_segments(cfg)
+        if segments < 2:
+            ap.error(f"--durations {duration}: one 3-s segment has no later scene to score; use 6s or longer")
+        videos, _ = eval_stories(segments, args.eval_videos)
+        probes[duration] = probe_check(cfg, videos)
+        if probes[duration] != {"kept": 1.0, "forgotten": 0.0}:
+            raise SystemExit(f"the probe is not live at {duration}: {probes[duration]} (want kept 1.0, forgotten "
+                             f"0.0); fix tttvideo.data.demo_score before trusting any score")
+        for variant in variants:
+            for seed in (int(s) for s in args.seeds.split(",")):
+                if (variant, duration, seed) in done:
+                    continue
+                t0 = time.perf_counter()
+                row = train_and_score(Path(args.config), variant, duration, seed, args, work)
+                runs.append(row)
+                print(f"{duration} {variant} seed {seed}: accuracy {row['accuracy']:.2f} "
+                      f"{[round(a, 2) for a in row['accuracy_by_distance']]} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+                write(out, runs, probes, args, torch)
+    rows = summarize([r for r in runs if r["variant"] in variants])
+    result = write(out, runs, probes, args, torch, rows)
+    chance = CHANCE["colour"]
+    print(table(rows, chance))
+    png = plot(rows, chance, out.with_suffix(".png"))
+    if png:
+        print(f"plot: {png}")
+    print(f"results: {out} ({len(result['runs'])} runs)")
+    return 0
+
+
+def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    result = {"benchmark": "long_range", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+              else platform.processor() or "cpu", "torch": torch.__version__, "git_commit": commit,
+              "config": str(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
+              "chance": 1 / 6, "probe": probes, "runs": runs, "summary": rows or summarize(runs)}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
