@@ -98,7 +98,8 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
 
     out = work / duration / variant / f"seed{seed}"
     overrides = VARIANTS[variant] + [f"layout.duration={duration}", f"train.seed={seed}",
-                                     f"train.output_dir={out}", f"data.demo_dir={work / 'data' / duration}"]
+                                     f"train.output_dir={out}",
+                                     f"data.demo_dir={work / 'data' / f'{duration}-seed{seed}'}"]
     if args.steps:
         overrides.append(f"train.steps={args.steps}")
     overrides += args.overrides
@@ -216,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="runs/long-range-benchmark", help="run folders")
     ap.add_argument("--out", default="benchmarks/results/long_range.json")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once, each in its own process (the tiny model leaves a GPU mostly idle; step "
+                         "times are then measured side by side, recorded as concurrent_jobs)")
     args = ap.parse_args(argv)
 
     import torch
@@ -243,17 +247,13 @@ def main(argv=None) -> int:
         if probes[duration] != {"kept": 1.0, "forgotten": 0.0}:
             raise SystemExit(f"the probe is not live at {duration}: {probes[duration]} (want kept 1.0, forgotten "
                              f"0.0); fix tttvideo.data.demo_score before trusting any score")
-        for variant in variants:
-            for seed in (int(s) for s in args.seeds.split(",")):
-                if (variant, duration, seed) in done:
-                    continue
-                t0 = time.perf_counter()
-                row = train_and_score(Path(args.config), variant, duration, seed, args, work)
-                runs.append(row)
-                print(f"{duration} {variant} seed {seed}: accuracy {row['accuracy']:.2f} "
-                      f"{[round(a, 2) for a in row['accuracy_by_distance']]} ({time.perf_counter() - t0:.0f} s)",
-                      flush=True)
-                write(out, runs, probes, args, torch)
+    pending = [(v, d, int(s)) for d in args.durations.split(",") for v in variants for s in args.seeds.split(",")
+               if (v, d, int(s)) not in done]
+    for row in (run_parallel(pending, args, work) if args.jobs > 1 else run_serial(pending, args, work)):
+        runs.append(row)
+        print(f"{row['duration']} {row['variant']} seed {row['seed']}: accuracy {row['accuracy']:.2f} "
+              f"{[round(a, 2) for a in row['accuracy_by_distance']]} ({row['wall_s']:.0f} s)", flush=True)
+        write(out, runs, probes, args, torch)
     rows = summarize([r for r in runs if r["variant"] in variants])
     result = write(out, runs, probes, args, torch, rows)
     chance = CHANCE["colour"]
@@ -263,6 +263,42 @@ def main(argv=None) -> int:
         print(f"plot: {png}")
     print(f"results: {out} ({len(result['runs'])} runs)")
     return 0
+
+
+def run_serial(pending: list[tuple[str, str, int]], args, work: Path):
+    for variant, duration, seed in pending:
+        t0 = time.perf_counter()
+        row = train_and_score(Path(args.config), variant, duration, seed, args, work)
+        yield {**row, "wall_s": time.perf_counter() - t0, "concurrent_jobs": 1}
+
+
+def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
+    """Each run as `long_range.py` of that one run in a subprocess (its JSON and log in <work>/parts), at most
+    `args.jobs` at once; yields each run's row as it finishes."""
+    parts = work / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    queue, active = list(pending), {}
+    while queue or active:
+        while queue and len(active) < args.jobs:
+            variant, duration, seed = queue.pop(0)
+            name = f"{duration}-{variant}-seed{seed}"
+            cmd = [sys.executable, __file__, "--config", args.config, "--variants", variant, "--durations", duration,
+                   "--seeds", str(seed), "--steps", str(args.steps), "--eval-videos", str(args.eval_videos),
+                   "--work", str(work), "--out", str(parts / f"{name}.json")]
+            for o in args.overrides:
+                cmd += ["--set", o]
+            log = open(parts / f"{name}.log", "w")
+            active[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+        time.sleep(1.0)
+        for name, (proc, log, t0) in list(active.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del active[name]
+            if proc.returncode != 0:
+                raise SystemExit(f"run {name} failed (exit {proc.returncode}); its log: {parts / f'{name}.log'}")
+            (row,) = json.loads((parts / f"{name}.json").read_text())["runs"]
+            yield {**row, "wall_s": time.perf_counter() - t0, "concurrent_jobs": args.jobs}
 
 
 def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None) -> dict:

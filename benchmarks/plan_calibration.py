@@ -176,8 +176,9 @@ def rows_from_fit_24gb(path: Path) -> list[dict]:
         if r.get("status") != "ok":
             continue
         argv = shlex.split(r["command"])
-        config = str(Path(argv[argv.index("profile") + 1]).resolve().relative_to(ROOT)) \
-            if Path(argv[argv.index("profile") + 1]).is_absolute() else argv[argv.index("profile") + 1]
+        # the config as a repository path, wherever the repository was when the run wrote its command
+        given = Path(argv[argv.index("profile") + 1])
+        config = str(Path(*given.parts[given.parts.index("configs"):])) if "configs" in given.parts else str(given)
         sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
         duration = next((s.split("=", 1)[1] for s in sets if s.startswith("layout.duration=")), None)
         sets = [s for s in sets if not s.startswith("layout.duration=")
@@ -269,14 +270,22 @@ def cmd_check(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
     costs = load_costs(args.gpu_kind)
-    rows = [r for r in json.loads(out.read_text())["setups"] if r.get("status") in ("ok", "oom")] \
-        if out.is_file() else []
-    done = {(r["gpu_mem_gib"], r["duration"], r["role"]) for r in rows}
+    held = json.loads(out.read_text()) if out.is_file() else {}
+    rows = [r for r in held.get("setups", []) if r.get("status") in ("ok", "oom")]
+    superseded = held.get("superseded", [])
+    total = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
     cases = [(float(m), d) for m in args.gpu_mem.split(",") for d in args.durations.split(",")]
     for i, (mem, duration) in enumerate(cases):
         cfg = load_config(ROOT / args.config, NO_WEIGHTS + [f"layout.duration={duration}"])
         preds = plan(cfg, args.phase, int(mem * GIB), costs)
         chosen = best(preds)
+        # a choice the planner no longer makes (costs or margins changed since) is kept aside, not checked again
+        current = chosen.candidate.label if chosen is not None else None
+        for r in [r for r in rows if (r["gpu_mem_gib"], r["duration"], r["role"]) == (mem, duration, "chosen")
+                  and r.get("setup") != current]:
+            rows.remove(r)
+            superseded.append({**r, "superseded_by": current})
+        done = {(r["gpu_mem_gib"], r["duration"], r["role"]) for r in rows}
         if chosen is None:
             rows.append({"gpu_mem_gib": mem, "duration": duration, "role": "chosen", "status": "nothing fits"})
             continue
@@ -286,6 +295,8 @@ def cmd_check(args) -> int:
             tries.append(("faster, predicted not to fit",
                           min(faster, key=lambda p: (p.step_s, overheads(p.config), p.peak))))
         cap = round((mem * GIB - CUDA_CONTEXT) / GIB, 2)  # the card less its CUDA context, as the planner counts
+        if total is not None and cap >= total:  # a card this size is the whole of this one: run uncapped
+            cap = 0.0
         for role, pred in tries:
             if (mem, duration, role) in done:
                 continue
@@ -306,7 +317,8 @@ def cmd_check(args) -> int:
                          "step_seconds": s.get("step_seconds", [])})
             print(f"  {r.status} {r.note}", flush=True)
             out.write_text(json.dumps({**_result(rows, args, torch), "benchmark": "plan_check",
-                                       "config": args.config, "phase": args.phase}, indent=1))
+                                       "config": args.config, "phase": args.phase, "superseded": superseded},
+                                      indent=1))
     return 0
 
 

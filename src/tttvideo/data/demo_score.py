@@ -203,7 +203,10 @@ def background_colour(frames: np.ndarray, radius: float = 0.15, max_pixels: int 
     pixels = frames.reshape(-1, 3)
     if len(pixels) > max_pixels:  # an even subsample keeps the cost bounded
         pixels = pixels[np.linspace(0, len(pixels) - 1, max_pixels).round().astype(int)]
-    near = np.linalg.norm(pixels[:, None] - pixels[None], axis=-1) < radius
+    # squared distances through one matmul (|a|^2 + |b|^2 - 2 a.b, in float64) instead of an [n, n, 3] difference
+    p = pixels.astype(np.float64)
+    sq = (p * p).sum(1)
+    near = sq[:, None] + sq[None] - 2.0 * (p @ p.T) < radius * radius
     return pixels[near[int(np.argmax(near.sum(1)))]].mean(0)
 
 

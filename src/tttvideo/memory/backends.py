@@ -125,6 +125,7 @@ class CpuBackend:
         self._status = Path("/proc/self/status")
         self._linux = self._statm.exists() and self._status.exists()
         self._kernel_peak = self._linux and self._try_clear_refs()
+        self._mmap_large = self._linux and _mmap_large_buffers()
         self._soft_peak = 0
         self._psutil = None
         if not self._linux:
@@ -211,7 +212,26 @@ class CpuBackend:
             "torch": torch.__version__,
             "peak_source": "kernel VmHWM (reset via clear_refs)" if self._kernel_peak else "max of samples",
             "tracemalloc": bool(self.trace_python),
+            "large_buffers_mmapped": bool(self._mmap_large),
         }
+
+
+MMAP_THRESHOLD = 128 * 1024
+
+
+def _mmap_large_buffers() -> bool:
+    """Have glibc serve every allocation of 128 KiB or more by mmap and return it at free, for this process, so
+    that RSS follows the tensors alive. By default glibc raises its mmap threshold to the largest block freed so far
+    (up to 32 MiB): after one big tensor is freed, later ones of that size come from the heap, whose freed memory
+    stays resident, and a phase that allocates them shows no growth. False where this is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD; a fixed value also stops the adjustment
+    except (OSError, AttributeError):
+        return False
 
 
 def make_backend(device: str = "auto", trace_python: bool = True) -> MemoryBackend:

@@ -12,8 +12,9 @@ The adapter, the duration and the resolution are the user's experiment, not memo
 
 Each candidate's peak = counted (weights, gradients, optimizer state: `plan_count`) + activations (per-token costs
 measured on a GPU kind: `plan_costs`); its step time = per-token time cost. It fits a card of M bytes when
-peak x (1 + FRAGMENTATION) + CUDA_CONTEXT <= M: the allocator's reserved memory runs a few percent above what is
-allocated, and the CUDA context sits outside PyTorch's figures. The best candidate is the fastest that fits; a
+peak x (1 + margin) + CUDA_CONTEXT <= M: the allocator's reserved memory runs a few percent above what is
+allocated (FRAGMENTATION; more with weights streamed from host memory, whose per-layer copies come and go:
+FRAGMENTATION_STREAMED), and the CUDA context sits outside PyTorch's figures. The best candidate is the fastest that fits; a
 candidate whose regime was never measured is listed but never chosen.
 """
 
@@ -34,6 +35,9 @@ from tttvideo.memory.plan_count import Counted, count, with_overrides
 
 GIB = 2**30
 FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (docs/memory.md: measured 2-8%)
+# With streamed weights: on the H100 a 9-s run predicted at 21.96 GiB ran out of memory under a 23.2 GiB cap (5.6%
+# above), where a resident one predicted at 44.78 GiB ran under 47.2 (5.4% above); docs/memory.md, plan check
+FRAGMENTATION_STREAMED = 0.10
 CUDA_CONTEXT = int(0.8 * GIB)  # measured 0.5-0.8 GiB outside PyTorch on H100 / H200 with torch 2.11
 
 CHECKPOINTING = {
@@ -146,14 +150,20 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         notes.append("time not measured")
     fits = None
     if activation is not None and gpu_mem is not None:
-        fits = fits_in(counted.total + activation, gpu_mem)
+        fits = fits_in(counted.total + activation, gpu_mem, streams_weights(c))
     if sp > 1:
         notes.append("sp: one-GPU per-token costs")
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes)
 
 
-def fits_in(peak: int, gpu_mem: int) -> bool:
-    return peak * (1 + FRAGMENTATION) + CUDA_CONTEXT <= gpu_mem
+def streams_weights(cfg: Config) -> bool:
+    """Whether a setup copies weights in from host memory layer by layer (training or sampling)."""
+    return bool(cfg.memory.stream_frozen_weights or cfg.sample.offload_blocks)
+
+
+def fits_in(peak: int, gpu_mem: int, streamed: bool = False) -> bool:
+    margin = FRAGMENTATION_STREAMED if streamed else FRAGMENTATION
+    return peak * (1 + margin) + CUDA_CONTEXT <= gpu_mem
 
 
 def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1) -> list[Prediction]:
