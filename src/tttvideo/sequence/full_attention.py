@@ -15,7 +15,7 @@ from torch import nn
 
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
-from tttvideo.sequence.mamba2 import no_sequence_parallel
+from tttvideo.sequence.recurrent import no_sequence_parallel
 
 if TYPE_CHECKING:
     from tttvideo.parallel.sequence import SequenceParallel
