@@ -9,7 +9,9 @@ Local attention sees only its own segment's caption, so without a long-range lay
 guess.
 
 Per duration and variant: the accuracy per scene distance (+1 = the scene right after the first, ...) as mean and
-spread over the seeds, the overall accuracy, the median training step time and the peak GPU memory of training.
+spread over the seeds, the overall accuracy, the control (how often the first scene, whose caption names the colour,
+shows it: a model that has not learned to follow its captions at all makes the other scores meaningless), the median
+training step time and the peak GPU memory of training.
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
 run and a rerun skips the runs it holds (resume after a time limit); a table is printed and a plot written beside
@@ -93,7 +95,7 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
 
     from tttvideo.api import train
     from tttvideo.config.loader import load_config
-    from tttvideo.data.demo_score import latent_frames, score_persistence
+    from tttvideo.data.demo_score import latent_frames, scene_spans, score_frames, score_persistence
     from tttvideo.sample.pipeline import sample_stories
 
     out = work / duration / variant / f"seed{seed}"
@@ -114,16 +116,21 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
     samples = sample_stories(cfg, stories, out / "eval", checkpoint=result.output_dir, console=Console(quiet=True),
                              progress=False)
     distances: list[list[bool]] = []
+    first: list[bool] = []  # the control: the first scene, whose caption names the colour
     for video, sample in zip(videos, samples):
         frames = latent_frames(load_file(str(sample.latents))["latents"][0])
-        distances.append(score_persistence(frames, [s.caption for s in video.scenes]).by_distance())
+        captions = [s.caption for s in video.scenes]
+        distances.append(score_persistence(frames, captions).by_distance())
+        caption, start, stop = scene_spans(len(frames), captions)[0]
+        first.append(score_frames(frames[start:stop], [caption]).scenes[0].colour_ok)
     per_distance = [statistics.mean(float(d[i]) for d in distances) for i in range(len(distances[0]))]
     params = sum(p.numel() for n, p in load_file(str(newest_model(result.output_dir))).items() if ".ttt." in n)
     return {"variant": variant, "duration": duration, "seed": seed, "steps": result.steps_done,
             "first_loss": result.first_loss, "last_loss": result.last_loss, "train_s": result.seconds,
             "median_step_s": statistics.median(step_s) if step_s else result.seconds / max(result.steps_done, 1),
             "peak_allocated": peak, "long_range_params": params, "accuracy_by_distance": per_distance,
-            "accuracy": statistics.mean(per_distance), "eval_videos": len(samples)}
+            "accuracy": statistics.mean(per_distance), "first_scene_colour": statistics.mean(map(float, first)),
+            "eval_videos": len(samples)}
 
 
 def num_segments(cfg) -> int:
@@ -161,6 +168,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                      "accuracy": statistics.mean(acc), "accuracy_sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
                      "accuracy_by_distance": [statistics.mean(d) for d in by],
                      "accuracy_by_distance_sd": [statistics.stdev(d) if len(d) > 1 else 0.0 for d in by],
+                     "first_scene_colour": statistics.mean(r.get("first_scene_colour", float("nan")) for r in rs),
                      "median_step_s": statistics.median(r["median_step_s"] for r in rs),
                      "peak_allocated": max(peaks) if peaks else None,
                      "long_range_params": rs[0]["long_range_params"]})
@@ -169,13 +177,14 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def table(rows: list[dict], chance: float) -> str:
     lines = [f"chance = {chance:.2f}", "",
-             "| duration | layer | accuracy (mean +- sd over seeds) | by scene distance +1, +2, ... | step (s) | "
-             "peak GiB | layer params |", "|---|---|---|---|---|---|---|"]
+             "| duration | layer | accuracy (mean +- sd over seeds) | by scene distance +1, +2, ... | first scene "
+             "(captioned) | step (s) | peak GiB | layer params |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         by = ", ".join(f"{a:.2f}" for a in r["accuracy_by_distance"])
         peak = f"{r['peak_allocated'] / 2**30:.2f}" if r["peak_allocated"] else "-"
         lines.append(f"| {r['duration']} | {r['variant']} | {r['accuracy']:.2f} +- {r['accuracy_sd']:.2f} "
-                     f"(seeds {r['seeds']}) | {by} | {r['median_step_s']:.3f} | {peak} | {r['long_range_params']:,} |")
+                     f"(seeds {r['seeds']}) | {by} | {r['first_scene_colour']:.2f} | {r['median_step_s']:.3f} | {peak} | "
+                     f"{r['long_range_params']:,} |")
     return "\n".join(lines)
 
 

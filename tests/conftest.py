@@ -1,5 +1,15 @@
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_RUN = pytest.StashKey[tuple]()
 
 
 @pytest.fixture(scope="module")
@@ -10,3 +20,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def start_demo_run() -> tuple[Path, subprocess.Popen]:
+    """`tttv train configs/demo.toml` as `make demo` runs it, in its own process, its folders in a temporary
+    directory and TensorBoard off; stdout goes to <dir>/printed.txt, stderr to <dir>/stderr.txt."""
+    out = Path(tempfile.mkdtemp(prefix="tttv-demo-test-"))
+    cmd = [sys.executable, "-m", "tttvideo", "train", "configs/demo.toml", "--set", f"train.output_dir={out / 'run'}",
+           "--set", f"data.demo_dir={out / 'data'}", "--set", "train.tensorboard=false"]
+    with open(out / "printed.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    return out, proc
+
+
+def pytest_collection_finish(session):
+    """Start the demo run tests/test_demo_learns.py scores as soon as collection ends: it trains on one core for
+    about 100 s, which then overlaps the rest of the suite on the other core instead of adding to it."""
+    if not session.config.option.collectonly and any(item.path.name == "test_demo_learns.py"
+                                                     for item in session.items):
+        session.config.stash[DEMO_RUN] = start_demo_run()
+
+
+def pytest_sessionfinish(session):
+    run = session.config.stash.get(DEMO_RUN, None)
+    if run is not None:
+        out, proc = run
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(out, ignore_errors=True)

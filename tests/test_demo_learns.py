@@ -6,18 +6,17 @@ temporary directory and TensorBoard is off), then its end-of-run mp4 is scored a
 Asserted: the captioned colour is recognised in every scene (chance 1/6 each) and the overall score (the mean of
 the colour, background, direction and shape accuracies, chance 0.29) beats chance by at least `MARGIN`. A video with
 the right backgrounds and noise where the shapes should be scores about 0.49, so the margin cannot be met without
-the shapes. About 100 s on one core of a 2-core machine (the demo trains with train.cpu_threads = 1)."""
+the shapes. About 100 s on one core of a 2-core machine (the demo trains with train.cpu_threads = 1), beside the
+rest of the suite (conftest.py starts it when collection ends)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import DEMO_RUN, start_demo_run
 from tttvideo.config.loader import load_config
 from tttvideo.data.demo_score import CHANCE_OVERALL, score_video_file
 
@@ -25,16 +24,20 @@ MARGIN = 0.3
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    """The demo in its own process, as `make demo` runs it: a run of this size in the test process would leave the
-    allocator with freed memory that later tests' RSS-based measurements then do not see grow."""
-    out = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([sys.executable, "-m", "tttvideo", "train", "configs/demo.toml",
-                           "--set", f"train.output_dir={out / 'run'}", "--set", f"data.demo_dir={out / 'data'}",
-                           "--set", "train.tensorboard=false"], capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parents[1], env={**os.environ, "COLUMNS": "200"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (out / "printed.txt").write_text(proc.stdout)
+def demo_run(request):
+    """The demo in its own process, as `make demo` runs it, started by conftest.py when collection ends (so that it
+    trains beside the other tests; started here when it was not). Its own process also keeps a run of this size out
+    of the test process, whose allocator would otherwise hold freed memory that later RSS-based tests do not see
+    grow."""
+    run = request.config.stash.get(DEMO_RUN, None)
+    out, proc = run if run is not None else start_demo_run()
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the demo run did not finish in 900 s")
+    printed = (out / "printed.txt").read_text()
+    assert proc.returncode == 0, printed[-2000:] + (out / "stderr.txt").read_text()[-2000:]
     return out / "run"
 
 

@@ -41,6 +41,7 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
         assert r["steps"] == 2 and r["eval_videos"] == 2 and r["median_step_s"] > 0
         assert r["concurrent_jobs"] == (1 if r["variant"] in in_process else 2)
         assert len(r["accuracy_by_distance"]) == 1 and 0.0 <= r["accuracy"] <= 1.0  # 6 s: one later scene
+        assert 0.0 <= r["first_scene_colour"] <= 1.0
         assert (r["long_range_params"] == 0) == (r["variant"] == "none")
     printed = capsys.readouterr().out
     assert all(f"| 6s | {v} |" in printed for v in lr.VARIANTS)
