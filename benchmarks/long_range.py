@@ -183,8 +183,8 @@ def table(rows: list[dict], chance: float) -> str:
         by = ", ".join(f"{a:.2f}" for a in r["accuracy_by_distance"])
         peak = f"{r['peak_allocated'] / 2**30:.2f}" if r["peak_allocated"] else "-"
         lines.append(f"| {r['duration']} | {r['variant']} | {r['accuracy']:.2f} +- {r['accuracy_sd']:.2f} "
-                     f"(seeds {r['seeds']}) | {by} | {r['first_scene_colour']:.2f} | {r['median_step_s']:.3f} | {peak} | "
-                     f"{r['long_range_params']:,} |")
+                     f"(seeds {r['seeds']}) | {by} | {r['first_scene_colour']:.2f} | {r['median_step_s']:.3f} | "
+                     f"{peak} | {r['long_range_params']:,} |")
     return "\n".join(lines)
 
 

@@ -14,8 +14,8 @@ Each candidate's peak = counted (weights, gradients, optimizer state: `plan_coun
 measured on a GPU kind: `plan_costs`); its step time = per-token time cost. It fits a card of M bytes when
 peak x (1 + margin) + CUDA_CONTEXT <= M: the allocator's reserved memory runs a few percent above what is
 allocated (FRAGMENTATION; more with weights streamed from host memory, whose per-layer copies come and go:
-FRAGMENTATION_STREAMED), and the CUDA context sits outside PyTorch's figures. The best candidate is the fastest that fits; a
-candidate whose regime was never measured is listed but never chosen.
+FRAGMENTATION_STREAMED), and the CUDA context sits outside PyTorch's figures. The best candidate is the fastest
+that fits; a candidate whose regime was never measured is listed but never chosen.
 """
 
 from __future__ import annotations

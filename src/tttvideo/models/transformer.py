@@ -58,7 +58,8 @@ class CogVideoXTTT(nn.Module):
         dim = spec.dim
         self.embed = PatchEmbed(spec.in_channels, dim, spec.text_embed_dim, spec.patch_size, bias=spec.patch_bias)
         self.time_embed = TimestepEmbedding(dim, spec.time_embed_dim, spec.flip_sin_to_cos, spec.freq_shift)
-        self.blocks = nn.ModuleList([Block(spec, ttt if use_ttt else None, sequence_layer) for _ in range(spec.num_layers)])
+        self.blocks = nn.ModuleList([Block(spec, ttt if use_ttt else None, sequence_layer)
+                                     for _ in range(spec.num_layers)])
         self.norm_final = nn.LayerNorm(dim, eps=spec.norm_eps, elementwise_affine=spec.norm_elementwise_affine)
         self.norm_out = OutputNorm(spec.time_embed_dim, dim, spec.norm_eps, spec.norm_elementwise_affine)
         self.proj_out = nn.Linear(dim, spec.patch_size * spec.patch_size * spec.out_channels)

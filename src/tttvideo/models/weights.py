@@ -349,7 +349,8 @@ def load_checkpoint(model: CogVideoXTTT, path: str | Path) -> list[str]:
             parts = [f"{label} {_names(v)}" for label, v in
                      (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if v]
             raise UserError(
-                f"{path} does not fit this model ({'; '.join(parts)}); was it saved with another adapter, use_ttt or sequence_layer?"
+                f"{path} does not fit this model ({'; '.join(parts)}); was it saved with another adapter, use_ttt or "
+                f"sequence_layer?"
             )
         for k in keys:
             if k in fp8:
