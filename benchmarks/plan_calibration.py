@@ -257,8 +257,8 @@ def cmd_fit(args) -> int:
 
 def cmd_check(args) -> int:
     """For each card size and duration: write the planner's choice as a plan file (what `tttv plan --out` writes),
-    profile it under that card's cap, and for `--faster` of them also the fastest candidate predicted not to fit
-    (which should run out of memory)."""
+    profile it under that card's cap (a card at least the GPU's size: uncapped), and also `--faster` candidates
+    faster than a choice and predicted not to fit (which should run out of memory)."""
     import torch
 
     from tttvideo.config.loader import load_config
@@ -275,7 +275,8 @@ def cmd_check(args) -> int:
     superseded = held.get("superseded", [])
     total = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
     cases = [(float(m), d) for m in args.gpu_mem.split(",") for d in args.durations.split(",")]
-    for i, (mem, duration) in enumerate(cases):
+    spot_checks = 0  # "faster, predicted not to fit" runs so far, fastest first, over the cases that have them
+    for mem, duration in cases:
         cfg = load_config(ROOT / args.config, NO_WEIGHTS + [f"layout.duration={duration}"])
         preds = plan(cfg, args.phase, int(mem * GIB), costs)
         chosen = best(preds)
@@ -291,9 +292,10 @@ def cmd_check(args) -> int:
             continue
         tries = [("chosen", chosen)]
         faster = [p for p in preds if p.fits is False and p.step_s is not None and p.step_s < chosen.step_s]
-        if i < args.faster and faster:
-            tries.append(("faster, predicted not to fit",
-                          min(faster, key=lambda p: (p.step_s, overheads(p.config), p.peak))))
+        faster.sort(key=lambda p: (p.step_s, overheads(p.config), p.peak))
+        for n, pred in enumerate(faster[:max(0, args.faster - spot_checks)]):
+            spot_checks += 1
+            tries.append((("faster" if n == 0 else f"faster #{n + 1}") + ", predicted not to fit", pred))
         cap = round((mem * GIB - CUDA_CONTEXT) / GIB, 2)  # the card less its CUDA context, as the planner counts
         if total is not None and cap >= total:  # a card this size is the whole of this one: run uncapped
             cap = 0.0
@@ -301,7 +303,7 @@ def cmd_check(args) -> int:
             if (mem, duration, role) in done:
                 continue
             name = f"{mem:g} GiB {duration} {role}"
-            plan_file = work / f"plan-{mem:g}gib-{duration}-{role.split(',')[0]}.toml"
+            plan_file = work / f"plan-{mem:g}gib-{duration}-{role.split(',')[0].replace(' #', '')}.toml"
             plan_file.write_text(plan_toml(pred, ROOT / args.config, plan_file, f"plan_calibration.py check {name}"))
             print(f"{name}: {pred.candidate.label} (predicted {pred.peak / GIB:.2f} GiB, {pred.step_s:.2f} s)",
                   flush=True)
@@ -351,7 +353,8 @@ def main(argv=None) -> int:
     c.add_argument("--gpu-mem", default="24,48,80", help="card sizes in GiB, comma separated")
     c.add_argument("--durations", default="3s,9s")
     c.add_argument("--faster", type=int, default=2,
-                   help="for this many of the cases also run the fastest candidate predicted not to fit")
+                   help="also run this many candidates faster than the choice and predicted not to fit, fastest "
+                        "first, taken from the first cases that have them")
     c.add_argument("--gpu-kind", default="h100")
     c.add_argument("--out", default="benchmarks/results/plan_check.json",
                    help="the results JSON; cases it already holds are not run again")
