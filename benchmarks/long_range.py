@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--durations", default="9s,18s", help="comma separated, 6 s and longer")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=0, help="training steps per run (0: the config's train.steps)")
-    ap.add_argument("--eval-videos", type=int, default=16, help="held-out stories sampled per run")
+    ap.add_argument("--eval-videos", type=int, default=64, help="held-out stories sampled per run")
     ap.add_argument("--work", default="runs/long-range-benchmark", help="run folders")
     ap.add_argument("--out", default="benchmarks/results/long_range.json")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
