@@ -84,6 +84,24 @@ def test_several_stories_one_call_same_seed_same_video(tmp_path, checkpoint):
     assert (a == b).all()
 
 
+def test_a_story_with_its_own_seed_is_sampled_from_it(tmp_path, checkpoint):
+    """Story.seed (the Python API) replaces sample.seed for that story alone: the same story under seeds 5 and 6
+    differs, and under seed 5 it equals the video `--seed 5` gives; the scenes file records the story's seed."""
+    from dataclasses import replace
+
+    from tttvideo.sample.pipeline import sample_stories
+
+    cfg = load_config(checkpoint / "config.toml", ["sample.steps=1", "sample.seed=0"])
+    [story] = load_stories(story_file(tmp_path, [RED]))
+    results = sample_stories(cfg, [replace(story, name="s5", seed=5), replace(story, name="s6", seed=6)],
+                             tmp_path / "own", checkpoint=checkpoint, progress=False)
+    assert run_cli("--checkpoint", checkpoint.parent.parent, "--scenes", story_file(tmp_path, [RED]), "--out",
+                   tmp_path / "cli.mp4", "--steps", 1, "--seed", 5) == 0
+    five, six = (read_frames(r.video) for r in results)
+    assert (five == read_frames(tmp_path / "cli.mp4")).all() and not (five == six).all()
+    assert json.loads(results[1].scenes.read_text())["sampling"]["seed"] == 6
+
+
 def test_denoise_seed_determinism(checkpoint, tmp_path):
     cfg = load_config(checkpoint / "config.toml", ["sample.steps=2", 'sample.solver="dpm++2m"', "sample.cfg=2"])
     model = load_model(cfg, checkpoint, torch.device("cpu")).model

@@ -11,7 +11,8 @@ the largest component's, never their sum):
 4. `write_videos` / `decode_frames`: the VAE (or the identity decode of the demo) streams every story's frames into
    its mp4 and the story is written beside it (`out.scenes.json`, readable again as a scenes file).
 
-Determinism: see `tttvideo.sample.guidance.denoise` (one CPU generator per story, seeded with `sample.seed`).
+Determinism: see `tttvideo.sample.guidance.denoise` (one CPU generator per story, seeded with `sample.seed`, or
+the story's own `Story.seed`).
 
 Under torchrun (`tttv sample` with a `SampleRanks`, `tttvideo.sample.distributed`) every rank runs phases 1-3 for
 its story group's stories with the whole model, its sequence-parallel group and its half of the guidance; the first
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,8 +122,9 @@ def denoise_stories(model: torch.nn.Module, stories: list[Story], layouts: list[
             for story, layout, (cond, uncond) in zip(stories, layouts, texts):
                 task = bar.add_task(f"{story.name} ({layout.duration_s} s)", total=cfg.sample.steps)
                 t0 = time.perf_counter()
+                sample_cfg = cfg.sample if story.seed is None else replace(cfg.sample, seed=story.seed)
                 with DenoiseWatch(cfg, model, story.name) as watch:  # a CUDA OOM: one sentence naming the step
-                    latents.append(denoise(model, layout, cond, uncond, cfg.sample, device, on_step=watch.on_step(
+                    latents.append(denoise(model, layout, cond, uncond, sample_cfg, device, on_step=watch.on_step(
                         lambda i, n, task=task: bar.update(task, completed=i + 1, total=n)),
                         sp=ranks.sequence if ranks else None, split=ranks.split if ranks else None))
                 if device.type == "cuda":
@@ -155,10 +157,12 @@ def decode_frames(decoder: Any, latents: torch.Tensor) -> np.ndarray:
     return np.concatenate([to_uint8_frames(chunk[0].permute(1, 0, 2, 3)) for chunk in decoder.frames(latents)])
 
 
-def sampling_record(cfg: Config, checkpoint: str | Path | None, layout: VideoLayout, frames: int) -> dict[str, Any]:
-    """How a video was made, stored in its scenes.json."""
+def sampling_record(cfg: Config, checkpoint: str | Path | None, layout: VideoLayout, frames: int,
+                    seed: int | None = None) -> dict[str, Any]:
+    """How a video was made, stored in its scenes.json; `seed`: the story's own, when it has one."""
     s = cfg.sample
-    return {"checkpoint": str(checkpoint) if checkpoint else None, "seed": s.seed, "steps": s.steps,
+    return {"checkpoint": str(checkpoint) if checkpoint else None, "seed": s.seed if seed is None else seed,
+            "steps": s.steps,
             "solver": s.solver, "cfg": s.cfg, "cfg_schedule": s.cfg_schedule, "cfg_start": s.cfg_start,
             "duration_s": layout.duration_s, "frames": frames, "fps": layout.fps, "height": layout.height,
             "width": layout.width, "text_tokens": layout.text_tokens}
@@ -173,7 +177,7 @@ def write_videos(cfg: Config, stories: list[Story], layouts: list[VideoLayout], 
     for story, layout, lat, path, d_s in zip(stories, layouts, latents, paths, denoise_s):
         t0 = time.perf_counter()
         frames = write_video(decoder, lat, path, layout.fps)
-        scenes = write_scenes(path, story.to_json(sampling_record(cfg, checkpoint, layout, frames)))
+        scenes = write_scenes(path, story.to_json(sampling_record(cfg, checkpoint, layout, frames, story.seed)))
         saved = save_latents(lat, path) if cfg.sample.save_latents else None
         results.append(SampleResult(story.name, path, scenes, frames, layout.duration_s, d_s,
                                     time.perf_counter() - t0, saved))

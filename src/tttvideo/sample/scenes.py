@@ -53,6 +53,8 @@ class Story:
     name: str
     source: str
     scenes: list[Scene] = field(default_factory=list)
+    seed: int | None = None  # this story's noise seed (the Python API; benchmarks give each story its own); None:
+    # sample.seed
 
     @property
     def num_segments(self) -> int:
