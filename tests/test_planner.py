@@ -247,3 +247,20 @@ def test_streaming_needs_fp8_weights(tmp_path, capsys):
                  "--set", f"train.output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2 and "memory.stream_frozen_weights streams the fp8-stored frozen weights" in err
+
+
+@pytest.mark.parametrize("layer", ["mamba2", "gated-deltanet", "full-attention", "none"])
+def test_another_long_range_layer_is_counted_exactly_and_never_given_ttts_costs(layer):
+    """The counted part follows the layer actually built; the measured costs are the TTT-MLP model's, so another
+    layer's regimes are its own: listed as not measured, never chosen."""
+    cfg = tiny("lora", "dtype", "adamw", "fp32")
+    cfg.model.sequence_layer = layer
+    model = build_model(cfg)
+    assert count(cfg, "train").weights == tensor_bytes(model.parameters()) + tensor_bytes(model.buffers())
+    base = tiny("lora", "dtype", "adamw", "fp32")
+    assert activation_key(cfg, "train") != activation_key(base, "train")
+    assert activation_key(cfg, "sample") == activation_key(base, "sample") + f"|{layer}"
+    costs = CostTable("x", activation={activation_key(base, "train"): Curve([(1, 1.0)])},
+                      time={time_key(base, "train"): Curve([(1, 1.0)])})
+    preds = plan(cfg, "train", 80 * GIB, costs)
+    assert best(preds) is None and all("not measured" in "; ".join(p.notes) for p in preds)

@@ -136,11 +136,20 @@ def sample_forward(cfg: Config) -> str:
     return "plain-b2" if cfg.sample.cfg_batched else "plain-b1"
 
 
+def long_range_tag(cfg: Config) -> str:
+    """"" for the TTT-MLP layer every cost so far was measured with; "|<layer>" for any other (TTT-Linear, none, a
+    baseline), so that its regimes are its own and unmeasured until someone measures them."""
+    m = cfg.model
+    layer = "none" if not m.use_ttt else (f"ttt-{cfg.ttt.kind}" if m.sequence_layer == "ttt" else m.sequence_layer)
+    return "" if layer == "ttt-mlp" else f"|{layer}"
+
+
 def activation_key(cfg: Config, phase: str) -> str:
     if phase == "sample":
-        return f"{cfg.model.preset}|{cfg.model.dtype}|sample|{sample_forward(cfg)}"
+        return f"{cfg.model.preset}|{cfg.model.dtype}|sample|{sample_forward(cfg)}{long_range_tag(cfg)}"
     offload = "offload" if cfg.checkpointing.offload_activations else "resident"
-    return f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{checkpoint_policy(cfg)}|{offload}"
+    return (f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{checkpoint_policy(cfg)}|{offload}"
+            f"{long_range_tag(cfg)}")
 
 
 def time_key(cfg: Config, phase: str) -> str:

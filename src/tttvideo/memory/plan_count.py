@@ -77,7 +77,7 @@ class _ModelBytes(NamedTuple):
 
 @lru_cache(maxsize=32)
 def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_weights: str, use_ttt: bool,
-                 ttt_kind: str) -> _ModelBytes:
+                 ttt_kind: str, sequence_layer: str) -> _ModelBytes:
     """The tensors of a model built on the meta device, summed."""
     from tttvideo.models import build_model
     from tttvideo.models.fp8_storage import fp8_code_bytes
@@ -86,6 +86,7 @@ def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_w
     cfg.model.preset, cfg.model.dtype, cfg.model.adapter = preset, dtype, adapter
     cfg.model.lora_rank, cfg.model.frozen_weights, cfg.model.use_ttt = lora_rank, frozen_weights, use_ttt
     cfg.ttt.kind, cfg.ttt.backend = ttt_kind, "reference"  # the backend changes no tensor
+    cfg.model.sequence_layer = sequence_layer
     model = build_model(cfg, device="meta")
     block = model.blocks[0]
 
@@ -103,7 +104,8 @@ def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_w
 def count(cfg: Config, phase: str, gpus: int = 1) -> Counted:
     """The counted memory per GPU of `cfg` for `phase` ("train" or "sample") on `gpus` GPUs."""
     m = cfg.model
-    b = _model_bytes(m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind)
+    b = _model_bytes(m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind,
+                     m.sequence_layer)
     weights = b.weights
     if phase == "sample":
         from tttvideo.models import get_preset
