@@ -65,25 +65,19 @@ def eval_stories(segments: int, count: int):
 def probe_check(cfg, videos) -> dict:
     """The probe on the held-out stories' own latents (kept) and on the same stories with every later scene in
     another colour (forgotten): 1.0 and 0.0 when it reads what it should."""
-    from dataclasses import replace
-
     import torch
 
-    from tttvideo.data.demo import COLOURS, DemoVideo, render_video
+    from tttvideo.data.demo import forgotten_colour, render_video
     from tttvideo.data.demo_score import latent_frames, score_persistence
     from tttvideo.layout import VideoLayout
     from tttvideo.models.presets import get_preset
 
     layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
     channels = get_preset(cfg.model.preset).in_channels
-    names = list(COLOURS)
     kept, lost = [], []
     for v in videos:
-        other = names[(names.index(v.scenes[0].colour) + 1) % len(names)]
-        forgot = DemoVideo([v.scenes[0]] + [replace(s, colour=other) for s in v.scenes[1:]], v.scene_start,
-                           v.scene_end)
         captions = [s.caption for s in v.scenes]
-        for video, into in ((v, kept), (forgot, lost)):
+        for video, into in ((v, kept), (forgotten_colour(v), lost)):
             frames = latent_frames(torch.from_numpy(render_video(video, layout, channels)).permute(1, 0, 2, 3))
             into.append(score_persistence(frames, captions).accuracy)
     return {"kept": statistics.mean(kept), "forgotten": statistics.mean(lost)}
@@ -98,6 +92,7 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
     from tttvideo.api import train
     from tttvideo.config.loader import load_config
     from tttvideo.data.demo_score import latent_frames, scene_spans, score_frames, score_persistence
+    from tttvideo.runs import find_model_file
     from tttvideo.sample.pipeline import sample_stories
 
     out = work / duration / variant / f"seed{seed}"
@@ -126,7 +121,7 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
         caption, start, stop = scene_spans(len(frames), captions)[0]
         first.append(score_frames(frames[start:stop], [caption]).scenes[0].colour_ok)
     per_distance = [statistics.mean(float(d[i]) for d in distances) for i in range(len(distances[0]))]
-    params = sum(p.numel() for n, p in load_file(str(newest_model(result.output_dir))).items() if ".ttt." in n)
+    params = sum(p.numel() for n, p in load_file(str(find_model_file(result.output_dir))).items() if ".ttt." in n)
     return {"variant": variant, "duration": duration, "seed": seed, "steps": result.steps_done,
             "first_loss": result.first_loss, "last_loss": result.last_loss, "train_s": result.seconds,
             "median_step_s": statistics.median(step_s) if step_s else result.seconds / max(result.steps_done, 1),
@@ -148,12 +143,6 @@ def step_times(run: Path) -> list[float]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r["step_time"] for r in rows if isinstance(r.get("step_time"), (int, float))]
-
-
-def newest_model(run: Path) -> Path:
-    from tttvideo.runs import find_model_file
-
-    return find_model_file(run)
 
 
 def summarize(runs: list[dict]) -> list[dict]:

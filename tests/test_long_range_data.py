@@ -4,14 +4,13 @@ scene (1.0 on the set's own latents at 3-18 s), and scores a video that forgets 
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from tttvideo.data.cache import LatentCache
-from tttvideo.data.demo import COLOURS, DemoVideo, build_demo_cache, long_range_video, render_video
+from tttvideo.data.demo import COLOURS, build_demo_cache, forgotten_colour, long_range_video, render_video
 from tttvideo.data.demo_score import latent_frames, score_persistence
 from tttvideo.layout import VideoLayout
 
@@ -33,15 +32,6 @@ def test_videos_cut_every_segment_and_name_the_colour_once(segments):
         assert all(a.caption != b.caption for a, b in zip(v.scenes, v.scenes[1:]))
 
 
-def forgetful(video: DemoVideo) -> DemoVideo:
-    """The same video with every later scene drawn in another colour than the first (what a model without memory
-    across the cuts would draw at best by luck)."""
-    names = list(COLOURS)
-    other = names[(names.index(video.scenes[0].colour) + 1) % len(names)]
-    return DemoVideo([video.scenes[0]] + [replace(s, colour=other) for s in video.scenes[1:]], video.scene_start,
-                     video.scene_end)
-
-
 @pytest.mark.parametrize("seconds", [9, 18])
 def test_probe_recovers_the_kept_colour_and_fails_a_forgotten_one(seconds):
     rng = np.random.Generator(np.random.PCG64(seconds))
@@ -51,7 +41,7 @@ def test_probe_recovers_the_kept_colour_and_fails_a_forgotten_one(seconds):
         captions = [s.caption for s in video.scenes]
         kept = score_persistence(latent_frames(torch.from_numpy(render_video(video, lay, 16)).permute(1, 0, 2, 3)),
                                  captions)
-        lost = score_persistence(latent_frames(torch.from_numpy(render_video(forgetful(video), lay, 16)).permute(
+        lost = score_persistence(latent_frames(torch.from_numpy(render_video(forgotten_colour(video), lay, 16)).permute(
             1, 0, 2, 3)), captions)
         assert kept.colour == video.scenes[0].colour and kept.chance == pytest.approx(1 / 6)
         assert kept.by_distance() == [True] * (lay.num_segments - 1)

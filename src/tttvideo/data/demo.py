@@ -135,6 +135,15 @@ def long_range_video(rng: np.random.Generator, segments: int) -> DemoVideo:
     return DemoVideo(scenes, *transition_flags([False] + [True] * (segments - 1)))
 
 
+def forgotten_colour(video: DemoVideo) -> DemoVideo:
+    """A long-range video with every later scene in another colour than the first: what a model that does not
+    carry the first scene across the cuts draws at best by luck (the probe's negative control)."""
+    names = list(COLOURS)
+    other = names[(names.index(video.scenes[0].colour) + 1) % len(names)]
+    return DemoVideo([video.scenes[0]] + [replace(s, colour=other) for s in video.scenes[1:]], video.scene_start,
+                     video.scene_end)
+
+
 VIDEO_KINDS = {"scenes": random_video, "long-range": long_range_video}
 
 
