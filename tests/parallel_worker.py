@@ -141,8 +141,10 @@ def main() -> int:
     try:
         for name, keys, fsdp, remat in VARIANTS[world]:
             run_variant(name, keys, fsdp, remat, base, world)
-    finally:
-        close_parallel()
+    except BaseException:
+        close_parallel(wait=False)
+        raise
+    close_parallel()
     return 0
 
 

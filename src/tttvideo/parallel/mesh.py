@@ -130,7 +130,13 @@ def init_parallel(cfg: ParallelConfig, heads: int, device_type: str | None = Non
     return ParallelPlan(degrees, mesh, fsdp_mesh, sequence, dp_rank)
 
 
-def close_parallel() -> None:
-    """Tear down the default process group if this process has one (end of a run, or of a test)."""
+def close_parallel(wait: bool = True) -> None:
+    """Tear down the default process group if this process has one (end of a run, or of a test). With `wait`
+    (a run that completed on every rank) the ranks first wait for each other, so that none closes its connections
+    while another still talks over them: a gloo rank that finished first once died in teardown ("terminate called
+    without an active exception") after a complete run. A rank leaving on an error does not wait: the others may
+    be inside another collective."""
     if dist.is_available() and dist.is_initialized():
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
