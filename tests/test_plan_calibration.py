@@ -1,5 +1,7 @@
 """benchmarks/plan_calibration.py's fit: from measured peaks that are the counted part plus a linear activation term
-(and step times linear in the tokens), it recovers the costs, and the planner then predicts held-out setups exactly."""
+(and step times linear in the tokens), it recovers the costs, and the planner then predicts held-out setups exactly;
+its check: which runs it makes (the choice under the card's cap, faster candidates predicted not to fit) and what it
+keeps of an earlier file."""
 
 from __future__ import annotations
 
@@ -71,3 +73,41 @@ def test_setups_name_existing_configs_and_valid_overrides():
         assert len(calibrate) != 1, f"{name}: a regime needs two durations to fit"
         for duration in calibrate + held:
             load_config(ROOT / config, module.NO_WEIGHTS + [f"layout.duration={duration}"] + overrides)
+
+
+def test_check_runs_the_choice_under_the_cap_and_spot_checks_faster_ones(tmp_path, monkeypatch):
+    """`check` with the profiling replaced: at 24 GiB, 9 s it runs the planner's choice under the card's cap and two
+    faster candidates predicted not to fit; an earlier row for a choice the planner no longer makes is set aside as
+    superseded, not counted as checked; at 80 GiB the choice is the fastest regime, so no spot check there."""
+    import tttvideo.memory.matrix as matrix
+
+    pc = calibration_module()
+    runs = []
+
+    class Ran:
+        status, note = "ok", ""
+        summary = {"totals": {"peak_allocated": 1, "peak_reserved": 2}, "step_seconds": [1.0, 2.0]}
+
+    def run_variant(m, variant, work):
+        runs.append((variant.name, [o for o in variant.overrides if o.startswith("memory.max_gpu_gib")][-1]))
+        return Ran()
+
+    monkeypatch.setattr(matrix, "run_variant", run_variant)
+    out = tmp_path / "check.json"
+    stale = {"gpu_mem_gib": 24.0, "duration": "9s", "role": "chosen", "setup": "a choice made before", "status": "oom"}
+    out.write_text(json.dumps({"setups": [stale]}))
+    assert pc.main(["check", "--gpu-mem", "24,80", "--durations", "9s", "--out", str(out),
+                    "--work", str(tmp_path / "w")]) == 0
+    names = [name for name, _ in runs]
+    assert names[0] == "24 GiB 9s chosen" and runs[0][1] == "memory.max_gpu_gib=23.2"
+    assert names[1:3] == ["24 GiB 9s faster, predicted not to fit", "24 GiB 9s faster #2, predicted not to fit"]
+    assert names[3:] == ["80 GiB 9s chosen"]
+    result = json.loads(out.read_text())
+    assert [r["superseded_by"] for r in result["superseded"]] == [result["setups"][0]["setup"]]
+    assert result["setups"][0]["setup"] != "a choice made before" and len(result["setups"]) == 4
+    assert all(r["predicted_step_s"] < result["setups"][0]["predicted_step_s"] for r in result["setups"][1:3])
+    # a rerun holds every case: nothing runs again
+    runs.clear()
+    assert pc.main(["check", "--gpu-mem", "24,80", "--durations", "9s", "--out", str(out),
+                    "--work", str(tmp_path / "w")]) == 0
+    assert runs == []
