@@ -91,7 +91,7 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
 
     from tttvideo.api import train
     from tttvideo.config.loader import load_config
-    from tttvideo.data.demo_score import latent_frames, scene_spans, score_frames, score_persistence
+    from tttvideo.data.demo_score import latent_frames, score_persistence
     from tttvideo.runs import find_model_file
     from tttvideo.sample.pipeline import sample_stories
 
@@ -116,10 +116,9 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
     first: list[bool] = []  # the control: the first scene, whose caption names the colour
     for video, sample in zip(videos, samples):
         frames = latent_frames(load_file(str(sample.latents))["latents"][0])
-        captions = [s.caption for s in video.scenes]
-        distances.append(score_persistence(frames, captions).by_distance())
-        caption, start, stop = scene_spans(len(frames), captions)[0]
-        first.append(score_frames(frames[start:stop], [caption]).scenes[0].colour_ok)
+        score = score_persistence(frames, [s.caption for s in video.scenes])
+        distances.append(score.by_distance())
+        first.append(score.first.colour_ok)
     per_distance = [statistics.mean(float(d[i]) for d in distances) for i in range(len(distances[0]))]
     params = sum(p.numel() for n, p in load_file(str(find_model_file(result.output_dir))).items() if ".ttt." in n)
     return {"variant": variant, "duration": duration, "seed": seed, "steps": result.steps_done,

@@ -45,6 +45,7 @@ def test_probe_recovers_the_kept_colour_and_fails_a_forgotten_one(seconds):
             1, 0, 2, 3)), captions)
         assert kept.colour == video.scenes[0].colour and kept.chance == pytest.approx(1 / 6)
         assert kept.by_distance() == [True] * (lay.num_segments - 1)
+        assert kept.first.colour_ok and lost.first.colour_ok  # the first scene is the same in both
         assert lost.by_distance() == [False] * (lay.num_segments - 1)
         assert kept.accuracy > lost.accuracy
 

@@ -63,9 +63,14 @@ class CaptionParts:
     background: str
 
 
+def without_scene_tokens(text: str) -> str:
+    """A caption with its scene tokens (`<start_scene>`, `<end_scene>`) taken out."""
+    return re.sub(r"<\w+>", " ", text).strip()
+
+
 def parse_caption(text: str) -> CaptionParts:
     """The four attributes of a demo caption (scene tokens such as `<start_scene>` are ignored)."""
-    m = CAPTION_PATTERN.search(re.sub(r"<\w+>", " ", text))
+    m = CAPTION_PATTERN.search(without_scene_tokens(text))
     if m is None or m["colour"] not in COLOURS or m["shape"] not in SHAPES or m["direction"] not in DIRECTIONS \
             or m["background"] not in BACKGROUNDS:
         raise ValueError(f"not a demo caption: {text!r}")
@@ -140,6 +145,7 @@ class PersistenceScore:
     first scene's caption named, which no later caption mentions? Chance is 1/6 (six colours)."""
 
     colour: str  # what the first scene's caption names
+    first: SceneScore  # the first scene against its own caption: the control (does the model follow captions?)
     scenes: list[SceneScore] = field(default_factory=list)  # the later scenes, scored with that colour put in
 
     chance: float = CHANCE["colour"]
@@ -159,7 +165,8 @@ class PersistenceScore:
 
     def to_json(self) -> dict:
         return {"colour": self.colour, "accuracy": self.accuracy, "chance": self.chance,
-                "by_distance": self.by_distance(), "scenes": [asdict(s) for s in self.scenes]}
+                "by_distance": self.by_distance(), "first": asdict(self.first),
+                "scenes": [asdict(s) for s in self.scenes]}
 
 
 def score_persistence(frames: np.ndarray, captions: Sequence[str], pool: int = 1) -> PersistenceScore:
@@ -168,9 +175,12 @@ def score_persistence(frames: np.ndarray, captions: Sequence[str], pool: int = 1
     scene's colour put in, so its `colour_ok` says whether the colour carried across the cuts."""
     x = _to_unit_rgb(frames, pool)
     spans = scene_spans(len(x), captions)
-    out = PersistenceScore(parse_caption(spans[0][0]).colour)
+    caption, start, stop = spans[0]
+    first = score_scene(x[start:stop], caption)
+    first.frames = (start, stop)
+    out = PersistenceScore(parse_caption(caption).colour, first)
     for caption, start, stop in spans[1:]:
-        m = CAPTION_UNNAMED_PATTERN.match(re.sub(r"<\w+>", " ", caption).strip())
+        m = CAPTION_UNNAMED_PATTERN.match(without_scene_tokens(caption))
         if m is None:
             raise ValueError(f"not a later caption of the long-range set (it names no colour): {caption!r}")
         scene = score_scene(x[start:stop], demo_caption(out.colour, m["shape"], m["direction"], m["background"]))
