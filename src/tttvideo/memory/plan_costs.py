@@ -139,8 +139,10 @@ def sample_forward(cfg: Config) -> str:
 def long_range_tag(cfg: Config) -> str:
     """"" for the TTT-MLP layer every cost so far was measured with; "|<layer>" for any other (TTT-Linear, none, a
     baseline), so that its regimes are its own and unmeasured until someone measures them."""
-    m = cfg.model
-    layer = "none" if not m.use_ttt else (f"ttt-{cfg.ttt.kind}" if m.sequence_layer == "ttt" else m.sequence_layer)
+    from tttvideo.sequence.build import configured_layer  # here: the rest of this module needs no torch
+
+    layer = configured_layer(cfg.model)
+    layer = f"ttt-{cfg.ttt.kind}" if layer == "ttt" else layer
     return "" if layer == "ttt-mlp" else f"|{layer}"
 
 

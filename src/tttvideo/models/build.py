@@ -14,6 +14,7 @@ from tttvideo.models.fp8_storage import store_fp8
 from tttvideo.models.presets import get_preset
 from tttvideo.models.transformer import CogVideoXTTT
 from tttvideo.models.weights import from_pretrained, init_model
+from tttvideo.sequence.build import configured_layer
 from tttvideo.ttt.layer import inner_hidden
 from tttvideo.ttt.ops import check_backend_config
 
@@ -25,7 +26,7 @@ def long_range_layer(cfg: Config) -> str:
         raise ConfigError(f"model.use_ttt = false builds no long-range layer, but model.sequence_layer = "
                           f"{m.sequence_layer!r} asks for one; set only sequence_layer (use_ttt = false is "
                           f"sequence_layer = 'none')")
-    layer = m.sequence_layer if m.use_ttt else "none"
+    layer = configured_layer(m)
     if layer not in ("ttt", "none") and cfg.memory.chunked_inference:
         raise ConfigError(f"memory.chunked_inference runs the TTT layer in chunks; model.sequence_layer = {layer!r} "
                           f"has no chunked forward: set memory.chunked_inference = false")

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from tttvideo.config.schema import TTTConfig
+from tttvideo.config.schema import ModelConfig, TTTConfig
 from tttvideo.sequence.bidirectional import GatedBidirectional
 
 # "ttt" is TTT-MLP or TTT-Linear by ttt.kind; "none" (model.use_ttt = false) builds no layer at all
 SEQUENCE_LAYERS = ("ttt", "none", "full-attention", "mamba2", "gated-deltanet")
+
+
+def configured_layer(model: ModelConfig) -> str:
+    """The long-range layer a model config builds: model.sequence_layer, or "none" with model.use_ttt = false."""
+    return model.sequence_layer if model.use_ttt else "none"
 
 
 def sequence_layer(kind: str, dim: int, num_heads: int, ttt: TTTConfig, rope_theta: float) -> nn.Module | None:
