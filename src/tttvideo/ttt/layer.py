@@ -28,7 +28,7 @@ from torch import nn
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
-from tttvideo.sequence.bidirectional import GatedBidirectional
+from tttvideo.sequence.bidirectional import GatedBidirectional, scan_permutations
 from tttvideo.ttt import ops
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the layer needs it only when given a group
@@ -51,8 +51,8 @@ def layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: tor
     cos = torch.cat([torch.ones(text, head_dim), cos])[layout.interleave_perm]
     sin = torch.cat([torch.zeros(text, head_dim), sin])[layout.interleave_perm]
     return (
-        (layout.interleave_perm.to(device), layout.deinterleave_perm.to(device)),
-        (layout.reverse_interleave_perm.to(device), layout.reverse_deinterleave_perm.to(device)),
+        scan_permutations(layout, device, reverse=False),
+        scan_permutations(layout, device, reverse=True),
         cos[:, None, :].to(device),  # [L, 1, D]: broadcast over heads
         sin[:, None, :].to(device),
     )
