@@ -126,7 +126,22 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
             "median_step_s": statistics.median(step_s) if step_s else result.seconds / max(result.steps_done, 1),
             "peak_allocated": peak, "long_range_params": params, "accuracy_by_distance": per_distance,
             "accuracy": statistics.mean(per_distance), "first_scene_colour": statistics.mean(map(float, first)),
-            "eval_videos": len(samples)}
+            "eval_videos": len(samples), "recurrence": recurrence_kernels(variant, cfg.ttt.backend, cuda)}
+
+
+def recurrence_kernels(variant: str, backend: str, cuda: bool) -> str | None:
+    """What computed Mamba 2's / Gated DeltaNet's recurrence in this run (None for the other layers): their step
+    times compare kernels only where both ran on fla."""
+    if variant not in ("mamba2", "gated-deltanet"):
+        return None
+    from tttvideo.sequence import ops
+
+    if backend == "reference" or not cuda:
+        return "PyTorch reference"
+    if ops.fla_missing():
+        return f"PyTorch reference: {ops.fla_missing()}"
+    refused = ops.fla_backward_refused()
+    return f"fla to sample, PyTorch reference to train: {refused}" if refused else "fla"
 
 
 def num_segments(cfg) -> int:
@@ -161,7 +176,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                      "first_scene_colour": statistics.mean(r.get("first_scene_colour", float("nan")) for r in rs),
                      "median_step_s": statistics.median(r["median_step_s"] for r in rs),
                      "peak_allocated": max(peaks) if peaks else None,
-                     "long_range_params": rs[0]["long_range_params"]})
+                     "long_range_params": rs[0]["long_range_params"], "recurrence": rs[0].get("recurrence")})
     return rows
 
 
@@ -175,6 +190,8 @@ def table(rows: list[dict], chance: float) -> str:
         lines.append(f"| {r['duration']} | {r['variant']} | {r['accuracy']:.2f} +- {r['accuracy_sd']:.2f} "
                      f"(seeds {r['seeds']}) | {by} | {r['first_scene_colour']:.2f} | {r['median_step_s']:.3f} | "
                      f"{peak} | {r['long_range_params']:,} |")
+    notes = {r["variant"]: r["recurrence"] for r in rows if r.get("recurrence") not in (None, "fla")}
+    lines += [""] + [f"{variant}'s recurrence: {how}" for variant, how in notes.items()] if notes else []
     return "\n".join(lines)
 
 

@@ -1,11 +1,14 @@
 """The gated linear recurrences of Mamba 2 and Gated DeltaNet, on the implementation a backend names:
 "triton" = flash-linear-attention's chunked Triton kernels (`chunk_simple_gla`, `chunk_gated_delta_rule`; CUDA only:
 fla does not run in the Triton interpreter), "reference" = `tttvideo.sequence.recurrence` (any device), "auto" = fla
-on CUDA when it is installed, the reference otherwise (the reason logged once). Shapes are fla's: q, k, v
+on CUDA when it is installed and can compute what is asked, the reference otherwise (the reason logged once). fla
+refuses its gated backward on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (it gives wrong gradients there, fla issue
+#640; the forward is right), so on such a machine "auto" trains on the reference and samples on fla. Shapes are fla's: q, k, v
 [B, T, H, D], g and beta [B, T, H]; the output is [B, T, H, D] in v's dtype."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -28,10 +31,30 @@ def fla_missing() -> str | None:
     return None
 
 
-def use_fla(backend: str, x: torch.Tensor) -> bool:
+def fla_backward_refused() -> str | None:
+    """Why fla's gated backward refuses to run on this GPU (None when it runs): fla raises inside the backward on
+    Hopper with Triton >= 3.4 and < 3.7.1 unless tilelang provides the kernel instead."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 \
+            and importlib.util.find_spec("tilelang") is None:
+        return ("flash-linear-attention's gated backward gives wrong gradients on Hopper GPUs with Triton >= 3.4 and "
+                "< 3.7.1 and refuses to run (fla issue #640); upgrade Triton to 3.7.1 or later or install tilelang")
+    return None
+
+
+def fla_unavailable(x: torch.Tensor, needs_grad: bool) -> str | None:
+    """Why fla's kernels cannot compute this call (None when they can)."""
+    if not x.is_cuda:
+        return "the tensors are not on a CUDA device"
+    return fla_missing() or (fla_backward_refused() if needs_grad else None)
+
+
+def use_fla(backend: str, x: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
     if backend == "reference":
         return False
-    reason = "the tensors are not on a CUDA device" if not x.is_cuda else fla_missing()
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *inputs))
+    reason = fla_unavailable(x, needs_grad)
     if backend == "triton" and reason:
         raise ConfigError(f"ttt.backend = 'triton' runs Mamba 2 / Gated DeltaNet on flash-linear-attention's "
                           f"kernels, which cannot run here: {reason}; use backend 'auto' or 'reference'")
@@ -44,7 +67,7 @@ def use_fla(backend: str, x: torch.Tensor) -> bool:
 def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
                backend: str = "auto") -> torch.Tensor:
     """Mamba 2's recurrence (SSD: one scalar decay per head and token)."""
-    if use_fla(backend, q):
+    if use_fla(backend, q, k, v, g):
         from fla.ops.simple_gla import chunk_simple_gla
 
         return chunk_simple_gla(q, k, v, g=g.float(), scale=scale)[0]
@@ -54,7 +77,7 @@ def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      scale: float, backend: str = "auto") -> torch.Tensor:
     """Gated DeltaNet's recurrence (q and k L2-normalised by the caller)."""
-    if use_fla(backend, q):
+    if use_fla(backend, q, k, v, g, beta):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         return chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta.to(q.dtype), scale=scale)[0]
