@@ -1,0 +1,55 @@
+"""benchmarks/sample_parallel.py on CPU (gloo) with the tiny model: one torchrun launch per layout (one process,
+sp = 2, guidance split over 2), each row timed, compared with the one-process row (speedup, efficiency) and its
+prediction checked against the one-process prediction; a rerun launches nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark():
+    spec = importlib.util.spec_from_file_location("sample_parallel", ROOT / "benchmarks" / "sample_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layouts_run_under_torchrun_and_match_one_process(tmp_path, capsys):
+    bench = benchmark()
+    out = tmp_path / "out.json"
+    argv = ["--preset", "tiny", "--dtype", "fp32", "--duration", "3s", "--height", "32", "--width", "48",
+            "--device", "cpu", "--layouts", "1,sp2,cfg2", "--steps", "1", "--work", str(tmp_path / "work"),
+            "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["1", "sp2", "cfg2"]
+    for name, gpus in (("1", 1), ("sp2", 2), ("cfg2", 2)):
+        r = rows[name]
+        assert r["status"] == "ok", r.get("error")
+        assert r["gpus"] == gpus and len(r["step_s"]) == 1 and r["median_step_s"] > 0
+        assert r["efficiency"] == pytest.approx(r["speedup"] / gpus)
+        # the same function on every layout: fp32, only the guidance pair's batch 1 vs batch 2 differs
+        assert r["max_rel_diff_vs_1"] < 1e-5
+    assert rows["1"]["speedup"] == 1.0 and rows["cfg2"]["split_guidance"] and rows["sp2"]["sp"] == 2
+    assert "| sp2 | 2 | 2 | no |" in capsys.readouterr().out
+
+    assert bench.main(argv) == 0  # every layout is held: nothing is launched again
+    assert "process(es)" not in capsys.readouterr().out
+
+
+def test_a_layout_name_that_is_not_one_says_so():
+    with pytest.raises(SystemExit, match="is not a layout"):
+        benchmark().parse_layout("sp2x")
+    assert benchmark().parse_layout("sp2cfg2") == (4, 2, True)
