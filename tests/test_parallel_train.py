@@ -239,3 +239,17 @@ def test_eight_bit_adamw_under_fsdp_tracks_one_process_and_resumes_bitwise(work,
     assert losses(work / "fsdp-8bit-resumed") == whole
     for name, tensor in weights(work / "fsdp-8bit").items():
         assert torch.equal(weights(work / "fsdp-8bit-resumed")[name], tensor), name
+
+
+@pytest.mark.parametrize("adapter,ranks,degrees", [
+    ("qkvo", 4, ("parallel.dp_replicate=2", "parallel.sp=2")),  # HSDP: sharded over each sp pair, replicated across
+    ("lora", 2, ("parallel.dp_shard=2",)),
+], ids=["qkvo-hsdp", "lora-fsdp"])
+def test_frozen_parameters_under_fsdp_match_one_process(work, adapter, ranks, degrees):
+    """The adapters of stages 2-5 and the 24 GB configs freeze most weights; FSDP2 shards them with the trainable
+    ones (mixed requires_grad inside one fully_shard unit) and only the trainable ones get gradients and state."""
+    one = f"one-{adapter}"
+    Trainer(load_config(DEMO, settings(work, one, f"model.adapter={adapter}")), quiet=True).run()
+    out = f"{adapter}-{ranks}"
+    assert_ok(launch(torchrun(work, ranks, *settings(work, out, f"model.adapter={adapter}", *degrees))))
+    assert_same_run(work / out, work / one)
