@@ -94,6 +94,13 @@ def test_fsdp_shards_the_counted_parts():
     buffers = tensor_bytes(model.buffers())
     assert buffers > 0  # fp8 codes: FSDP2 does not shard buffers
     assert four.weights == (one.weights - buffers) // 4 + buffers + 2 * one.block_weights
+    # the sp ranks are in the FSDP mesh too (parallel.mesh): sp 2 x dp_shard 2 shards over all four, and HSDP's
+    # replicas each hold a sharded copy
+    cfg.parallel.sp, cfg.parallel.dp_shard = 2, 2
+    assert count(cfg, "train", 4) == four
+    cfg.parallel.sp, cfg.parallel.dp_shard, cfg.parallel.dp_replicate = 2, 1, 2
+    two = count(cfg, "train", 4)
+    assert two.optimizer == one.optimizer // 2 and two.gradients == one.gradients // 2
 
 
 def synthetic_costs(cfg: Config, phase: str) -> CostTable:

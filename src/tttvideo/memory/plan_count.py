@@ -9,7 +9,7 @@ on a CPU) with the config's adapter and weight storage, and its tensors are summ
 - optimizer state: AdamW's two moments in the parameters' dtype; 8-bit AdamW's (torchao) 1 byte per value plus one
   fp32 scale per 256 values for each tensor of at least 4096 values that is a multiple of 256, two moments in the
   parameter's dtype for the others (training only); the optimizers' scalar step counters are left out;
-- with FSDP2 (`parallel.dp_shard` > 1) each of these divided by the shard degree, buffers (fp8 codes and scales
+- with FSDP2 each of these divided by the shard degree (dp_shard x sp: `fsdp_shard_degree`), buffers (fp8 codes and scales
   among them) excepted, which FSDP2 keeps whole on every GPU, plus the all-gathered full weights of the two blocks
   in flight (FSDP's prefetch of the next block while one computes);
 - with `memory.stream_frozen_weights` (training) the fp8 codes and scales live in host memory: two blocks' worth
@@ -120,7 +120,7 @@ def count(cfg: Config, phase: str, gpus: int = 1) -> Counted:
         weights = weights - b.fp8 + 2 * b.block_fp8
         buffers = buffers - b.fp8 + 2 * b.block_fp8
     optimizer = b.adamw8bit if cfg.train.optimizer == "adamw8bit" else b.adamw
-    shard = data_parallel_shard(cfg, gpus)
+    shard = fsdp_shard_degree(cfg, gpus)
     if shard > 1:
         # FSDP2 shards parameters; buffers (fp8 codes and scales among them) stay whole on every GPU
         return Counted((weights - buffers) // shard + buffers + 2 * b.block, b.gradients // shard,
@@ -128,14 +128,15 @@ def count(cfg: Config, phase: str, gpus: int = 1) -> Counted:
     return Counted(weights, b.gradients, optimizer, b.trainable, b.block)
 
 
-def data_parallel_shard(cfg: Config, gpus: int) -> int:
-    """FSDP2's shard degree of a training launch on `gpus` GPUs (parallel.dp_shard = -1 fills what sp leaves)."""
+def fsdp_shard_degree(cfg: Config, gpus: int) -> int:
+    """How many GPUs FSDP2 shards each parameter over in a training launch on `gpus` GPUs: dp_shard x sp (the sp ranks
+    of a group hold the same parameters, so the trainer's FSDP mesh includes them: `parallel.mesh`); HSDP replicas
+    (dp_replicate) each hold a whole sharded copy. parallel.dp_shard = -1 fills what sp and dp_replicate leave."""
     par = cfg.parallel
     if gpus <= 1:
         return 1
-    if par.dp_shard == -1:
-        return max(1, gpus // (par.sp * par.dp_replicate))
-    return par.dp_shard
+    dp_shard = max(1, gpus // (par.sp * par.dp_replicate)) if par.dp_shard == -1 else par.dp_shard
+    return dp_shard * par.sp
 
 
 def with_overrides(cfg: Config, overrides: dict[str, object]) -> Config:
