@@ -1,5 +1,5 @@
 """The shipped training configs: the five CogVideoX-5B stages follow the original recipe, chain into each other, and their
-1-GPU versions keep the global batch of 64 by accumulation; the demo config is the tiny CPU run."""
+1-GPU and 4-GPU versions keep the global batch of 64 by accumulation; the demo config is the tiny CPU run."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ STAGES = [
 ]
 
 
-@pytest.mark.parametrize("one_gpu", [False, True])
-def test_stages_follow_the_recipe_and_chain(one_gpu):
+@pytest.mark.parametrize("gpus", ["", "-1gpu", "-4gpu"])
+def test_stages_follow_the_recipe_and_chain(gpus):
     previous = None
     for name, duration, adapter, lr, lr_ssm, steps, text in STAGES:
-        cfg = load_config(f"configs/cogvideox-5b/{name}{'-1gpu' if one_gpu else ''}.toml")
+        cfg = load_config(f"configs/cogvideox-5b/{name}{gpus}.toml")
         t = cfg.train
         assert (cfg.layout.duration, cfg.model.adapter, t.lr, t.lr_ssm, t.steps) == (duration, adapter, lr, lr_ssm,
                                                                                      steps)
@@ -32,15 +32,18 @@ def test_stages_follow_the_recipe_and_chain(one_gpu):
         layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
         assert layout.text_tokens == text and layout.ttt_padding == 0
         assert batch_plan(t, 1) == (64, 64)  # one process: 64 micro-batches of 1 per optimizer step
-        if not one_gpu:
+        if gpus == "":
             assert batch_plan(t, 64) == (1, 64)  # the paper's 64 GPUs: no accumulation
-        else:
+        elif gpus == "-1gpu":
             assert t.grad_accum == 64 and cfg.checkpointing.block and cfg.checkpointing.forward_ttt
+        else:  # 4 data-parallel GPUs, FSDP over all of them: 16 micro-batches each
+            assert (cfg.parallel.dp_shard, cfg.parallel.sp, cfg.parallel.dp_replicate) == (4, 1, 1)
+            assert batch_plan(t, 4) == (16, 64) and cfg.checkpointing.forward_ttt
         if previous is None:
             assert cfg.model.pretrained_path and not t.init_from
         else:
             assert t.init_from == previous and not cfg.model.pretrained_path
-        assert t.output_dir.endswith(name + ("-1gpu" if one_gpu else ""))
+        assert t.output_dir.endswith(name + gpus)
         assert cfg.data.manifest.startswith(cfg.data.cache_dir)  # precompute with the same config writes it
         previous = t.output_dir
 
