@@ -228,3 +228,28 @@ def test_partial_checkpoint_and_mismatches(tmp_path):
     full = save_checkpoint(a, tmp_path / "full.safetensors")
     with pytest.raises(UserError, match="unexpected blocks.0.ttt"):
         load_checkpoint(model_of(use_ttt=False), full)
+
+
+def test_attention_window_glue_round_trips_and_stays_eager_on_cpu():
+    """Gathering the windows of v (no RoPE on v) and merging them back gives v: every residual position is the
+    mean of its windows' identical copies. On the CPU the glue runs eagerly whatever model.compile_attention_glue
+    says (it compiles for CUDA only)."""
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models import attention
+
+    layout = VideoLayout.create(9, 32, 48, text_tokens=4)
+    index, cos, sin, inv_count = attention.window_tensors(layout, 16, 10000.0, torch.device("cpu"))
+    n, L = index.shape[0], layout.total_tokens
+    assert n == 3
+    q, k, v = (torch.randn(2, L, 3, 16) for _ in range(3))
+    assert attention.attention_glue("gather", q, True) is attention.gather_windows
+    _, _, windows = attention.gather_windows(q, k, v, index.reshape(-1), n, cos, sin)
+    assert windows.shape == (2 * n, 3, index.shape[1], 16)
+    merged = attention.merge_windows(windows, index.reshape(-1), n, inv_count, L)
+    torch.testing.assert_close(merged, v.flatten(2), rtol=1e-6, atol=1e-6)
+    one = VideoLayout.create(3, 32, 48, text_tokens=4)  # one window: no gather, the same tokens in order
+    _, _, whole = attention.gather_windows(q[:, :one.total_tokens], k[:, :one.total_tokens],
+                                           v[:, :one.total_tokens], None, 1, *attention.window_tensors(
+                                               one, 16, 10000.0, torch.device("cpu"))[1:3])
+    merged_one = attention.merge_windows(whole, None, 1, None, one.total_tokens)
+    assert torch.equal(merged_one, v[:, :one.total_tokens].flatten(2))

@@ -46,11 +46,54 @@ def window_tensors(layout: VideoLayout, head_dim: int, theta: float, device: tor
     return index.to(device), cos.to(device), sin.to(device), inv_count[:, None].to(device)
 
 
+def gather_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor | None, n: int,
+                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, L, H, D] q, k, v -> the windows in the batch dim, heads first, [B n, H, W, D], with RoPE on q and k; `flat`
+    the window gather index [n W] (None with one window: no gather). One function so that torch.compile writes each
+    window tensor once instead of a gather, an fp32 copy and five elementwise passes each."""
+    B, _, H, D = q.shape
+
+    def windows(t: torch.Tensor) -> torch.Tensor:
+        if flat is not None:
+            t = t[:, flat].reshape(B * n, -1, H, D)
+        return t.transpose(1, 2)
+
+    return apply_rope(windows(q), cos, sin), apply_rope(windows(k), cos, sin), windows(v)
+
+
+def merge_windows(out: torch.Tensor, flat: torch.Tensor | None, n: int, inv_count: torch.Tensor,
+                  length: int) -> torch.Tensor:
+    """SDPA's output [B n, H, W, D] -> [B, L, H D]: each residual position's windows summed, divided by how many
+    windows cover it."""
+    Bn, H, W, D = out.shape
+    out = out.transpose(1, 2).reshape(Bn // n, n * W, H * D)
+    if flat is None:
+        return out
+    summed = torch.zeros(Bn // n, length, H * D, dtype=out.dtype, device=out.device).index_add(1, flat, out)
+    return summed * inv_count.to(out.dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def attention_glue(name: str, x: torch.Tensor, compile_glue: bool):
+    """`gather_windows` or `merge_windows`, torch.compile'd on CUDA when `compile_glue` (one compile per layout
+    shape, shared by every block); plain eager elsewhere."""
+    fn = {"gather": gather_windows, "merge": merge_windows}[name]
+    if not (compile_glue and x.is_cuda):
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False)
+    return _compiled[name]
+
+
 class LocalAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool = True, qk_norm_eps: float = 1e-6,
                  norm_elementwise_affine: bool = True, rope_theta: float = 10000.0):
         super().__init__()
         self.num_heads, self.head_dim, self.rope_theta = num_heads, head_dim, rope_theta
+        # model.compile_attention_glue (set by the model builder; benchmarks switch it on a built model)
+        self.compile_glue = False
         inner = num_heads * head_dim
         self.to_q = nn.Linear(dim, inner, bias=bias)
         self.to_k = nn.Linear(dim, inner, bias=bias)
@@ -65,7 +108,7 @@ class LocalAttention(nn.Module):
         B, L, _ = x.shape
         H, D = self.num_heads, self.head_dim
         index, cos, sin, inv_count = window_tensors(layout, D, self.rope_theta, x.device)
-        n, W = index.shape
+        n = index.shape[0]
 
         q = self.norm_q(self.to_q(x).view(B, L, H, D))
         k = self.norm_k(self.to_k(x).view(B, L, H, D))
@@ -74,19 +117,10 @@ class LocalAttention(nn.Module):
             # one exchange for q, k and v: [B, L / sp, 3, H, D] -> [B, L, 3, H / sp, D]
             q, k, v = sp.to_head_shards(torch.stack([q, k, v], dim=2), layout, head_axis=3).unbind(2)
             B, L, H, _ = q.shape
-        if n > 1:
-            # windows into the batch dim: [B, L, H, D] -> [B n, W, H, D]
-            flat = index.reshape(-1)
-            q, k, v = (t[:, flat].reshape(B * n, W, H, D) for t in (q, k, v))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B n, H, W, D]
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        flat = index.reshape(-1) if n > 1 else None
+        q, k, v = attention_glue("gather", q, self.compile_glue)(q, k, v, flat, n, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2).reshape(B, n * W, H * D)
-        if n > 1:
-            # sum the windows' outputs per residual position, then divide by how many windows cover it
-            out = torch.zeros(B, L, H * D, dtype=out.dtype, device=out.device).index_add(1, flat, out)
-            out = out * inv_count.to(out.dtype)
+        out = attention_glue("merge", out, self.compile_glue)(out, flat, n, inv_count, L)
         if sp is not None:
             out = sp.to_sequence_shards(out.view(B, L, H, D), layout, head_axis=2).flatten(2)
         return self.to_out(out)

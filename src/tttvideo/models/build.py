@@ -58,6 +58,8 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT
             raise ConfigError(f"model.frozen_weights = 'fp8' found no frozen linear layer to store (model.adapter "
                               f"= {m.adapter!r} trains them all); use adapter 'qkvo' or 'lora', or frozen_weights "
                               f"'dtype'")
+    for block in model.blocks:
+        block.attn.compile_glue = m.compile_attention_glue
     apply_checkpointing(model, cfg.checkpointing)
     apply_chunked_inference(model, cfg.memory)
     return model
