@@ -54,9 +54,9 @@ class ModelConfig:
                                  help="storage of frozen linear weights (those the adapter does not train): dtype = "
                                       "model.dtype; fp8 = float8 e4m3 with one scale per output channel, upcast "
                                       "layer by layer at compute (half the bytes of bf16, ~2.5% output error)")
-    compile_attention_glue: bool = field(default=True, metadata={
+    compile_attention_glue: bool = field(default=False, metadata={
         "help": "torch.compile local attention's window gather + RoPE and its overlap merge on CUDA (one write per "
-                "tensor instead of a gather, an fp32 copy and elementwise passes); false = eager"})
+                "tensor instead of a gather, an fp32 copy and elementwise passes); off until measured on a GPU"})
 
 
 @dataclass
