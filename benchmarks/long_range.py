@@ -14,7 +14,7 @@ shows it: a model that has not learned to follow its captions at all makes the o
 training step time and the peak GPU memory of training.
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
-run and a rerun skips the runs it holds (resume after a time limit); a table is printed and a plot written beside
+run and a rerun skips the runs it holds (resume after a time limit; runs of other settings need another --out); a table is printed and a plot written beside
 the JSON. 3-s videos have one scene, so nothing to carry: durations start at 6 s.
 
     PYTHONPATH=src python3 benchmarks/long_range.py --out benchmarks/results/long_range_h100.json   # the GPU run
@@ -250,6 +250,10 @@ def main(argv=None) -> int:
     work, out = Path(args.work), Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     held = json.loads(out.read_text()) if out.is_file() else {}
+    mine = run_settings(args)
+    if held.get("runs") and held_settings(held) != mine:
+        raise SystemExit(f"{out} holds runs made with {held_settings(held)}, not {mine}; a rerun only adds to runs "
+                         f"of the same settings: give another --out, or delete it to start over")
     runs = held.get("runs", [])
     done = {(r["variant"], r["duration"], r["seed"]) for r in runs}
     probes = held.get("probe", {})
@@ -281,6 +285,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def run_settings(args) -> dict:
+    """What makes runs comparable: a results file holds runs of one setting only."""
+    from tttvideo.config.loader import load_config
+
+    steps = args.steps or load_config(args.config, args.overrides).train.steps
+    return {"config": str(args.config), "overrides": list(args.overrides), "steps": steps,
+            "eval_videos": args.eval_videos}
+
+
+def held_settings(held: dict) -> dict:
+    """The settings of a results file's runs (files written before it recorded them: from their fields)."""
+    if "settings" in held:
+        return held["settings"]
+    return {"config": held.get("config"), "overrides": held.get("overrides", []),
+            "steps": held["runs"][0]["steps"], "eval_videos": held.get("eval_videos")}
+
+
 def run_serial(pending: list[tuple[str, str, int]], args, work: Path):
     for variant, duration, seed in pending:
         t0 = time.perf_counter()
@@ -303,6 +324,7 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
                    "--work", str(work), "--out", str(parts / f"{name}.json")]
             for o in args.overrides:
                 cmd += ["--set", o]
+            (parts / f"{name}.json").unlink(missing_ok=True)  # scratch: an earlier part may have other settings
             log = open(parts / f"{name}.log", "w")
             active[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
         time.sleep(1.0)
@@ -323,6 +345,7 @@ def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dic
     result = {"benchmark": "long_range", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
               else platform.processor() or "cpu", "torch": torch.__version__, "git_commit": commit,
               "config": str(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
+              "settings": run_settings(args),
               "chance": 1 / 6, "probe": probes, "runs": runs, "summary": rows or summarize(runs)}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))

@@ -2,7 +2,7 @@
 attention, Mamba 2, Gated DeltaNet; the last two on their plain PyTorch recurrence, since flash-linear-attention's
 kernels need CUDA) trains a few steps on the long-range set (in the benchmark's process, or two at a time in their
 own processes), samples held-out stories and is scored by the probe, which is checked live first; the JSON, the
-table and the plot come out, and a rerun resumes instead of retraining."""
+table and the plot come out, a rerun resumes instead of retraining, and a rerun of other settings is refused."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
     assert lr.main(args) == 0
     assert json.loads(out.read_text())["runs"] == result["runs"]
     assert "seed 0: accuracy" not in capsys.readouterr().out
+    # other settings are other runs: the same JSON refuses them instead of mixing them in
+    with pytest.raises(SystemExit, match="holds runs made with"):
+        lr.main([*args[:5], "3", *args[6:]])
+    assert "mamba2's recurrence: PyTorch reference" in printed
 
 
 def test_a_duration_without_a_later_scene_is_refused(tmp_path):
