@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
+
 SMOKE = ["--durations", "6s", "--seeds", "0", "--steps", "2", "--eval-videos", "2", "--set", "sample.steps=2",
          "--set", "train.cpu_threads=1", "--set", "data.demo_videos=4"]
 
 
 def benchmark():
-    spec = importlib.util.spec_from_file_location("long_range", ROOT / "benchmarks" / "long_range.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("long_range")
 
 
 def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):

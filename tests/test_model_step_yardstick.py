@@ -4,26 +4,22 @@ and the ratios."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+
+from tests.benchmark_scripts import load_benchmark
 
 pytest.importorskip("diffusers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--height", "64", "--width", "96",
          "--text-tokens", "8", "--durations", "3", "--steps", "1", "--warmup", "0", "--yardstick", "diffusers"]
 
 
 def model_step_module():
-    spec = importlib.util.spec_from_file_location("model_step", ROOT / "benchmarks" / "model_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("model_step")
 
 
 @pytest.mark.parametrize("ttt", ["true", "false"])

@@ -5,12 +5,12 @@ keeps of an earlier file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from tttvideo.config.loader import load_config
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.plan_costs import activation_key, load_costs
@@ -23,10 +23,7 @@ TINY = ["model.adapter=lora", "model.lora_rank=4", "model.dtype=bf16", "ttt.mini
 
 
 def calibration_module():
-    spec = importlib.util.spec_from_file_location("plan_calibration", ROOT / "benchmarks" / "plan_calibration.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("plan_calibration")
 
 
 def synthetic_row(name, phase, duration, overrides, calibrate, per_token=3000.0, fixed=5e6):

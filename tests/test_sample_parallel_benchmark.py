@@ -4,26 +4,22 @@ prediction checked against the one-process prediction; a rerun launches nothing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from tests.benchmark_scripts import load_benchmark
 
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def benchmark():
-    spec = importlib.util.spec_from_file_location("sample_parallel", ROOT / "benchmarks" / "sample_parallel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sample_parallel")
 
 
 def test_layouts_run_under_torchrun_and_match_one_process(tmp_path, capsys):
