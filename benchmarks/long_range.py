@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -312,9 +313,15 @@ def run_serial(pending: list[tuple[str, str, int]], args, work: Path):
 def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
     """Each run as `long_range.py` of that one run in a subprocess (its JSON and log in <work>/parts), at most
     `args.jobs` at once; yields each run's row as it finishes."""
+    import torch
+
     parts = work / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     queue, active = list(pending), {}
+    threads = []
+    if not torch.cuda.is_available() and not any(o.startswith("train.cpu_threads=") for o in args.overrides):
+        # on the CPU the jobs share the cores: each its share, not all of them (oversubscribed, every job crawls)
+        threads = ["--set", f"train.cpu_threads={max(1, (os.cpu_count() or 1) // args.jobs)}"]
     while queue or active:
         while queue and len(active) < args.jobs:
             variant, duration, seed = queue.pop(0)
@@ -324,6 +331,7 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
                    "--work", str(work), "--out", str(parts / f"{name}.json")]
             for o in args.overrides:
                 cmd += ["--set", o]
+            cmd += threads
             (parts / f"{name}.json").unlink(missing_ok=True)  # scratch: an earlier part may have other settings
             log = open(parts / f"{name}.log", "w")
             active[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
