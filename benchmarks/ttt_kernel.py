@@ -233,6 +233,7 @@ def compile_only():
 
 
 def main():
+    global H
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="*", default=[18048, 51456, 351168])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -241,14 +242,20 @@ def main():
     ap.add_argument("--no-check", action="store_true", help="skip the accuracy check")
     ap.add_argument("--baseline", default="", help="an earlier triton_mlp.py to time at the first length too")
     ap.add_argument("--kinds", nargs="*", default=["mlp", "linear"])
+    ap.add_argument("--heads", type=int, default=48,
+                    help="heads (streams at B = 1): 24 / 12 are what each rank scans under sp = 2 / 4 (the scan is "
+                         "serial in tokens, parallel in streams, so fewer streams leave SMs idle; with TTT_MLP_SPLIT "
+                         "this times more programs per stream)")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the MLP at the first length")
     ap.add_argument("--variants", action="store_true", help="also time kernel variants at the first length")
     ap.add_argument("--variant", action="append", default=[], type=json.loads,
                     help='a variant to time instead of the default ones, as JSON: {"fwd_SCR": true, "output": false}')
     args = ap.parse_args()
+    H = args.heads
     import triton
 
-    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or git_commit())
+    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or git_commit(), heads=H,
+                split_override=os.environ.get("TTT_MLP_SPLIT"))
     if args.compile_only:
         res = dict(meta, mode="compile-only", rows=compile_only())
         write_json(args.out, "ttt_kernel_compile.json", res)
