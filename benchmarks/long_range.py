@@ -14,8 +14,9 @@ shows it: a model that has not learned to follow its captions at all makes the o
 training step time and the peak GPU memory of training.
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
-run and a rerun skips the runs it holds (resume after a time limit; runs of other settings need another --out); a table is printed and a plot written beside
-the JSON. 3-s videos have one scene, so nothing to carry: durations start at 6 s.
+run and a rerun skips the runs it holds (resume after a time limit; runs of other settings need another --out); a
+table is printed and a plot written beside the JSON. 3-s videos have one scene, so nothing to carry: durations start
+at 6 s.
 
     PYTHONPATH=src python3 benchmarks/long_range.py --out benchmarks/results/long_range_h100.json   # the GPU run
     PYTHONPATH=src python3 benchmarks/long_range.py --durations 6s --seeds 0 --steps 3 --eval-videos 2 \\

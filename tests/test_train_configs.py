@@ -1,5 +1,5 @@
-"""The shipped training configs: the five CogVideoX-5B stages follow the original recipe, chain into each other, and their
-1-GPU and 4-GPU versions keep the global batch of 64 by accumulation; the demo config is the tiny CPU run."""
+"""The shipped training configs: the five CogVideoX-5B stages follow the original recipe, chain into each other, and
+their 1-GPU and 4-GPU versions keep the global batch of 64 by accumulation; the demo config is the tiny CPU run."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 fla does not run in the Triton interpreter), "reference" = `tttvideo.sequence.recurrence` (any device), "auto" = fla
 on CUDA when it is installed and can compute what is asked, the reference otherwise (the reason logged once). fla
 refuses its gated backward on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (it gives wrong gradients there, fla issue
-#640; the forward is right), so on such a machine "auto" trains on the reference and samples on fla. Shapes are fla's: q, k, v
-[B, T, H, D], g and beta [B, T, H]; the output is [B, T, H, D] in v's dtype."""
+#640; the forward is right), so on such a machine "auto" trains on the reference and samples on fla. Shapes are
+fla's: q, k, v [B, T, H, D], g and beta [B, T, H]; the output is [B, T, H, D] in v's dtype."""
 
 from __future__ import annotations
 
