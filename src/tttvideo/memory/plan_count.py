@@ -10,8 +10,8 @@ on a CPU) with the config's adapter and weight storage, and its tensors are summ
   fp32 scale per 256 values for each tensor of at least 4096 values that is a multiple of 256, two moments in the
   parameter's dtype for the others (training only); the optimizers' scalar step counters are left out;
 - with FSDP2 each of these divided by the shard degree (dp_shard x sp: `fsdp_shard_degree`), buffers (fp8 codes
-  and scales among them) excepted, which FSDP2 keeps whole on every GPU, plus the all-gathered full weights of the two blocks
-  in flight (FSDP's prefetch of the next block while one computes);
+  and scales among them) excepted, which FSDP2 keeps whole on every GPU, plus the all-gathered full weights of the
+  two blocks in flight (FSDP's prefetch of the next block while one computes);
 - with `memory.stream_frozen_weights` (training) the fp8 codes and scales live in host memory: two blocks' worth
   is counted for the copies in flight.
 
