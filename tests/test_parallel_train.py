@@ -247,7 +247,7 @@ def test_eight_bit_adamw_under_fsdp_tracks_one_process_and_resumes_bitwise(work,
 ], ids=["qkvo-hsdp", "lora-fsdp"])
 def test_frozen_parameters_under_fsdp_match_one_process(work, adapter, ranks, degrees):
     """The adapters of stages 2-5 and the 24 GB configs freeze most weights; FSDP2 shards them with the trainable
-    ones (mixed requires_grad inside one fully_shard unit) and only the trainable ones get gradients and state."""
+    ones (mixed requires_grad inside one fully_shard unit), and the run equals the one-process run of that adapter."""
     one = f"one-{adapter}"
     Trainer(load_config(DEMO, settings(work, one, f"model.adapter={adapter}")), quiet=True).run()
     out = f"{adapter}-{ranks}"
