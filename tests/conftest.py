@@ -35,6 +35,12 @@ def start_demo_run() -> tuple[Path, subprocess.Popen]:
     return out, proc
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """tests/test_demo_learns.py waits for the demo run started below: run it last, so that the run overlaps the
+    suite instead of being waited for (in file order it would come early and wait the run's whole length)."""
+    items.sort(key=lambda item: item.path.name == "test_demo_learns.py")  # stable: the rest keep their order
+
+
 def pytest_collection_finish(session):
     """Start the demo run tests/test_demo_learns.py scores as soon as collection ends: it trains on one core for
     about 100 s, which then overlaps the rest of the suite on the other core instead of adding to it."""
