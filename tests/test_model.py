@@ -234,6 +234,7 @@ def test_attention_window_glue_round_trips_and_stays_eager_on_cpu():
     """Gathering the windows of v (no RoPE on v) and merging them back gives v: every residual position is the
     mean of its windows' identical copies. On the CPU the glue runs eagerly whatever model.compile_attention_glue
     says (it compiles for CUDA only)."""
+    from tttvideo.device import compiled_on_cuda
     from tttvideo.layout import VideoLayout
     from tttvideo.models import attention
 
@@ -242,7 +243,7 @@ def test_attention_window_glue_round_trips_and_stays_eager_on_cpu():
     n, L = index.shape[0], layout.total_tokens
     assert n == 3
     q, k, v = (torch.randn(2, L, 3, 16) for _ in range(3))
-    assert attention.attention_glue("gather", q, True) is attention.gather_windows
+    assert compiled_on_cuda(attention.gather_windows, q, True) is attention.gather_windows
     _, _, windows = attention.gather_windows(q, k, v, index.reshape(-1), n, cos, sin)
     assert windows.shape == (2 * n, 3, index.shape[1], 16)
     merged = attention.merge_windows(windows, index.reshape(-1), n, inv_count, L)

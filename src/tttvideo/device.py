@@ -1,6 +1,8 @@
-"""Device selection shared by every command."""
+"""Device selection shared by every command, and the compile-on-CUDA switch of the model's glue functions."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -32,3 +34,17 @@ def cap_process_memory(gib: float, device: torch.device | str) -> float | None:
                         f"cap above 0 and at most that")
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
+
+
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled_on_cuda(fn: Callable, x: torch.Tensor, enabled: bool) -> Callable:
+    """`fn` torch.compile'd when `enabled` and `x` is on CUDA (dynamic=False: one compile per input shape, the
+    compiled function shared by every caller), `fn` itself elsewhere: compiling for the CPU is a C++ build per shape.
+    For the elementwise glue around the model's big kernels (`ttt.compile_glue`, `model.compile_attention_glue`)."""
+    if not (enabled and x.is_cuda):
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]

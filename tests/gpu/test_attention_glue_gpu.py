@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles 
 
 
 def test_compiled_glue_equals_eager_forward_and_backward():
+    from tttvideo.device import compiled_on_cuda
     from tttvideo.layout import VideoLayout
     from tttvideo.models import attention
 
@@ -27,9 +28,9 @@ def test_compiled_glue_equals_eager_forward_and_backward():
 
     def run(compile_glue: bool):
         inputs = [t.clone().requires_grad_() for t in qkv]
-        q, k, v = attention.attention_glue("gather", inputs[0], compile_glue)(*inputs, flat, n, cos, sin)
+        q, k, v = compiled_on_cuda(attention.gather_windows, inputs[0], compile_glue)(*inputs, flat, n, cos, sin)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        merged = attention.attention_glue("merge", out, compile_glue)(out, flat, n, inv_count, L)
+        merged = compiled_on_cuda(attention.merge_windows, out, compile_glue)(out, flat, n, inv_count, L)
         w = torch.randn(merged.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
         (merged.float() * w).sum().backward()
         return [merged, *[t.grad for t in inputs]]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 
@@ -73,20 +74,6 @@ def merge_windows(out: torch.Tensor, flat: torch.Tensor | None, n: int, inv_coun
     return summed * inv_count.to(out.dtype)
 
 
-_compiled: dict[str, object] = {}
-
-
-def attention_glue(name: str, x: torch.Tensor, compile_glue: bool):
-    """`gather_windows` or `merge_windows`, torch.compile'd on CUDA when `compile_glue` (one compile per layout
-    shape, shared by every block); plain eager elsewhere."""
-    fn = {"gather": gather_windows, "merge": merge_windows}[name]
-    if not (compile_glue and x.is_cuda):
-        return fn
-    if name not in _compiled:
-        _compiled[name] = torch.compile(fn, dynamic=False)
-    return _compiled[name]
-
-
 class LocalAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, bias: bool = True, qk_norm_eps: float = 1e-6,
                  norm_elementwise_affine: bool = True, rope_theta: float = 10000.0):
@@ -118,9 +105,9 @@ class LocalAttention(nn.Module):
             q, k, v = sp.to_head_shards(torch.stack([q, k, v], dim=2), layout, head_axis=3).unbind(2)
             B, L, H, _ = q.shape
         flat = index.reshape(-1) if n > 1 else None
-        q, k, v = attention_glue("gather", q, self.compile_glue)(q, k, v, flat, n, cos, sin)
+        q, k, v = compiled_on_cuda(gather_windows, q, self.compile_glue)(q, k, v, flat, n, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = attention_glue("merge", out, self.compile_glue)(out, flat, n, inv_count, L)
+        out = compiled_on_cuda(merge_windows, out, self.compile_glue)(out, flat, n, inv_count, L)
         if sp is not None:
             out = sp.to_sequence_shards(out.view(B, L, H, D), layout, head_axis=2).flatten(2)
         return self.to_out(out)

@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from tttvideo.config.schema import MemoryConfig
+from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import window_tensors
 from tttvideo.rope import apply_rope
-from tttvideo.ttt.layer import layout_tensors, scan_inputs_fn
+from tttvideo.ttt.layer import layout_tensors, scan_inputs
 
 if TYPE_CHECKING:
     from tttvideo.models.block import Block
@@ -134,7 +135,7 @@ def _ttt_pass(layer: TTTLayer, x: torch.Tensor, layout: VideoLayout, plan: Chunk
     forward_order, reverse_order, cos, sin = layout_tensors(layout, D, layer.rope_theta, x.device)
     scan_order, residual_order = reverse_order if reverse else forward_order
     padded = L + layout.ttt_padding
-    glue = scan_inputs_fn(x, layer.compile_glue)
+    glue = compiled_on_cuda(scan_inputs, x, layer.compile_glue)
     groups = torch.arange(H).tensor_split(max(1, min(plan.ttt_head_groups, H)))
     out = None  # every head's scan output [B, H, L + pad, D], in scan order
     for group in groups:

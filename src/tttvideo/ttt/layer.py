@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.config.schema import TTTConfig
+from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 from tttvideo.sequence.bidirectional import GatedBidirectional, scan_permutations
@@ -83,19 +84,6 @@ def scan_inputs(
     for i, t in enumerate((q, k, v)):
         out[i, :, :, :L] = t.transpose(1, 2)
     return out
-
-
-_compiled_scan_inputs = None
-
-
-def scan_inputs_fn(x: torch.Tensor, compile_glue: bool):
-    """torch.compile'd glue on CUDA (one-time compile per layout shape); plain eager elsewhere."""
-    global _compiled_scan_inputs
-    if not (compile_glue and x.is_cuda):
-        return scan_inputs
-    if _compiled_scan_inputs is None:
-        _compiled_scan_inputs = torch.compile(scan_inputs, dynamic=False)
-    return _compiled_scan_inputs
 
 
 MLP_EXPANSION = 4  # TTT-MLP hidden size = 4 x head dim (64 -> 256), as in the original
@@ -213,7 +201,7 @@ class TTTLayer(nn.Module):
         L = qkv.shape[1]
         pad = layout.ttt_padding
         heads = slice(None) if heads is None else heads
-        q, k, v = scan_inputs_fn(qkv, self.compile_glue)(qkv, cos, sin, self.ttt_norm_weight[heads],
+        q, k, v = compiled_on_cuda(scan_inputs, qkv, self.compile_glue)(qkv, cos, sin, self.ttt_norm_weight[heads],
                                                            self.ttt_norm_bias[heads], pad, dtype)
         eta = F.pad(eta.transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
         return self.scan(q, k, v, eta, layout, heads)[:, :, :L].transpose(1, 2)
