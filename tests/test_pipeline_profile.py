@@ -92,7 +92,7 @@ def test_local_pipeline_folder_loads_its_weights(tmp_path):
 def test_study_variant_files_load():
     from tttvideo.memory.matrix import child_command, load_matrix
 
-    for study, count in (("wan21", 15), ("cogvideox5b-diffusers", 6)):
+    for study, count in (("wan21", 16), ("cogvideox5b-diffusers", 6)):
         m = load_matrix(ROOT / "configs" / "profile" / study / "matrix.toml")
         assert len(m.variants) == count and m.config is None
         for v in m.variants:
@@ -100,6 +100,9 @@ def test_study_variant_files_load():
             load_pipeline_profile(v.config)
             cmd = child_command(m, v, Path("out"))
             assert str(v.config) in cmd and "--phase" not in cmd  # a pipeline has no train / sample choice
+            parallel = load_pipeline_profile(v.config).context_parallel > 1
+            assert ("torch.distributed.run" in cmd) == parallel, v.name
+            assert ("--nproc_per_node=2" in cmd) == parallel
     smallest = load_pipeline_profile(ROOT / "configs/profile/wan21/smallest.toml")
     assert (smallest.text_encoder_device, smallest.offload, smallest.fp8_weights, smallest.frames) == \
         ("cpu", "group", True, 81)
@@ -135,3 +138,44 @@ def test_matrix_report_ranks_by_peak_and_time(tmp_path):
     md = (tmp_path / "matrix.md").read_text()
     assert "## Ranked by peak" in md and "## Ranked by step time" in md
     assert (tmp_path / "matrix.png").stat().st_size > 0 and "<img" in (tmp_path / "matrix.html").read_text()
+
+
+def test_context_parallel_variant_equals_one_process_and_resumes(tmp_path, capsys):
+    """A matrix over two 'GPUs' (gloo on the CPU): the context-parallel Wan variant runs as two torchrun processes
+    while nothing else holds the GPUs, gives the one-process video, and a --resume run keeps both rows."""
+    from tttvideo.cli import main
+
+    (tmp_path / "tiny.toml").write_text("[pipeline]\nname = 'wan2.1-t2v-1.3b'\ntiny = true\nheight = 32\nwidth = 32\n"
+                                        "frames = 9\ntext_tokens = 8\nprecision = 'fp32'\n")
+    (tmp_path / "cp.toml").write_text("include = 'tiny.toml'\n[pipeline]\ncontext_parallel = 2\n")
+    (tmp_path / "m.toml").write_text('steps = 2\ndevice = "cpu"\n[[variant]]\nname = "one"\nconfig = "tiny.toml"\n'
+                                     '[[variant]]\nname = "cp"\nconfig = "cp.toml"\n')
+    out = tmp_path / "out"
+    args = ["profile", "--matrix", str(tmp_path / "m.toml"), "--out", str(out), "--gpus", "0,1"]
+    assert main(args) == 0
+    rows = {r["variant"]: r for r in json.loads((out / "matrix.json").read_text())["rows"]}
+    assert rows["one"]["status"] == "ok" and rows["cp"]["status"] == "ok", rows
+    assert (out / "cp" / "command.txt").read_text().startswith("CUDA_VISIBLE_DEVICES=0,1 ")
+    assert (out / "one" / "command.txt").read_text().split()[0] in ("CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1")
+    one, cp = (rows[n]["summary"]["meta"] for n in ("one", "cp"))
+    assert "Ulysses over 2" in cp["context_parallel"] and (out / "cp" / "rank1" / "summary.json").is_file()
+    for key in ("mean", "std"):  # fp32: the all-to-alls move values, they do not change them
+        assert cp["video_stats"][key] == pytest.approx(one["video_stats"][key], rel=1e-5, abs=1e-6)
+    assert any("context parallelism" in c["name"] for c in rows["cp"]["summary"]["components"])
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 0
+    assert capsys.readouterr().err.count("from the earlier run") == 2
+
+
+def test_context_parallel_mistakes_are_sentences(tmp_path, capsys):
+    from tttvideo.cli import main
+
+    base = ["profile", "--steps", "1", "--device", "cpu", "--set", "pipeline.tiny=true"]
+    assert main([*base, "--pipeline", "cogvideox-5b-diffusers", "--set", "pipeline.context_parallel=2",
+                 "--out", str(tmp_path / "a")]) == 2
+    assert "no context-parallel plan for cogvideox-5b-diffusers" in capsys.readouterr().err
+    assert main([*base, "--pipeline", "wan2.1-t2v-1.3b", "--set", "pipeline.context_parallel=2",
+                 "--out", str(tmp_path / "b")]) == 2
+    assert "needs as many processes: torchrun --nproc_per_node 2" in capsys.readouterr().err
+    assert main([*base, "--pipeline", "wan2.1-t2v-1.3b", "--gpus", "0"]) == 2
+    assert "go with --matrix" in capsys.readouterr().err

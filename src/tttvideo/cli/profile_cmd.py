@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from tttvideo.cli.common import add_config_arguments, config_from_args
@@ -34,10 +35,17 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
                    "(trace.json, for ui.perfetto.dev); slows the run")
     p.add_argument("--matrix", metavar="FILE", default=None,
                    help="TOML file of variants (see configs/profile/matrix-example.toml)")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="with --matrix: CUDA devices to spread the variants over, e.g. 0,1 (as many variants at "
+                        "once, one GPU each; default: one variant at a time on what is visible)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --matrix: keep the rows of variants an earlier run into the same --out finished")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.gpus is not None or args.resume) and not args.matrix:
+        raise UserError("--gpus and --resume go with --matrix FILE")
     if args.matrix:
         if args.config or args.overrides:
             raise UserError("--matrix takes its base config and overrides from the matrix file; "
@@ -64,12 +72,29 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     if args.phase == "train":
         raise UserError("a diffusers pipeline is profiled for inference only; drop --phase train")
     overrides = ([f"pipeline.name={args.pipeline}"] if args.pipeline else []) + list(args.overrides or [])
-    pc = load_pipeline_profile(args.config, overrides)
-    out = check_writable_dir(args.out or f"runs/profile/{pc.name}", "--out")
-    summary, code = profile_pipeline(pc, args.steps, out, device=args.device, snapshot=args.snapshot,
-                                     trace=args.trace, meta={"config": args.config or f"--pipeline {pc.name}",
-                                                             "overrides": overrides})
-    _print_summary(summary, out)
+    from tttvideo.parallel.launch import SharedError, launch_rank, let_rank_zero_speak
+
+    rank = launch_rank()
+    try:
+        try:  # every rank reads the same file: its mistakes are everyone's
+            pc = load_pipeline_profile(args.config, overrides)
+            out = check_writable_dir(args.out or f"runs/profile/{pc.name}", "--out")
+        except UserError as err:
+            raise SharedError(str(err)) from None
+        summary, code = profile_pipeline(pc, args.steps, out, device=args.device, snapshot=args.snapshot,
+                                         trace=args.trace, meta={"config": args.config or f"--pipeline {pc.name}",
+                                                                 "overrides": overrides})
+    except UserError as err:
+        # under torchrun (context parallelism) every rank checks the same file: rank 0 alone says it
+        if rank == 0:
+            raise
+        if not isinstance(err, SharedError):
+            print(f"tttv profile: error on rank {rank}: {err}", file=sys.stderr, flush=True)
+        else:
+            let_rank_zero_speak()
+        return 2
+    if rank == 0:
+        _print_summary(summary, out)
     return code
 
 
@@ -83,7 +108,13 @@ def _run_matrix(args: argparse.Namespace) -> int:
         m.device = args.device
     out = check_writable_dir(args.out or f"runs/profile/{Path(args.matrix).stem}", "--out")
     console = Console(stderr=True)
-    rows = run_matrix(m, out, progress=lambda text: console.print(f"profile: {text}"))
+    gpus = None
+    if args.gpus is not None:
+        gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+        if not gpus or not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+            raise UserError(f"--gpus {args.gpus!r}: give distinct CUDA device numbers separated by commas, e.g. 0,1")
+    rows = run_matrix(m, out, progress=lambda text: console.print(f"profile: {text}"), gpus=gpus,
+                      resume=args.resume)
     print_matrix(rows, title=f"memory matrix: {m.path.name} ({len(rows)} variants)")
     console.print(f"profile: reports under {out}/<variant>/, side by side in {out}/matrix.html (and matrix.md)")
     return 0

@@ -234,13 +234,24 @@ def profile_pipeline(pc: PipelineProfile, steps: int, out_dir: str | Path, *, de
     from dataclasses import asdict
 
     from tttvideo.device import resolve_device
-    from tttvideo.memory.pipelines import drive_pipeline
+    from tttvideo.memory.pipelines import check_pipeline_profile, drive_pipeline, join_context_parallel
+    from tttvideo.parallel.mesh import close_parallel
 
-    dev = resolve_device(device, "--device")
-    return run_profiled(lambda prof, d: drive_pipeline(pc, prof, steps, d), dev,
-                        MemoryConfig(max_gpu_gib=pc.max_gpu_gib), steps, out_dir,
-                        meta={"phase": f"pipeline {pc.name}", "steps": steps, **(meta or {}),
-                              "pipeline": asdict(pc)}, snapshot=snapshot, trace=trace)
+    check_pipeline_profile(pc)
+    dev, rank = join_context_parallel(pc, resolve_device(device, "--device"))
+    meta = {"phase": f"pipeline {pc.name}", "steps": steps, **(meta or {}), "pipeline": asdict(pc)}
+    if pc.context_parallel > 1:
+        meta["context_parallel"] = f"Ulysses over {pc.context_parallel} GPUs; the figures are rank {rank}'s"
+        out_dir = Path(out_dir) / f"rank{rank}" if rank else out_dir  # rank 0's report is the variant's
+    try:
+        result = run_profiled(lambda prof, d: drive_pipeline(pc, prof, steps, d), dev,
+                              MemoryConfig(max_gpu_gib=pc.max_gpu_gib), steps, out_dir, meta=meta,
+                              snapshot=snapshot, trace=trace)
+    except BaseException:
+        close_parallel(wait=False)
+        raise
+    close_parallel(wait=result[1] == 0)
+    return result
 
 
 def run_profiled(drive: Callable[[MemoryProfiler, torch.device], None], dev: torch.device, memory: MemoryConfig,

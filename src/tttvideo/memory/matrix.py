@@ -26,9 +26,11 @@ variants ranked by peak and by step time, bars of both).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +45,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+ROW_FILE = "row.json"
 
 __all__ = ["EXIT_OOM", "Matrix", "MatrixRow", "Variant", "load_matrix", "print_matrix", "run_matrix"]
 
@@ -137,10 +141,26 @@ def _config_path(matrix: Path, value: object, what: str) -> Path | None:
     return resolved
 
 
+def gpus_needed(m: Matrix, v: Variant) -> int:
+    """Processes (one GPU each) the variant runs on: a diffusers pipeline's context-parallel degree, else 1."""
+    from tttvideo.memory.pipeline_config import is_pipeline_profile, load_pipeline_profile
+
+    config = v.config or m.config
+    if config is None or not is_pipeline_profile(config):
+        return 1
+    try:
+        return load_pipeline_profile(config, v.overrides).context_parallel
+    except UserError:
+        return 1  # the child says what is wrong with the file, as a row
+
+
 def child_command(m: Matrix, v: Variant, out_dir: Path) -> list[str]:
     from tttvideo.memory.pipeline_config import is_pipeline_profile
 
+    procs = gpus_needed(m, v)
     cmd = [sys.executable, "-m", "tttvideo", "profile"]
+    if procs > 1:
+        cmd[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", "-m"]
     config = v.config or m.config
     if config is not None:
         cmd.append(str(config))
@@ -154,29 +174,43 @@ def child_command(m: Matrix, v: Variant, out_dir: Path) -> list[str]:
 
 def _last_error_line(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    line = lines[-1][:300] if lines else ""
+    said = [ln for ln in lines if re.match(r"tttv \w+: error", ln)]  # torchrun's own summary comes after it
+    line = (said or lines)[-1][:300] if lines else ""
     return re.sub(r"^tttv \w+: error: ", "", line)  # the CLI's prefix says nothing the row does not
 
 
-def run_variant(m: Matrix, v: Variant, out_root: Path) -> MatrixRow:
+def run_variant(m: Matrix, v: Variant, out_root: Path, gpus: list[str] | None = None) -> MatrixRow:
+    """One variant in its own process (torchrun's, for a context-parallel pipeline), on `gpus` when given (its
+    CUDA_VISIBLE_DEVICES); the row is also written to the variant's folder (row.json, for `--resume`)."""
     out_dir = out_root / _slug(v.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary_path = out_dir / "summary.json"
     summary_path.unlink(missing_ok=True)  # a stale summary from an earlier run must not pass for this one
+    (out_dir / ROW_FILE).unlink(missing_ok=True)
     t0 = time.perf_counter()
     cmd = child_command(m, v, out_dir)
-    (out_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    env = None
+    if gpus is not None:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    (out_dir / "command.txt").write_text(
+        (f"CUDA_VISIBLE_DEVICES={','.join(gpus)} " if gpus is not None else "") + " ".join(cmd) + "\n")
     try:
         with (out_dir / "stdout.log").open("w") as out, (out_dir / "stderr.log").open("w") as err:
-            proc = subprocess.run(cmd, stdout=out, stderr=err, timeout=m.timeout_s)
+            proc = subprocess.run(cmd, stdout=out, stderr=err, timeout=m.timeout_s, env=env)
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         code = None
-    seconds = time.perf_counter() - t0
+    row = _row(v, code, time.perf_counter() - t0, out_dir, m.timeout_s)
+    (out_dir / ROW_FILE).write_text(json.dumps(asdict(row), indent=1, default=str))
+    return row
+
+
+def _row(v: Variant, code: int | None, seconds: float, out_dir: Path, timeout_s: float) -> MatrixRow:
+    summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     stderr = (out_dir / "stderr.log").read_text(errors="replace")
     if code is None:
-        return MatrixRow(v.name, "timeout", None, seconds, f"killed after {m.timeout_s:.0f} s", str(out_dir), summary)
+        return MatrixRow(v.name, "timeout", None, seconds, f"killed after {timeout_s:.0f} s", str(out_dir), summary)
     if summary is not None and summary.get("status") == "oom":
         where = (summary.get("oom") or {}).get("location", "unknown place")
         return MatrixRow(v.name, "oom", code, seconds, f"OOM in {where}", str(out_dir), summary)
@@ -187,15 +221,66 @@ def run_variant(m: Matrix, v: Variant, out_root: Path) -> MatrixRow:
                      summary)
 
 
-def run_matrix(m: Matrix, out_root: str | Path, progress: Any = None) -> list[MatrixRow]:
+def finished_row(v: Variant, out_root: Path) -> MatrixRow | None:
+    """The row an earlier run of this matrix left for `v` if it finished (ok or out of memory), else None."""
+    path = out_root / _slug(v.name) / ROW_FILE
+    try:
+        row = MatrixRow(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return row if row.variant == v.name and row.status in ("ok", "oom") else None
+
+
+def run_matrix(m: Matrix, out_root: str | Path, progress: Any = None, gpus: list[str] | None = None,
+               resume: bool = False) -> list[MatrixRow]:
+    """Every variant, in file order; with `gpus` (CUDA device ids) as many at once as there are free GPUs, each
+    on its own (a context-parallel variant waits for as many as it needs). With `resume`, a variant whose row an
+    earlier run left finished is kept, not rerun."""
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[MatrixRow | None] = [None] * len(m.variants)
+    free = list(gpus) if gpus is not None else None
+    ready = threading.Condition()
+
+    def run_on(i: int, v: Variant, mine: list[str] | None) -> None:
+        try:
+            rows[i] = run_variant(m, v, out_root, mine)
+        finally:
+            with ready:
+                if free is not None and mine is not None:
+                    free.extend(mine)
+                    free.sort(key=int)
+                ready.notify_all()
+
+    threads = []
     for i, v in enumerate(m.variants):
+        what = " ".join(([v.config.name] if v.config else []) + v.overrides) or "(base config)"
+        if resume and (kept := finished_row(v, out_root)) is not None:
+            rows[i] = kept
+            if progress is not None:
+                progress(f"[{i + 1}/{len(m.variants)}] {v.name}: kept ({kept.status}) from the earlier run")
+            continue
+        if free is None:
+            if progress is not None:
+                progress(f"[{i + 1}/{len(m.variants)}] {v.name}: {what}")
+            rows[i] = run_variant(m, v, out_root)
+            continue
+        need = gpus_needed(m, v)
+        if need > len(gpus or []):
+            rows[i] = MatrixRow(v.name, "error", None, 0.0, f"needs {need} GPUs; --gpus lists {len(gpus or [])}",
+                                str(out_root / _slug(v.name)))
+            continue
+        with ready:
+            ready.wait_for(lambda: len(free) >= need)
+            mine, free[:] = free[:need], free[need:]
         if progress is not None:
-            what = " ".join(([v.config.name] if v.config else []) + v.overrides) or "(base config)"
-            progress(f"[{i + 1}/{len(m.variants)}] {v.name}: {what}")
-        rows.append(run_variant(m, v, out_root))
+            progress(f"[{i + 1}/{len(m.variants)}] {v.name} on GPU {','.join(mine)}: {what}")
+        t = threading.Thread(target=run_on, args=(i, v, mine), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    rows = [r for r in rows if r is not None]
     (out_root / "matrix.json").write_text(json.dumps(
         {"matrix": str(m.path), "config": str(m.config) if m.config else None,
          "variants": [asdict(v) for v in m.variants], "rows": [asdict(r) for r in rows]}, indent=1, default=str))

@@ -4,7 +4,7 @@ A pipeline profile file is TOML like our configs (`include = "base.toml"`, `--se
 the same loader; `configs/profile/wan21/` holds one file per variant of the Wan2.1 study. The switches are the
 memory levers diffusers offers for any pipeline: precision, loading, where the text encoder runs, CPU offloading
 (whole models, layer by layer, or groups of blocks on a side stream), VAE tiling and slicing, the attention backend,
-fp8 layerwise weight storage, resolution and frame count.
+fp8 layerwise weight storage, resolution and frame count; and, over several GPUs, its context parallelism.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class PipelineProfile:
     seed: int = 0
     max_gpu_gib: float = bounded(0.0, 0.0, help="cap this process's CUDA allocator at this many GiB (0: no cap), "
                                                 "to rehearse a smaller card; the CUDA context is outside the cap")
+    context_parallel: int = bounded(1, 1, help="Ulysses degree of diffusers' context parallelism for the transformer "
+                                               "(enable_parallelism): > 1 runs under torchrun with that many "
+                                               "processes, one GPU each (`tttv profile --matrix` launches them); "
+                                               "every rank runs the whole pipeline, rank 0 writes the report")
 
 
 @dataclass

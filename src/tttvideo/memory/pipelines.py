@@ -38,6 +38,7 @@ class PipelineSpec:
     text_tokens: int  # the pipeline's max_sequence_length
     blocks_attr: str  # the transformer's list of blocks
     build: Callable[[bool], dict[str, Callable[[], Any]]]  # tiny -> component factories
+    context_parallel: bool  # the transformer has a diffusers context-parallel plan (`_cp_plan`)
 
 
 def _wan(tiny: bool) -> dict[str, Callable[[], Any]]:
@@ -89,9 +90,53 @@ def _cogvideox(tiny: bool) -> dict[str, Callable[[], Any]]:
 
 
 PIPELINES = {
-    "wan2.1-t2v-1.3b": PipelineSpec("WanPipeline", "umT5-XXL", 512, "blocks", _wan),
-    "cogvideox-5b-diffusers": PipelineSpec("CogVideoXPipeline", "T5-XXL", 226, "transformer_blocks", _cogvideox),
+    "wan2.1-t2v-1.3b": PipelineSpec("WanPipeline", "umT5-XXL", 512, "blocks", _wan, True),
+    "cogvideox-5b-diffusers": PipelineSpec("CogVideoXPipeline", "T5-XXL", 226, "transformer_blocks", _cogvideox,
+                                           False),
 }
+
+
+def check_pipeline_profile(pc: PipelineProfile) -> None:
+    """Combinations diffusers refuses deep inside a run, refused up front with the field to change (on every rank
+    of a launch alike)."""
+    from tttvideo.parallel.launch import SharedError
+
+    if pc.context_parallel > 1:
+        if not PIPELINES[pc.name].context_parallel:
+            raise SharedError(f"pipeline.context_parallel = {pc.context_parallel}: diffusers has no context-parallel "
+                              f"plan for {pc.name}'s transformer; set it to 1")
+        if pc.offload != "none":
+            raise SharedError(f"pipeline.context_parallel = {pc.context_parallel} with pipeline.offload = "
+                              f"{pc.offload!r}: each rank keeps its whole pipeline on its GPU; set offload = 'none'")
+
+
+def join_context_parallel(pc: PipelineProfile, device: torch.device) -> tuple[torch.device, int]:
+    """Under torchrun with pipeline.context_parallel = N processes: this rank's device and rank, the default
+    process group started (NCCL on GPUs, gloo on the CPU). Without it: `device` and rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from tttvideo.parallel.launch import SharedError, check_launch, launch_rank, rank_device
+
+    world = check_launch("profile", "profiling")
+    if pc.context_parallel == 1:
+        if world > 1:
+            raise SharedError(f"this launch has {world} processes but pipeline.context_parallel is 1: set "
+                              f"--set pipeline.context_parallel={world}, or run one process")
+        return device, 0
+    if world != pc.context_parallel:
+        raise SharedError(f"pipeline.context_parallel = {pc.context_parallel} needs as many processes: torchrun "
+                          f"--nproc_per_node {pc.context_parallel} -m tttvideo profile ... (this launch has {world}; "
+                          "`tttv profile --matrix` starts them itself)")
+    device = rank_device(device)
+    if device.type == "cuda":
+        if torch.cuda.device_count() < world:
+            raise SharedError(f"pipeline.context_parallel = {world} needs {world} GPUs, one a process; this host "
+                              f"shows {torch.cuda.device_count()}")
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, launch_rank()
 
 
 # ------------------------------------------------------------------------------------------------ components
@@ -202,6 +247,17 @@ def _apply_switches(pipe: Any, pc: PipelineProfile, prof: MemoryProfiler, device
             pipe.transformer.set_attention_backend(pc.attention_backend)
         except (ValueError, RuntimeError, ImportError) as err:
             raise UserError(f"pipeline.attention_backend = {pc.attention_backend!r}: {err}") from None
+    if pc.context_parallel > 1:
+        from diffusers import ContextParallelConfig
+
+        # after the attention backend: diffusers checks that the chosen one supports context parallelism
+        with prof.component(f"context parallelism (Ulysses over {pc.context_parallel} ranks)"):
+            try:
+                with _cpu_counts_as_one_accelerator(device):
+                    pipe.transformer.enable_parallelism(
+                        config=ContextParallelConfig(ulysses_degree=pc.context_parallel))
+            except ValueError as err:
+                raise UserError(f"pipeline.context_parallel = {pc.context_parallel}: {err}") from None
     if pc.vae_tiling:
         pipe.vae.enable_tiling()
     if pc.vae_slicing:
@@ -217,6 +273,23 @@ def _apply_switches(pipe: Any, pc: PipelineProfile, prof: MemoryProfiler, device
             pipe.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                       offload_type="block_level", num_blocks_per_group=1,
                                       use_stream=device.type == "cuda")
+
+
+@contextlib.contextmanager
+def _cpu_counts_as_one_accelerator(device: torch.device) -> Iterator[None]:
+    """diffusers gives each rank the device `rank % torch.accelerator.device_count()`, a division by zero on a host
+    without GPUs; on the CPU (gloo: the tests) the count reads 1 while parallelism is set up."""
+    import torch
+
+    if device.type != "cpu":
+        yield
+        return
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = count
 
 
 class _Phases:
@@ -288,6 +361,9 @@ def drive_pipeline(pc: PipelineProfile, prof: MemoryProfiler, steps: int, device
                          generator=torch.Generator().manual_seed(pc.seed), output_type="pt", return_dict=False,
                          callback_on_step_end=phases.on_step_end)[0]
         prof.meta["video_shape"] = list(video.shape)
+        # the values mean nothing with random weights, but two runs of one pipeline (one GPU against context
+        # parallelism, say) must agree on them
+        prof.meta["video_stats"] = {"mean": video.float().mean().item(), "std": video.float().std().item()}
     except BaseException as exc:
         phases.fail(exc)
         raise
