@@ -286,6 +286,8 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
     if ranks.distributed:  # every data-parallel rank trains its own sample
         row["achieved_tflops"] *= ranks.dp_size
         row["tflops_per_gpu"] = row["achieved_tflops"] / ranks.world_size
+        if row["mfu"] is not None:  # utilisation of each GPU, whatever the layout
+            row["mfu"] = row["tflops_per_gpu"] * 1e12 / peak
     if device.type == "cuda":
         allocated = every_rank(ranks, torch.cuda.max_memory_allocated() / 2**30)
         reserved = every_rank(ranks, torch.cuda.max_memory_reserved() / 2**30)

@@ -59,7 +59,18 @@ def config_overrides(args, sp: int, split: bool) -> list[str]:
 
 
 def worker(args) -> int:
-    """One layout, on every rank of this torchrun launch; rank 0 writes the row to --row."""
+    """One layout, on every rank of this torchrun launch; rank 0 writes the row to --row. A rank that fails leaves
+    its traceback beside it (--row + .rank<N>.err): torchrun's own summary, the end of the log, does not hold it."""
+    try:
+        return run_layout(args)
+    except BaseException:
+        import traceback
+
+        Path(f"{args.row}.rank{os.environ.get('RANK', '0')}.err").write_text(traceback.format_exc())
+        raise
+
+
+def run_layout(args) -> int:
     import torch
     import torch.distributed as dist
 
@@ -98,10 +109,12 @@ def worker(args) -> int:
                 v = step(x, 999, 4.0)
             if cuda:
                 torch.cuda.synchronize(device)
-            slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            # on the rank's device: a torchrun default group on a GPU host is NCCL only (CPU tensors have no backend)
+            slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             seconds.append(float(slowest))
-        peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64)
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) if cuda else 0], dtype=torch.float64,
+                            device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         row.update(status="ok", tokens=layout.total_tokens, warmup_s=seconds[0], step_s=seconds[1:],
                    median_step_s=statistics.median(seconds[1:]), peak_allocated=int(peak) if cuda else None)
@@ -119,7 +132,8 @@ def launch(layout: str, args, work: Path) -> dict:
     """Run one layout under torchrun; its row, or a failed row with the log's tail."""
     ranks, _, _ = parse_layout(layout)
     row_path, log = work / f"{layout}.json", work / f"{layout}.log"
-    row_path.unlink(missing_ok=True)
+    for stale in [row_path, *work.glob(f"{layout}.json.rank*.err")]:
+        stale.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
            str(Path(__file__).resolve()), "--worker", layout, "--row", str(row_path),
            "--prediction", str(work / f"{layout}.pt"), "--preset", args.preset, "--dtype", args.dtype,
@@ -139,7 +153,8 @@ def launch(layout: str, args, work: Path) -> dict:
     if code == 0 and row_path.is_file():
         row = json.loads(row_path.read_text())
     else:
-        tail = log.read_text(errors="replace")[-1500:]
+        failed = sorted(work.glob(f"{layout}.json.rank*.err"))
+        tail = (failed[0] if failed else log).read_text(errors="replace").strip()[-1500:]
         row = {"layout": layout, "gpus": ranks, "status": "failed", "error": f"exit {code}: {tail}"}
     row["command"] = " ".join(cmd[1:])
     row["process_s"] = round(time.perf_counter() - t0, 1)

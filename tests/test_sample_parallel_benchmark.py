@@ -49,3 +49,15 @@ def test_a_layout_name_that_is_not_one_says_so():
     with pytest.raises(SystemExit, match="is not a layout"):
         benchmark().parse_layout("sp2x")
     assert benchmark().parse_layout("sp2cfg2") == (4, 2, True)
+
+
+def test_a_failing_layout_row_says_why(tmp_path, capsys):
+    """A rank's exception, not torchrun's summary after it, is what the failed row and the table show."""
+    out = tmp_path / "out.json"
+    argv = ["--preset", "no-such-preset", "--duration", "3s", "--device", "cpu", "--layouts", "1", "--steps", "1",
+            "--work", str(tmp_path / "work"), "--out", str(out)]
+    benchmark().main(argv)
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "failed"
+    assert "no-such-preset" in row["error"].splitlines()[-1]
+    assert "no-such-preset" in capsys.readouterr().out
