@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from tttvideo.cli.common import add_config_arguments, config_from_args
@@ -72,7 +71,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     if args.phase == "train":
         raise UserError("a diffusers pipeline is profiled for inference only; drop --phase train")
     overrides = ([f"pipeline.name={args.pipeline}"] if args.pipeline else []) + list(args.overrides or [])
-    from tttvideo.parallel.launch import SharedError, launch_rank, let_rank_zero_speak
+    from tttvideo.parallel.launch import SharedError, exit_on_rank, launch_rank
 
     rank = launch_rank()
     try:
@@ -84,15 +83,8 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         summary, code = profile_pipeline(pc, args.steps, out, device=args.device, snapshot=args.snapshot,
                                          trace=args.trace, meta={"config": args.config or f"--pipeline {pc.name}",
                                                                  "overrides": overrides})
-    except UserError as err:
-        # under torchrun (context parallelism) every rank checks the same file: rank 0 alone says it
-        if rank == 0:
-            raise
-        if not isinstance(err, SharedError):
-            print(f"tttv profile: error on rank {rank}: {err}", file=sys.stderr, flush=True)
-        else:
-            let_rank_zero_speak()
-        return 2
+    except UserError as err:  # under torchrun (context parallelism): rank 0 alone says a shared sentence
+        return exit_on_rank(err, "profile")
     if rank == 0:
         _print_summary(summary, out)
     return code

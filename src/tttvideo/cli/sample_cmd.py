@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
 from tttvideo.cli.common import SET_HELP
@@ -86,22 +85,15 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tttvideo.parallel.launch import SharedError, launch_rank, let_rank_zero_speak
+    from tttvideo.parallel.launch import exit_on_rank, launch_rank
 
     rank = launch_rank()
     if rank != 0:  # one voice: the other ranks print only errors of their own
         logging.getLogger("tttvideo").setLevel(logging.ERROR)
     try:
         return _sample(args, quiet=rank != 0)
-    except UserError as err:
-        # a SharedError is the same sentence on every rank: rank 0 prints it once; one rank's own says whose
-        if rank == 0:
-            raise
-        if not isinstance(err, SharedError):
-            print(f"tttv sample: error on rank {rank}: {err}", file=sys.stderr, flush=True)
-        else:
-            let_rank_zero_speak()
-        return 2
+    except UserError as err:  # a SharedError is the same sentence on every rank: rank 0 prints it once
+        return exit_on_rank(err, "sample")
 
 
 def _checked_inputs(args: argparse.Namespace):

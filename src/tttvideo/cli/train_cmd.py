@@ -54,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tttvideo.errors import UserError
-    from tttvideo.parallel.launch import let_rank_zero_speak
-    from tttvideo.train.distributed import SharedError, launch_rank
+    from tttvideo.parallel.launch import exit_on_rank, launch_rank
     from tttvideo.train.stop import TrainingStopped
     from tttvideo.train.trainer import Trainer
 
@@ -75,15 +74,8 @@ def run(args: argparse.Namespace) -> int:
             command = resume_command(args, str(stop.output_dir), configured_dir)
             print(f"tttv train: {stop.describe(command)}", file=sys.stderr, flush=True)
         return stop.exit_code
-    except UserError as err:
-        # under torchrun: a sentence every rank raised is printed once, by rank 0; one rank's own says whose
-        if launch_rank() == 0:
-            raise
-        if not isinstance(err, SharedError):
-            print(f"tttv train: error on rank {launch_rank()}: {err}", file=sys.stderr, flush=True)
-        else:
-            let_rank_zero_speak()
-        return 2
+    except UserError as err:  # under torchrun: a sentence every rank raised is printed once, by rank 0
+        return exit_on_rank(err, "train")
     if launch_rank() != 0:
         return 0
     if result.steps_done == 0 or math.isnan(result.first_loss):

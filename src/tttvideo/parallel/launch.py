@@ -4,6 +4,7 @@ and the error type that every rank raises with the same sentence. `tttv train` a
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -26,6 +27,19 @@ def let_rank_zero_speak() -> None:
     at the same point and prints it, unless torchrun has already stopped it because this rank exited first."""
     if launch_world_size() > 1 and launch_rank() != 0:
         time.sleep(SHARED_ERROR_GRACE_S)
+
+
+def exit_on_rank(err: UserError, command: str) -> int:
+    """The end of a `tttv COMMAND` that stopped on `err`: rank 0 (or a run without torchrun) raises it for the CLI
+    to print; another rank prints it only if it is its own (a SharedError is rank 0's to say) and exits 2."""
+    rank = launch_rank()
+    if rank == 0:
+        raise err
+    if isinstance(err, SharedError):
+        let_rank_zero_speak()
+    else:
+        print(f"tttv {command}: error on rank {rank}: {err}", file=sys.stderr, flush=True)
+    return 2
 
 
 def launch_rank() -> int:
