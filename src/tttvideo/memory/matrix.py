@@ -245,6 +245,9 @@ def run_matrix(m: Matrix, out_root: str | Path, progress: Any = None, gpus: list
     def run_on(i: int, v: Variant, mine: list[str] | None) -> None:
         try:
             rows[i] = run_variant(m, v, out_root, mine)
+        except Exception as exc:  # noqa: BLE001 - a thread's failure is the variant's row, not a lost one
+            rows[i] = MatrixRow(v.name, "crashed", None, 0.0, f"{type(exc).__name__}: {exc}",
+                                str(out_root / _slug(v.name)))
         finally:
             with ready:
                 if free is not None and mine is not None:

@@ -188,6 +188,7 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
                     t.fill_(1.0 if "weight" in name else 0.0)
                 else:
                     t.zero_()
+    _tiles.clear()  # a tile on the GPU would count as the component's memory
 
 
 def _build(name: str, factory: Callable[[], Any], pc: PipelineProfile, device: torch.device,
