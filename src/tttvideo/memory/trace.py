@@ -5,8 +5,9 @@ The profiler follows a wait / warmup / active schedule over the run's steps (tra
 records the last (a single step run is recorded whole), with memory events, input shapes and Python stacks. When the
 active step ends it writes:
 - trace.json: the Chrome trace (ui.perfetto.dev or chrome://tracing);
-- trace_top.md / trace_top.json: the top operators of that step by their own device time and by their own memory
-  (allocated minus freed inside the operator), from `key_averages()`.
+- trace_top.md / trace_top.json: where that step's device time went by kind of kernel (the TTT scan, attention,
+  matrix products, compiled glue, norms, copies, collectives, the rest), then the top operators by their own device
+  time and by their own memory (allocated minus freed inside the operator), from `key_averages()`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,39 @@ def _is_operator(key: str) -> bool:
     return not (".py(" in key or key.startswith(("<built-in", "ProfilerStep")))
 
 
-def top_operators(averages: Any, on_cuda: bool, top: int = TOP) -> dict[str, list[dict[str, Any]]]:
+# Kinds of kernel, by name, first match wins: what a step's time is spent on (the question behind issue-sized speed
+# work: how much is the TTT scan, how much attention, how much glue around them).
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("TTT scan (Triton)", ("_mlp_fwd_kernel", "_reverse_kernel", "_output_path_kernel", "_dk_kernel",
+                           "_linear_fwd_kernel", "_linear_bwd_kernel")),
+    ("collectives (NCCL)", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa")),
+    ("matrix products", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "wgmma")),
+    ("compiled glue (Inductor)", ("triton_poi", "triton_red", "triton_per", "triton_tem")),
+    ("norms", ("layer_norm", "layernorm", "rms_norm", "group_norm")),
+    ("copies, gathers, concatenation", ("copy", "cat", "gather", "scatter", "index", "memcpy", "memset")),
+)
+OTHER_KIND = "other (elementwise, reductions)"
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), OTHER_KIND)
+
+
+def time_by_kind(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Own device time summed per kind of kernel, largest first, with its share of the step."""
+    totals: dict[str, float] = {}
+    for r in rows:
+        if r["self_time_ms"] > 0:
+            kind = kernel_kind(r["operator"])
+            totals[kind] = totals.get(kind, 0.0) + r["self_time_ms"]
+    whole = sum(totals.values()) or 1.0
+    return [{"kind": k, "self_time_ms": t, "share": t / whole}
+            for k, t in sorted(totals.items(), key=lambda kv: kv[1], reverse=True)]
+
+
+def top_operators(averages: Any, on_cuda: bool, top: int = TOP) -> dict[str, Any]:
     """The `top` operators by own time and by own memory from `profile.key_averages()`."""
     rows = []
     for a in averages:
@@ -45,12 +78,21 @@ def top_operators(averages: Any, on_cuda: bool, top: int = TOP) -> dict[str, lis
                      "self_memory_bytes": int(memory or 0)})
     by_time = sorted(rows, key=lambda r: r["self_time_ms"], reverse=True)[:top]
     by_memory = sorted(rows, key=lambda r: r["self_memory_bytes"], reverse=True)[:top]
-    return {"clock": "device" if on_cuda else "cpu", "by_time": by_time, "by_memory": by_memory}
+    # on the CPU an operator's own time includes its children's work only where no child is recorded; the kinds
+    # are of GPU kernels, so the table is kept for device clocks
+    kinds = time_by_kind(rows) if on_cuda else []
+    return {"clock": "device" if on_cuda else "cpu", "by_kind": kinds, "by_time": by_time, "by_memory": by_memory}
 
 
 def write_top(top: dict[str, Any], out: Path) -> None:
     (out / "trace_top.json").write_text(json.dumps(top, indent=1))
     lines = ["# Top operators of the traced step", ""]
+    if top.get("by_kind"):
+        total = sum(k["self_time_ms"] for k in top["by_kind"])
+        lines += [f"## Device time by kind of kernel ({total:.1f} ms in all)", "", "| kind | own time ms | share |",
+                  "|---|---|---|"]
+        lines += [f"| {k['kind']} | {k['self_time_ms']:.1f} | {100 * k['share']:.1f} % |" for k in top["by_kind"]]
+        lines.append("")
     for key, title, col in (("by_time", f"by own {top['clock']} time", "self_time_ms"),
                             ("by_memory", "by own memory (allocated minus freed inside)", "self_memory_bytes")):
         lines += [f"## {title}", "", "| operator | calls | own time ms | own memory MiB |", "|---|---|---|---|"]
