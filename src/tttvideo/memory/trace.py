@@ -33,8 +33,8 @@ def _is_operator(key: str) -> bool:
     return not (".py(" in key or key.startswith(("<built-in", "ProfilerStep")))
 
 
-# Kinds of kernel, by name, first match wins: what a step's time is spent on (the question behind issue-sized speed
-# work: how much is the TTT scan, how much attention, how much glue around them).
+# Kinds of kernel, by name, first match wins: what a step's time is spent on (how much the TTT scan, how much
+# attention, how much the glue around them).
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("TTT scan (Triton)", ("_mlp_fwd_kernel", "_reverse_kernel", "_output_path_kernel", "_dk_kernel",
                            "_linear_fwd_kernel", "_linear_bwd_kernel")),
@@ -78,8 +78,7 @@ def top_operators(averages: Any, on_cuda: bool, top: int = TOP) -> dict[str, Any
                      "self_memory_bytes": int(memory or 0)})
     by_time = sorted(rows, key=lambda r: r["self_time_ms"], reverse=True)[:top]
     by_memory = sorted(rows, key=lambda r: r["self_memory_bytes"], reverse=True)[:top]
-    # on the CPU an operator's own time includes its children's work only where no child is recorded; the kinds
-    # are of GPU kernels, so the table is kept for device clocks
+    # the kinds are of GPU kernels: a CPU clock's operators are ATen calls, which they would not sort
     kinds = time_by_kind(rows) if on_cuda else []
     return {"clock": "device" if on_cuda else "cpu", "by_kind": kinds, "by_time": by_time, "by_memory": by_memory}
 
