@@ -98,3 +98,21 @@ def test_parallel_runs_match_one_process(ranks):
     assert run.returncode == 0, log[-6000:]
     variants = 3 if ranks == 2 else 4
     assert log.count(" ok: ") == variants * ranks, log[-6000:]
+
+
+@pytest.mark.parametrize("env, asked, expected", [
+    ({}, "cuda", "cuda:0"),  # a one-process torchrun or none: torch.cuda.set_device refuses a bare 'cuda'
+    ({"WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "cuda", "cuda:0"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "cuda", "cuda:1"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "cuda:0", "cuda:1"),  # each rank takes its own GPU
+    ({}, "cuda:1", "cuda:1"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "cpu", "cpu"),
+])
+def test_rank_device_is_always_an_indexed_gpu(monkeypatch, env, asked, expected):
+    from tttvideo.parallel.launch import rank_device
+
+    for key in ("WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert rank_device(torch.device(asked)) == torch.device(expected)

@@ -295,9 +295,13 @@ def _apply_switches(pipe: Any, pc: PipelineProfile, prof: MemoryProfiler, device
         elif pc.offload == "sequential":
             pipe.enable_sequential_cpu_offload(device=device)
         else:
+            # CogVideoX's VAE decodes through its decoder's own calls (frame batches with a conv cache), which
+            # block-level hooks never see: its weights stayed in host memory and the decode failed on a GPU. It is
+            # the smallest component (0.4 GB in bf16), so it stays on the device.
+            keep = ["vae"] if type(pipe).__name__.startswith("CogVideoX") else None
             pipe.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                       offload_type="block_level", num_blocks_per_group=1,
-                                      use_stream=device.type == "cuda")
+                                      use_stream=device.type == "cuda", exclude_modules=keep)
 
 
 @contextlib.contextmanager

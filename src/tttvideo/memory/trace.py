@@ -33,6 +33,12 @@ def _is_operator(key: str) -> bool:
     return not (".py(" in key or key.startswith(("<built-in", "ProfilerStep")))
 
 
+def _is_kernel(average: Any) -> bool:
+    """A device-side event (a kernel, a copy, a memset), not the CPU-side operator that launched it."""
+    kind = getattr(average, "device_type", None)
+    return kind is not None and getattr(kind, "name", str(kind)) != "CPU"
+
+
 # Kinds of kernel, by name, first match wins: what a step's time is spent on (how much the TTT scan, how much
 # attention, how much the glue around them).
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -54,10 +60,12 @@ def kernel_kind(name: str) -> str:
 
 
 def time_by_kind(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Own device time summed per kind of kernel, largest first, with its share of the step."""
+    """Own device time summed per kind of kernel, largest first, with its share of the step. Only the kernels count:
+    an ATen operator or autograd node reports as its own device time that of the kernels it launched, which are
+    rows of their own."""
     totals: dict[str, float] = {}
     for r in rows:
-        if r["self_time_ms"] > 0:
+        if r.get("kernel") and r["self_time_ms"] > 0:
             kind = kernel_kind(r["operator"])
             totals[kind] = totals.get(kind, 0.0) + r["self_time_ms"]
     whole = sum(totals.values()) or 1.0
@@ -73,7 +81,7 @@ def top_operators(averages: Any, on_cuda: bool, top: int = TOP) -> dict[str, Any
             continue
         device_us = getattr(a, "self_device_time_total", None) if on_cuda else None
         memory = getattr(a, "self_device_memory_usage", 0) if on_cuda else getattr(a, "self_cpu_memory_usage", 0)
-        rows.append({"operator": a.key, "calls": int(a.count),
+        rows.append({"operator": a.key, "calls": int(a.count), "kernel": _is_kernel(a),
                      "self_time_ms": (device_us if device_us is not None else a.self_cpu_time_total) / 1e3,
                      "self_memory_bytes": int(memory or 0)})
     by_time = sorted(rows, key=lambda r: r["self_time_ms"], reverse=True)[:top]

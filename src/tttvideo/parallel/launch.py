@@ -66,7 +66,7 @@ def check_launch(command: str, activity: str) -> int:
 
 def rank_device(device: torch.device) -> torch.device:
     """The device of this rank: under torchrun each rank takes the GPU LOCAL_RANK ('cuda' means 'the GPUs of this
-    host'); CPU stays CPU."""
-    if device.type == "cuda" and launch_world_size() > 1:
+    host'); CPU stays CPU. Always indexed on CUDA, since torch.cuda.set_device refuses a bare 'cuda'."""
+    if device.type == "cuda" and (launch_world_size() > 1 or device.index is None):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
