@@ -187,3 +187,23 @@ def test_context_parallel_mistakes_are_sentences(tmp_path, capsys):
     assert "needs as many processes: torchrun --nproc_per_node 2" in capsys.readouterr().err
     assert main([*base, "--pipeline", "wan2.1-t2v-1.3b", "--gpus", "0"]) == 2
     assert "go with --matrix" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_blockwise_build_keeps_shared_weights_shared(name):
+    """T5's token embedding is one tensor under two names (`shared`, `encoder.embed_tokens`): the module-by-module
+    build makes it once, so blockwise loading holds the same bytes as a whole build."""
+    import torch
+
+    from tttvideo.memory.pipelines import PIPELINES, _materialize, _on_meta
+
+    factory = PIPELINES[name].build(True)["text_encoder"]
+    model = _on_meta(factory, torch.float32)
+    _materialize(model, torch.device("cpu"))
+    assert model.shared.weight is model.encoder.embed_tokens.weight
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    whole = factory()
+    size = lambda m: sum(p.numel() for p in m.parameters())  # parameters() counts a shared tensor once
+    assert size(model) == size(whole)
+    assert len(model.state_dict()) == len(whole.state_dict())
+    assert all(p.std() > 0 for p in model.parameters() if p.dim() >= 2)  # filled, not left empty

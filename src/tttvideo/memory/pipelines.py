@@ -173,21 +173,32 @@ def _fill_random(t: torch.Tensor) -> None:
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """A meta-device model made real on `device` one module at a time, each tensor filled at once (random values for
-    matrices, ones / zeros for norms and biases), so no moment holds more than the model itself. Buffers computed in
-    `__init__` (rotary tables) get the same placeholder values: the outputs mean nothing, the memory and time do not
-    depend on them."""
+    matrices, ones / zeros for norms and biases), so no moment holds more than the model itself. A tensor that
+    several modules share (T5's token embedding is `shared` and `encoder.embed_tokens`) is made once and stays
+    shared. Buffers computed in `__init__` (rotary tables) get the same placeholder values: the outputs mean
+    nothing, the memory and time do not depend on them."""
     import torch
+    from torch import nn
 
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its real twin); kept alive
     for module in model.modules():
-        module.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-                if t.is_floating_point() and t.dim() >= 2:
-                    _fill_random(t)
-                elif t.is_floating_point():
-                    t.fill_(1.0 if "weight" in name else 0.0)
-                else:
-                    t.zero_()
+        for store in (module._parameters, module._buffers):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    real = torch.empty_like(t, device=device)
+                    with torch.no_grad():
+                        if real.is_floating_point() and real.dim() >= 2:
+                            _fill_random(real)
+                        elif real.is_floating_point():
+                            real.fill_(1.0 if "weight" in name else 0.0)
+                        else:
+                            real.zero_()
+                    if isinstance(t, nn.Parameter):
+                        real = nn.Parameter(real, requires_grad=t.requires_grad)
+                    made[id(t)] = (t, real)
+                store[name] = made[id(t)][1]
     _tiles.clear()  # a tile on the GPU would count as the component's memory
 
 
