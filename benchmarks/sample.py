@@ -1,6 +1,6 @@
 """One denoising step of CogVideoX-5B + TTT-MLP (random init, bf16) at 3 s, 9 s and 63 s, with and without TTT.
 
-    PYTHONPATH=src python3 benchmarks/sample.py --out benchmarks/results/sample_h100.json
+    PYTHONPATH=src python3 benchmarks/sample.py --out benchmarks/results/sample_h200.json
 
 (PYTHONPATH=src is not needed where the package is installed.)
 
