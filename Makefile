@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/tttv train configs/demo.toml
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 clean:
 	rm -rf $(VENV) runs outputs
