@@ -57,6 +57,9 @@ class ModelConfig:
     compile_attention_glue: bool = field(default=False, metadata={
         "help": "torch.compile local attention's window gather + RoPE and its overlap merge on CUDA (one write per "
                 "tensor instead of a gather, an fp32 copy and elementwise passes); off until measured on a GPU"})
+    compile_block_glue: bool = field(default=False, metadata={
+        "help": "torch.compile each block's adaLN (LayerNorm + text/video modulation) and gated residual adds on "
+                "CUDA (one write of the stream instead of four); off until measured on a GPU"})
 
 
 @dataclass

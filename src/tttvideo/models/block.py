@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.config.schema import TTTConfig
+from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import LocalAttention
 from tttvideo.models import chunked_inference
@@ -59,6 +60,14 @@ def gated_add(x: torch.Tensor, y: torch.Tensor, text_tokens: int, text_gate: tor
     )
 
 
+def norm_modulate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                  text_tokens: int, text: tuple[torch.Tensor, torch.Tensor],
+                  video: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """LayerNorm then `modulate`: one function so that torch.compile writes the result once (eager: the norm, two
+    modulations and the concatenation each write the whole stream)."""
+    return modulate(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), text_tokens, text, video)
+
+
 class AdaLNZero(nn.Module):
     """diffusers' CogVideoXLayerNormZero: Linear(SiLU(temb)) -> shift, scale, gate (video), then the same for text."""
 
@@ -66,11 +75,16 @@ class AdaLNZero(nn.Module):
         super().__init__()
         self.linear = nn.Linear(time_embed_dim, 6 * dim)
         self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=elementwise_affine)
+        self.compile_glue = False  # model.compile_block_glue, set by the model builder
 
-    def forward(self, x: torch.Tensor, temb_act: torch.Tensor, text_tokens: int):
-        """temb_act = SiLU(time embedding) [B, time_dim] -> (modulated x, video gate [B, C], text gate [B, C])."""
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor, text_tokens: int, compile_glue: bool | None = None):
+        """temb_act = SiLU(time embedding) [B, time_dim] -> (modulated x, video gate [B, C], text gate [B, C]).
+        compile_glue: False for callers whose shapes vary from call to call (each shape would be a compile)."""
         shift, scale, gate, t_shift, t_scale, t_gate = self.linear(temb_act).chunk(6, dim=1)
-        return modulate(self.norm(x), text_tokens, (t_shift, t_scale), (shift, scale)), gate, t_gate
+        compile_glue = self.compile_glue if compile_glue is None else compile_glue
+        h = compiled_on_cuda(norm_modulate, x, compile_glue)(
+            x, self.norm.weight, self.norm.bias, self.norm.eps, text_tokens, (t_shift, t_scale), (shift, scale))
+        return h, gate, t_gate
 
     def gates(self, temb_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(video gate, text gate) [B, C] alone, for a caller that modulates elsewhere."""
@@ -109,6 +123,7 @@ class Block(nn.Module):
         self.checkpoint_mlp = False
         # bounded-memory forward without gradients (memory.chunked_inference, set by build_model); None: plain
         self.inference_chunks: chunked_inference.ChunkPlan | None = None
+        self.compile_glue = False  # model.compile_block_glue: the gated residual adds (and the adaLN norms)
 
     def _attention(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, text_tokens: int,
                    sp: SequenceParallel | None):
@@ -117,7 +132,7 @@ class Block(nn.Module):
 
     def _mlp(self, x: torch.Tensor, temb_act: torch.Tensor, text_tokens: int) -> torch.Tensor:
         h, gate, t_gate = self.norm2(x, temb_act, text_tokens)
-        return gated_add(x, self.mlp(h), text_tokens, t_gate, gate)
+        return compiled_on_cuda(gated_add, x, self.compile_glue)(x, self.mlp(h), text_tokens, t_gate, gate)
 
     def forward(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout,
                 sp: SequenceParallel | None = None) -> torch.Tensor:
@@ -129,5 +144,5 @@ class Block(nn.Module):
         a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout, T, sp)
         if self.ttt is not None:
             a = self.ttt(a, layout, sp)
-        x = gated_add(x, a, T, t_gate, gate)
+        x = compiled_on_cuda(gated_add, x, self.compile_glue)(x, a, T, t_gate, gate)
         return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, T)

@@ -60,6 +60,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT
                               f"'dtype'")
     for block in model.blocks:
         block.attn.compile_glue = m.compile_attention_glue
+        block.compile_glue = block.norm1.compile_glue = block.norm2.compile_glue = m.compile_block_glue
     apply_checkpointing(model, cfg.checkpointing)
     apply_chunked_inference(model, cfg.memory)
     return model

@@ -88,7 +88,7 @@ def block_forward(block: Block, x: torch.Tensor, temb_act: torch.Tensor, layout:
     x[:, T:].addcmul_(a[:, T:], gate[:, None])
     del a
     for s, e, is_text in _modal_chunks(x.shape[1], T, plan.tokens):
-        h, gate, t_gate = block.norm2(x[:, s:e], temb_act, e - s if is_text else 0)
+        h, gate, t_gate = block.norm2(x[:, s:e], temb_act, e - s if is_text else 0, compile_glue=False)
         x[:, s:e].addcmul_(block.mlp(h), (t_gate if is_text else gate)[:, None])
     return x
 
@@ -104,7 +104,8 @@ def _attention(block: Block, x: torch.Tensor, temb_act: torch.Tensor, layout: Vi
     acc = x.new_zeros(B, L, H * D)
     for i in range(n):
         idx = index[i]
-        h, _, _ = block.norm1(x[:, idx], temb_act, layout.text_tokens)  # every window starts with its text
+        # every window starts with its text; eager, as the chunks' shapes vary
+        h, _, _ = block.norm1(x[:, idx], temb_act, layout.text_tokens, compile_glue=False)
         q = attn.norm_q(attn.to_q(h).view(B, W, H, D)).transpose(1, 2)
         k = attn.norm_k(attn.to_k(h).view(B, W, H, D)).transpose(1, 2)
         v = attn.to_v(h).view(B, W, H, D).transpose(1, 2)
