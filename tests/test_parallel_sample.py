@@ -156,3 +156,33 @@ def test_split_guidance_at_scale_one_warns(caplog):
         warn_if_nothing_to_split(load_config(None, [*TINY, "sample.split_guidance=true", "sample.cfg=1"]))
         warn_if_nothing_to_split(load_config(None, [*TINY, "sample.split_guidance=true", "sample.cfg=3"]))
     assert len(caplog.records) == 1 and "does nothing at guidance scale 1" in caplog.text
+
+
+def test_killed_rank_ends_the_launch_at_once(work):
+    """SIGKILL of rank 1 in the denoising loop (sp = 2: the ranks exchange in every block): torchrun ends rank 0 and
+    exits non-zero within seconds, not after the process group's timeout (gloo's and NCCL's default: 10 minutes),
+    and no video is left half-written."""
+    import signal
+
+    from tests.test_parallel_train import rank_pids
+
+    out = work / "killed"
+    logs = work / "logs" / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--log-dir", str(logs), "--redirects", "3", "-m", "tttvideo",
+           *cli_args(work, "killed", "parallel.sp=2"), "--steps", "1000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        pids = rank_pids(proc.pid, 2)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        said = lambda: "".join(p.read_text() for p in logs.glob("*/attempt_0/0/stdout.log"))  # noqa: E731
+        while "encoder released" not in said():  # the text phase is over: the ranks are denoising
+            assert proc.poll() is None and time.monotonic() < deadline, "the launch ended before denoising"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode != 0, log[-4000:]
+    assert time.monotonic() - killed < 60
+    assert not list(out.glob("*.mp4")) if out.exists() else True
