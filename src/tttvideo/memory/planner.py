@@ -114,12 +114,18 @@ def candidates(cfg: Config, phase: str, gpus: int = 1) -> list[Candidate]:
     for (fw, fw_over), streamed, weights in itertools.product(SAMPLE_FORWARDS.items(), (False, True), frozen):
         over = {**fw_over, "sample.offload_blocks": streamed, "model.frozen_weights": weights}
         label = f"{fw}, {'streamed' if streamed else 'resident'} blocks, {weights} weights"
-        if gpus > 1:
-            if fw.startswith("chunked") or streamed or gpus not in sp_degrees(gpus, heads):
-                continue  # chunked and streamed run one process; sp over all GPUs
-            over.update({"parallel.sp": gpus, "sample.split_guidance": False})
-            label += f", sp {gpus}"
-        out.append(Candidate(label, tuple(over.items())))
+        if gpus == 1:
+            out.append(Candidate(label, tuple(over.items())))
+            continue
+        if fw.startswith("chunked") or streamed:
+            continue  # chunked and streamed run one process
+        # sp over all GPUs, or the guidance's two passes split over two halves of them, each half an sp group
+        for split in (False, True):
+            sp = gpus // 2 if split else gpus
+            if (split and gpus % 2) or sp not in sp_degrees(gpus, heads):
+                continue
+            label_n = f"{label}, {'guidance split x ' if split else ''}sp {sp}"
+            out.append(Candidate(label_n, tuple({**over, "parallel.sp": sp, "sample.split_guidance": split}.items())))
     return out
 
 
@@ -138,8 +144,11 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         notes.append("activation regime not measured")
     time_cost = costs.time.get(time_key(c, phase))
     step_s = None
+    # each half of the ranks runs one of the two guided passes: measured 2.01x on two H200s at 63 s
+    # (benchmarks/results/sample_parallel_h200.json), so no loss is counted
+    split = 2 if phase == "sample" and gpus > 1 and c.sample.split_guidance else 1
     if time_cost is not None:
-        one = time_cost(layout.total_tokens * batch)
+        one = time_cost(layout.total_tokens * batch) / split
         if sp == 1:
             step_s = one
         elif sp in costs.sp_efficiency:
