@@ -119,13 +119,15 @@ def candidates(cfg: Config, phase: str, gpus: int = 1) -> list[Candidate]:
             continue
         if fw.startswith("chunked") or streamed:
             continue  # chunked and streamed run one process
-        # sp over all GPUs, or the guidance's two passes split over two halves of them, each half an sp group
-        for split in (False, True):
-            sp = gpus // 2 if split else gpus
-            if (split and gpus % 2) or sp not in sp_degrees(gpus, heads):
-                continue
-            label_n = f"{label}, {'guidance split x ' if split else ''}sp {sp}"
-            out.append(Candidate(label_n, tuple({**over, "parallel.sp": sp, "sample.split_guidance": split}.items())))
+        if gpus in sp_degrees(gpus, heads):  # sp over all GPUs
+            out.append(Candidate(f"{label}, sp {gpus}",
+                                 tuple({**over, "parallel.sp": gpus, "sample.split_guidance": False}.items())))
+        # or the guidance's two passes split over two halves of the GPUs, each half an sp group; each rank runs one
+        # pass, costed by the measured batched regime (the per-pass one is not measured)
+        sp = gpus // 2
+        if fw == "plain, guidance batched" and gpus % 2 == 0 and sp in sp_degrees(gpus, heads):
+            label = label.replace("guidance batched", f"guidance split over 2 x sp {sp}")
+            out.append(Candidate(label, tuple({**over, "parallel.sp": sp, "sample.split_guidance": True}.items())))
     return out
 
 
@@ -162,6 +164,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         fits = fits_in(counted.total + activation, gpu_mem, streams_weights(c))
     if sp > 1:
         notes.append("sp: one-GPU per-token costs")
+    if split > 1:
+        notes.append("activations of a batch-2 guided forward: an upper bound (one pass a rank)")
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes)
 
 
