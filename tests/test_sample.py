@@ -102,6 +102,26 @@ def test_a_story_with_its_own_seed_is_sampled_from_it(tmp_path, checkpoint):
     assert json.loads(results[1].scenes.read_text())["sampling"]["seed"] == 6
 
 
+def test_latents_only_skips_the_mp4(tmp_path, checkpoint, capsys):
+    """sample.write_video = false: the latents and scenes.json are written, no mp4, and the latents are the ones a
+    run that writes the mp4 saves; with save_latents off as well it is one sentence, exit 2."""
+    from safetensors.torch import load_file
+
+    scenes = story_file(tmp_path, [RED])
+    common = ("--checkpoint", checkpoint, "--scenes", scenes, "--steps", 1, "--set", "sample.save_latents=true")
+    assert run_cli(*common, "--out", tmp_path / "full.mp4") == 0
+    assert run_cli(*common, "--out", tmp_path / "lat.mp4", "--set", "sample.write_video=false") == 0
+    assert not (tmp_path / "lat.mp4").exists() and (tmp_path / "lat.scenes.json").is_file()
+    assert json.loads((tmp_path / "lat.scenes.json").read_text())["sampling"]["frames"] == 49
+    full, lat = (load_file(str(tmp_path / f"{n}.latents.safetensors"))["latents"] for n in ("full", "lat"))
+    assert torch.equal(full, lat)
+    capsys.readouterr()
+    assert run_cli("--checkpoint", checkpoint, "--scenes", scenes, "--out", tmp_path / "none.mp4", "--steps", 1,
+                   "--set", "sample.write_video=false") == 2
+    err = capsys.readouterr().err
+    assert "sample.save_latents = true" in err and "Traceback" not in err
+
+
 def test_denoise_seed_determinism(checkpoint, tmp_path):
     cfg = load_config(checkpoint / "config.toml", ["sample.steps=2", 'sample.solver="dpm++2m"', "sample.cfg=2"])
     model = load_model(cfg, checkpoint, torch.device("cpu")).model

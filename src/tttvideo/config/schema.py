@@ -54,13 +54,13 @@ class ModelConfig:
                                  help="storage of frozen linear weights (those the adapter does not train): dtype = "
                                       "model.dtype; fp8 = float8 e4m3 with one scale per output channel, upcast "
                                       "layer by layer at compute (half the bytes of bf16, ~2.5% output error)")
-    compile_attention_glue: bool = field(default=False, metadata={
+    compile_attention_glue: bool = field(default=True, metadata={
         "help": "torch.compile local attention's window gather + RoPE and its overlap merge on CUDA (one write per "
-                "tensor instead of a gather, an fp32 copy and elementwise passes); off until measured on a GPU"})
-    compile_block_glue: bool = field(default=False, metadata={
+                "tensor instead of a gather, an fp32 copy and elementwise passes); false = eager"})
+    compile_block_glue: bool = field(default=True, metadata={
         "help": "torch.compile each block's adaLN (LayerNorm + text/video modulation) and gated residual adds on "
-                "CUDA (one write of the stream where eager makes three, one where each gated add makes two); off until "
-                "measured on a GPU"})
+                "CUDA (one write of the stream where eager makes three, one where each gated add makes two); "
+                "false = eager"})
 
 
 @dataclass
@@ -205,6 +205,10 @@ class SampleConfig:
                                                                   "unconditional one, exchanged every step"})
     save_latents: bool = field(default=False, metadata={"help": "also write each story's final latents beside its "
                                                                 "mp4 (<video>.latents.safetensors, float32)"})
+    write_video: bool = field(default=True, metadata={"help": "decode each story and write its mp4; false skips "
+                                                              "the decoder and the mp4 writer and keeps only the "
+                                                              "latents (needs save_latents) and scenes.json, for "
+                                                              "scoring runs such as benchmarks/long_range.py"})
 
 
 @dataclass

@@ -171,12 +171,14 @@ def sampling_record(cfg: Config, checkpoint: str | Path | None, layout: VideoLay
 def write_videos(cfg: Config, stories: list[Story], layouts: list[VideoLayout], latents: list[torch.Tensor],
                  paths: list[Path], denoise_s: list[float], checkpoint: str | Path | None,
                  device: torch.device) -> list[SampleResult]:
-    """Decode every story into its mp4 and write its scenes.json beside it; the decoder is released after."""
-    decoder = make_story_decoder(cfg, device)
+    """Decode every story into its mp4 and write its scenes.json beside it; the decoder is released after. With
+    sample.write_video = false nothing is decoded: scenes.json and the latents only (the mp4 path is not written)."""
+    decoder = make_story_decoder(cfg, device) if cfg.sample.write_video else None
     results = []
     for story, layout, lat, path, d_s in zip(stories, layouts, latents, paths, denoise_s):
         t0 = time.perf_counter()
-        frames = write_video(decoder, lat, path, layout.fps)
+        path.parent.mkdir(parents=True, exist_ok=True)  # the mp4 writer makes it; without one, here
+        frames = write_video(decoder, lat, path, layout.fps) if decoder is not None else layout.num_frames
         scenes = write_scenes(path, story.to_json(sampling_record(cfg, checkpoint, layout, frames, story.seed)))
         saved = save_latents(lat, path) if cfg.sample.save_latents else None
         results.append(SampleResult(story.name, path, scenes, frames, layout.duration_s, d_s,
@@ -224,6 +226,9 @@ def _sample_share(cfg: Config, stories: list[Story], out: str | Path, checkpoint
         device = next(model.parameters()).device
     else:
         device = ranks.device if ranks is not None else resolve_device(cfg.sample.device, "sample.device")
+    if not (cfg.sample.write_video or cfg.sample.save_latents):
+        raise UserError("sample.write_video = false and sample.save_latents = false would keep nothing of the "
+                        "sampled videos: set sample.save_latents = true (latents only) or sample.write_video = true")
     paths = output_paths(stories, out)
     layouts = story_layouts(cfg, stories, duration)
     if model is None and checkpoint:
