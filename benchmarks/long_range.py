@@ -15,7 +15,8 @@ training step time and the peak GPU memory of training.
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
 run and a rerun skips the runs it holds (resume after a time limit; runs of other settings need another --out); a
-table is printed and a plot written beside the JSON. 3-s videos have one scene, so nothing to carry: durations start
+table is printed and a plot written beside the JSON (`--report` rebuilds both from a results file without training).
+3-s videos have one scene, so nothing to carry: durations start
 at 6 s.
 
     PYTHONPATH=src python3 benchmarks/long_range.py --out benchmarks/results/long_range_h100.json   # the GPU run
@@ -238,12 +239,15 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once, each in its own process (the tiny model leaves a GPU mostly idle; step "
                          "times are then measured side by side, recorded as concurrent_jobs)")
+    ap.add_argument("--report", action="store_true",
+                    help="train nothing: rebuild the summary, table and plot of the --out file from its runs")
     args = ap.parse_args(argv)
+    if args.report:
+        return rebuild_report(Path(args.out))
 
     import torch
 
     from tttvideo.config.loader import load_config
-    from tttvideo.data.demo_score import CHANCE
 
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
@@ -281,15 +285,38 @@ def main(argv=None) -> int:
         print(f"{row['duration']} {row['variant']} seed {row['seed']}: accuracy {row['accuracy']:.2f} "
               f"{[round(a, 2) for a in row['accuracy_by_distance']]} ({row['wall_s']:.0f} s)", flush=True)
         write(out, runs, probes, args, torch)
-    rows = summarize([r for r in runs if r["variant"] in variants])
-    result = write(out, runs, probes, args, torch, rows)
+    rows = summarize(runs)  # every run the file holds: one setting, so all comparable
+    write(out, runs, probes, args, torch, rows)
+    return report(out, rows)
+
+
+def report(out: Path, rows: list[dict]) -> int:
+    """The table on stdout and the plot beside the results file."""
+    from tttvideo.data.demo_score import CHANCE
+
     chance = CHANCE["colour"]
     print(table(rows, chance))
     png = plot(rows, chance, out.with_suffix(".png"))
     if png:
         print(f"plot: {png}")
-    print(f"results: {out} ({len(result['runs'])} runs)")
+    print(f"results: {out} ({sum(len(r['seeds']) for r in rows)} runs)")
     return 0
+
+
+def rebuild_report(out: Path) -> int:
+    """--report: the summary, table and plot of a results file again, from its runs (no training; the file's
+    device, versions and settings stay as they are)."""
+    if not out.is_file():
+        raise SystemExit(f"--report: {out} does not exist; give the results file of a run with --out")
+    held = json.loads(out.read_text())
+    rows = summarize(held.get("runs", []))
+    if not rows:
+        raise SystemExit(f"--report: {out} holds no runs")
+    held["summary"] = rows
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(held, indent=1))
+    tmp.replace(out)
+    return report(out, rows)
 
 
 def run_settings(args) -> dict:
@@ -297,8 +324,15 @@ def run_settings(args) -> dict:
     from tttvideo.config.loader import load_config
 
     steps = args.steps or load_config(args.config, args.overrides).train.steps
-    return {"config": str(args.config), "overrides": list(args.overrides), "steps": steps,
+    return {"config": config_name(args.config), "overrides": list(args.overrides), "steps": steps,
             "eval_videos": args.eval_videos}
+
+
+def config_name(config: str) -> str:
+    """The config as the results file records it: relative to the repository when inside it, so that a file
+    written on another machine compares equal."""
+    path = Path(config).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def held_settings(held: dict) -> dict:
@@ -354,11 +388,12 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
 
 
 def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    # GIT_COMMIT first: a copied work tree (a lent GPU machine's) may carry another checkout's .git
+    commit = os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                            capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"benchmark": "long_range", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
               else platform.processor() or "cpu", "torch": torch.__version__, "git_commit": commit,
-              "config": str(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
+              "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
               "settings": run_settings(args),
               "chance": 1 / 6, "probe": probes, "runs": runs, "summary": rows or summarize(runs)}
     tmp = out.with_suffix(".tmp")

@@ -22,7 +22,6 @@ def benchmark():
 
 
 def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
-    pytest.importorskip("imageio_ffmpeg")  # the sampler writes mp4s beside the latents it scores
     lr = benchmark()
     out = tmp_path / "lr.json"
     args = [*SMOKE, "--out", str(out), "--work", str(tmp_path / "work")]
@@ -52,6 +51,16 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
     with pytest.raises(SystemExit, match="holds runs made with"):
         lr.main([*args[:5], "3", *args[6:]])
     assert "mamba2's recurrence: PyTorch reference" in printed
+    # --report: the table and plot again from the file alone, every run in it, nothing trained
+    out.with_suffix(".png").unlink(missing_ok=True)
+    assert lr.main(["--report", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"| 6s | {v} |" in printed for v in lr.VARIANTS) and "(6 runs)" in printed
+    assert json.loads(out.read_text())["runs"] == result["runs"]
+    if importlib.util.find_spec("matplotlib"):
+        assert out.with_suffix(".png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="does not exist"):
+        lr.main(["--report", "--out", str(tmp_path / "missing.json")])
 
 
 def test_a_duration_without_a_later_scene_is_refused(tmp_path):
