@@ -45,7 +45,7 @@ def grads(out: torch.Tensor, inputs, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gated-delta"])
-@pytest.mark.parametrize("T,chunk", [(100, 16), (64, 64), (7, 16)])
+@pytest.mark.parametrize("T,chunk", [(100, 16), (64, 64), (7, 16), (300, 256)])  # 256: the reference's CUDA chunk
 def test_chunked_recurrence_equals_the_token_by_token_definition(delta, T, chunk):
     inputs = recurrence_inputs(T, delta, seed=T + delta)
     naive = gated_recurrence_naive(*inputs, scale=0.25)

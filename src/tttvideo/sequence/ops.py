@@ -17,6 +17,10 @@ from tttvideo.errors import ConfigError
 from tttvideo.sequence.recurrence import gated_recurrence_chunked
 
 log = logging.getLogger(__name__)
+# Tokens per chunk of the PyTorch reference: on a CPU, where its work is compute, the quadratic part inside a chunk
+# favours small chunks; on a GPU, where it stands in for fla's kernels and its time is kernel launches (one set per
+# chunk), fewer, larger chunks. The function is the same for any chunk (tests/test_sequence_layers.py).
+REFERENCE_CHUNK = {"cpu": 64, "cuda": 256}
 _logged: set[str] = set()
 FLA_HINT = "pip install 'tttvideo[long-range]' (flash-linear-attention)"
 
@@ -64,6 +68,10 @@ def use_fla(backend: str, x: torch.Tensor, *inputs: torch.Tensor | None) -> bool
     return reason is None
 
 
+def reference_chunk(x: torch.Tensor) -> int:
+    return REFERENCE_CHUNK["cuda" if x.is_cuda else "cpu"]
+
+
 def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
                backend: str = "auto") -> torch.Tensor:
     """Mamba 2's recurrence (SSD: one scalar decay per head and token)."""
@@ -71,7 +79,7 @@ def simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         from fla.ops.simple_gla import chunk_simple_gla
 
         return chunk_simple_gla(q, k, v, g=g.float(), scale=scale)[0]
-    return gated_recurrence_chunked(q, k, v, g, None, scale).to(v.dtype)
+    return gated_recurrence_chunked(q, k, v, g, None, scale, reference_chunk(q)).to(v.dtype)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -81,4 +89,4 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         return chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta.to(q.dtype), scale=scale)[0]
-    return gated_recurrence_chunked(q, k, v, g, beta, scale).to(v.dtype)
+    return gated_recurrence_chunked(q, k, v, g, beta, scale, reference_chunk(q)).to(v.dtype)
