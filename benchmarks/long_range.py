@@ -16,10 +16,9 @@ Before training anything it checks that the probe is live on the held-out storie
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
 run and a rerun skips the runs it holds (resume after a time limit; runs of other settings need another --out); a
 table is printed and a plot written beside the JSON (`--report` rebuilds both from a results file without training).
-3-s videos have one scene, so nothing to carry: durations start
-at 6 s.
+3-s videos have one scene, so nothing to carry: durations start at 6 s.
 
-    PYTHONPATH=src python3 benchmarks/long_range.py --out benchmarks/results/long_range_h100.json   # the GPU run
+    PYTHONPATH=src python3 benchmarks/long_range.py --jobs 6 --out benchmarks/results/long_range_h100.json  # GPU
     PYTHONPATH=src python3 benchmarks/long_range.py --durations 6s --seeds 0 --steps 3 --eval-videos 2 \\
         --set sample.steps=2 --out /tmp/lr.json                      # a CPU smoke run of the same code
 """

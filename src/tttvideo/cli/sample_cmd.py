@@ -146,6 +146,7 @@ def _sample(args: argparse.Namespace, quiet: bool) -> int:
         if ranks is not None:
             ranks.close()
     for r in results:
-        console.print(f"{r.video if cfg.sample.write_video else r.story}: {r.frames} frames ({r.duration_s} s), denoise {r.denoise_s:.1f} s, decode "
+        name = r.video if cfg.sample.write_video else r.story  # latents only: no mp4 was written
+        console.print(f"{name}: {r.frames} frames ({r.duration_s} s), denoise {r.denoise_s:.1f} s, decode "
                       f"{r.decode_s:.1f} s; scenes in {r.scenes}" + (f"; latents in {r.latents}" if r.latents else ""))
     return 0
