@@ -14,7 +14,7 @@ from tttvideo.errors import ConfigError, LayoutError, UserError
 from tttvideo.layout import VideoLayout
 from tttvideo.models import (CogVideoXTTT, apply_adapter, apply_checkpointing, build_model, get_preset, init_model,
                              load_checkpoint, print_trainable_summary, save_checkpoint, trainable_summary)
-from tttvideo.models.checkpointing import block_units, resolve_policy
+from tttvideo.models.checkpointing import KEPT_OPS, block_units, describe_policy, resolve_policy
 
 TTT = TTTConfig(mini_batch_size=16, scan_checkpoint_group_size=2)
 H_LAT, W_LAT, TEXT = 4, 6, 5  # 2 x 3 tokens per frame
@@ -202,6 +202,66 @@ def test_checkpointing_keeps_gradients():
     assert remat[2].keys() == plain[2].keys() and len(plain[2]) == len(list(model.parameters()))
     for name in plain[2]:
         torch.testing.assert_close(remat[2][name], plain[2][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that run under it, by packet. Entered around a backward, it sees the recompute of
+    checkpointed regions, but not the operators whose outputs selective checkpointing kept (those never run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket] = self.counts.get(func.overloadpacket, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def of(self, kind: str) -> int:
+        return sum(self.counts.get(op, 0) for op in KEPT_OPS[kind])
+
+
+def backward_counts(model, args, keep):
+    """(gradients, operator counts of the backward) with every block checkpointed, keeping `keep`."""
+    apply_checkpointing(model, CheckpointingConfig(block=True, keep=list(keep)))
+    model.zero_grad(set_to_none=True)
+    out = model(*args)
+    with OpCounter() as counter:
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, counter
+
+
+def test_selective_checkpointing_keeps_what_it_names_and_the_gradients():
+    """checkpointing.keep: the recompute of a checkpointed block skips the kept operators (their outputs saved in
+    forward), and the gradients equal those of full recomputation (fp32, 1e-6)."""
+    model = model_of(layers=3, use_ttt=False)
+    apply_adapter(model, "sft")
+    args = inputs(1)
+    full, counted = backward_counts(model, args, ())
+    assert counted.of("attention") == 3  # every layer's attention ran again in backward
+    for keep in (("attention",), ("attention", "matmul")):
+        kept, counter = backward_counts(model, args, keep)
+        assert counter.of("attention") == 0, keep
+        if "matmul" in keep:  # the backward's own products only: the 3 x 8 forward ones (6 linears + 2 adaLN) kept
+            assert counter.of("matmul") == counted.of("matmul") - 3 * 8
+        for name in full:
+            torch.testing.assert_close(kept[name], full[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert describe_policy(resolve_policy(CheckpointingConfig(block=True, keep=["matmul", "attention"]), 3)) == [
+        "0-2: block x1, keeping attention and matmul"]
+
+
+def test_selective_checkpointing_nests_with_the_ttt_checkpoints():
+    """keep on checkpointed blocks whose TTT passes (and the scan) are checkpointed inside: same gradients."""
+    model = model_of(layers=2)
+    apply_adapter(model, "sft")
+    args = inputs(2)
+    plain = grads(model, args)
+    apply_checkpointing(model, CheckpointingConfig(layers=[
+        CheckpointRule(layers="0", block=True, keep=["attention", "matmul"], forward_ttt=True, reverse_ttt=True),
+        CheckpointRule(layers="1", attention=True, mlp=True, keep=["attention"])]))
+    kept = grads(model, args)
+    torch.testing.assert_close(kept[0], plain[0], rtol=0, atol=0)
+    for name in plain[2]:
+        torch.testing.assert_close(kept[2][name], plain[2][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 # ------------------------------------------------------------------------------------------------ own checkpoints

@@ -1,6 +1,7 @@
-"""model.compile_attention_glue on CUDA (skipped without it): local attention's window gather + RoPE and overlap
-merge compiled by torch.compile against the same functions eager, at 9 s (3 windows, 5B shapes: 48 heads of 64),
-bf16, forward and the gradients of q, k, v through the gather and of the attention output through the merge.
+"""model.compile_attention_glue on CUDA (skipped without it): local attention's q/k norms, window gather + RoPE and
+overlap merge compiled by torch.compile against the same functions eager, at 9 s (3 windows, 5B shapes: 48 heads of
+64), bf16, forward and the gradients of q, k, v and of the norms' weights and biases through the gather, and of the
+attention output through the merge.
 Tolerance 1e-2 relative to each tensor's largest value (bf16; RoPE is computed in fp32 by both, and the compiled
 version may round once less).
 
@@ -25,10 +26,13 @@ def test_compiled_glue_equals_eager_forward_and_backward():
     n, flat, L = index.shape[0], index.reshape(-1), layout.total_tokens
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = [torch.randn(1, L, 48, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    affine = [1 + 0.1 * torch.randn(64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
 
     def run(compile_glue: bool):
-        inputs = [t.clone().requires_grad_() for t in qkv]
-        q, k, v = compiled_on_cuda(attention.gather_windows, inputs[0], compile_glue)(*inputs, flat, n, cos, sin)
+        inputs = [t.clone().requires_grad_() for t in qkv + affine]
+        q, k, v, wq, bq, wk, bk = inputs
+        q, k, v = compiled_on_cuda(attention.gather_windows, q, compile_glue)(q, k, v, flat, n, cos, sin,
+                                                                             (wq, bq, 1e-6), (wk, bk, 1e-6))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         merged = compiled_on_cuda(attention.merge_windows, out, compile_glue)(out, flat, n, inv_count, L)
         w = torch.randn(merged.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))

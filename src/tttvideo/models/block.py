@@ -121,6 +121,7 @@ class Block(nn.Module):
         # the TTT passes have their own switches on self.ttt
         self.checkpoint_attention = False
         self.checkpoint_mlp = False
+        self.checkpoint_keep: tuple[str, ...] = ()  # checkpointing.keep: outputs the checkpoints above save
         # bounded-memory forward without gradients (memory.chunked_inference, set by build_model); None: plain
         self.inference_chunks: chunked_inference.ChunkPlan | None = None
         self.compile_glue = False  # model.compile_block_glue: the gated residual adds (and the adaLN norms)
@@ -141,8 +142,9 @@ class Block(nn.Module):
         if self.inference_chunks is not None and sp is None and not torch.is_grad_enabled():
             return chunked_inference.block_forward(self, x, temb_act, layout, self.inference_chunks)
         T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
-        a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout, T, sp)
+        a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout, T, sp,
+                                           keep=self.checkpoint_keep)
         if self.ttt is not None:
             a = self.ttt(a, layout, sp)
         x = compiled_on_cuda(gated_add, x, self.compile_glue)(x, a, T, t_gate, gate)
-        return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, T)
+        return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, T, keep=self.checkpoint_keep)

@@ -24,6 +24,7 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.block import Block
+from tttvideo.models.checkpointing import checkpointed
 from tttvideo.models.embeddings import PatchEmbed, TimestepEmbedding
 from tttvideo.models.presets import ModelSpec
 
@@ -128,8 +129,9 @@ class CogVideoXTTT(nn.Module):
 
         for start, stop, ckpt in self.block_units:
             if ckpt and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(self._run_blocks, x, temb_act, layout, start, stop, sp,
-                                                      use_reentrant=False)
+                # a unit's blocks share one policy (checkpointing.block_units)
+                x = checkpointed(self._run_blocks, x, temb_act, layout, start, stop, sp,
+                                 keep=self.blocks[start].checkpoint_keep)
             else:
                 x = self._run_blocks(x, temb_act, layout, start, stop, sp)
 
