@@ -51,6 +51,10 @@ SETUPS = [
      ["memory.stream_frozen_weights=true"], [], ["9s"]),
     # sampling is planned up to 63 s, so its curves run to 63 s (the plain forward's per-token cost measured
     # 205-210 KB at 3-18 s and 173 KB at 63 s: a line through 3 and 9 s alone overshoots 63 s by 18%)
+    ("lora, block ckpt keeping attention, bf16, AdamW", LORA, "train",
+     BLOCK + BF16_PLAIN + ['checkpointing.keep=["attention"]'], ["3s", "9s"], []),
+    ("lora, block ckpt keeping attention and matmul, bf16, AdamW", LORA, "train",
+     BLOCK + BF16_PLAIN + ['checkpointing.keep=["attention","matmul"]'], ["3s", "6s"], []),
     ("sample: plain, guidance batched, bf16 resident", SAMPLE, "sample", SAMPLE_PLAIN, ["9s", "18s", "63s"], ["3s"]),
     ("sample: chunked, bf16 resident", SAMPLE, "sample", ["sample.offload_blocks=false", "model.frozen_weights=dtype"],
      ["9s", "63s"], ["3s", "18s"]),

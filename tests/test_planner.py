@@ -13,8 +13,9 @@ from tttvideo.config.loader import load_config
 from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.plan_costs import CostTable, Curve, activation_key, load_costs, save_costs, time_key
-from tttvideo.memory.plan_count import count
-from tttvideo.memory.planner import GIB, best, candidates, fits_in, parse_size, plan, plan_toml, predict
+from tttvideo.memory.plan_count import count, with_overrides
+from tttvideo.memory.planner import (CUDA_CONTEXT, FRAGMENTATION, GIB, best, candidates, fits_in, parse_size, plan,
+                                    plan_toml, predict)
 from tttvideo.models import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,6 +150,40 @@ def test_fastest_fitting_candidate_is_chosen_and_nothing_fits_a_tiny_card():
     empty = plan(cfg, "train", 80 * GIB, CostTable("empty"))
     assert best(empty) is None and all(p.fits is None and p.peak is None for p in empty)
     assert all("not measured" in "; ".join(p.notes) for p in empty)
+
+
+def test_kept_outputs_are_chosen_where_they_fit_and_block_checkpointing_where_they_do_not(tmp_path):
+    """The selective regimes cost more memory per token and less time: a large card takes the one that keeps the
+    most, a smaller one the one that keeps attention only, a smaller still plain block checkpointing; the chosen
+    switches round-trip through the written plan file."""
+    cfg = tiny()
+    table = CostTable("test")
+    # per token: bytes far above what the weight storage and optimizer switches change, seconds
+    per_token = {"block": (1e6, 1.0), "block-keep-attention": (2e6, 0.9), "block-keep-attention+matmul": (8e6, 0.8)}
+    for cand in candidates(cfg, "train"):
+        c = with_overrides(cfg, cand.as_dict())
+        key = activation_key(c, "train")
+        policy = key.split("|")[4]
+        if policy in per_token and not c.checkpointing.offload_activations:
+            mem, sec = per_token[policy]
+            table.activation[key] = Curve.fit([(1.0, mem)])
+            table.time[time_key(c, "train")] = Curve.fit([(1.0, 1e-3 * sec)])
+    tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens
+    assert not any(c.as_dict().get("checkpointing.offload_activations") and c.as_dict()["checkpointing.keep"]
+                   for c in candidates(cfg, "train"))
+    base = count(with_overrides(cfg, {"model.frozen_weights": "dtype"}), "train").total
+
+    def chosen_keep(activation_room: float) -> list[str]:
+        card = int((base + activation_room * tokens) * (1 + FRAGMENTATION)) + CUDA_CONTEXT + 2**20
+        return best(plan(cfg, "train", card, table)).config.checkpointing.keep
+
+    assert chosen_keep(9e6) == ["attention", "matmul"]
+    assert chosen_keep(4e6) == ["attention"]
+    assert chosen_keep(1.5e6) == []
+    pred = best(plan(cfg, "train", 10**12, table))
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(pred, None, path, "test"))
+    assert load_config(path).checkpointing.keep == ["attention", "matmul"]
 
 
 def test_fit_margin_and_sizes():

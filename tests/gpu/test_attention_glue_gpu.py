@@ -2,8 +2,9 @@
 overlap merge compiled by torch.compile against the same functions eager, at 9 s (3 windows, 5B shapes: 48 heads of
 64), bf16, forward and the gradients of q, k, v and of the norms' weights and biases through the gather, and of the
 attention output through the merge.
-Tolerance 1e-2 relative to each tensor's largest value (bf16; RoPE is computed in fp32 by both, and the compiled
-version may round once less).
+Both are held to the same fp32 computation: the compiled glue's error, relative to each tensor's largest value,
+must be at most 1.5x the eager glue's plus 1e-3 (bf16: the compiled version keeps the norm and RoPE in fp32 and
+rounds once where eager rounds after each, so it is usually the closer of the two; a wrong fusion is off by far more).
 
 Run: `pytest tests/gpu/test_attention_glue_gpu.py`.
 """
@@ -28,8 +29,8 @@ def test_compiled_glue_equals_eager_forward_and_backward():
     qkv = [torch.randn(1, L, 48, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
     affine = [1 + 0.1 * torch.randn(64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
 
-    def run(compile_glue: bool):
-        inputs = [t.clone().requires_grad_() for t in qkv + affine]
+    def run(compile_glue: bool, dtype: torch.dtype = torch.bfloat16):
+        inputs = [t.to(dtype).requires_grad_() for t in qkv + affine]
         q, k, v, wq, bq, wk, bk = inputs
         q, k, v = compiled_on_cuda(attention.gather_windows, q, compile_glue)(q, k, v, flat, n, cos, sin,
                                                                              (wq, bq, 1e-6), (wk, bk, 1e-6))
@@ -39,5 +40,9 @@ def test_compiled_glue_equals_eager_forward_and_backward():
         (merged.float() * w).sum().backward()
         return [merged, *[t.grad for t in inputs]]
 
-    for fast, eager in zip(run(True), run(False)):
-        assert (fast.float() - eager.float()).abs().max() / eager.float().abs().max() < 1e-2
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+    names = ["output", "dq", "dk", "dv", "dnorm_q weight", "dnorm_q bias", "dnorm_k weight", "dnorm_k bias"]
+    for name, fast, eager, exact in zip(names, run(True), run(False), run(False, torch.float32)):
+        assert error(fast, exact) <= 1.5 * error(eager, exact) + 1e-3, (name, error(fast, exact), error(eager, exact))

@@ -114,12 +114,15 @@ def save_costs(table: CostTable, path: Path = COSTS_FILE) -> None:
 
 # ------------------------------------------------------------------------------------------------ regime keys
 def checkpoint_policy(cfg: Config) -> str:
-    """'none', 'block' (whole blocks), 'sub-block' (blocks and their four parts, as the stage configs), or 'custom'
-    (per-layer rules or another mix: not a regime the planner proposes)."""
+    """'none', 'block' (whole blocks), 'block-keep-attention' / 'block-keep-attention+matmul' (whole blocks keeping
+    those outputs), 'sub-block' (blocks and their four parts, as the stage configs), or 'custom' (per-layer rules or
+    another mix: not a regime the planner proposes)."""
     ck = cfg.checkpointing
     parts = (ck.attention, ck.forward_ttt, ck.reverse_ttt, ck.mlp)
     if ck.layers or (ck.block and ck.group_size != 1):
         return "custom"
+    if ck.keep:
+        return "block-keep-" + "+".join(sorted(set(ck.keep))) if ck.block and not any(parts) else "custom"
     if not ck.block and not any(parts):
         return "none"
     if ck.block and not any(parts):
