@@ -30,7 +30,7 @@ def test_compiled_glue_equals_eager_forward_and_backward():
     affine = [1 + 0.1 * torch.randn(64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
 
     def run(compile_glue: bool, dtype: torch.dtype = torch.bfloat16):
-        inputs = [t.to(dtype).requires_grad_() for t in qkv + affine]
+        inputs = [t.detach().to(dtype).clone().requires_grad_() for t in qkv + affine]
         q, k, v, wq, bq, wk, bk = inputs
         q, k, v = compiled_on_cuda(attention.gather_windows, q, compile_glue)(q, k, v, flat, n, cos, sin,
                                                                              (wq, bq, 1e-6), (wk, bk, 1e-6))
