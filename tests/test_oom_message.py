@@ -70,6 +70,18 @@ def test_switches_already_on_are_not_suggested():
     assert found == ["checkpointing.offload_activations = true", "parallel.sp = 2 under torchrun"]
 
 
+def test_kept_outputs_are_suggested_away_with_their_size():
+    cfg = load_config("configs/demo.toml", TRAIN + ["model.frozen_weights=fp8", "train.optimizer=adamw8bit",
+                                                    "checkpointing.block=true", 'checkpointing.keep=["attention"]'])
+    model = build_model(cfg)
+    found = {s.switch: s for s in train_savings(cfg, model, gpus=1)}
+    offload = found["checkpointing.offload_activations = true"]
+    # one stream-sized SDPA output a layer, as the block inputs offloading would move
+    assert found["checkpointing.keep = []"].nbytes == offload.nbytes > 0
+    cfg.checkpointing.keep = ["attention", "matmul"]
+    assert {s.switch: s for s in train_savings(cfg, model, gpus=1)}["checkpointing.keep = []"].nbytes is None
+
+
 def test_counts_match_fp8_storage_and_adamw_state():
     cfg = load_config("configs/demo.toml", TRAIN)
     model = build_model(cfg)

@@ -142,6 +142,11 @@ def train_savings(cfg: Config, model: nn.Module, gpus: int) -> list[Saving]:
     layers = len(getattr(model, "blocks", ()))
     inputs = block_input_bytes(cfg, model, cfg.train.batch_size) * layers
     ck = cfg.checkpointing
+    if ck.keep:
+        # the kept SDPA outputs are the stream's size per layer; the kept products, several times it (not counted)
+        kept = inputs if ck.keep == ["attention"] else None
+        found.append(Saving("checkpointing.keep = []", f"of the {' and '.join(ck.keep)} outputs kept for backward "
+                                                       "(recomputed instead)", kept))
     if not ck.block:
         found.append(Saving("checkpointing.block = true", "of activations: each block is recomputed in backward and "
                                                           "keeps only its input"))
