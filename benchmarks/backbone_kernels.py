@@ -193,7 +193,8 @@ def forward_profiles(duration: int, overrides: list[str]) -> list[dict[str, Any]
     theirs = diffusers_yardstick.build(spec, torch.bfloat16, device, "qkvo").eval()
     kwargs = diffusers_yardstick.inputs(theirs, batch["latents"], batch["text"])
     with torch.no_grad():
-        rows.append({"piece": "forward", "name": "diffusers", "by_kind_ms": kernel_time_by_kind(lambda: theirs(**kwargs))})
+        their_forward = kernel_time_by_kind(lambda: theirs(**kwargs))
+    rows.append({"piece": "forward", "name": "diffusers", "by_kind_ms": their_forward})
     theirs.train()
     theirs.enable_gradient_checkpointing()
 
@@ -206,14 +207,16 @@ def forward_profiles(duration: int, overrides: list[str]) -> list[dict[str, Any]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("\n| attention | forward ms | TFLOP/s | fwd+bwd ms | TFLOP/s | rel. error vs fp32 |\n|---|---|---|---|---|---|")
+    print("\n| attention | forward ms | TFLOP/s | fwd+bwd ms | TFLOP/s | rel. error vs fp32 |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         if r["piece"] == "attention":
             if "error_message" in r:
                 print(f"| {r['name']} | {r['error_message']} | | | | |")
                 continue
+            nan = float("nan")
             print(f"| {r['name']} | {r['forward_ms']:.2f} | {r['forward_tflops']:.0f} | "
-                  f"{r.get('forward_backward_ms', float('nan')):.2f} | {r.get('forward_backward_tflops', float('nan')):.0f} | "
+                  f"{r.get('forward_backward_ms', nan):.2f} | {r.get('forward_backward_tflops', nan):.0f} | "
                   f"{r['error']:.2e} |")
     print("\n| GEMM | bf16 ms | TFLOP/s | fp8 quantise + mm ms | fp8 TFLOP/s (mm) | speed-up | error bf16 / fp8 |\n"
           "|---|---|---|---|---|---|---|")

@@ -247,6 +247,8 @@ def test_selective_checkpointing_keeps_what_it_names_and_the_gradients():
             torch.testing.assert_close(kept[name], full[name], rtol=1e-6, atol=1e-7, msg=name)
     assert describe_policy(resolve_policy(CheckpointingConfig(block=True, keep=["matmul", "attention"]), 3)) == [
         "0-2: block x1, keeping attention and matmul"]
+    with pytest.raises(ConfigError, match=r"layers 1\.\.2 checkpoint none; set checkpointing.block = true"):
+        resolve_policy(CheckpointingConfig(keep=["attention"], layers=[CheckpointRule(layers="0", block=True)]), 3)
 
 
 def test_selective_checkpointing_nests_with_the_ttt_checkpoints():

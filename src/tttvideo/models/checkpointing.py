@@ -125,6 +125,13 @@ def resolve_policy(cfg: CheckpointingConfig, num_layers: int) -> list[LayerPolic
         policy = LayerPolicy.of(rule)
         for i in parse_layers(rule.layers, num_layers):
             policies[i] = policy
+    idle = [i for i, p in enumerate(policies) if p.keep and not (p.block or p.attention or p.mlp)]
+    if idle:
+        which = f"layers {idle[0]}..{idle[-1]}" if len(idle) > 1 else f"layer {idle[0]}"
+        raise ConfigError(
+            f"checkpointing.keep = {list(policies[idle[0]].keep)} keeps outputs of checkpointed blocks (or attention "
+            f"/ MLP halves), and {which} checkpoint none; set checkpointing.block = true (or attention / mlp) for "
+            "them, or keep = []")
     return policies
 
 
