@@ -238,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once, each in its own process (the tiny model leaves a GPU mostly idle; step "
                          "times are then measured side by side, recorded as concurrent_jobs)")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write the results file only, no table or plot (what --jobs passes to each run's process)")
     ap.add_argument("--report", action="store_true",
                     help="train nothing: rebuild the summary, table and plot of the --out file from its runs")
     args = ap.parse_args(argv)
@@ -286,7 +288,7 @@ def main(argv=None) -> int:
         write(out, runs, probes, args, torch)
     rows = summarize(runs)  # every run the file holds: one setting, so all comparable
     write(out, runs, probes, args, torch, rows)
-    return report(out, rows)
+    return 0 if args.no_report else report(out, rows)
 
 
 def report(out: Path, rows: list[dict]) -> int:
@@ -367,7 +369,7 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
             name = f"{duration}-{variant}-seed{seed}"
             cmd = [sys.executable, __file__, "--config", args.config, "--variants", variant, "--durations", duration,
                    "--seeds", str(seed), "--steps", str(args.steps), "--eval-videos", str(args.eval_videos),
-                   "--work", str(work), "--out", str(parts / f"{name}.json")]
+                   "--work", str(work), "--out", str(parts / f"{name}.json"), "--no-report"]
             for o in args.overrides:
                 cmd += ["--set", o]
             cmd += threads

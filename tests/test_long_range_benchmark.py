@@ -43,6 +43,8 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
     assert all(f"| 6s | {v} |" in printed for v in lr.VARIANTS)
     if importlib.util.find_spec("matplotlib"):
         assert out.with_suffix(".png").stat().st_size > 0
+    # the --jobs processes wrote their one-run files and nothing else
+    assert sorted(p.suffix for p in (tmp_path / "work" / "parts").iterdir()) == [".json", ".json", ".log", ".log"]
     # a rerun holds every run already: it trains nothing and keeps the results
     assert lr.main(args) == 0
     assert json.loads(out.read_text())["runs"] == result["runs"]
