@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.trace import kernel_kind
+from tttvideo.models.fp8_storage import quantize_rows
 from tttvideo.models.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,12 +52,6 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
-
-def quantize_rows_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes, fp32 scale per row): x ~= codes * scale[:, None]."""
-    scale = x.float().abs().amax(dim=1).clamp(min=1e-12) / 448.0
-    return (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 def scaled_linear_fp8(x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor,
@@ -126,13 +121,13 @@ def attention_rows(tokens: int, heads: int, head_dim: int, repeats: int) -> list
 def linear_rows(tokens: int, dim: int, repeats: int) -> list[dict[str, Any]]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    quantize = torch.compile(quantize_rows_dynamic, dynamic=False)
+    quantize = torch.compile(quantize_rows, dynamic=False)
     for name, k, n in (("q, k, v, o", dim, dim), ("MLP up", dim, 4 * dim), ("MLP down", 4 * dim, dim)):
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / math.sqrt(k)
         b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
         want = F.linear(x[:1024].float(), w.float(), b.float())
-        w8, ws = quantize_rows_dynamic(w)
+        w8, ws = quantize_rows(w)
         flops = 2 * tokens * k * n
         bf16_ms = median_ms(lambda: F.linear(x, w, b), repeats)
         quant_ms = median_ms(lambda: quantize(x), repeats)

@@ -314,9 +314,9 @@ def rebuild_report(out: Path) -> int:
     if not rows:
         raise SystemExit(f"--report: {out} holds no runs")
     held["summary"] = rows
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(held, indent=1))
-    tmp.replace(out)
+    from tttvideo.data.cache import atomic_write_text
+
+    atomic_write_text(out, json.dumps(held, indent=1))
     return report(out, rows)
 
 
@@ -389,6 +389,8 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
 
 
 def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None) -> dict:
+    from tttvideo.data.cache import atomic_write_text
+
     # GIT_COMMIT first: a copied work tree (a lent GPU machine's) may carry another checkout's .git
     commit = os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                             capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -397,9 +399,7 @@ def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dic
               "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
               "settings": run_settings(args),
               "chance": 1 / 6, "probe": probes, "runs": runs, "summary": rows or summarize(runs)}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    atomic_write_text(out, json.dumps(result, indent=1))
     return result
 
 

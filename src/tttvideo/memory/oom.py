@@ -144,7 +144,7 @@ def train_savings(cfg: Config, model: nn.Module, gpus: int) -> list[Saving]:
     ck = cfg.checkpointing
     if ck.keep:
         # the kept SDPA outputs are the stream's size per layer; the kept products, several times it (not counted)
-        kept = inputs if ck.keep == ["attention"] else None
+        kept = inputs if set(ck.keep) == {"attention"} else None
         found.append(Saving("checkpointing.keep = []", f"of the {' and '.join(ck.keep)} outputs kept for backward "
                                                        "(recomputed instead)", kept))
     if not ck.block:
