@@ -296,7 +296,9 @@ def main():
 
 
 def git_commit() -> str:
-    """HEAD of the checkout this script is in; "" where there is none (a device copy without .git)."""
+    """$GIT_COMMIT where set (a device copy has no .git), else HEAD of the checkout this script is in, else ""."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:

@@ -1,8 +1,10 @@
-"""Time the TTT layer around the scan: the plain composition vs the scan-order forward, eager and torch.compile'd.
+"""Time the TTT layer around the scan: the plain composition vs the scan-order forward, its glue between the q/k/v
+projection and the scan (`tttvideo.ttt.scan_inputs`) eager, torch.compile'd or the fused Triton kernels.
 
 One CogVideoX-5B-sized TTT layer (3072 wide, 48 heads of 64, TTT-MLP, mini-batch 64, scan checkpoint group 16,
-bf16, the dispatching scan backend) at 3 s and 63 s: forward (inference) and, at 3 s, forward+backward. Checks
-that every variant matches the plain composition (relative error of the output, bf16). Prints a table; writes JSON.
+bf16, the dispatching scan backend) at 3 s and 63 s, batch 1 (and 2: guided sampling's batch): forward (inference)
+and, under 100k tokens, forward+backward. Checks that every variant matches the plain composition (relative error
+of the output, bf16). Prints a table; writes JSON.
 
     PYTHONPATH=src python3 benchmarks/ttt_layer_glue.py --out benchmarks/results/ttt_layer_glue_h100.json
 
@@ -13,6 +15,7 @@ tttvideo.ttt.plain_layer.plain_ttt_layer; the timer is benchmarks/ttt_kernel.py'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 
@@ -21,6 +24,7 @@ from ttt_kernel import bench, git_commit  # this script's folder: benchmarks/ttt
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
+from tttvideo.ttt import scan_inputs
 from tttvideo.ttt.layer import TTTLayer
 from tttvideo.ttt.plain_layer import plain_ttt_layer
 
@@ -28,6 +32,7 @@ from tttvideo.ttt.plain_layer import plain_ttt_layer
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--durations", nargs="+", default=["3s", "63s"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/ttt_layer_glue.json")
     args = ap.parse_args()
@@ -39,17 +44,20 @@ def main() -> None:
     def plain(x, lay):
         return plain_ttt_layer(layer, x, lay, backend="auto")
 
-    def scan_order(compile_glue):
+    def scan_order(glue):
         def run(x, lay):
-            layer.compile_glue = compile_glue
-            return layer(x, lay)
+            layer.compile_glue = glue == "compiled"
+            with contextlib.ExitStack() as stack:
+                if glue != "triton":  # the reference glue although the kernels could run
+                    stack.enter_context(swapped(scan_inputs, "use_kernel", lambda qkv, backend: False))
+                return layer(x, lay)
         return run
 
-    variants = {"plain": plain, "scan-order eager": scan_order(False), "scan-order compiled": scan_order(True)}
+    variants = {"plain": plain, **{f"scan-order {glue}": scan_order(glue) for glue in ("eager", "compiled", "triton")}}
     rows = []
-    for duration in args.durations:
+    for duration, batch in ((d, b) for d in args.durations for b in args.batches):
         lay = VideoLayout.create(duration)
-        x = torch.randn(1, lay.total_tokens, 3072, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(batch, lay.total_tokens, 3072, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
             ref = plain(x, lay).float()
         for name, fn in variants.items():
@@ -59,7 +67,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
                 fwd, _ = bench(lambda: fn(x, lay), min_runs=args.reps)
                 peak = torch.cuda.max_memory_allocated() / 2**30
-            row = {"duration": duration, "tokens": lay.total_tokens, "variant": name, "forward_ms": fwd,
+            row = {"duration": duration, "batch": batch, "tokens": lay.total_tokens, "variant": name, "forward_ms": fwd,
                    "forward_peak_gib": peak, "rel_err_vs_plain": rel}
             if lay.total_tokens < 100_000:
                 xg = x.clone().requires_grad_()
@@ -80,11 +88,23 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nTTT layer (3072 wide, 48 heads, TTT-MLP, bf16) on {result['device']}")
-    print(f"{'duration':>8} {'variant':>20} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak GiB':>9} {'rel err':>9}")
+    print(f"{'duration':>8} {'batch':>5} {'variant':>20} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak GiB':>9} "
+          f"{'rel err':>9}")
     for r in rows:
-        fb = f"{r['forward_backward_ms']:.1f}" if "forward_backward_ms" in r else "-"
-        print(f"{r['duration']:>8} {r['variant']:>20} {r['forward_ms']:9.1f} {fb:>11} {r['forward_peak_gib']:9.2f} "
-              f"{r['rel_err_vs_plain']:9.2e}")
+        fb = f"{r['forward_backward_ms']:.2f}" if "forward_backward_ms" in r else "-"
+        print(f"{r['duration']:>8} {r['batch']:>5} {r['variant']:>20} {r['forward_ms']:9.2f} {fb:>11} "
+              f"{r['forward_peak_gib']:9.2f} {r['rel_err_vs_plain']:9.2e}")
+
+
+@contextlib.contextmanager
+def swapped(module, name, value):
+    """module.name = value inside the block."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 if __name__ == "__main__":

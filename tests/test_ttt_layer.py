@@ -151,3 +151,17 @@ def test_layer_equals_the_plain_composition(kind, duration, text):
     names = ["x", *(n for n, _ in layer.named_parameters())]
     for name, a, b in zip(names, grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"gradient w.r.t. {name}")
+
+
+def test_gather_tokens_equals_indexing():
+    """gather_tokens (one row gather over batch x tokens) is x[:, index], forward and backward, contiguous or not."""
+    from tttvideo.sequence.bidirectional import gather_tokens
+
+    x = torch.randn(3, 10, 4, 5, requires_grad=True)
+    index = torch.randperm(10)[:7]
+    for t in (x, x[:1], x.transpose(1, 2).contiguous().transpose(1, 2)):
+        assert torch.equal(gather_tokens(t, index), t[:, index])
+    w = torch.randn(3, 7, 4, 5)
+    got = torch.autograd.grad((gather_tokens(x, index) * w).sum(), x)[0]
+    want = torch.autograd.grad((x[:, index] * w).sum(), x)[0]
+    assert torch.equal(got, want)

@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from tttvideo.config.schema import MemoryConfig
-from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import window_tensors
 from tttvideo.rope import apply_rope
-from tttvideo.ttt.layer import layout_tensors, scan_inputs
+from tttvideo.sequence.bidirectional import gather_tokens
+from tttvideo.ttt.layer import layout_tensors
+from tttvideo.ttt.scan_inputs import prepare_scan_inputs
 
 if TYPE_CHECKING:
     from tttvideo.models.block import Block
@@ -136,7 +137,6 @@ def _ttt_pass(layer: TTTLayer, x: torch.Tensor, layout: VideoLayout, plan: Chunk
     forward_order, reverse_order, cos, sin = layout_tensors(layout, D, layer.rope_theta, x.device)
     scan_order, residual_order = reverse_order if reverse else forward_order
     padded = L + layout.ttt_padding
-    glue = compiled_on_cuda(scan_inputs, x, layer.compile_glue)
     groups = torch.arange(H).tensor_split(max(1, min(plan.ttt_head_groups, H)))
     out = None  # every head's scan output [B, H, L + pad, D], in scan order
     for group in groups:
@@ -146,10 +146,11 @@ def _ttt_pass(layer: TTTLayer, x: torch.Tensor, layout: VideoLayout, plan: Chunk
         eta = torch.zeros(B, h, padded, device=x.device, dtype=torch.float32)
         w_qkv, b_qkv = layer.qkv_projection(heads)
         for s, e in _chunks(0, L, plan.tokens):
-            xs = x[:, scan_order[s:e]]
+            xs = gather_tokens(x, scan_order[s:e])
             qkv = F.linear(xs, w_qkv, b_qkv).unflatten(-1, (3, h, D))
-            inputs[:, :, :, s:e] = glue(qkv, cos[s:e], sin[s:e], layer.ttt_norm_weight[heads],
-                                        layer.ttt_norm_bias[heads], 0, x.dtype)
+            inputs[:, :, :, s:e] = prepare_scan_inputs(qkv, cos[s:e], sin[s:e], layer.ttt_norm_weight[heads],
+                                                       layer.ttt_norm_bias[heads], 0, x.dtype, layer.backend,
+                                                       layer.compile_glue)
             eta[:, :, s:e] = layer.eta(xs, layout.mini_batch_size, heads).transpose(1, 2)
         del xs, qkv, w_qkv
         result = layer.scan(inputs[0], inputs[1], inputs[2], eta, layout, heads)

@@ -31,6 +31,17 @@ def scan_permutations(layout: VideoLayout, device: torch.device, reverse: bool) 
     return layout.interleave_perm.to(device), layout.deinterleave_perm.to(device)
 
 
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[:, index] for x [B, L, ...]. With B > 1 it is one gather of rows of the flattened [B * L, ...] tensor:
+    torch indexes dim 1 behind a batch dim with a generic kernel about 7x slower than its row gather (H100, B = 2,
+    18,048 tokens of 3,072 bf16: 0.55 ms against 0.08 ms at B = 1)."""
+    B = x.shape[0]
+    if B == 1:
+        return x[:, index]
+    rows = index[None, :] + torch.arange(0, B * x.shape[1], x.shape[1], device=index.device)[:, None]
+    return x.flatten(0, 1)[rows.flatten()].unflatten(0, (B, index.numel()))
+
+
 def gated(y: torch.Tensor, text_gate: torch.Tensor, video_gate: torch.Tensor, text_tokens: int) -> torch.Tensor:
     """tanh(gate) * y with the text gate on the first `text_tokens` tokens and the video gate on the rest."""
     return torch.cat([torch.tanh(text_gate).to(y.dtype) * y[:, :text_tokens],

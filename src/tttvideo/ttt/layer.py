@@ -26,17 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.config.schema import TTTConfig
-from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
-from tttvideo.rope import apply_rope, rope_cos_sin
-from tttvideo.sequence.bidirectional import GatedBidirectional, scan_permutations
+from tttvideo.rope import rope_cos_sin
+from tttvideo.sequence.bidirectional import GatedBidirectional, gather_tokens, scan_permutations
 from tttvideo.ttt import ops
+from tttvideo.ttt.scan_inputs import prepare_scan_inputs
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the layer needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
-
-# eps of the reconstruction-target LayerNorm: the original normalises by (unbiased std + eps).
-TARGET_LN_EPS = 1e-8
 
 
 @lru_cache(maxsize=16)
@@ -57,33 +54,6 @@ def layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: tor
         cos[:, None, :].to(device),  # [L, 1, D]: broadcast over heads
         sin[:, None, :].to(device),
     )
-
-
-def scan_inputs(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    norm_w: torch.Tensor,
-    norm_b: torch.Tensor,
-    pad: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The elementwise glue between the projections and the scan, in one function so that torch.compile can fuse
-    it into a few kernels: qkv [B, L, 3, H, D] (scan order) -> [3, B, H, L + pad, D] in `dtype`, zero-padded:
-    L2-normalised q/k with RoPE, and v replaced by the reconstruction target LN_ttt(v - k) + k, with the original's
-    (unbiased std + eps) normalisation. Math in fp32."""
-    q, k, v = qkv.unbind(2)  # fp32 per tensor: no fp32 copy of the whole q/k/v block at once
-    q = apply_rope(F.normalize(q.float(), dim=-1), cos, sin)
-    k = apply_rope(F.normalize(k.float(), dim=-1), cos, sin)
-    d = v.float() - k
-    d = (d - d.mean(dim=-1, keepdim=True)) / (d.std(dim=-1, keepdim=True) + TARGET_LN_EPS)
-    v = norm_w * d + norm_b + k
-    B, L, H, D = q.shape
-    # cast, transpose and pad in one write per tensor, never a stacked fp32 copy of all three
-    out = q.new_zeros((3, B, H, L + pad, D), dtype=dtype)
-    for i, t in enumerate((q, k, v)):
-        out[i, :, :, :L] = t.transpose(1, 2)
-    return out
 
 
 MLP_EXPANSION = 4  # TTT-MLP hidden size = 4 x head dim (64 -> 256), as in the original
@@ -170,15 +140,16 @@ class TTTLayer(nn.Module):
             layout.check_sequence_length(L)
             # Everything runs in scan order: one gather of x replaces a gather of each of q, k, v and eta, and all
             # per-token ops commute with the permutation.
-            xs = x[:, scan_order]
+            xs = gather_tokens(x, scan_order)
             out = self._scan(self._qkv(xs), self.eta(xs, layout.mini_batch_size), layout, cos, sin, None, x.dtype)
             out = self.wo(self.post_norm(out.reshape(B, L, C).to(x.dtype)))
-            return out[:, residual_order]
+            return gather_tokens(out, residual_order)
 
         # the projections and eta on this rank's tokens, the permutation on the whole sequence after the exchange
-        qkv = sp.to_head_shards(self._qkv(x), layout, head_axis=3)[:, scan_order]
-        eta = sp.to_head_shards(self.eta(x, layout.mini_batch_size), layout, head_axis=2)[:, scan_order]
-        out = self._scan(qkv, eta, layout, cos, sin, sp.heads(self.num_heads), x.dtype).to(x.dtype)[:, residual_order]
+        qkv = gather_tokens(sp.to_head_shards(self._qkv(x), layout, head_axis=3), scan_order)
+        eta = gather_tokens(sp.to_head_shards(self.eta(x, layout.mini_batch_size), layout, head_axis=2), scan_order)
+        out = gather_tokens(self._scan(qkv, eta, layout, cos, sin, sp.heads(self.num_heads), x.dtype).to(x.dtype),
+                            residual_order)
         out = sp.to_sequence_shards(out, layout, head_axis=2).flatten(2)
         return self.wo(self.post_norm(out))
 
@@ -201,14 +172,14 @@ class TTTLayer(nn.Module):
         L = qkv.shape[1]
         pad = layout.ttt_padding
         heads = slice(None) if heads is None else heads
-        q, k, v = compiled_on_cuda(scan_inputs, qkv, self.compile_glue)(qkv, cos, sin, self.ttt_norm_weight[heads],
-                                                           self.ttt_norm_bias[heads], pad, dtype)
+        q, k, v = prepare_scan_inputs(qkv, cos, sin, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads], pad, dtype,
+                                      self.backend, self.compile_glue)
         eta = F.pad(eta.transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
         return self.scan(q, k, v, eta, layout, heads)[:, :, :L].transpose(1, 2)
 
     def scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, layout: VideoLayout,
              heads: slice = slice(None)) -> torch.Tensor:
-        """The scan alone on prepared inputs (`scan_inputs`): q/k/v [B, h, L + pad, D], eta [B, h, L + pad] with
+        """The scan alone on prepared inputs (`scan_inputs.scan_inputs`): q/k/v [B, h, L + pad, D], eta [B, h, L + pad] with
         zeros on the padding -> [B, h, L + pad, D], with the inner weights of `heads`."""
         scan = ops.ttt_mlp if self.kind == "mlp" else ops.ttt_linear
         return scan(

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 from tttvideo.ttt import ops
-from tttvideo.ttt.layer import TARGET_LN_EPS, TTTLayer
+from tttvideo.ttt.layer import TTTLayer
+from tttvideo.ttt.scan_inputs import TARGET_LN_EPS
 
 
 def plain_ttt_layer(layer: TTTLayer, x: torch.Tensor, layout: VideoLayout, backend: str = "reference") -> torch.Tensor:

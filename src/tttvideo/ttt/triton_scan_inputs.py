@@ -1,0 +1,203 @@
+"""Fused Triton kernels of the glue between the TTT layer's q/k/v projection and the scan (`scan_inputs.scan_inputs`
+is the reference they match): forward and backward, one pass over the sequence each.
+
+Per token and head (rows of D, math in fp32): q, k L2-normalised (`F.normalize`, eps 1e-12) and rotated by RoPE
+(adjacent pairs), v replaced by the reconstruction target LN_ttt(v - k) + k with the original's (unbiased std + eps)
+normalisation, written as [3, B, H, L + pad, D] (heads before tokens, the scan's layout) with zero padding.
+
+A program takes BL tokens of one (batch, head): it reads their q/k/v rows ([B, L, 3, H, D] rows of D contiguous
+elements, one cache line each in bf16 at D = 64) and writes BL x D contiguous elements of each output, so both
+sides stay coalesced across the transpose that torch.compile's fused kernels did at about 550 GB/s on an H100. The
+RoPE partner of a column (d xor 1) is taken in registers (`_pair_swap`), not loaded twice. The backward recomputes
+the norms from q/k/v and writes per-program partial sums of the ttt_norm gradients (summed on the host: no atomics,
+so the result does not depend on the order programs run in).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tttvideo.ttt.scan_inputs import TARGET_LN_EPS
+from tttvideo.ttt.triton_common import check_device, new_output
+
+NORMALIZE_EPS = 1e-12  # F.normalize's default
+TOKENS_PER_PROGRAM = 64
+WARPS = 4
+
+
+@triton.jit
+def _pair_swap(x, BL: tl.constexpr, D: tl.constexpr):
+    """x[:, d xor 1]: the RoPE partner of every column."""
+    even, odd = tl.split(tl.reshape(x, (BL, D // 2, 2)))
+    return tl.reshape(tl.join(odd, even), (BL, D))
+
+
+@triton.jit
+def _rope(x, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
+    """x cos + rotate(x) sin, rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i] (tttvideo.rope.apply_rope)."""
+    return x * cs + sgn * _pair_swap(x, BL, D) * sn
+
+
+@triton.jit
+def _rope_t(g, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
+    """The transpose of `_rope` applied to a gradient."""
+    return g * cs - sgn * _pair_swap(g * sn, BL, D)
+
+
+@triton.jit
+def _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl):
+    """q, k, v rows of tokens rl of (batch b, head h) in fp32 (zeros past L), and cos / sin of those tokens."""
+    m = (rl < L)[:, None] & (rd >= 0)[None, :]
+    base = QKV + b * s_b + rl[:, None] * s_l + h * s_h + rd[None, :]
+    q = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    k = tl.load(base + s_i, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(base + 2 * s_i, mask=m, other=0.0).to(tl.float32)
+    cs = tl.load(COS + rl[:, None] * s_cl + rd[None, :], mask=m, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + rl[:, None] * s_cl + rd[None, :], mask=m, other=0.0).to(tl.float32)
+    return q, k, v, cs, sn, m
+
+
+@triton.jit
+def _target_stats(d, D: tl.constexpr, EPS: tl.constexpr):
+    """Centred rows c = d - mean, their unbiased std, and y = c / (std + eps)."""
+    c = d - (tl.sum(d, 1) / D)[:, None]
+    std = tl.sqrt(tl.sum(c * c, 1) / (D - 1))
+    return c, std, c / (std + EPS)[:, None]
+
+
+@triton.jit
+def _scan_inputs_fwd_kernel(
+    QKV, COS, SIN, NW, NB, OUT, L, LP, NH, s_b, s_l, s_i, s_h, s_cl, s_out,
+    D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b, h = bh // NH, bh % NH
+    rl = tl.program_id(0) * BL + tl.arange(0, BL)
+    rd = tl.arange(0, D)
+    sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
+    q, k, v, cs, sn, m = _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl)
+    q = _rope(q / tl.maximum(tl.sqrt(tl.sum(q * q, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
+    k = _rope(k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
+    _c, _std, y = _target_stats(v - k, D, EPS)
+    nw = tl.load(NW + h * D + rd).to(tl.float32)[None, :]
+    nb = tl.load(NB + h * D + rd).to(tl.float32)[None, :]
+    v = nw * y + nb + k
+    # padding rows (L <= token < LP) are written as zeros
+    dst = OUT + bh * LP * D + rl[:, None] * D + rd[None, :]
+    keep = (rl < LP)[:, None] & (rd >= 0)[None, :]
+    ty = OUT.dtype.element_ty
+    tl.store(dst, tl.where(m, q, 0.0).to(ty), mask=keep)
+    tl.store(dst + s_out, tl.where(m, k, 0.0).to(ty), mask=keep)
+    tl.store(dst + 2 * s_out, tl.where(m, v, 0.0).to(ty), mask=keep)
+
+
+@triton.jit
+def _normalize_t(g, x, NEPS: tl.constexpr):
+    """Gradient of x / max(||x||, eps) w.r.t. x, given the gradient g of the normalised rows."""
+    norm = tl.sqrt(tl.sum(x * x, 1))
+    inv = 1.0 / tl.maximum(norm, NEPS)
+    n = x * inv[:, None]
+    proj = tl.where(norm > NEPS, tl.sum(n * g, 1), 0.0)
+    return (g - n * proj[:, None]) * inv[:, None], n
+
+
+@triton.jit
+def _scan_inputs_bwd_kernel(
+    G, QKV, COS, SIN, NW, DQKV, DNW, DNB, L, LP, NH, NBH, s_b, s_l, s_i, s_h, s_cl, s_g,
+    D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b, h = bh // NH, bh % NH
+    rl = tl.program_id(0) * BL + tl.arange(0, BL)
+    rd = tl.arange(0, D)
+    sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
+    q, k, v, cs, sn, m = _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl)
+    src = G + bh * LP * D + rl[:, None] * D + rd[None, :]
+    gq = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    gk = tl.load(src + s_g, mask=m, other=0.0).to(tl.float32)
+    gv = tl.load(src + 2 * s_g, mask=m, other=0.0).to(tl.float32)
+    # the forward again, up to the target's statistics
+    kn = k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), NEPS)[:, None]
+    kr = _rope(kn, cs, sn, sgn, BL, D)
+    c, std, y = _target_stats(v - kr, D, EPS)
+    s = std + EPS
+    # v = nw y + nb + kr: the ttt_norm gradients (this program's partial sums) and the LayerNorm's backward
+    nw = tl.load(NW + h * D + rd).to(tl.float32)[None, :]
+    pid = tl.program_id(0) * NBH + bh
+    tl.store(DNW + pid * D + rd, tl.sum(tl.where(m, gv * y, 0.0), 0))
+    tl.store(DNB + pid * D + rd, tl.sum(gv, 0))
+    gy = gv * nw
+    # a constant row (std 0; every padding row) has no spread to scale: its term is 0, not 0 / 0
+    coef = tl.where(std > 0, tl.sum(gy * c, 1) / (s * s * (D - 1) * tl.where(std > 0, std, 1.0)), 0.0)
+    dd = (gy - (tl.sum(gy, 1) / D)[:, None]) / s[:, None] - c * coef[:, None]
+    dq, _n = _normalize_t(_rope_t(gq, cs, sn, sgn, BL, D), q, NEPS)
+    dk, _n = _normalize_t(_rope_t(gk + gv - dd, cs, sn, sgn, BL, D), k, NEPS)
+    dst = DQKV + b * s_b + rl[:, None] * s_l + h * s_h + rd[None, :]
+    ty = DQKV.dtype.element_ty
+    tl.store(dst, dq.to(ty), mask=m)
+    tl.store(dst + s_i, dk.to(ty), mask=m)
+    tl.store(dst + 2 * s_i, dd.to(ty), mask=m)
+
+
+def _geometry(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Sizes of qkv [B, L, 3, H, D], and qkv and the RoPE tables ([L, D]) contiguous."""
+    B, L, three, H, D = qkv.shape
+    if three != 3 or D & (D - 1) or D < 2:
+        raise ValueError(f"scan_inputs kernel: qkv must be [B, L, 3, H, D] with D a power of two, got "
+                         f"{tuple(qkv.shape)}")
+    cos, sin = (t.reshape(-1, D).contiguous() for t in (cos, sin))
+    if cos.shape[0] != L or sin.shape[0] != L:
+        raise ValueError(f"scan_inputs kernel: RoPE tables of {cos.shape[0]} tokens for {L} tokens")
+    return B, L, H, D, qkv.contiguous(), cos, sin
+
+
+def scan_inputs_forward(qkv, cos, sin, norm_w, norm_b, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """[3, B, H, L + pad, D] in `dtype`: what `scan_inputs.scan_inputs` returns."""
+    check_device(qkv, cos, sin, norm_w, norm_b)
+    B, L, H, D, qkv, cos, sin = _geometry(qkv, cos, sin)
+    LP = L + pad
+    out = new_output(None, (3, B, H, LP, D), dtype, qkv.device)
+    grid = (triton.cdiv(LP, TOKENS_PER_PROGRAM), B * H)
+    _scan_inputs_fwd_kernel[grid](
+        qkv, cos, sin, norm_w.contiguous(), norm_b.contiguous(), out, L, LP, H, *qkv.stride()[:2], qkv.stride(2),
+        qkv.stride(3), D, out.stride(0),
+        D=D, BL=TOKENS_PER_PROGRAM, EPS=TARGET_LN_EPS, NEPS=NORMALIZE_EPS, num_warps=WARPS,
+    )
+    return out
+
+
+def scan_inputs_backward(grad, qkv, cos, sin, norm_w):
+    """Gradients of qkv (its dtype), norm_w and norm_b ([H, D], fp32) given the gradient of the output."""
+    B, L, H, D, qkv, cos, sin = _geometry(qkv, cos, sin)
+    grad = grad.contiguous()
+    LP = grad.shape[3]
+    nblk = triton.cdiv(L, TOKENS_PER_PROGRAM)
+    dqkv = new_output(None, qkv.shape, qkv.dtype, qkv.device)
+    dnw = new_output(None, (nblk, B * H, D), torch.float32, qkv.device)
+    dnb = new_output(None, (nblk, B * H, D), torch.float32, qkv.device)
+    _scan_inputs_bwd_kernel[(nblk, B * H)](
+        grad, qkv, cos, sin, norm_w.contiguous(), dqkv, dnw, dnb, L, LP, H, B * H,
+        qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3), D, grad.stride(0),
+        D=D, BL=TOKENS_PER_PROGRAM, EPS=TARGET_LN_EPS, NEPS=NORMALIZE_EPS, num_warps=WARPS,
+    )
+    per_head = lambda t: t.view(nblk, B, H, D).sum((0, 1))  # noqa: E731
+    return dqkv, per_head(dnw), per_head(dnb)
+
+
+class ScanInputsFunction(torch.autograd.Function):
+    """Autograd wrapper of the two kernels; saves q/k/v (the projection's output) and recomputes the rest."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, norm_w, norm_b, pad, dtype):
+        out = scan_inputs_forward(qkv, cos, sin, norm_w, norm_b, pad, dtype)
+        ctx.save_for_backward(qkv, cos, sin, norm_w)
+        ctx.norm_dtypes = (norm_w.dtype, norm_b.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qkv, cos, sin, norm_w = ctx.saved_tensors
+        dqkv, dnw, dnb = scan_inputs_backward(grad, qkv, cos, sin, norm_w)
+        return dqkv, None, None, dnw.to(ctx.norm_dtypes[0]), dnb.to(ctx.norm_dtypes[1]), None, None

@@ -1,0 +1,105 @@
+"""The fused Triton glue between the TTT layer's q/k/v projection and its scan (`tttvideo.ttt.triton_scan_inputs`)
+against the PyTorch reference (`tttvideo.ttt.scan_inputs.scan_inputs`), forward and every gradient, on CPU in the
+Triton interpreter (switched on before triton is imported, so the comparison runs in a subprocess with
+TRITON_INTERPRET=1, TTT_TRITON_POISON=1 and every memory access bounds-checked: tests/test_ttt_triton.py).
+
+Fresh random inputs each run (the seed is in the failure message). fp32 inputs: the kernels compute in fp32 like
+the reference, in a different order, so they agree to ~1e-7; the bound is 1e-5 relative (||a-b|| / ||b||). bf16
+inputs and outputs: 1e-2 (one bf16 rounding is 4e-3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tttvideo.ttt.scan_inputs import use_kernel
+
+NAMES = ["out", "qkv", "norm_w", "norm_b"]
+# B, L, H, D, pad, dtype
+CASES = [
+    (2, 100, 3, 16, 28, "float32"),  # padding past a partial last block, batch 2
+    (1, 130, 2, 64, 0, "float32"),  # the model's head dim, three blocks, no padding
+    (1, 5, 1, 32, 3, "float32"),  # fewer tokens than one block
+    (2, 70, 2, 64, 10, "bfloat16"),  # the model's dtype
+]
+
+
+def _case(B, L, H, D, pad, dtype, seed):
+    """Relative errors of the kernel's output and gradients against the reference's (computed in fp32)."""
+    from tttvideo.ttt.scan_inputs import prepare_scan_inputs, scan_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    qkv = torch.randn(B, L, 3, H, D, generator=g).to(dt)
+    angle = 3 * torch.randn(L, 1, D, generator=g)
+    cos, sin = angle.cos(), angle.sin()
+    nw, nb = 1 + 0.2 * torch.randn(H, D, generator=g), 0.2 * torch.randn(H, D, generator=g)
+    grad = torch.randn(3, B, H, L + pad, D, generator=g)
+    ins = [t.requires_grad_() for t in (qkv, nw, nb)]
+    out = prepare_scan_inputs(ins[0], cos, sin, ins[1], ins[2], pad, dt, backend="triton")
+    got = [out, *torch.autograd.grad((out.float() * grad).sum(), ins)]
+    ref_ins = [t.detach().float().requires_grad_() for t in ins]
+    ref = scan_inputs(ref_ins[0], cos, sin, ref_ins[1], ref_ins[2], pad, torch.float32)
+    want = [ref, *torch.autograd.grad((ref * grad).sum(), ref_ins)]
+    padding_zero = bool((out[:, :, :, L:] == 0).all())
+    return {n: float((a.float() - b).norm() / b.norm()) for n, a, b in zip(NAMES, got, want)}, padding_zero
+
+
+def _interpreter_main() -> None:
+    """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
+    from tests.test_ttt_triton import _install_bounds_check
+
+    seed = int(sys.argv[1])
+    _install_bounds_check()
+    results = []
+    for i, c in enumerate(CASES):
+        try:
+            (errors, padding_zero), fault = _case(*c, seed + i), None
+        except Exception as e:  # an out-of-bounds access is this case's result
+            errors, padding_zero, fault = {}, False, f"{type(e).__name__}: {e}"[:2000]
+        results.append({"errors": errors, "padding_zero": padding_zero, "fault": fault})
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    pytest.importorskip("triton")
+    seed = int(torch.randint(0, 2**30, ()).item())
+    env = dict(os.environ, TRITON_INTERPRET="1", TTT_TRITON_POISON="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import tests.test_ttt_scan_inputs_triton as t, sys; sys.argv = ['x', '{seed}']; "
+                               "t._interpreter_main()"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed (seed {seed}):\n{proc.stdout}\n{proc.stderr}"
+    return seed, json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"B{c[0]}L{c[1]}H{c[2]}D{c[3]}p{c[4]}-{c[5]}" for c in CASES])
+def test_kernels_match_reference(interpreter_results, index):
+    seed, results = interpreter_results
+    r = results[index]
+    assert r["fault"] is None, f"seed {seed}, case {CASES[index]}: {r['fault']}"
+    bound = 1e-5 if CASES[index][5] == "float32" else 1e-2
+    bad = {n: e for n, e in r["errors"].items() if not e <= bound}  # NaN fails too
+    assert not bad, f"seed {seed}, case {CASES[index]}: relative errors over {bound}: {bad}"
+    assert r["padding_zero"], f"seed {seed}, case {CASES[index]}: padding rows are not zero"
+
+
+def test_dispatch():
+    """The kernels run on CUDA (backend auto / triton) or in the interpreter with backend triton; the reference
+    everywhere else, and always with backend "reference"."""
+    qkv = torch.zeros(1, 4, 3, 2, 16)
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    assert not use_kernel(qkv, "auto")
+    assert use_kernel(qkv, "triton") == interpreting
+    assert not use_kernel(qkv, "reference")
+    assert not use_kernel(torch.zeros(1, 4, 3, 2, 24), "triton")  # head dim not a power of two
