@@ -243,6 +243,13 @@ def test_trace_sums_device_time_by_kind_of_kernel(tmp_path):
                                 self_device_memory_usage=0, device_type=DeviceType.CUDA) for k, ms in kernels.items()]
     averages += [SimpleNamespace(key=k, count=1, self_device_time_total=ms * 1e3, self_cpu_time_total=0.0,
                                  self_device_memory_usage=0, device_type=DeviceType.CPU) for k, ms in launchers.items()]
+    # ranges on the device's timeline (torch.compile's graph calls, Inductor's per-kernel ranges) span kernels too
+    annotations = {"## Call CompiledFxGraph fe57jryowbm7 ##": 0.7, "triton_poi_fused_add_mul_0": 0.7}
+    averages += [SimpleNamespace(key=k, count=1, self_device_time_total=ms * 1e3, self_cpu_time_total=0.0,
+                                 self_device_memory_usage=0, device_type=DeviceType.CUDA, is_user_annotation=True)
+                 for k, ms in annotations.items()]
+    averages.append(SimpleNamespace(key="## Call CompiledFxGraph ab12 ##", count=1, self_device_time_total=5e2,
+                                    self_cpu_time_total=0.0, self_device_memory_usage=0, device_type=DeviceType.CUDA))
     top = top_operators(averages, on_cuda=True)
     kinds = {k["kind"]: k["self_time_ms"] for k in top["by_kind"]}
     assert kinds == pytest.approx({"TTT scan (Triton)": 7.0, "attention": 3.0, "matrix products": 3.0,

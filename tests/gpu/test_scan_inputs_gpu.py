@@ -47,3 +47,28 @@ def test_kernels_match_reference_at_full_size():
     assert (kernel[0][:, :, :, L:] == 0).all()
     for name, fast, ref, want in zip(["output", "d qkv", "d norm weight", "d norm bias"], kernel, compiled, exact):
         assert error(fast, want) <= 1.5 * error(ref, want) + 1e-3, (name, error(fast, want), error(ref, want))
+
+
+def test_kernels_address_past_2_31_elements():
+    """At 63 s a token's q/k/v row starts past element 2^31 (351,168 x 3 x 48 x 64): the kernels use 64-bit
+    offsets. Every token's glue is its own, so the last tokens of a 240,000-token call are checked against the
+    reference run on those tokens alone, forward and the q/k/v gradient."""
+    from tttvideo.ttt.scan_inputs import prepare_scan_inputs, scan_inputs
+
+    L, tail, dev = 240_000, 512, torch.device("cuda")
+    assert L * 3 * 48 * 64 > 2**31
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(1, L, 3, 48, 64, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    angle = torch.randn(L, 1, 64, device=dev, generator=gen)
+    cos, sin = angle.cos(), angle.sin()
+    nw, nb = torch.ones(48, 64, device=dev), torch.zeros(48, 64, device=dev)
+    out = prepare_scan_inputs(qkv, cos, sin, nw, nb, 0, torch.bfloat16, backend="auto")
+    grad = torch.zeros_like(out)
+    grad[:, :, :, -tail:] = torch.randn(3, 1, 48, tail, 64, device=dev, generator=gen, dtype=out.dtype)
+    dqkv = torch.autograd.grad(out, qkv, grad)[0]
+    part = qkv.detach()[:, -tail:].float().requires_grad_()
+    ref = scan_inputs(part, cos[-tail:], sin[-tail:], nw, nb, 0, torch.float32)
+    dref = torch.autograd.grad(ref, part, grad[:, :, :, -tail:].float())[0]
+    for got, want in ((out[:, :, :, -tail:], ref), (dqkv[:, -tail:], dref)):
+        assert ((got.float() - want).abs().max() / want.abs().max()).item() < 1e-2
+    assert not dqkv[:, :-tail].any()

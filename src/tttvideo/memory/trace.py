@@ -34,9 +34,12 @@ def _is_operator(key: str) -> bool:
 
 
 def _is_kernel(average: Any) -> bool:
-    """A device-side event (a kernel, a copy, a memset), not the CPU-side operator that launched it."""
+    """A device-side event (a kernel, a copy, a memset), not the CPU-side operator that launched it, nor a range
+    annotated on the device's timeline: torch.compile's "## Call CompiledFxGraph ... ##" and the range of each
+    Triton kernel it launches (named as the kernel) span kernels that are rows of their own."""
     kind = getattr(average, "device_type", None)
-    return kind is not None and getattr(kind, "name", str(kind)) != "CPU"
+    return (kind is not None and getattr(kind, "name", str(kind)) != "CPU"
+            and not getattr(average, "is_user_annotation", False) and not average.key.startswith("## "))
 
 
 # Kinds of kernel, by name, first match wins: what a step's time is spent on (how much the TTT scan, how much

@@ -72,9 +72,10 @@ def _scan_inputs_fwd_kernel(
     QKV, COS, SIN, NW, NB, OUT, L, LP, NH, s_b, s_l, s_i, s_h, s_cl, s_out,
     D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
 ):
-    bh = tl.program_id(1)
+    # 64-bit offsets: at 63 s a token's row offset (351,168 x 3 x 3,072) passes 2^31
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // NH, bh % NH
-    rl = tl.program_id(0) * BL + tl.arange(0, BL)
+    rl = tl.program_id(0).to(tl.int64) * BL + tl.arange(0, BL)
     rd = tl.arange(0, D)
     sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
     q, k, v, cs, sn, m = _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl)
@@ -108,9 +109,10 @@ def _scan_inputs_bwd_kernel(
     G, QKV, COS, SIN, NW, DQKV, DNW, DNB, L, LP, NH, NBH, s_b, s_l, s_i, s_h, s_cl, s_g,
     D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
 ):
-    bh = tl.program_id(1)
+    # 64-bit offsets: at 63 s a token's row offset (351,168 x 3 x 3,072) passes 2^31
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // NH, bh % NH
-    rl = tl.program_id(0) * BL + tl.arange(0, BL)
+    rl = tl.program_id(0).to(tl.int64) * BL + tl.arange(0, BL)
     rd = tl.arange(0, D)
     sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
     q, k, v, cs, sn, m = _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl)
