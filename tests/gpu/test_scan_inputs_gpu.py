@@ -50,13 +50,14 @@ def test_kernels_match_reference_at_full_size():
 
 
 def test_kernels_address_past_2_31_elements():
-    """At 63 s a token's q/k/v row starts past element 2^31 (351,168 x 3 x 48 x 64): the kernels use 64-bit
-    offsets. Every token's glue is its own, so the last tokens of a 240,000-token call are checked against the
-    reference run on those tokens alone, forward and the q/k/v gradient."""
+    """At 63 s a token's q/k/v row starts past element 2^31 (351,168 x 3 x 48 x 64), and so does the output's v
+    (2 x 48 x 351,232 x 64): the kernels use 64-bit offsets. Every token's glue is its own, so the last tokens of a
+    360,000-token call are checked against the reference run on those tokens alone, forward and the q/k/v
+    gradient."""
     from tttvideo.ttt.scan_inputs import prepare_scan_inputs, scan_inputs
 
-    L, tail, dev = 240_000, 512, torch.device("cuda")
-    assert L * 3 * 48 * 64 > 2**31
+    L, tail, dev = 360_000, 512, torch.device("cuda")
+    assert 2 * 48 * L * 64 > 2**31
     gen = torch.Generator(device="cuda").manual_seed(1)
     qkv = torch.randn(1, L, 3, 48, 64, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
     angle = torch.randn(L, 1, 64, device=dev, generator=gen)

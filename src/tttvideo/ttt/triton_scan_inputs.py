@@ -87,6 +87,7 @@ def _scan_inputs_fwd_kernel(
     v = nw * y + nb + k
     # padding rows (L <= token < LP) are written as zeros
     dst = OUT + bh * LP * D + rl[:, None] * D + rd[None, :]
+    s_out = s_out.to(tl.int64)  # 2 x [B, H, L + pad, D] passes 2^31 at 63 s
     keep = (rl < LP)[:, None] & (rd >= 0)[None, :]
     ty = OUT.dtype.element_ty
     tl.store(dst, tl.where(m, q, 0.0).to(ty), mask=keep)
@@ -117,6 +118,7 @@ def _scan_inputs_bwd_kernel(
     sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
     q, k, v, cs, sn, m = _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl)
     src = G + bh * LP * D + rl[:, None] * D + rd[None, :]
+    s_g = s_g.to(tl.int64)
     gq = tl.load(src, mask=m, other=0.0).to(tl.float32)
     gk = tl.load(src + s_g, mask=m, other=0.0).to(tl.float32)
     gv = tl.load(src + 2 * s_g, mask=m, other=0.0).to(tl.float32)
