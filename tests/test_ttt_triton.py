@@ -173,6 +173,25 @@ def _interpreter_main() -> None:
             errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
         results.append({"case": list(c), "errors": errors, "fault": fault,
                         "warps": {k: sorted(v) for k, v in warps.items()}})
+    # a call past the kernels' 32-bit addressing runs over groups of heads (ops.by_head_groups): lower the limit
+    # so that this two-head case splits into two calls
+    from tttvideo.ttt import triton_linear, triton_mlp
+
+    calls = []
+    for module, name in ((triton_mlp, "mlp_forward"), (triton_linear, "linear_forward")):
+        def counted(*a, _fn=getattr(module, name), **kw):
+            calls.append(a[0].shape[1])  # heads of the call
+            return _fn(*a, **kw)
+        setattr(module, name, counted)
+    ops.MAX_KERNEL_ELEMENTS = 2 * 64 * 16  # B x L x D of one head: one head per call
+    for kind in ("mlp", "linear"):
+        calls.clear()
+        c = (kind, 2, 2, 16, 16, 4, 2)
+        try:
+            errors, fault = _errors(*c, seed + 99), None
+        except Exception as e:
+            errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
+        results.append({"case": list(c), "errors": errors, "fault": fault, "warps": {}, "calls": list(calls)})
     print("RESULTS " + json.dumps(results))
 
 
@@ -231,6 +250,18 @@ def test_mlp_minibatch_64_small_head_dim(interpreter_results, index):
     assert set(res["warps"]) == {"forward/recompute", "output path", "reverse", "d K"}, res["warps"]
     too_many = {k: v for k, v in res["warps"].items() if max(v) > 4}
     assert not too_many, f"case {case}: kernels launched with more than 4 warps at M=64, D={case[3]}: {too_many}"
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_call_past_32_bit_addressing_runs_by_head_groups(interpreter_results, kind):
+    """A scan whose q/k/v pass the kernels' 2^31-element limit (B = 2 at 63 s) runs as one kernel call per group of
+    heads (limit lowered to one head's elements here): two calls of one head, and the result is the reference's."""
+    seed, results = interpreter_results
+    res = results[len(CASES) + len(M64_CASES) + (kind == "linear")]
+    assert res["fault"] is None, f"seed {seed}: {res['fault']}"
+    bad = {k: v for k, v in res["errors"].items() if not v <= TOL}
+    assert res["errors"] and not bad, f"seed {seed}, {kind}: relative errors over {TOL}: {bad}"
+    assert res["calls"] == [1, 1], res["calls"]
 
 
 def test_backward_schedule_refuses_a_dependency_not_issued():

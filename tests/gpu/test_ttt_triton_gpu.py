@@ -53,6 +53,22 @@ if pytest is not None:
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"TTT-MLP split {split}: relative errors over {TOL}: {bad}"
 
+    def test_mlp_past_32_bit_addressing_equals_per_sample_calls():
+        # B = 2 at 63 s: q/k/v hold more than 2^31 elements, past the kernels' 32-bit offsets, so ops runs the call
+        # over groups of heads; each sample run alone (under the limit) must give the same output, bit for bit
+        from tttvideo.ttt import ops
+        from tttvideo.ttt.testing import make_inputs
+
+        L = 64 * 5488  # 63 s, padded to the mini-batch
+        ins = [t.detach() for t in make_inputs("mlp", 2, 48, L, 64, 64, seed=0)]
+        assert ins[0].numel() > 2**31
+        with torch.no_grad():
+            both = ops.ttt_mlp(*ins, mini_batch_size=64, checkpoint_group_size=16, backend="triton")
+            for b in range(2):
+                one = ops.ttt_mlp(*(t[b:b + 1] for t in ins[:4]), *ins[4:], mini_batch_size=64,
+                                  checkpoint_group_size=16, backend="triton")
+                assert torch.equal(both[b:b + 1], one), f"sample {b}"
+
 
 if __name__ == "__main__":
     for kind in ("mlp", "linear"):

@@ -22,6 +22,9 @@ BACKENDS = ("auto", "triton", "reference")
 KERNEL_HEAD_DIMS = (16, 32, 64)
 KERNEL_MINI_BATCHES = (16, 32, 64)
 KERNEL_MAX_HIDDEN = 256
+# The kernels address q/k/v, the output and their gradients ([B, H, L, D] each) with 32-bit offsets: a call of more
+# elements runs as several calls over groups of heads, whose scans are independent (B = 2 at 63 s is past it).
+MAX_KERNEL_ELEMENTS = 2**31  # offsets up to 2^31 - 1
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -32,8 +35,8 @@ def ttt_mlp(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size: int,
     if _use_triton("mlp", backend, q, w1.shape[-1], mini_batch_size):
         from tttvideo.ttt.triton_mlp import TTTMLPFunction
 
-        return TTTMLPFunction.apply(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size,
-                                    checkpoint_group_size)
+        return by_head_groups(lambda *t: TTTMLPFunction.apply(*t, mini_batch_size, checkpoint_group_size),
+                              q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2)
     return ttt_mlp_reference(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size)
 
 
@@ -42,8 +45,24 @@ def ttt_linear(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size: int,
     if _use_triton("linear", backend, q, w1.shape[-1], mini_batch_size):
         from tttvideo.ttt.triton_linear import TTTLinearFunction
 
-        return TTTLinearFunction.apply(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size, checkpoint_group_size)
+        return by_head_groups(lambda *t: TTTLinearFunction.apply(*t, mini_batch_size, checkpoint_group_size),
+                              q, k, v, eta, norm_w, norm_b, w1, b1)
     return ttt_linear_reference(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size, checkpoint_group_size)
+
+
+def by_head_groups(scan, q, k, v, eta, *per_head):
+    """scan(q, k, v, eta, *per_head) over groups of heads of at most MAX_KERNEL_ELEMENTS elements of q each,
+    concatenated over heads (one call where the whole fits). per_head: the tensors indexed by head first (ttt_norm
+    weight and bias, the inner weights)."""
+    B, H, L, D = q.shape
+    heads = MAX_KERNEL_ELEMENTS // (B * L * D)
+    if heads >= H:
+        return scan(q, k, v, eta, *per_head)
+    if heads == 0:
+        raise ValueError(f"TTT scan of {B} x {L} tokens is over the kernels' 2^31-element limit for one head; "
+                         f"split the batch")
+    return torch.cat([scan(q[:, g], k[:, g], v[:, g], eta[:, g], *(t[g] for t in per_head))
+                      for g in (slice(h, h + heads) for h in range(0, H, heads))], dim=1)
 
 
 def uncovered_reason(kind: str, q: torch.Tensor, hidden: int, mini_batch_size: int) -> str | None:
