@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.trace import kernel_kind
+from tttvideo.memory.trace import is_kernel, kernel_kind
 from tttvideo.models.fp8_storage import quantize_rows
 from tttvideo.models.presets import get_preset
 
@@ -150,7 +150,7 @@ def kernel_time_by_kind(fn: Callable[[], Any]) -> dict[str, float]:
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
     for a in prof.key_averages():
-        if getattr(a.device_type, "name", "") == "CUDA" and a.self_device_time_total > 0:
+        if is_kernel(a) and a.self_device_time_total > 0:
             kind = kernel_kind(a.key)
             totals[kind] = totals.get(kind, 0.0) + a.self_device_time_total / 1e3
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))

@@ -228,7 +228,7 @@ def test_trace_sums_device_time_by_kind_of_kernel(tmp_path):
     from tttvideo.memory.trace import OTHER_KIND, kernel_kind, top_operators, write_top
 
     kernels = {
-        "_mlp_fwd_kernel": 4.0, "_reverse_kernel": 3.0,
+        "_mlp_fwd_kernel": 4.0, "_reverse_kernel": 3.0, "_scan_inputs_fwd_kernel": 0.5,
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": 2.0,
         "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": 1.0,
         "nvjet_tst_192x192_64x3_2x1_v_bz_coopB_NNT": 2.5, "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n": 0.5,
@@ -252,7 +252,7 @@ def test_trace_sums_device_time_by_kind_of_kernel(tmp_path):
                                     self_cpu_time_total=0.0, self_device_memory_usage=0, device_type=DeviceType.CUDA))
     top = top_operators(averages, on_cuda=True)
     kinds = {k["kind"]: k["self_time_ms"] for k in top["by_kind"]}
-    assert kinds == pytest.approx({"TTT scan (Triton)": 7.0, "attention": 3.0, "matrix products": 3.0,
+    assert kinds == pytest.approx({"TTT scan (Triton)": 7.0, "TTT glue (Triton)": 0.5, "attention": 3.0, "matrix products": 3.0,
                                    "compiled glue (Inductor)": 0.7, "norms": 0.4,
                                    "copies, gathers, concatenation": 0.3, "collectives (NCCL)": 0.6,
                                    OTHER_KIND: 0.2})
@@ -261,6 +261,6 @@ def test_trace_sums_device_time_by_kind_of_kernel(tmp_path):
     assert kernel_kind("fmha_cutlassF_bf16") == "attention"  # attention before the cutlass GEMMs
     write_top(top, tmp_path)
     md = (tmp_path / "trace_top.md").read_text()
-    assert md.index("Device time by kind of kernel (15.2 ms in all)") < md.index("## by own device time")
-    assert "| TTT scan (Triton) | 7.0 | 46.1 % |" in md
+    assert md.index("Device time by kind of kernel (15.7 ms in all)") < md.index("## by own device time")
+    assert "| TTT scan (Triton) | 7.0 | 44.6 % |" in md
     assert top_operators(averages, on_cuda=False)["by_kind"] == []

@@ -33,7 +33,7 @@ def _is_operator(key: str) -> bool:
     return not (".py(" in key or key.startswith(("<built-in", "ProfilerStep")))
 
 
-def _is_kernel(average: Any) -> bool:
+def is_kernel(average: Any) -> bool:
     """A device-side event (a kernel, a copy, a memset), not the CPU-side operator that launched it, nor a range
     annotated on the device's timeline: torch.compile's "## Call CompiledFxGraph ... ##" and the range of each
     Triton kernel it launches (named as the kernel) span kernels that are rows of their own."""
@@ -47,6 +47,7 @@ def _is_kernel(average: Any) -> bool:
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("TTT scan (Triton)", ("_mlp_fwd_kernel", "_reverse_kernel", "_output_path_kernel", "_dk_kernel",
                            "_linear_fwd_kernel", "_linear_bwd_kernel")),
+    ("TTT glue (Triton)", ("_scan_inputs_fwd_kernel", "_scan_inputs_bwd_kernel")),
     ("collectives (NCCL)", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa")),
     ("matrix products", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "wgmma")),
@@ -84,7 +85,7 @@ def top_operators(averages: Any, on_cuda: bool, top: int = TOP) -> dict[str, Any
             continue
         device_us = getattr(a, "self_device_time_total", None) if on_cuda else None
         memory = getattr(a, "self_device_memory_usage", 0) if on_cuda else getattr(a, "self_cpu_memory_usage", 0)
-        rows.append({"operator": a.key, "calls": int(a.count), "kernel": _is_kernel(a),
+        rows.append({"operator": a.key, "calls": int(a.count), "kernel": is_kernel(a),
                      "self_time_ms": (device_us if device_us is not None else a.self_cpu_time_total) / 1e3,
                      "self_memory_bytes": int(memory or 0)})
     by_time = sorted(rows, key=lambda r: r["self_time_ms"], reverse=True)[:top]
