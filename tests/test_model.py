@@ -251,6 +251,20 @@ def test_selective_checkpointing_keeps_what_it_names_and_the_gradients():
         resolve_policy(CheckpointingConfig(keep=["attention"], layers=[CheckpointRule(layers="0", block=True)]), 3)
 
 
+def test_keeping_matmul_keeps_the_backbones_products_only():
+    """keep = ["matmul"] saves the backbone's products (6 linears and 2 adaLN per block) and recomputes the TTT
+    layer's (its projections and the scan's products): the backward runs every product of full recomputation but
+    those 2 x 8; the gradients are those of full recomputation."""
+    model = model_of(layers=2)
+    apply_adapter(model, "sft")
+    args = inputs(2)
+    full, counted = backward_counts(model, args, ())
+    kept, counter = backward_counts(model, args, ("matmul",))
+    assert counter.of("matmul") == counted.of("matmul") - 2 * 8
+    for name in full:
+        torch.testing.assert_close(kept[name], full[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_selective_checkpointing_nests_with_the_ttt_checkpoints():
     """keep on checkpointed blocks whose TTT passes (and the scan) are checkpointed inside: same gradients."""
     model = model_of(layers=2)

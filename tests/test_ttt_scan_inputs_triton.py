@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -69,18 +68,9 @@ def _interpreter_main() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    seed = int(torch.randint(0, 2**30, ()).item())
-    env = dict(os.environ, TRITON_INTERPRET="1", TTT_TRITON_POISON="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", f"import tests.test_ttt_scan_inputs_triton as t, sys; sys.argv = ['x', '{seed}']; "
-                               "t._interpreter_main()"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed (seed {seed}):\n{proc.stdout}\n{proc.stderr}"
-    return seed, json.loads(lines[-1][len("RESULTS "):])
+    from tests.test_ttt_triton import run_in_interpreter
+
+    return run_in_interpreter("tests.test_ttt_scan_inputs_triton", timeout=300)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"B{c[0]}L{c[1]}H{c[2]}D{c[3]}p{c[4]}-{c[5]}" for c in CASES])

@@ -195,20 +195,25 @@ def _interpreter_main() -> None:
     print("RESULTS " + json.dumps(results))
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
+def run_in_interpreter(module: str, timeout: float = 600) -> tuple[int, list]:
+    """(seed, results) of `module._interpreter_main()` run with a fresh seed in a subprocess with TRITON_INTERPRET=1
+    and TTT_TRITON_POISON=1; it prints its results as one line "RESULTS <json>"."""
     pytest.importorskip("triton")
     seed = int(torch.randint(0, 2**30, ()).item())
     env = dict(os.environ, TRITON_INTERPRET="1", TTT_TRITON_POISON="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-c", f"import tests.test_ttt_triton as t, sys; sys.argv = ['x', '{seed}']; "
-                               "t._interpreter_main()"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", f"import {module} as t, sys; sys.argv = ['x', '{seed}']; t._interpreter_main()"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"interpreter run failed (seed {seed}):\n{proc.stdout}\n{proc.stderr}"
     return seed, json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return run_in_interpreter("tests.test_ttt_triton")
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c[0]}-B{c[1]}H{c[2]}D{c[3]}n{c[5]}g{c[6]}" for c in CASES])

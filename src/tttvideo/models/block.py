@@ -26,7 +26,7 @@ from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import LocalAttention
 from tttvideo.models import chunked_inference
-from tttvideo.models.checkpointing import maybe_checkpoint
+from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
 from tttvideo.models.presets import ModelSpec
 from tttvideo.sequence.build import sequence_layer
 
@@ -145,6 +145,7 @@ class Block(nn.Module):
         a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout, T, sp,
                                            keep=self.checkpoint_keep)
         if self.ttt is not None:
-            a = self.ttt(a, layout, sp)
+            with long_range_layer():
+                a = self.ttt(a, layout, sp)
         x = compiled_on_cuda(gated_add, x, self.compile_glue)(x, a, T, t_gate, gate)
         return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, T, keep=self.checkpoint_keep)

@@ -11,11 +11,15 @@ torch.utils.checkpoint non-reentrant, so it nests with itself and with the TTT s
 `create_selective_checkpoint_contexts`): the outputs of the named kinds of operator (SDPA, matrix products) are
 saved in forward and reused by the recompute, everything else is recomputed. Attention is the recompute that costs
 most per byte kept: at 3 s its output is 0.11 GiB a layer for the 5B and its kernels more than half the backbone's
-forward time.
+forward time. "matmul" keeps the backbone's products only (attention projections, MLP, adaLN): inside the long-range
+layer (`long_range_layer`) they are recomputed, since the TTT layer's eight projections per block and its scan's
+products would double what is kept (with them, the 5B's 3-s step does not fit 80 GB).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import re
 from dataclasses import dataclass
@@ -45,13 +49,33 @@ KEPT_OPS: dict[str, frozenset[Any]] = {
 }
 
 
+# set while the block runs its long-range layer: the forward and the recompute both run it, so the policy below
+# decides the same way in both, as selective checkpointing requires
+_IN_LONG_RANGE_LAYER = contextvars.ContextVar("in_long_range_layer", default=False)
+
+
+@contextlib.contextmanager
+def long_range_layer() -> Any:
+    """Marks the operators run inside as the long-range layer's: `keep = ["matmul"]` does not save their products."""
+    token = _IN_LONG_RANGE_LAYER.set(True)
+    try:
+        yield
+    finally:
+        _IN_LONG_RANGE_LAYER.reset(token)
+
+
 @functools.lru_cache(maxsize=None)
 def _selective(keep: tuple[str, ...]) -> Callable[[], Any]:
-    """The `context_fn` of torch.utils.checkpoint that saves the outputs of `keep`'s operators."""
+    """The `context_fn` of torch.utils.checkpoint that saves the outputs of `keep`'s operators (matrix products
+    only outside the long-range layer)."""
     saved = frozenset().union(*(KEPT_OPS[k] for k in keep))
+    backbone_only = KEPT_OPS["matmul"]
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op.overloadpacket in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        packet = op.overloadpacket
+        if packet in saved and not (packet in backbone_only and _IN_LONG_RANGE_LAYER.get()):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
 

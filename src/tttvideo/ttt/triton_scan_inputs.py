@@ -47,8 +47,15 @@ def _rope_t(g, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl):
-    """q, k, v rows of tokens rl of (batch b, head h) in fp32 (zeros past L), and cos / sin of those tokens."""
+def _program_rows(QKV, COS, SIN, L, NH, s_b, s_l, s_i, s_h, s_cl, D: tl.constexpr, BL: tl.constexpr):
+    """This program's (batch b, head h, their index bh), tokens rl, columns rd and RoPE signs; the q, k, v rows of
+    those tokens in fp32 (zeros past L), their cos / sin, and the mask of tokens before L. Offsets are 64-bit: at
+    63 s a token's row (351,168 x 3 x 3,072) starts past element 2^31."""
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // NH, bh % NH
+    rl = tl.program_id(0).to(tl.int64) * BL + tl.arange(0, BL)
+    rd = tl.arange(0, D)
+    sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
     m = (rl < L)[:, None] & (rd >= 0)[None, :]
     base = QKV + b * s_b + rl[:, None] * s_l + h * s_h + rd[None, :]
     q = tl.load(base, mask=m, other=0.0).to(tl.float32)
@@ -56,7 +63,7 @@ def _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl):
     v = tl.load(base + 2 * s_i, mask=m, other=0.0).to(tl.float32)
     cs = tl.load(COS + rl[:, None] * s_cl + rd[None, :], mask=m, other=0.0).to(tl.float32)
     sn = tl.load(SIN + rl[:, None] * s_cl + rd[None, :], mask=m, other=0.0).to(tl.float32)
-    return q, k, v, cs, sn, m
+    return b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m
 
 
 @triton.jit
@@ -72,13 +79,7 @@ def _scan_inputs_fwd_kernel(
     QKV, COS, SIN, NW, NB, OUT, L, LP, NH, s_b, s_l, s_i, s_h, s_cl, s_out,
     D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
 ):
-    # 64-bit offsets: at 63 s a token's row offset (351,168 x 3 x 3,072) passes 2^31
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // NH, bh % NH
-    rl = tl.program_id(0).to(tl.int64) * BL + tl.arange(0, BL)
-    rd = tl.arange(0, D)
-    sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
-    q, k, v, cs, sn, m = _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl)
+    b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, s_b, s_l, s_i, s_h, s_cl, D, BL)
     q = _rope(q / tl.maximum(tl.sqrt(tl.sum(q * q, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
     k = _rope(k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
     _c, _std, y = _target_stats(v - k, D, EPS)
@@ -110,13 +111,7 @@ def _scan_inputs_bwd_kernel(
     G, QKV, COS, SIN, NW, DQKV, DNW, DNB, L, LP, NH, NBH, s_b, s_l, s_i, s_h, s_cl, s_g,
     D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
 ):
-    # 64-bit offsets: at 63 s a token's row offset (351,168 x 3 x 3,072) passes 2^31
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // NH, bh % NH
-    rl = tl.program_id(0).to(tl.int64) * BL + tl.arange(0, BL)
-    rd = tl.arange(0, D)
-    sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
-    q, k, v, cs, sn, m = _rows(QKV, COS, SIN, b, h, rl, rd, L, s_b, s_l, s_i, s_h, s_cl)
+    b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, s_b, s_l, s_i, s_h, s_cl, D, BL)
     src = G + bh * LP * D + rl[:, None] * D + rd[None, :]
     s_g = s_g.to(tl.int64)
     gq = tl.load(src, mask=m, other=0.0).to(tl.float32)
