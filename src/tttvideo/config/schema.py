@@ -242,7 +242,8 @@ class CheckpointSwitches:
     keep: list[str] = listed(list, choices=("attention", "matmul"), help=(
         "outputs a checkpointed block (or its checkpointed attention / MLP half) saves instead of recomputing in "
         "backward (selective checkpointing): 'attention' the SDPA outputs (the costliest recompute; at 3 s about "
-        "0.11 GiB a layer for the 5B), 'matmul' every matrix product's output (about 1 GiB a layer at 3 s); the "
+        "0.11 GiB a layer for the 5B), 'matmul' the backbone's matrix products' outputs (about 1 GiB a layer at "
+        "3 s; the long-range layer's are recomputed); the "
         "rest of the region is still recomputed"))
 
 
