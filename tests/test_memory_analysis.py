@@ -252,8 +252,8 @@ def test_trace_sums_device_time_by_kind_of_kernel(tmp_path):
                                     self_cpu_time_total=0.0, self_device_memory_usage=0, device_type=DeviceType.CUDA))
     top = top_operators(averages, on_cuda=True)
     kinds = {k["kind"]: k["self_time_ms"] for k in top["by_kind"]}
-    assert kinds == pytest.approx({"TTT scan (Triton)": 7.0, "TTT glue (Triton)": 0.5, "attention": 3.0, "matrix products": 3.0,
-                                   "compiled glue (Inductor)": 0.7, "norms": 0.4,
+    assert kinds == pytest.approx({"TTT scan (Triton)": 7.0, "TTT glue (Triton)": 0.5, "attention": 3.0,
+                                   "matrix products": 3.0, "compiled glue (Inductor)": 0.7, "norms": 0.4,
                                    "copies, gathers, concatenation": 0.3, "collectives (NCCL)": 0.6,
                                    OTHER_KIND: 0.2})
     assert [k["kind"] for k in top["by_kind"]][0] == "TTT scan (Triton)"

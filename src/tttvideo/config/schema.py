@@ -81,8 +81,8 @@ class TTTConfig:
     mini_batch_size: int = bounded(64, 1, 4096, help="64 for MLP, 16 for Linear in the original")
     base_lr: float = bounded(0.1, 0.0, help="inner learning rate scale: 0.1 (MLP), 1.0 (Linear)")
     scan_checkpoint_group_size: int = bounded(16, 0, help="mini-batches per scan checkpoint; 0 = no checkpointing")
-    backend: str = choice("auto", "auto", "triton", "reference", help="the scan and the glue before it: auto = Triton on "
-                                                                      "CUDA, the PyTorch reference elsewhere")
+    backend: str = choice("auto", "auto", "triton", "reference",
+                          help="the scan and the glue before it: auto = Triton on CUDA, the reference elsewhere")
     gate_init: float = bounded(0.1, help="initial value of the tanh gates")
     rope_theta: float = bounded(10000.0, 1.0)
     compile_glue: bool = field(default=True, metadata={

@@ -67,7 +67,8 @@ class GatedRecurrentPass(nn.Module):
         layout.check_sequence_length(L)
         scan_order, residual_order = scan_permutations(layout, x.device, reverse)
         H, D = self.num_heads, self.head_dim
-        z, streams, scalars = self.in_proj(gather_tokens(x, scan_order)).split([C, 3 * C, self.head_scalars * H], dim=-1)
+        z, streams, scalars = self.in_proj(gather_tokens(x, scan_order)).split([C, 3 * C, self.head_scalars * H],
+                                                                               dim=-1)
         a, b, c = self.conv(streams).unflatten(-1, (3, H, D)).unbind(2)
         out = self.out_proj(self.norm(self.mix(a, b, c, scalars), z.unflatten(-1, (H, D))))
         return gather_tokens(out, residual_order)

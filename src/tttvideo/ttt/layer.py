@@ -172,15 +172,15 @@ class TTTLayer(nn.Module):
         L = qkv.shape[1]
         pad = layout.ttt_padding
         heads = slice(None) if heads is None else heads
-        q, k, v = prepare_scan_inputs(qkv, cos, sin, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads], pad, dtype,
-                                      self.backend, self.compile_glue)
+        q, k, v = prepare_scan_inputs(qkv, cos, sin, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads], pad,
+                                      dtype, self.backend, self.compile_glue)
         eta = F.pad(eta.transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
         return self.scan(q, k, v, eta, layout, heads)[:, :, :L].transpose(1, 2)
 
     def scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, layout: VideoLayout,
              heads: slice = slice(None)) -> torch.Tensor:
-        """The scan alone on prepared inputs (`scan_inputs.scan_inputs`): q/k/v [B, h, L + pad, D], eta [B, h, L + pad] with
-        zeros on the padding -> [B, h, L + pad, D], with the inner weights of `heads`."""
+        """The scan alone on prepared inputs (`scan_inputs.scan_inputs`): q/k/v [B, h, L + pad, D], eta
+        [B, h, L + pad] with zeros on the padding -> [B, h, L + pad, D], with the inner weights of `heads`."""
         scan = ops.ttt_mlp if self.kind == "mlp" else ops.ttt_linear
         return scan(
             q, k, v, eta, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads],
