@@ -3,7 +3,9 @@ against the PyTorch reference (`tttvideo.ttt.scan_inputs.scan_inputs`), forward 
 Triton interpreter (switched on before triton is imported, so the comparison runs in a subprocess with
 TRITON_INTERPRET=1, TTT_TRITON_POISON=1 and every memory access bounds-checked: tests/test_ttt_triton.py).
 
-Fresh random inputs each run (the seed is in the failure message). fp32 inputs: the kernels compute in fp32 like
+Also the whole bidirectional TTT layer with backend "triton" (these kernels and the scan's) against backend
+"reference", through the layer's gathers, padding and gates. Fresh random inputs each run (the seed is in the
+failure message). fp32 inputs: the kernels compute in fp32 like
 the reference, in a different order, so they agree to ~1e-7; the bound is 1e-5 relative (||a-b|| / ||b||). bf16
 inputs and outputs: 1e-2 (one bf16 rounding is 4e-3).
 """
@@ -50,6 +52,29 @@ def _case(B, L, H, D, pad, dtype, seed):
     return {n: float((a.float() - b).norm() / b.norm()) for n, a, b in zip(NAMES, got, want)}, padding_zero
 
 
+def _layer_case(seed):
+    """The bidirectional TTT layer (TTT-MLP, batch 2, fp32) with backend "triton" (these kernels and the scan's)
+    against backend "reference": relative errors of the output and of the gradients of the input and every
+    parameter."""
+    from tttvideo.config.schema import TTTConfig
+    from tttvideo.layout import VideoLayout
+    from tttvideo.ttt.layer import BidirectionalTTT
+
+    lay = VideoLayout.create("3s", height=32, width=48, text_tokens=5, mini_batch_size=16)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, lay.total_tokens, 32, generator=g)
+    w = torch.randn(2, lay.total_tokens, 32, generator=g)
+    results = []
+    for backend in ("triton", "reference"):
+        torch.manual_seed(seed)
+        layer = BidirectionalTTT(32, 2, TTTConfig(kind="mlp", scan_checkpoint_group_size=0, backend=backend))
+        xi = x.clone().requires_grad_()
+        out = layer(xi, lay)
+        params = [p for _, p in sorted(layer.named_parameters())]
+        results.append([out, *torch.autograd.grad((out * w).sum(), [xi, *params])])
+    return {f"layer {i}": float((a - b).norm() / b.norm()) for i, (a, b) in enumerate(zip(*results)) if b.norm() > 0}
+
+
 def _interpreter_main() -> None:
     """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
     from tests.test_ttt_triton import _install_bounds_check
@@ -63,6 +88,11 @@ def _interpreter_main() -> None:
         except Exception as e:  # an out-of-bounds access is this case's result
             errors, padding_zero, fault = {}, False, f"{type(e).__name__}: {e}"[:2000]
         results.append({"errors": errors, "padding_zero": padding_zero, "fault": fault})
+    try:
+        errors, fault = _layer_case(seed + 50), None
+    except Exception as e:
+        errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
+    results.append({"errors": errors, "fault": fault})
     print("RESULTS " + json.dumps(results))
 
 
@@ -82,6 +112,16 @@ def test_kernels_match_reference(interpreter_results, index):
     bad = {n: e for n, e in r["errors"].items() if not e <= bound}  # NaN fails too
     assert not bad, f"seed {seed}, case {CASES[index]}: relative errors over {bound}: {bad}"
     assert r["padding_zero"], f"seed {seed}, case {CASES[index]}: padding rows are not zero"
+
+
+def test_layer_with_the_kernels_matches_the_reference(interpreter_results):
+    """The whole TTT layer, glue and scan in the kernels, against the PyTorch reference (fp32, bound 1e-4 relative,
+    tests/test_ttt_triton.py's bound for the scan)."""
+    seed, results = interpreter_results
+    r = results[len(CASES)]
+    assert r["fault"] is None, f"seed {seed}: {r['fault']}"
+    bad = {n: e for n, e in r["errors"].items() if not e <= 1e-4}
+    assert len(r["errors"]) > 10 and not bad, f"seed {seed}: relative errors over 1e-4: {bad}"
 
 
 def test_dispatch():
