@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import platform
+from unittest import mock
 
 import torch
 from ttt_kernel import bench, git_commit  # this script's folder: benchmarks/ttt_kernel.py
@@ -47,9 +48,9 @@ def main() -> None:
     def scan_order(glue):
         def run(x, lay):
             layer.compile_glue = glue == "compiled"
-            with contextlib.ExitStack() as stack:
-                if glue != "triton":  # the reference glue although the kernels could run
-                    stack.enter_context(swapped(scan_inputs, "use_kernel", lambda qkv, backend: False))
+            # the reference glue although the kernels could run
+            reference = mock.patch.object(scan_inputs, "use_kernel", lambda qkv, backend: False)
+            with contextlib.nullcontext() if glue == "triton" else reference:
                 return layer(x, lay)
         return run
 
@@ -94,17 +95,6 @@ def main() -> None:
         fb = f"{r['forward_backward_ms']:.2f}" if "forward_backward_ms" in r else "-"
         print(f"{r['duration']:>8} {r['batch']:>5} {r['variant']:>20} {r['forward_ms']:9.2f} {fb:>11} "
               f"{r['forward_peak_gib']:9.2f} {r['rel_err_vs_plain']:9.2e}")
-
-
-@contextlib.contextmanager
-def swapped(module, name, value):
-    """module.name = value inside the block."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 if __name__ == "__main__":

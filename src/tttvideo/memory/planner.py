@@ -2,8 +2,8 @@
 the fastest that fits.
 
 A candidate is the config plus a few switches (`Candidate.overrides`, dotted keys as `--set` takes them):
-- training: activation checkpointing (whole blocks, whole blocks keeping the attention outputs or those and every
-  matrix product's, or blocks and their four parts), activation offload to host
+- training: activation checkpointing (whole blocks, whole blocks keeping the attention outputs or those and the
+  backbone's matrix products', or blocks and their four parts), activation offload to host
   memory, fp8 storage of the frozen weights (not with `sft`, which freezes none) resident or streamed from host
   memory (one GPU), AdamW or 8-bit AdamW, and on several GPUs the sequence-parallel degree (the rest FSDP2 sharding);
 - sampling: the plain forward with guidance batched or in two passes, the chunked forward with 1, 2 or 4 TTT head
@@ -46,7 +46,7 @@ _BLOCK = {"checkpointing.block": True, "checkpointing.group_size": 1, "checkpoin
           "checkpointing.layers": [], "checkpointing.keep": []}
 CHECKPOINTING = {
     "block": _BLOCK,
-    # selective: the block's recompute skips attention (and every matrix product), whose outputs stay
+    # selective: the block's recompute skips attention (and the backbone's matrix products), whose outputs stay
     "block, keeping attention": {**_BLOCK, "checkpointing.keep": ["attention"]},
     "block, keeping attention and matmul": {**_BLOCK, "checkpointing.keep": ["attention", "matmul"]},
     "sub-block": {**_BLOCK, "checkpointing.attention": True, "checkpointing.forward_ttt": True,
