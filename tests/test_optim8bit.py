@@ -105,3 +105,34 @@ def test_missing_torchao_is_one_sentence(monkeypatch):
         optim.adamw8bit_class.cache_clear()
     msg = str(info.value)
     assert "train.optimizer" in msg and "pip install" in msg and "\n" not in msg
+
+
+def test_compiled_update_traces_bf16_fsdp2_state(tmp_path):
+    """FSDP2 with bf16 parameters: the state torchao's compiled update receives must fakeify. With the parameter's
+    dtype as the state's appearance, DTensor.from_local's view answered float32 over a bf16 base and tracing
+    failed ("OptimState8bit ... aten.view.dtype"; seen on two GPUs after forward and backward). The eager backend
+    traces with dynamo like the GPU path, without a C++ build."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchao.optim.adam import single_param_adam
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(256, 256).to(torch.bfloat16)
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        layer(torch.randn(4, 256, dtype=torch.bfloat16)).square().mean().backward()
+        opt = build_optimizer(layer, config("adamw8bit"))
+        p = layer.weight
+        exp_avg, exp_avg_sq = opt._new_buffer(p, True), opt._new_buffer(p, False)
+        assert isinstance(exp_avg.to_local(), OptimState8bit)
+        before = p.detach().to_local().clone()
+        torch._dynamo.reset()
+        update = torch.compile(single_param_adam, backend="eager", fullgraph=True)
+        update(p.detach(), p.grad, torch.tensor(1.0), exp_avg, exp_avg_sq, None, torch.tensor(1e-2), 0.9, 0.95,
+               0.0, 1e-8, True, False)
+        assert not torch.equal(p.detach().to_local(), before)  # the update ran and moved the weights
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

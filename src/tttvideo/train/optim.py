@@ -95,11 +95,21 @@ def adamw8bit_class() -> type[torch.optim.Optimizer]:
     try:
         from torchao.optim import AdamW8bit
         from torchao.optim.adam import single_param_adam
+        from torchao.optim.subclass_8bit import OptimState8bit
     except ImportError:
         raise ConfigError("train.optimizer = 'adamw8bit' needs torchao: run pip install 'tttvideo[memory]' (or "
                           "pip install torchao), or set train.optimizer = 'adamw'") from None
 
     class FloatLrAdamW8bit(AdamW8bit):
+        @staticmethod
+        def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int) -> torch.Tensor:
+            # The 8-bit state's dtype is only its appearance (codes are uint8, scales fp32). torchao gives it the
+            # parameter's dtype, but its view op (which DTensor.from_local applies under FSDP2) forgets it and
+            # answers float32, so a bf16 parameter's state became a float32 view of a bf16 base; the compiled
+            # update then fakeified it with base.view(float32), an op the state lacks ("OptimState8bit has no
+            # aten.view.dtype"). A float32 appearance throughout keeps base and view alike.
+            return OptimState8bit.zeros(p.shape, signed, block_size, p.device)
+
         def add_param_group(self, param_group: dict[str, Any]) -> None:
             lr = param_group.get("lr", self.defaults["lr"])
             super().add_param_group(param_group)
