@@ -57,7 +57,7 @@ class SequenceParallel:
 
     def unshard(self, x: torch.Tensor, layout: VideoLayout) -> torch.Tensor:
         """This rank's [B, L / sp, ...] -> the whole [B, L, ...] on every rank, padding dropped."""
-        full = _all_gather(x.contiguous(), gather_dim=1, group=self.group)
+        full = _waited(_all_gather(x.contiguous(), gather_dim=1, group=self.group))
         return full[:, :layout.total_tokens]
 
     # ------------------------------------------------------------------ the two all-to-alls
@@ -65,7 +65,7 @@ class SequenceParallel:
         """[B, L / sp, ..., H, ...] -> [B, L, ..., H / sp, ...]: the whole sequence for this rank's heads."""
         # [sp, B, L / sp, ..., H / sp, ...]: chunk j goes to rank j
         send = t.unflatten(head_axis, (self.size, -1)).movedim(head_axis, 0).contiguous()
-        got = funcol.all_to_all_single_autograd(send, None, None, self.group)
+        got = _waited(funcol.all_to_all_single_autograd(send, None, None, self.group))
         # got[j] is rank j's token shard: concatenated in rank order they are the padded sequence
         return got.movedim(0, 1).flatten(1, 2)[:, :layout.total_tokens]
 
@@ -73,7 +73,7 @@ class SequenceParallel:
         """[B, L, ..., H / sp, ...] -> [B, L / sp, ..., H, ...], the inverse of `to_head_shards`."""
         t = _pad_sequence(t, layout.sp_padding(self.size))
         send = t.unflatten(1, (self.size, -1)).movedim(1, 0).contiguous()
-        got = funcol.all_to_all_single_autograd(send, None, None, self.group)
+        got = _waited(funcol.all_to_all_single_autograd(send, None, None, self.group))
         # got[j] holds rank j's heads of this rank's tokens: heads are rank-major
         return got.movedim(0, head_axis).flatten(head_axis, head_axis + 1)
 
@@ -81,6 +81,14 @@ class SequenceParallel:
 # the all-gather whose backward reduce-scatters the gradient: newer torch names it all_gather_single_autograd and
 # deprecates the older all_gather_tensor_autograd, which older torch alone has
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result as a plain tensor (the wait is differentiable). Left as an
+    AsyncCollectiveTensor, the views taken of it stay that subclass, and torch.compile cannot rebuild a subclass view
+    from its base: the compiled window gather then failed with "Expected cond to be True" (sp = 2 on two GPUs). The
+    next op would wait anyway, so nothing overlaps less."""
+    return funcol.wait_tensor(t)
 
 
 def _pad_sequence(t: torch.Tensor, pad: int) -> torch.Tensor:
