@@ -261,6 +261,11 @@ class CheckpointingConfig(CheckpointSwitches):
 
     layers: list[CheckpointRule] = listed(list, help="per-layer rules ([[checkpointing.layers]]); the last rule "
                                                      "covering a layer wins, uncovered layers use the settings above")
+    nested_span: int = bounded(0, 0, help=(
+        "nested checkpointing of block-checkpointed layers: keep the input of every nested_span-th block unit only "
+        "and, in backward, recompute each span of units from its saved input, unit by unit (each unit keeps its "
+        "own input while its span's backward runs); about 2 x sqrt(units) inputs live at once instead of one per "
+        "unit, for one more forward of those blocks (sqrt(42) ~ 6 for the 5B; 0 = off)"))
     offload_activations: bool = field(default=False, metadata={
         "help": "training: move the tensors autograd saves for backward (1 MiB and larger; with block = true the "
                 "block inputs) to host memory in forward and back in backward, around each micro-batch; weights "
