@@ -37,6 +37,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -193,7 +194,8 @@ def make_step(cfg: Config, model: CogVideoXTTT, device: torch.device, layout: Vi
                                    ranks.dp_rank, ranks.dp_size, ranks.sequence)
     return TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
                      grad_clip=train.grad_clip, reduce=ranks if ranks.distributed else None,
-                     offload=cfg.checkpointing.offload_activations)
+                     offload=cfg.checkpointing.offload_activations,
+                     offload_host_gib=cfg.checkpointing.offload_host_gib)
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -294,6 +296,11 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
         row["peak_allocated_gib"], row["peak_reserved_gib"] = max(allocated), max(reserved)
         if ranks.distributed:
             row["peak_allocated_gib_per_rank"], row["peak_reserved_gib_per_rank"] = allocated, reserved
+    # the process's peak resident host memory so far (offloaded activations live there)
+    row["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if train_step.offload:
+        row["offloaded_gib"] = train_step.offloaded_bytes / 2**30
+        row["offload_kept_on_gpu_gib"] = train_step.kept_bytes / 2**30
     return row
 
 
@@ -432,7 +439,7 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
           f"bf16={cfg.model.dtype == 'bf16'}, batch 1, {cfg.model.adapter}, block checkpoint group "
           f"{ck['block_group_size']}, scan group {ck['ttt_scan_checkpoint_group_size']}, "
           f"optimizer step {result['optimizer_step']}, {result['switches']}")
-    print(f"{'dur':>4} {'tokens':>7} {'step s':>8} {'alloc GiB':>9} {'resv GiB':>9} {'dense TF':>9} {'attn TF':>8} "
+    print(f"{'dur':>4} {'tokens':>7} {'step s':>8} {'alloc GiB':>9} {'resv GiB':>9} {'host GiB':>8} {'dense TF':>9} {'attn TF':>8} "
           f"{'TTT TF':>8} {'TFLOP/s':>8} {'MFU':>6}  backend")
     for r in result["results"]:
         if "error" in r:
@@ -441,7 +448,8 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
         f = r["flops"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         print(f"{r['duration_s']:>3}s {r['tokens']:>7} {r['median_step_s']:>8.2f} "
-              f"{r.get('peak_allocated_gib', 0):>9.1f} {r.get('peak_reserved_gib', 0):>9.1f} {f['dense'] / 1e12:>9.1f} {f['attention'] / 1e12:>8.1f} "
+              f"{r.get('peak_allocated_gib', 0):>9.1f} {r.get('peak_reserved_gib', 0):>9.1f} "
+              f"{r.get('peak_host_rss_gib', 0):>8.1f} {f['dense'] / 1e12:>9.1f} {f['attention'] / 1e12:>8.1f} "
               f"{f['ttt'] / 1e12:>8.1f} {r['achieved_tflops']:>8.1f} {mfu:>6}  {r['ttt_backend']}")
 
 

@@ -112,3 +112,51 @@ def test_profiler_train_phase_runs_with_offload(tmp_path, monkeypatch):
     summary, code = drivers.profile(cfg, "train", 1, tmp_path / "report", device="cpu")
     assert code == 0 and summary["status"] == "ok"
     assert {p["name"] for p in summary["phases"]} >= {"forward", "backward", "optimizer step"}
+
+
+# ------------------------------------------------------------------------- the host pool
+def test_pool_holds_exact_sizes_and_is_reused():
+    """Host memory holds exactly what was offloaded (no rounding up), and a second micro-batch reuses it."""
+    from tttvideo.models.activation_offload import HostPool
+
+    torch.manual_seed(0)
+    model = apply_adapter(init_model(get_preset("tiny"), TTT, True), "qkvo")
+    apply_checkpointing(model, CheckpointingConfig(block=True))
+    pool = HostPool()
+    first = offload_activations(min_bytes=4096, keep=model, pool=pool)
+    plain = grads(model, None)
+    moved = grads(model, first)
+    assert first.offloaded_tensors > 0 and pool.allocated_bytes == first.offloaded_bytes
+    second = offload_activations(min_bytes=4096, keep=model, pool=pool)
+    grads(model, second)
+    assert second.offloaded_bytes == first.offloaded_bytes and pool.allocated_bytes == first.offloaded_bytes
+    for name, g in plain.items():
+        assert torch.equal(moved[name], g), name
+
+
+def test_full_pool_keeps_the_rest_on_the_device():
+    from tttvideo.models.activation_offload import HostPool
+
+    torch.manual_seed(0)
+    model = apply_adapter(init_model(get_preset("tiny"), TTT, True), "qkvo")
+    plain = grads(model, None)
+    everything = offload_activations(min_bytes=4096, keep=model)
+    grads(model, everything)
+    pool = HostPool(capacity_bytes=everything.offloaded_bytes // 2)
+    partial = offload_activations(min_bytes=4096, keep=model, pool=pool)
+    moved = grads(model, partial)
+    assert 0 < partial.offloaded_bytes <= everything.offloaded_bytes // 2
+    assert partial.offloaded_bytes + partial.kept_bytes == everything.offloaded_bytes
+    for name, g in plain.items():
+        assert torch.equal(moved[name], g), name
+
+
+def test_asking_for_more_host_memory_than_there_is(monkeypatch):
+    from tttvideo.errors import ConfigError
+    from tttvideo.models import activation_offload
+
+    monkeypatch.setattr(activation_offload, "available_host_bytes", lambda: 8 * 2**30)
+    with pytest.raises(ConfigError, match=r"checkpointing.offload_host_gib = 100 .* 8.0 GiB"):
+        activation_offload.host_pool_for(100)
+    assert activation_offload.host_pool_for(4).capacity_bytes == 4 * 2**30
+    assert activation_offload.host_pool_for(0).capacity_bytes == int(8 * 2**30 * 0.9)

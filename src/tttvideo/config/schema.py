@@ -269,7 +269,11 @@ class CheckpointingConfig(CheckpointSwitches):
     offload_activations: bool = field(default=False, metadata={
         "help": "training: move the tensors autograd saves for backward (1 MiB and larger; with block = true the "
                 "block inputs) to host memory in forward and back in backward, around each micro-batch; weights "
-                "stay. Same gradients, a copy each way (docs/memory.md)"})
+                "stay. Same gradients, a copy each way on a side stream (docs/memory.md)"})
+    offload_host_gib: float = bounded(0.0, 0.0, help=(
+        "with offload_activations: host memory the offloaded tensors may take, in GiB, as exact-size buffers "
+        "pinned once and reused every micro-batch; what does not fit stays on the GPU (a partial offload). 0 = 90 "
+        "% of the host memory available at start; more than is available is an error before the first step"))
 
 
 @dataclass

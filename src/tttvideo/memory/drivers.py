@@ -151,7 +151,8 @@ def drive_train(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.dev
                                    train.precision, batch_size, global_batch=batch_size)
     train_step = TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
                            grad_clip=train.grad_clip, profiler=_TrainPhases(prof, optimizer),
-                           offload=cfg.checkpointing.offload_activations)
+                           offload=cfg.checkpointing.offload_activations,
+                           offload_host_gib=cfg.checkpointing.offload_host_gib)
     for step in range(steps):
         done = train_step(iter((batch,)), step)
         prof.meta.setdefault("loss", []).append(done.loss)

@@ -11,6 +11,8 @@ opened around the real work; without one no phase is opened at all.
 With `offload=True` (`checkpointing.offload_activations`) each micro-batch's forward runs under
 `tttvideo.models.activation_offload.offload_activations`: what autograd saves for backward (tensors of at least
 `OFFLOAD_MIN_BYTES`, not the weights) waits in host memory until backward copies it back; the gradients are the same.
+The host buffers come from one pool for the whole run, bounded by `checkpointing.offload_host_gib`: what does not
+fit stays on the device.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import nn
 from tttvideo.data.loader import to_device
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.layout import VideoLayout
-from tttvideo.models.activation_offload import offload_activations
+from tttvideo.models.activation_offload import host_pool_for, offload_activations
 from tttvideo.train.loss import NoiseSource, diffusion_loss
 
 if TYPE_CHECKING:
@@ -127,7 +129,8 @@ class TrainStep:
     def __init__(self, model: nn.Module, objective: Objective, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, device: torch.device, *, grad_accum: int = 1, grad_clip: float = 0.0,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 profiler: StepProfiler | None = None, reduce: StepReduce | None = None, offload: bool = False):
+                 profiler: StepProfiler | None = None, reduce: StepReduce | None = None, offload: bool = False,
+                 offload_host_gib: float = 0.0):
         self.model = model
         self.objective = objective
         self.optimizer = optimizer
@@ -142,7 +145,11 @@ class TrainStep:
         # every rank), the loss is reported as the mean over ranks, the gradients are FSDP's sharded DTensors
         self.reduce = reduce
         self.offload = offload
+        # one pool of exact-size host buffers for the whole run (checkpointing.offload_host_gib bounds it; asking
+        # for more than the host has is an error here, before any step)
+        self.host_pool = host_pool_for(offload_host_gib) if offload else None
         self.offloaded_bytes = 0  # what the last micro-batch's forward moved to host memory (with offload)
+        self.kept_bytes = 0  # what stayed on the device because the host pool was full
 
     def __call__(self, batches: Iterator[Batch], step: int) -> StepResult:
         """Optimizer step `step` (0-based, for the profiler) on the next grad_accum batches of `batches`. A
@@ -167,7 +174,7 @@ class TrainStep:
             with self._phase(FORWARD, step), self._saved_tensors() as off:
                 loss = self.objective(self.model, batch, micro)
             if off is not None:
-                self.offloaded_bytes = off.offloaded_bytes
+                self.offloaded_bytes, self.kept_bytes = off.offloaded_bytes, off.kept_bytes
             value = loss.item()
             finite = math.isfinite(value) if self.reduce is None else self.reduce.all_true(math.isfinite(value))
             if not finite:
@@ -202,7 +209,7 @@ class TrainStep:
         The model's own tensors (parameters, fp8 codes) always stay."""
         if not self.offload:
             return contextlib.nullcontext()
-        return offload_activations(OFFLOAD_MIN_BYTES, keep=self.model)
+        return offload_activations(OFFLOAD_MIN_BYTES, keep=self.model, pool=self.host_pool)
 
     def _advance_schedule(self) -> None:
         if self.scheduler is not None:

@@ -184,7 +184,8 @@ class Trainer:
         self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,
                                     grad_accum=self.grad_accum, grad_clip=self.train.grad_clip,
                                     scheduler=self.scheduler, reduce=self.ranks if self.ranks.distributed else None,
-                                    profiler=self.oom_watch, offload=self.cfg.checkpointing.offload_activations)
+                                    profiler=self.oom_watch, offload=self.cfg.checkpointing.offload_activations,
+                                    offload_host_gib=self.cfg.checkpointing.offload_host_gib)
         self._open_dataset(stack)
         self.step = 0
         self.nonfinite_skips = 0
