@@ -135,6 +135,10 @@ def convert_ttt_video_dit(source: str | Path, out: str | Path, cfg: Config, trus
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write the run folder {out} ({err.strerror or err}); give --out a folder on a "
+                        f"writable disk with room for the model") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
