@@ -120,6 +120,12 @@ def test_safetensors_converts_loads_and_samples(tmp_path, capsys):
     latents = load_file(str(tmp_path / "v.latents.safetensors"))["latents"]
     assert latents.shape[1] == 25 and torch.isfinite(latents).all()  # 2 scenes: 25 latent frames
 
+    # weights only: resuming the imported run is refused in one sentence that says what to do instead
+    capsys.readouterr()
+    assert main(["train", str(run / "checkpoints" / "step-000000" / "config.toml"), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "imported by tttv convert" in err and "train.init_from" in err
+
 
 def test_trained_torch_file_with_model_prefix_and_linear_kind(tmp_path):
     """A torch.save of the trainer's {"model": state dict, ...}: keys "model.dit...", other entries ignored."""
