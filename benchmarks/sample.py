@@ -189,7 +189,7 @@ def offload_check(model, args, cfg, device, dtype) -> dict:
     as the resident model; reports its time and peak memory next to the resident run."""
     from tttvideo.sample.offload import BlockOffloader
 
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, args.offload_check)
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, args.offload_check, phase="sample")
     x, text, uncond = step_inputs(model.spec, layout, device, dtype, seed=1)
     resident = guided_step(model, layout, x, text, uncond, True).float().cpu()
     off = BlockOffloader(model.blocks, device, prefetch=cfg.sample.prefetch_blocks)
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     report = Report(Path(args.out), {
         "benchmark": "sample: one guided denoising step (cond + uncond) at batch 1", "env": environment(device),
         "preset": args.preset, "dtype": args.dtype,
-        "ttt": {"kind": cfg.ttt.kind, "mini_batch_size": cfg.ttt.mini_batch_size, "backend": cfg.ttt.backend},
+        "ttt": {"kind": cfg.ttt.kind, "mini_batch_size": cfg.ttt.sample_mini_batch(), "backend": cfg.ttt.backend},
         "runs": []})
     data = report.data
 
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
         return bool(args.budget_s) and time.perf_counter() - t0 > args.budget_s
 
     for duration in args.durations:
-        layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration)
+        layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
         for use_ttt in (True, False):
             if out_of_time():
                 r = {"duration_s": layout.duration_s, "use_ttt": use_ttt, "tokens": layout.total_tokens,

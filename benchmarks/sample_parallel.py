@@ -93,7 +93,7 @@ def run_layout(args) -> int:
     try:
         torch.manual_seed(0)
         model = build_model(cfg, device=device).eval().requires_grad_(False)
-        layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+        layout = VideoLayout.from_config(cfg.layout, cfg.ttt, phase="sample")
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(1, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width,
                         generator=gen).to(device, dtype)

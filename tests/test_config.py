@@ -199,8 +199,8 @@ def test_each_error_names_key_source_and_allowed(tmp_path, where):
     assert "[tttt]" in msg and "did you mean [ttt]" in msg and "model, layout, ttt" in msg
     msg = check("ttt", "mini_batch_size", '"abc"')  # wrong type
     assert "ttt.mini_batch_size" in msg and "expected int" in msg and "got str 'abc'" in msg and "4096" in msg
-    msg = check("ttt", "mini_batch_size", "0")  # out of range
-    assert "ttt.mini_batch_size" in msg and "out of range" in msg and "from 1 to 4096" in msg
+    msg = check("ttt", "mini_batch_size", "-1")  # out of range (0 = the kind's default)
+    assert "ttt.mini_batch_size" in msg and "out of range" in msg and "from 0 to 4096" in msg
     msg = check("ttt", "kind", '"lineer"')  # not in choices
     assert "ttt.kind" in msg and '"mlp", "linear"' in msg and 'did you mean "linear"' in msg
     msg = check("model", "use_ttt", "1")  # an int is not a bool

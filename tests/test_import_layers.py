@@ -34,6 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("data",)),
     ("sample", ("sample",)),
     ("train", ("train",)),
+    # importers of other systems' checkpoints: they write run folders as the trainer does (its manifest writer)
+    ("convert", ("convert",)),
     ("memory", ("memory",)),
     ("api", ("", "api")),
     ("cli", ("cli", "__main__")),

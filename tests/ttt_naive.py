@@ -43,3 +43,30 @@ def naive_ttt(q, k, v, eta, norm_w, norm_b, params, mini_batch_size, kind):
         state = [s - g for s, g in zip(state, grads)]
         outs.append(qi + _ln(_inner(qi, state, kind), nw, nb))
     return torch.cat(outs, dim=2)
+
+
+def naive_ttt_matrices(q, k, v, matrices, norm_w, norm_b, params, mini_batch_size, kind):
+    """The same inner loss with a learning-rate matrix per mini-batch, matrices [B, H, L, b]: row t holds the rates
+    token t's output applies to the b keys of its mini-batch. Token t is output with the weights after the step
+    sum_j matrices[t, j] * grad of key j's loss; the state carried on is the step of the mini-batch's last row.
+    One autograd step per token: no dual form, no shared products."""
+    B, H, L, D = q.shape
+    b = mini_batch_size
+    nw, nb = norm_w[:, None, :], norm_b[:, None, :]
+    state = []
+    for p in params:
+        if p.dim() == 2:
+            p = p[:, None, :]
+        state.append(p.unsqueeze(0).expand(B, *p.shape))
+    outs = []
+    for start in range(0, L, b):
+        ki, vi = k[:, :, start:start + b], v[:, :, start:start + b]
+        half_sq = 0.5 * ((_ln(_inner(ki, state, kind), nw, nb) - (vi - ki)) ** 2).sum(-1)  # [B, H, b] per key
+        for t in range(start, start + b):
+            rates = matrices[:, :, t]  # [B, H, b]
+            grads = torch.autograd.grad((rates * half_sq).sum(), state, create_graph=True)
+            stepped = [s - g for s, g in zip(state, grads)]
+            qt = q[:, :, t:t + 1]
+            outs.append(qt + _ln(_inner(qt, stepped, kind), nw, nb))
+        state = stepped  # the last row's step
+    return torch.cat(outs, dim=2)

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from tttvideo.config.schema import LayoutConfig, TTTConfig
+from tttvideo.config.schema import TRAIN_MINI_BATCH, LayoutConfig, TTTConfig
 from tttvideo.errors import LayoutError
 
 SEGMENT_SECONDS = 3
@@ -92,7 +92,7 @@ class VideoLayout:
         vae_temporal: int = LayoutConfig.vae_temporal,
         patch_size: int = LayoutConfig.patch_size,
         text_tokens: int = LayoutConfig.text_tokens,
-        mini_batch_size: int = TTTConfig.mini_batch_size,
+        mini_batch_size: int = TRAIN_MINI_BATCH["mlp"],
     ) -> "VideoLayout":
         """text_tokens=0 picks the original's per-duration length or the largest one <= 512 that
         makes the total a multiple of the mini-batch."""
@@ -128,20 +128,18 @@ class VideoLayout:
         return cls(seconds, height, width, fps, vae_spatial, vae_temporal, patch_size, text_tokens, mini_batch_size)
 
     @classmethod
-    def from_config(cls, layout: LayoutConfig, ttt: TTTConfig, duration: str | int | None = None) -> "VideoLayout":
+    def from_config(cls, layout: LayoutConfig, ttt: TTTConfig, duration: str | int | None = None,
+                    phase: str = "train") -> "VideoLayout":
         """The layout of a config's `[layout]` and `[ttt]` sections; `duration` (e.g. a story's) replaces
-        layout.duration. The TTT mini-batch sets the padding."""
-        return cls.create(
-            duration=layout.duration if duration is None else duration,
-            height=layout.height,
-            width=layout.width,
-            fps=layout.fps,
-            vae_spatial=layout.vae_spatial,
-            vae_temporal=layout.vae_temporal,
-            patch_size=layout.patch_size,
-            text_tokens=layout.text_tokens,
-            mini_batch_size=ttt.mini_batch_size,
-        )
+        layout.duration. The TTT mini-batch of `phase` ("train" or "sample") sets the padding; the automatic text
+        length is always the training mini-batch's, so that a model samples with the text length it trained with."""
+        common = dict(duration=layout.duration if duration is None else duration, height=layout.height,
+                      width=layout.width, fps=layout.fps, vae_spatial=layout.vae_spatial,
+                      vae_temporal=layout.vae_temporal, patch_size=layout.patch_size)
+        trained = cls.create(**common, text_tokens=layout.text_tokens, mini_batch_size=ttt.train_mini_batch())
+        if phase == "train":
+            return trained
+        return cls.create(**common, text_tokens=trained.text_tokens, mini_batch_size=ttt.mini_batch(phase))
 
     @classmethod
     def from_latents(cls, latent_frames: int, latent_height: int, latent_width: int, text_tokens: int,

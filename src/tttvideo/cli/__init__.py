@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "profile": "tttvideo.cli.profile_cmd",
     "plan": "tttvideo.cli.plan_cmd",
     "sample": "tttvideo.cli.sample_cmd",
+    "convert": "tttvideo.cli.convert_cmd",
 }
 
 

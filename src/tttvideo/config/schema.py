@@ -75,11 +75,36 @@ class LayoutConfig:
     text_tokens: int = bounded(0, 0, 4096, help="text tokens per segment; 0 = the original's per-duration length")
 
 
+# Per-kind defaults of the keys whose 0 means "the kind's default", as the reference system (ttt-video-dit) trains
+# and samples: TTT-MLP trains with mini-batch 64 and samples with 16, TTT-Linear uses 16 for both; base learning
+# rate 0.1 (MLP) and 1.0 (Linear).
+TRAIN_MINI_BATCH = {"mlp": 64, "linear": 16}
+SAMPLE_MINI_BATCH = {"mlp": 16, "linear": 16}
+BASE_LR = {"mlp": 0.1, "linear": 1.0}
+
+
 @dataclass
 class TTTConfig:
+    """The TTT layers. Keys whose 0 means "the kind's default" are read through the methods below, never directly,
+    so that a config that leaves them out follows `kind` while an explicit value (as every saved run spells out)
+    wins."""
+
     kind: str = choice("mlp", "mlp", "linear", help="inner model: TTT-MLP or TTT-Linear")
-    mini_batch_size: int = bounded(64, 1, 4096, help="64 for MLP, 16 for Linear in the original")
-    base_lr: float = bounded(0.1, 0.0, help="inner learning rate scale: 0.1 (MLP), 1.0 (Linear)")
+    mini_batch_size: int = bounded(0, 0, 4096, help="tokens per inner gradient step in training (the sequence is "
+                                                    "padded to a multiple of it); 0 = the kind's default, as the "
+                                                    "reference system trains: 64 (MLP), 16 (Linear)")
+    sample_mini_batch_size: int = bounded(0, 0, 4096, help="the same for sampling (tttv sample, validation "
+                                                           "videos); 0 = the kind's default, as the reference "
+                                                           "system samples: 16 (MLP and Linear). The text length "
+                                                           "per segment still follows the training mini-batch")
+    base_lr: float = bounded(0.0, 0.0, help="inner learning rate scale; 0 = the kind's default: 0.1 (MLP), 1.0 "
+                                            "(Linear)")
+    eta_layout: str = choice("per-token", "per-token", "reference",
+                             help="inner learning rates of a mini-batch: per-token = each key's own rate (the "
+                                  "paper's math); reference = the reference system's per-mini-batch matrices, "
+                                  "whose rows follow the scan order of a multi-segment video and whose columns do "
+                                  "not (what its checkpoints were trained with; tttv convert sets it; the PyTorch "
+                                  "scan, not the Triton kernels). The same on one segment (docs/model.md)")
     scan_checkpoint_group_size: int = bounded(16, 0, help="mini-batches per scan checkpoint; 0 = no checkpointing")
     backend: str = choice("auto", "auto", "triton", "reference",
                           help="the scan and the glue before it: auto = Triton on CUDA, the reference elsewhere")
@@ -88,6 +113,21 @@ class TTTConfig:
     compile_glue: bool = field(default=True, metadata={
         "help": "torch.compile the PyTorch version of the TTT layer's glue on CUDA where its Triton kernels do not "
                 "run (backend reference, compute capability < 8.0); false = eager"})
+
+    def train_mini_batch(self) -> int:
+        return self.mini_batch_size or TRAIN_MINI_BATCH[self.kind]
+
+    def sample_mini_batch(self) -> int:
+        return self.sample_mini_batch_size or SAMPLE_MINI_BATCH[self.kind]
+
+    def mini_batch(self, phase: str) -> int:
+        """The mini-batch of `phase`: "train" or "sample"."""
+        if phase not in ("train", "sample"):
+            raise ValueError(f"phase must be 'train' or 'sample', got {phase!r}")
+        return self.train_mini_batch() if phase == "train" else self.sample_mini_batch()
+
+    def inner_base_lr(self) -> float:
+        return self.base_lr or BASE_LR[self.kind]
 
 
 @dataclass

@@ -177,7 +177,7 @@ def drive_sample(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.de
 
     cfg = copy.deepcopy(cfg)
     cfg.sample.steps = steps
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, phase="sample")
     torch.manual_seed(cfg.sample.seed)
     with prof.component("transformer") as info:
         loaded = load_model(cfg, None, device, offload=cfg.sample.offload_blocks)

@@ -113,7 +113,7 @@ class CogVideoXTTT(nn.Module):
         B, T, C, H, W = latents.shape
         if layout is None:
             layout = VideoLayout.from_latents(T, H, W, text.shape[2], self.spec.patch_size,
-                                              self.ttt_config.mini_batch_size)
+                                              self.ttt_config.train_mini_batch())
         self._check_inputs(latents, text, layout)
 
         timestep = torch.as_tensor(timestep, device=latents.device)

@@ -79,8 +79,9 @@ def free_memory() -> None:
 
 # ---------------------------------------------------------------------------------------------------------- phases
 def story_layouts(cfg: Config, stories: list[Story], duration: str | int | None = None) -> list[VideoLayout]:
-    """Each story's layout: its duration is its scene count's (checked against `duration` when given)."""
-    return [VideoLayout.from_config(cfg.layout, cfg.ttt, check_duration(s, duration)) for s in stories]
+    """Each story's layout, with the sampling TTT mini-batch: its duration is its scene count's (checked against
+    `duration` when given)."""
+    return [VideoLayout.from_config(cfg.layout, cfg.ttt, check_duration(s, duration), phase="sample") for s in stories]
 
 
 def encode_stories(cfg: Config, stories: list[Story], layouts: list[VideoLayout], text_dim: int,

@@ -253,6 +253,9 @@ class Trainer:
             load_checkpoint(self.model, folder / ckpt.MODEL_FILE)
         self.trained_duration_s = max(self.layout.duration_s, trained_duration(folder / ckpt.MODEL_FILE) or 0)
         state = ckpt.load_state(folder)
+        if "imported" in state:  # tttv convert's: weights only
+            raise UserError(f"{folder} was imported by tttv convert and holds no training state to resume; start "
+                            f"a new run from it with train.init_from = '{folder.parent.parent}'")
         if state["global_batch"] != self.global_batch:
             raise UserError(
                 f"{folder} was trained with a global batch of {state['global_batch']}, this config has "

@@ -4,7 +4,8 @@
 projections wq/wk/wv, per-head L2-normalised Q/K, 3D RoPE with GLOBAL temporal positions on video Q/K, the
 LayerNorm reconstruction target, the per-token inner learning rate eta, the per-segment interleave, padding to the
 mini-batch (padded tokens carry eta = 0 and their outputs are dropped), the TTT scan, post-norm, wo, and the
-inverse interleave.
+inverse interleave. With `ttt.eta_layout = "reference"` the scan applies the reference system's learning-rate
+matrices instead of the per-token rates (`tttvideo.ttt.eta_layout`), on the PyTorch scan.
 
 `BidirectionalTTT` runs it twice with shared parameters, as in the paper: Z = X + tanh(alpha) * TTT(X), then
 Z' = Z + tanh(beta) * reverse(TTT(reverse(Z))), with separate per-channel gates for text and video tokens.
@@ -30,6 +31,7 @@ from tttvideo.layout import VideoLayout
 from tttvideo.rope import rope_cos_sin
 from tttvideo.sequence.bidirectional import GatedBidirectional, gather_tokens, scan_permutations
 from tttvideo.ttt import ops
+from tttvideo.ttt.eta_layout import ETA_LAYOUTS, REFERENCE, eta_rows_on
 from tttvideo.ttt.scan_inputs import prepare_scan_inputs
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the layer needs it only when given a group
@@ -67,7 +69,7 @@ def inner_hidden(kind: str, head_dim: int, mlp_expansion: int = MLP_EXPANSION) -
 class TTTLayer(nn.Module):
     """One TTT pass over the whole sequence. Its settings come from a TTTConfig, except the mini-batch size, which
     belongs to the layout the layer is called with (the layout pads the sequence to it, and the inner learning rate
-    divides by it): `VideoLayout.from_config` reads `ttt.mini_batch_size`, nothing else does."""
+    divides by it): `VideoLayout.from_config` reads the training or the sampling mini-batch of the config."""
 
     def __init__(self, dim: int, num_heads: int, config: TTTConfig | None = None, mlp_expansion: int = MLP_EXPANSION):
         super().__init__()
@@ -77,8 +79,11 @@ class TTTLayer(nn.Module):
         if config.kind not in ("mlp", "linear"):
             raise ValueError(f"TTT kind must be 'mlp' or 'linear', got {config.kind!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        if config.eta_layout not in ETA_LAYOUTS:
+            raise ValueError(f"ttt.eta_layout must be one of {ETA_LAYOUTS}, got {config.eta_layout!r}")
         self.kind = config.kind
-        self.base_lr = config.base_lr
+        self.base_lr = config.inner_base_lr()
+        self.eta_layout = config.eta_layout
         self.scan_checkpoint_group_size = config.scan_checkpoint_group_size
         self.rope_theta = config.rope_theta
         # backend and compile_glue may be switched on a built layer (benchmarks compare them)
@@ -188,6 +193,7 @@ class TTTLayer(nn.Module):
             mini_batch_size=layout.mini_batch_size,
             checkpoint_group_size=self.scan_checkpoint_group_size,
             backend=self.backend,
+            eta_rows=eta_rows_on(layout, q.device) if self.eta_layout == REFERENCE else None,
         )
 
 

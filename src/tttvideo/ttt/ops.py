@@ -3,6 +3,9 @@
 `backend`: "reference" (plain PyTorch, any device), "triton" (fused kernels: CUDA, or CPU tensors inside the Triton
 interpreter, TRITON_INTERPRET=1, which is how CI tests them), "auto" (Triton on CUDA when the shape is covered, the
 reference otherwise, with the reason logged once). Signatures match `tttvideo.ttt.reference`.
+
+The kernels take one learning rate per token; the reference system's learning-rate matrices (`eta_rows`, from
+ttt.eta_layout = "reference") run on the PyTorch reference, logged once like any other uncovered call.
 """
 
 from __future__ import annotations
@@ -26,28 +29,36 @@ KERNEL_MAX_HIDDEN = 256
 # elements runs as several calls over groups of heads, whose scans are independent (B = 2 at 63 s is past it).
 MAX_KERNEL_ELEMENTS = 2**31  # offsets up to 2^31 - 1
 
+# Why the kernels do not take eta_rows (one sentence, logged once or raised with backend "triton").
+ETA_ROWS_REASON = ("ttt.eta_layout = 'reference' needs a learning-rate matrix per mini-batch and the kernels take "
+                   "one rate per token")
+
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
 def ttt_mlp(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size: int,
-            checkpoint_group_size: int = NO_SCAN_CHECKPOINT, backend: str = "auto") -> torch.Tensor:
-    if _use_triton("mlp", backend, q, w1.shape[-1], mini_batch_size):
+            checkpoint_group_size: int = NO_SCAN_CHECKPOINT, backend: str = "auto",
+            eta_rows: torch.Tensor | None = None) -> torch.Tensor:
+    if _use_triton("mlp", backend, q, w1.shape[-1], mini_batch_size, eta_rows is not None):
         from tttvideo.ttt.triton_mlp import TTTMLPFunction
 
         return by_head_groups(lambda *t: TTTMLPFunction.apply(*t, mini_batch_size, checkpoint_group_size),
                               q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2)
-    return ttt_mlp_reference(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size)
+    return ttt_mlp_reference(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size,
+                             eta_rows=eta_rows)
 
 
 def ttt_linear(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size: int,
-               checkpoint_group_size: int = NO_SCAN_CHECKPOINT, backend: str = "auto") -> torch.Tensor:
-    if _use_triton("linear", backend, q, w1.shape[-1], mini_batch_size):
+               checkpoint_group_size: int = NO_SCAN_CHECKPOINT, backend: str = "auto",
+               eta_rows: torch.Tensor | None = None) -> torch.Tensor:
+    if _use_triton("linear", backend, q, w1.shape[-1], mini_batch_size, eta_rows is not None):
         from tttvideo.ttt.triton_linear import TTTLinearFunction
 
         return by_head_groups(lambda *t: TTTLinearFunction.apply(*t, mini_batch_size, checkpoint_group_size),
                               q, k, v, eta, norm_w, norm_b, w1, b1)
-    return ttt_linear_reference(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size, checkpoint_group_size)
+    return ttt_linear_reference(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size, checkpoint_group_size,
+                                eta_rows=eta_rows)
 
 
 def by_head_groups(scan, q, k, v, eta, *per_head):
@@ -90,14 +101,17 @@ def check_backend_config(ttt: TTTConfig, head_dim: int, hidden: int, device: tor
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         reason = f"it needs a CUDA GPU and this run is on {device.type}"
     else:
-        probe = torch.empty(1, 1, ttt.mini_batch_size, head_dim, device="meta")
-        reason = uncovered_reason(ttt.kind, probe, hidden, ttt.mini_batch_size)
+        reason = ETA_ROWS_REASON if ttt.eta_layout == "reference" else None
+        for mini_batch in sorted({ttt.train_mini_batch(), ttt.sample_mini_batch()}):
+            probe = torch.empty(1, 1, mini_batch, head_dim, device="meta")
+            reason = reason or uncovered_reason(ttt.kind, probe, hidden, mini_batch)
     if reason is not None:
         raise ConfigError(f"ttt.backend = 'triton' cannot run this model: {reason}; set ttt.backend = 'auto' (the "
                           f"kernels where they apply, the PyTorch reference elsewhere) or 'reference'")
 
 
-def _use_triton(kind: str, backend: str, q: torch.Tensor, hidden: int, mini_batch_size: int) -> bool:
+def _use_triton(kind: str, backend: str, q: torch.Tensor, hidden: int, mini_batch_size: int,
+                eta_matrices: bool = False) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"unknown TTT backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if backend == "reference":
@@ -110,7 +124,7 @@ def _use_triton(kind: str, backend: str, q: torch.Tensor, hidden: int, mini_batc
                 "CPU runs the kernels only in the Triton interpreter, TRITON_INTERPRET=1 set before importing triton)"
             )
         return False  # auto on CPU: the reference is the CPU path, nothing to log
-    reason = uncovered_reason(kind, q, hidden, mini_batch_size)
+    reason = ETA_ROWS_REASON if eta_matrices else uncovered_reason(kind, q, hidden, mini_batch_size)
     if reason is None and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
         # bf16 matrix instructions start at Ampere; the kernels are built and checked for sm_80, sm_89, sm_90
         reason = f"GPU compute capability {torch.cuda.get_device_capability(q.device)} is below 8.0"

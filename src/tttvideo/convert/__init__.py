@@ -1,0 +1,1 @@
+"""Importers of other systems' trained checkpoints into our run folders (`tttv convert`)."""
