@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
@@ -106,10 +107,10 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
             dcp.load(loaded, checkpoint_id=path, storage_reader=reader, planner=planner, no_dist=not distributed)
-        except Exception:
+        except CheckpointException:  # a BaseException: what a rank raised, wrapped
             if planner is None or planner.refused is None:
                 raise
-            # DCP wraps what a rank raised in its own error: the sentence is the planner's
+            # the sentence is the planner's
             raise (SharedError if distributed else UserError)(planner.refused) from None
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
 
