@@ -56,6 +56,16 @@ class Payload:
         return touch_and_return, (self.marker, self.value)
 
 
+class PathTouch:
+    """Pickles as Path(marker).touch(): a method of an allowed class (pathlib.Path)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A 2-step run of the tiny model with checkpoints at steps 1 and 2, made once."""
@@ -247,6 +257,15 @@ def test_dcp_loads_without_unpickling_and_refuses_crafted_values(tmp_path):
     load_sharded_checkpoint(tmp_path / "crafted", model, optimizer, trust=True)
     assert marker.exists() and optimizer.param_groups[0]["lr"] == 1e-3
 
+    # pathlib's classes are allowed (DCP records its checkpoint's path), their methods are not: protocol 4 names
+    # Path.touch as ("pathlib", "Path.touch")
+    touch = tmp_path / "touched-by-metadata"
+    crafted = tmp_path / "crafted/dcp/.metadata"
+    crafted.write_bytes(pickle.dumps(PathTouch(touch), protocol=4))
+    with pytest.raises(UserError, match=r"names 'pathlib\.Path\.touch', which .* --trust-checkpoint"):
+        read_dcp_metadata(crafted)
+    assert not touch.exists()
+
     # metadata that points DCP at a data file outside its folder
     metadata = read_dcp_metadata(tmp_path / "good/dcp/.metadata")
     info = next(iter(metadata.storage_data.values()))
@@ -257,6 +276,20 @@ def test_dcp_loads_without_unpickling_and_refuses_crafted_values(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- manifest
+def test_checkpoint_without_manifest_checks_the_header_of_either_state_file(trained, tmp_path):
+    folder = tmp_path / "legacy"
+    shutil.copytree(trained / "checkpoints/step-000001", folder)
+    (folder / "manifest.json").unlink()
+    assert runs.verify_checkpoint(folder) == ""
+    as_old = folder / "state.pt"
+    torch.save(checkpoint.load_state(folder), as_old)
+    (folder / "state.safetensors").unlink()
+    assert runs.state_file(folder) == as_old and runs.verify_checkpoint(folder) == ""
+    with open(as_old, "r+b") as f:
+        f.truncate(1000)
+    assert runs.verify_checkpoint(folder).startswith("state.pt: unreadable")
+
+
 def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(trained, tmp_path):
     outside = tmp_path / "secret.txt"
     outside.write_text("not for the manifest")

@@ -125,6 +125,10 @@ def _refusal(path: Path | str, what: str) -> str:
             f"holds; pass {TRUST_FLAG} only if you trust where the checkpoint came from")
 
 
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle named a global outside the allow-list; the message is its name, quoted."""
+
+
 class SafeUnpickler(pickle.Unpickler):
     """An unpickler that builds only what a DCP metadata file holds: the dataclasses and enums of
     torch.distributed.checkpoint.metadata, DCP's _StorageInfo, torch.Size, torch dtypes, layouts and memory
@@ -134,17 +138,17 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name and _allowed(module, name):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"'{module}.{name}'")
+        raise RefusedGlobal(f"'{module}.{name}'")
 
 
 def _allowed(module: str, name: str) -> bool:
+    # looked up in the module's own namespace: getattr could trigger torch's lazy imports of submodules
     if module == "torch":
-        return name == "Size" or isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format))
+        return name == "Size" or isinstance(vars(torch).get(name), (torch.dtype, torch.layout, torch.memory_format))
     if module == "torch.serialization":
         return name == "_get_layout"  # a layout by its name, looked up among torch's layouts
     if module == "torch.distributed.checkpoint.metadata":
-        found = getattr(dcp_metadata, name, None)
+        found = vars(dcp_metadata).get(name)
         return isinstance(found, type) and found.__module__ == module and (
             dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
     if module == "torch.distributed.checkpoint.filesystem":
@@ -158,10 +162,9 @@ def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
     try:
         with open(path, "rb") as f:
             metadata = SafeUnpickler(f).load()
+    except RefusedGlobal as err:
+        raise UserError(_refusal(path, str(err))) from None
     except pickle.UnpicklingError as err:
-        what = str(err)
-        if what.startswith("'") and what.endswith("'"):
-            raise UserError(_refusal(path, what)) from None
         raise UserError(f"{path} is not a readable DCP metadata file ({err}); resume from another checkpoint") from None
     except OSError as err:
         raise UserError(f"{path} cannot be read ({err.strerror or err}); resume from another checkpoint") from None
