@@ -55,7 +55,7 @@ def state_file(folder: str | Path) -> Path:
         listed = {}
     if isinstance(listed, dict) and LEGACY_STATE_FILE in listed and STATE_FILE not in listed:
         return folder / LEGACY_STATE_FILE
-    if isinstance(listed, dict) and STATE_FILE in listed or (folder / STATE_FILE).is_file():
+    if (isinstance(listed, dict) and STATE_FILE in listed) or (folder / STATE_FILE).is_file():
         return folder / STATE_FILE
     return folder / LEGACY_STATE_FILE
 

@@ -1,6 +1,6 @@
-"""`tttv train CONFIG [--set KEY=VALUE ...] [--resume | --new | --overwrite] [--trust-checkpoint]`: train one stage; `configs/demo.toml`
-is the CPU demo. Under torchrun (`torchrun --nproc_per_node N -m tttvideo train CONFIG ...`) every rank runs it and
-rank 0 alone prints (docs/parallel.md)."""
+"""`tttv train CONFIG [--set KEY=VALUE ...] [--resume | --new | --overwrite] [--trust-checkpoint]`: train one stage;
+`configs/demo.toml` is the CPU demo. Under torchrun (`torchrun --nproc_per_node N -m tttvideo train CONFIG ...`)
+every rank runs it and rank 0 alone prints (docs/parallel.md)."""
 
 from __future__ import annotations
 

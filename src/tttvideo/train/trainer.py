@@ -151,7 +151,7 @@ class Trainer:
             check_mp4_writer("train.sample_at_end / train.validate_every (set them to false and 0 to train without "
                              "videos)")
         self.resume_from: Path | None = None
-        # --trust-checkpoint: a checkpoint file that only the full unpickler reads may be read (tttvideo.train.dcp)
+        # --trust-checkpoint: a checkpoint file that only the full unpickler reads may be read (docs/security.md)
         self.trust_checkpoint = trust_checkpoint
 
     # ------------------------------------------------------------------ setup
