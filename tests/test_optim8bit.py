@@ -15,6 +15,7 @@ from tttvideo.errors import ConfigError
 from tttvideo.models import apply_adapter, get_preset, init_model
 from tttvideo.train import optim
 from tttvideo.train.optim import build_optimizer, build_scheduler, group_lr
+from tttvideo.train.statefile import read_state, write_state
 
 pytest.importorskip("torchao.optim")
 from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
@@ -65,10 +66,11 @@ def test_state_is_8bit_and_resumes_bitwise(tmp_path):
     assert all(isinstance(g["lr"], float) for g in opt.param_groups) and isinstance(group_lr(opt, True), float)
 
     model = copy.deepcopy(straight)
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp_path / "state.pt")
+    # through the checkpoint's state file: the 8-bit moments are stored as their codes, scales and maps
+    write_state({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp_path / "state.safetensors")
     train(straight, opt, sched, range(3, 6))
 
-    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    state = read_state(tmp_path / "state.safetensors")
     opt2 = build_optimizer(model, cfg)
     sched2 = build_scheduler(opt2, cfg)  # the trainer's order: build both, then load both
     opt2.load_state_dict(state["optimizer"])

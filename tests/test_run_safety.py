@@ -213,7 +213,7 @@ def test_checkpoint_manifest_lists_sizes_hashes_step_and_meta(trained_run):
     folder = trained_run / "checkpoints/step-000004"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["step"] == 4 and manifest["meta"]["global_batch"] == 1 and manifest["meta"]["data_position"] == 4
-    assert set(manifest["files"]) == {"model.safetensors", "state.pt", "config.toml"}
+    assert set(manifest["files"]) == {"model.safetensors", "state.safetensors", "config.toml"}
     for name, entry in manifest["files"].items():
         assert entry["size"] == (folder / name).stat().st_size and entry["sha256"] == runs.file_digest(folder / name)
     assert runs.verify_checkpoint(folder) == ""
@@ -228,21 +228,21 @@ def test_verify_names_hash_mismatch_missing_and_accepts_old_checkpoints(run_copy
     assert runs.verify_checkpoint(folder).startswith("model.safetensors: hash mismatch")
     (folder / "config.toml").unlink()
     older = run_copy / "checkpoints/step-000002"
-    (older / "state.pt").unlink()
-    assert runs.verify_checkpoint(older) == "state.pt: missing"
+    (older / "state.safetensors").unlink()
+    assert runs.verify_checkpoint(older) == "state.safetensors: missing"
     # written before manifests: checked by reading the headers
     legacy = run_copy / "legacy"
     shutil.copytree(run_copy / "checkpoints/step-000004", legacy)
     shutil.copy(older / "model.safetensors", legacy / "model.safetensors")
     (legacy / "manifest.json").unlink()
     assert runs.verify_checkpoint(legacy) == ""
-    with open(legacy / "state.pt", "r+b") as f:
+    with open(legacy / "state.safetensors", "r+b") as f:
         f.truncate(1000)
-    assert runs.verify_checkpoint(legacy).startswith("state.pt: unreadable")
+    assert runs.verify_checkpoint(legacy).startswith("state.safetensors: unreadable")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", ["model.safetensors", "state.pt"])
+@pytest.mark.parametrize("victim", ["model.safetensors", "state.safetensors"])
 def test_truncated_newest_checkpoint_falls_back_for_sample_and_resume(run_copy, tmp_path, capsys, victim):
     """The newest checkpoint's file cut in half: `tttv sample RUN` and `tttv train --resume` warn naming the file
     and use step 2; the resumed run rewrites step 4 intact."""
@@ -288,17 +288,17 @@ def test_no_intact_checkpoint_is_one_sentence(run_copy, tmp_path, capsys):
 def test_disk_full_while_saving_is_one_sentence_and_leaves_no_partial_checkpoint(tmp_path, capsys, monkeypatch):
     import errno
 
-    import torch
+    from tttvideo.train import checkpoint
 
-    real, calls = torch.save, []
+    real, calls = checkpoint.write_state, []
 
-    def full_disk(obj, f, *args, **kwargs):
-        calls.append(f)
+    def full_disk(state, path):
+        calls.append(path)
         if len(calls) == 2:  # the state of the second checkpoint (step 4)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(obj, f, *args, **kwargs)
+        return real(state, path)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(checkpoint, "write_state", full_disk)
     one_error_line(capsys, train_argv(tmp_path / "run"), "cannot write checkpoint step-000004",
                    "No space left on device", "--resume from its newest checkpoint, step-000002")
     assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["step-000002"]  # no partial folder

@@ -19,7 +19,7 @@ def test_demo_main_job_shortened(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert (out / "checkpoints/step-000040/model.safetensors").is_file()
-    assert (out / "checkpoints/step-000020/state.pt").is_file()
+    assert (out / "checkpoints/step-000020/state.safetensors").is_file()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 40

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tttvideo.train.checkpoint import list_checkpoints
+from tttvideo.train.checkpoint import list_checkpoints, load_state
 
 STEPS = 12
 ARGS = [
@@ -62,8 +62,8 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume (killed after step {done[-1]})"
-    sa = torch.load(full / f"checkpoints/step-{STEPS:06d}/state.pt", weights_only=False)
-    sb = torch.load(killed / f"checkpoints/step-{STEPS:06d}/state.pt", weights_only=False)
+    sa = load_state(full / f"checkpoints/step-{STEPS:06d}")
+    sb = load_state(killed / f"checkpoints/step-{STEPS:06d}")
     for i, st in sa["optimizer"]["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(st[key], sb["optimizer"]["state"][i][key])

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tttvideo.cli import main
-from tttvideo.train.checkpoint import list_checkpoints
+from tttvideo.train.checkpoint import list_checkpoints, load_state
 
 ROOT = Path(__file__).parents[1]
 STEPS = 12
@@ -81,8 +81,7 @@ def assert_same_end(a: Path, b: Path) -> None:
     assert pa.keys() == pb.keys()
     for name in pa:
         assert torch.equal(pa[name], pb[name]), name
-    sa = torch.load(a / last / "state.pt", weights_only=False)
-    sb = torch.load(b / last / "state.pt", weights_only=False)
+    sa, sb = load_state(a / last), load_state(b / last)
     for i, st in sa["optimizer"]["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(st[key], sb["optimizer"]["state"][i][key]), (i, key)

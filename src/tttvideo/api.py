@@ -44,14 +44,15 @@ def as_config(config: Config | str | Path | None, overrides: Sequence[str] = ())
 
 
 def train(config: Config | str | Path, *, overrides: Sequence[str] = (), if_exists: str | None = None,
-          quiet: bool = False) -> TrainResult:
+          quiet: bool = False, trust_checkpoint: bool = False) -> TrainResult:
     """Train one stage as `tttv train` does and return its `TrainResult` (output folder, steps, first/last loss,
     checkpoints, end-of-run video). `if_exists` ("refuse", "resume", "new", "overwrite") says what happens to an
-    earlier run in train.output_dir, as the CLI's flags do; `quiet` hides the progress bar."""
+    earlier run in train.output_dir, as the CLI's flags do; `quiet` hides the progress bar; `trust_checkpoint` is
+    --trust-checkpoint (docs/security.md)."""
     from tttvideo.train.trainer import Trainer
 
     cfg = as_config(config, overrides)
-    return Trainer(cfg, quiet=quiet, if_exists=if_exists).run()
+    return Trainer(cfg, quiet=quiet, if_exists=if_exists, trust_checkpoint=trust_checkpoint).run()
 
 
 @dataclass

@@ -4,7 +4,8 @@ checkpoint path a user gives (run folder, checkpoint folder or model file) point
 
     <output_dir>/checkpoints/step-000500/
         model.safetensors   every parameter (tttvideo.models.save_checkpoint format; `init_from` reads it)
-        state.pt            optimizer, LR scheduler, grad scaler, RNG states, counters (what resuming restores)
+        state.safetensors   optimizer, LR scheduler, grad scaler, RNG states, counters (what resuming restores;
+                            `tttvideo.train.statefile`; checkpoints of older versions hold state.pt instead)
         config.toml         the resolved config of the run
         manifest.json       size and SHA-256 of each file above, the step and a `meta` dict; written last
 
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_FILE = "model.safetensors"
-STATE_FILE = "state.pt"
+STATE_FILE = "state.safetensors"
+LEGACY_STATE_FILE = "state.pt"  # torch.save's pickle, written before state.safetensors; read as statefile says
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -43,6 +45,21 @@ def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def state_file(folder: str | Path) -> Path:
+    """The training-state file of checkpoint `folder`: the one its manifest lists, else state.safetensors if it
+    exists, else state.pt (an older version's; it may not exist either)."""
+    folder = Path(folder)
+    try:
+        listed = (read_manifest(folder) or {}).get("files", {})
+    except (OSError, ValueError):
+        listed = {}
+    if isinstance(listed, dict) and LEGACY_STATE_FILE in listed and STATE_FILE not in listed:
+        return folder / LEGACY_STATE_FILE
+    if (isinstance(listed, dict) and STATE_FILE in listed) or (folder / STATE_FILE).is_file():
+        return folder / STATE_FILE
+    return folder / LEGACY_STATE_FILE
+
+
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints as (step, folder), oldest first."""
     root = checkpoint_root(output_dir)
@@ -51,7 +68,7 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and (p / STATE_FILE).is_file() and (p / MODEL_FILE).is_file():
+        if m and ((p / STATE_FILE).is_file() or (p / LEGACY_STATE_FILE).is_file()) and (p / MODEL_FILE).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -125,6 +142,14 @@ def _check_legacy(folder: Path, files: tuple[str, ...]) -> str:
             except UserError:
                 return f"{name}: unreadable (not a readable safetensors file: cut off or damaged; no manifest)"
         elif name == STATE_FILE:
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(path), framework="pt", device="cpu"):
+                    pass
+            except Exception:  # safetensors has its own error types for damaged headers and short files
+                return f"{name}: unreadable (not a readable safetensors file: cut off or damaged; no manifest)"
+        elif name == LEGACY_STATE_FILE:
             try:
                 with zipfile.ZipFile(path):
                     pass
@@ -143,11 +168,14 @@ def verify_checkpoint(folder: str | Path, files: tuple[str, ...] | None = None) 
     except (OSError, ValueError) as err:
         return f"{MANIFEST_FILE}: unreadable ({err})"
     if manifest is None:
-        return _check_legacy(folder, files or (MODEL_FILE, STATE_FILE))
+        return _check_legacy(folder, files or (MODEL_FILE, state_file(folder).name))
     listed = manifest.get("files")
     if not isinstance(listed, dict):
         return f"{MANIFEST_FILE}: unreadable (it lists no files)"
-    for name in files or (MODEL_FILE, STATE_FILE, *sorted(set(listed) - {MODEL_FILE, STATE_FILE})):
+    state = LEGACY_STATE_FILE if LEGACY_STATE_FILE in listed and STATE_FILE not in listed else STATE_FILE
+    for name in files or (MODEL_FILE, state, *sorted(set(listed) - {MODEL_FILE, state})):
+        if not is_inside_name(name):
+            return f"{MANIFEST_FILE}: unreadable (it names {name!r}, a path outside the checkpoint folder)"
         if name not in listed:
             return f"{name}: not in {MANIFEST_FILE}"
         try:
@@ -157,6 +185,15 @@ def verify_checkpoint(folder: str | Path, files: tuple[str, ...] | None = None) 
         if problem:
             return problem
     return ""
+
+
+def is_inside_name(name: object) -> bool:
+    """Whether `name` (from a file we did not necessarily write: a manifest) is a relative path that stays inside
+    the folder it is joined to: no absolute path, no '..', no backslash, no empty part."""
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        return False
+    parts = name.split("/")
+    return not name.startswith("/") and all(part not in ("", ".", "..") for part in parts)
 
 
 def newest_intact_checkpoint(output_dir: str | Path, exclude: tuple[Path, ...] = (),

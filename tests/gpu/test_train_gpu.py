@@ -66,7 +66,9 @@ def check_fp16_scaler(tmp: Path) -> str:
     trainer = Trainer(_config(tmp, "fp16", "train.steps=4", "train.precision=fp16"), quiet=True)
     result = trainer.run()
     assert result.steps_done == 4 and math.isfinite(result.last_loss)
-    state = torch.load(tmp / "fp16/checkpoints/step-000004/state.pt", weights_only=False)
+    from tttvideo.train.checkpoint import load_state
+
+    state = load_state(tmp / "fp16/checkpoints/step-000004")
     assert state["scaler"]["scale"] > 0
     return f"fp16 + GradScaler 4 steps: last loss {result.last_loss:.4f}, scale {state['scaler']['scale']:g}"
 

@@ -37,6 +37,19 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool 
                         help=SET_HELP)
 
 
+TRUST_HELP = (
+    "read a checkpoint file that only Python's unpickler can read, which runs any code the file holds: a state.pt "
+    "of an earlier tttvideo version that names more than tensors, numbers and numpy arrays (converted to "
+    "state.safetensors once), or DCP files naming types outside their allow-list; only for checkpoints you trust "
+    "(docs/security.md)"
+)
+
+
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    """--trust-checkpoint (args.trust_checkpoint): the one way to read a checkpoint file that could run code."""
+    parser.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
+
+
 def config_from_args(args: argparse.Namespace) -> Any:
     """The resolved `Config` of a command line parsed with `add_config_arguments`."""
     return load_config(getattr(args, "config", None), getattr(args, "overrides", None) or [])

@@ -1,6 +1,6 @@
-"""`tttv train CONFIG [--set KEY=VALUE ...] [--resume | --new | --overwrite]`: train one stage; `configs/demo.toml`
-is the CPU demo. Under torchrun (`torchrun --nproc_per_node N -m tttvideo train CONFIG ...`) every rank runs it and
-rank 0 alone prints (docs/parallel.md)."""
+"""`tttv train CONFIG [--set KEY=VALUE ...] [--resume | --new | --overwrite] [--trust-checkpoint]`: train one stage;
+`configs/demo.toml` is the CPU demo. Under torchrun (`torchrun --nproc_per_node N -m tttvideo train CONFIG ...`)
+every rank runs it and rank 0 alone prints (docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import shlex
 import sys
 
-from tttvideo.cli.common import add_config_arguments, config_from_args
+from tttvideo.cli.common import add_config_arguments, add_trust_argument, config_from_args
 
 # flag -> train.if_exists
 IF_EXISTS_FLAGS = {"resume": "resume", "new": "new", "overwrite": "overwrite"}
@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     group.add_argument("--overwrite", action="store_true",
                        help="delete an earlier run's checkpoints, metrics, TensorBoard logs and videos in "
                             "train.output_dir and start over; train.if_exists = 'overwrite'")
+    add_trust_argument(p)
     p.add_argument("--auto-fit", action="store_true",
                    help="set the memory switches (checkpointing, offload, fp8 weights, 8-bit AdamW, sp) to the "
                         "fastest setup `tttv plan` predicts to fit this GPU (docs/memory.md)")
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     configured_dir = cfg.train.output_dir
     if_exists = next((value for flag, value in IF_EXISTS_FLAGS.items() if getattr(args, flag, False)), None)
     try:
-        trainer = Trainer(cfg, console=console, if_exists=if_exists)
+        trainer = Trainer(cfg, console=console, if_exists=if_exists, trust_checkpoint=args.trust_checkpoint)
         result = trainer.run()
     except TrainingStopped as stop:
         if launch_rank() == 0:

@@ -2,8 +2,8 @@
 
 The run folder holds one checkpoint, step 0, laid out as `tttv train` writes them (`tttvideo.runs`):
 model.safetensors in our names and shapes, the config (the detected preset and TTT kind, and
-`ttt.eta_layout = "reference"`, the learning-rate layout the weights were trained with), a state.pt that marks the
-checkpoint as imported (it has no optimizer to resume), and the manifest, written last. The folder is assembled
+`ttt.eta_layout = "reference"`, the learning-rate layout the weights were trained with), a state.safetensors that
+marks the checkpoint as imported (it has no optimizer to resume), and the manifest, written last. The folder is assembled
 under a temporary name beside RUN and renamed into place, so it appears whole or not at all.
 
 `tttv sample --checkpoint RUN` samples from it; `tttv train` continues from it with `train.init_from = RUN` (a new
@@ -28,9 +28,10 @@ from tttvideo.convert.sources import Checkpoint, open_checkpoint
 from tttvideo.errors import UserError
 from tttvideo.models import PRESETS, CogVideoXTTT, ModelSpec, save_checkpoint
 from tttvideo.runs import CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_root
+from tttvideo.train.statefile import write_state
 from tttvideo.ttt.eta_layout import REFERENCE
 
-IMPORTED_KEY = "imported"  # in state.pt: what the checkpoint was imported from (no training state to resume)
+IMPORTED_KEY = "imported"  # in state.safetensors: what the checkpoint was imported from (no training state to resume)
 
 
 @dataclasses.dataclass
@@ -128,7 +129,7 @@ def convert_ttt_video_dit(source: str | Path, out: str | Path, cfg: Config, trus
     try:
         folder.mkdir(parents=True)
         save_checkpoint(_Weights(spec, ours), folder / MODEL_FILE, trained_duration_s=trained_duration_s)
-        torch.save({IMPORTED_KEY: {"from": ref.SOURCE_NAME, "source": str(source)}}, folder / STATE_FILE)
+        write_state({IMPORTED_KEY: {"from": ref.SOURCE_NAME, "source": str(source)}}, folder / STATE_FILE)
         (folder / CONFIG_FILE).write_text(dump_toml(cfg), encoding="utf-8")
         write_manifest(folder, 0, {IMPORTED_KEY: ref.SOURCE_NAME, "source": str(source), "tttvideo": __version__,
                                    "torch": torch.__version__})

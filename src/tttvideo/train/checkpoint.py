@@ -1,8 +1,10 @@
 """Training checkpoints: everything needed to continue a run bit for bit, written atomically, pruned to the last K,
 and read back for resuming. The folder layout, and finding the newest intact checkpoint, are `tttvideo.runs`'s.
 
-state.pt holds the optimizer, LR scheduler, grad scaler, RNG states (python, numpy, torch CPU and CUDA, the
-trainer's noise generator), optimizer step, data position and counters.
+state.safetensors holds the optimizer, LR scheduler, grad scaler, RNG states (python, numpy, torch CPU and CUDA,
+the trainer's noise generator), optimizer step, data position and counters, as tensors and JSON
+(`tttvideo.train.statefile`: reading it runs no code from it). A checkpoint of an earlier version holds state.pt
+(torch.save's pickle) instead: `load_state` reads it as statefile allows and converts it in place, once.
 
 A checkpoint is assembled in a temporary folder beside the final one and renamed into place (os.replace of a
 folder is atomic on POSIX), so a process killed while saving leaves either the complete checkpoint or none; a
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import random
 import shutil
@@ -23,8 +26,12 @@ import numpy as np
 import torch
 
 from tttvideo.errors import UserError
-from tttvideo.runs import (CONFIG_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MODEL_FILE, STATE_FILE, checkpoint_root,
-                           file_digest, find_model_file, latest_checkpoint, list_checkpoints)
+from tttvideo.runs import (CONFIG_FILE, LEGACY_STATE_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MODEL_FILE, STATE_FILE,
+                           checkpoint_root, file_digest, find_model_file, latest_checkpoint, list_checkpoints,
+                           read_manifest, state_file)
+from tttvideo.train.statefile import read_legacy_state, read_state, write_state
+
+log = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
@@ -67,8 +74,8 @@ def publish_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module
                        config_text: str, keep: int, meta: dict[str, Any], trained_duration_s: int | None,
                        tmp: Path | None = None) -> Path:
     """Complete a checkpoint in `tmp` (a `staging_folder`, which may already hold files, e.g. a multi-process run's
-    dcp/ shards; None: a new one) with the model file, state.pt, config.toml and the manifest last, make it durable,
-    rename it to step-NNNNNN (replacing a checkpoint of the same step: a resumed run's final save) and prune to the
+    dcp/ shards; None: a new one) with the model file, state.safetensors, config.toml and the manifest last, make it
+    durable, rename it to step-NNNNNN (replacing a checkpoint of the same step: a resumed run's final save) and prune to the
     newest `keep`. `model` is anything `tttvideo.models.save_checkpoint` reads (named parameters, spec, use_ttt)."""
     from tttvideo.models import save_checkpoint
 
@@ -77,7 +84,7 @@ def publish_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module
     try:
         tmp = staging_folder(output_dir, step) if tmp is None else tmp
         save_checkpoint(model, tmp / MODEL_FILE, trained_duration_s=trained_duration_s)
-        torch.save(state, tmp / STATE_FILE)
+        write_state(state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
         write_manifest(tmp, step, meta)
         _fsync_dir_files(tmp)
@@ -92,7 +99,7 @@ def publish_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module
     return final
 
 
-LOW_SPACE = 64 << 20  # below this a failed write is taken for a full disk (torch.save then says only "unexpected pos")
+LOW_SPACE = 64 << 20  # below this a failed write is taken for a full disk (a write may then say only "unexpected pos")
 
 
 def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path) -> None:
@@ -165,9 +172,47 @@ def prune(output_dir: str | Path, keep: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_state(folder: Path) -> dict[str, Any]:
-    # weights_only=False: the state holds numpy / python RNG tuples; the file is our own
-    return torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+def load_state(folder: Path, trust: bool = False) -> dict[str, Any]:
+    """The training state of checkpoint `folder`. A state.pt of an earlier version is read as
+    `statefile.read_legacy_state` allows (the full unpickler only with `trust`: --trust-checkpoint) and then
+    converted in place to state.safetensors, so that it is read safely from then on; the caller must be the only
+    process reading the folder (rank 0, holding the run folder's lock)."""
+    path = state_file(folder)
+    if path.name == STATE_FILE:
+        return read_state(path)
+    state = read_legacy_state(path, trust)
+    try:
+        convert_legacy_state(folder, state)
+    except (OSError, TypeError) as err:  # a read-only folder, or a state holding what state.safetensors cannot
+        log.warning("checkpoint %s: could not convert %s to %s (%s); it stays as it is", folder, LEGACY_STATE_FILE,
+                    STATE_FILE, err)
+    return state
+
+
+def convert_legacy_state(folder: Path, state: dict[str, Any]) -> None:
+    """Replace the state.pt of checkpoint `folder` by state.safetensors holding `state` (what it held). In order,
+    each step atomic: the new file (written under a temporary name, renamed), the manifest listing it instead of
+    state.pt (its other entries kept), state.pt deleted. A crash in between leaves a checkpoint that reads as
+    before: the manifest decides which state file counts (`runs.state_file`)."""
+    new = folder / STATE_FILE
+    tmp = folder / f".tmp-{STATE_FILE}"
+    write_state(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, new)
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        files = {k: v for k, v in manifest.get("files", {}).items() if k != LEGACY_STATE_FILE}
+        files[STATE_FILE] = {"size": new.stat().st_size, "sha256": file_digest(new)}
+        manifest["files"] = dict(sorted(files.items()))
+        tmp = folder / f".tmp-{MANIFEST_FILE}"
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / MANIFEST_FILE)
+    (folder / LEGACY_STATE_FILE).unlink(missing_ok=True)
+    _fsync_dir(folder)
+    log.info("checkpoint %s: %s converted to %s", folder, LEGACY_STATE_FILE, STATE_FILE)
 
 
 def resolve_init_from(path: str | Path) -> Path:

@@ -8,13 +8,24 @@ the final one, its manifest written last, renamed into place by rank 0, pruned t
   reads every shard into the whole model, no process group needed);
 - `model.safetensors`: the whole model, gathered to rank 0, so that `tttv sample`, `train.init_from` and every
   tool that reads a checkpoint's weights use it as they use a one-process one;
-- `state.pt` (rank 0): step, data position, scheduler, scaler, RNG and noise-generator states, counters; every
-  rank holds the same ones (they draw the same random numbers), so rank 0's are every rank's;
+- `state.safetensors` (rank 0): step, data position, scheduler, scaler, RNG and noise-generator states, counters;
+  every rank holds the same ones (they draw the same random numbers), so rank 0's are every rank's;
 - `config.toml` and `manifest.json` (with every file under `dcp/`).
+
+Reading runs no code from the files. DCP's metadata file (`dcp/.metadata`) is a pickle, and DCP reads the
+non-tensor values of the state (the optimizer's hyperparameters) with torch's full unpickler; here the metadata goes
+through `SafeUnpickler`, which builds only the types a DCP metadata file holds (its dataclasses, torch.Size, dtypes,
+paths), and the values through torch's weights-only unpickler (the tensors already do). A file that names anything
+else is refused with a sentence naming it and --trust-checkpoint, which reads it with DCP's own reader (for a
+checkpoint of a torch version whose metadata holds other types, from a source the user trusts).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import io
+import pickle
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +33,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from tttvideo.errors import UserError
+from tttvideo.parallel.launch import SharedError
+from tttvideo.runs import is_inside_name
 from tttvideo.train.checkpoint import publish_checkpoint, staging_folder
+from tttvideo.train.statefile import TRUST_FLAG, refused_global
 
 if TYPE_CHECKING:
     from tttvideo.models.presets import ModelSpec
@@ -67,13 +86,138 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: CogVideoXT
                                                     keep, meta, trained_duration_s, tmp))
 
 
-def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            trust: bool = False) -> None:
     """Read `dcp/` of checkpoint `folder` into `model` and `optimizer`, sharded or not, whatever the number of
-    processes that wrote it (a collective when distributed)."""
+    processes that wrote it (a collective when distributed). Nothing is unpickled beyond the allow-lists unless
+    `trust` (--trust-checkpoint); a refused file is a UserError naming it (a SharedError under torchrun: every rank
+    reads the same file and refuses it)."""
+    distributed = torch.distributed.is_initialized()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     loaded = {"model": model_sd, "optimizer": optim_sd}
+    path = Path(folder) / DCP_DIR
+    reader, planner = None, None
+    if not trust:
+        try:
+            reader, planner = _SafeReader(path, read_dcp_metadata(path / METADATA_FILE)), _SafeLoadPlanner(path)
+        except UserError as err:
+            raise (SharedError(str(err)) if distributed else err) from None
     with warnings.catch_warnings():
         # on one process DCP reads every shard itself, and warns that it assumes this is meant: it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(loaded, checkpoint_id=Path(folder) / DCP_DIR, no_dist=not torch.distributed.is_initialized())
+        try:
+            dcp.load(loaded, checkpoint_id=path, storage_reader=reader, planner=planner, no_dist=not distributed)
+        except CheckpointException:  # a BaseException: what a rank raised, wrapped
+            if planner is None or planner.refused is None:
+                raise
+            # the sentence is the planner's
+            raise (SharedError if distributed else UserError)(planner.refused) from None
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+
+
+# ---------------------------------------------------------------------------------------------------- safe reading
+METADATA_FILE = ".metadata"
+_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
+
+
+def _refusal(path: Path | str, what: str) -> str:
+    return (f"{path} names {what}, which a checkpoint's DCP files do not hold, so reading it could run code it "
+            f"holds; pass {TRUST_FLAG} only if you trust where the checkpoint came from")
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle named a global outside the allow-list; the message is its name, quoted."""
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler that builds only what a DCP metadata file holds: the dataclasses and enums of
+    torch.distributed.checkpoint.metadata, DCP's _StorageInfo, torch.Size, torch dtypes, layouts and memory
+    formats, and paths. Every other global is refused (pickle's documented way to restrict unpickling: every
+    callable an opcode can reach comes through find_class); a dotted name (an attribute of a class) is refused too."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name and _allowed(module, name):
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"'{module}.{name}'")
+
+
+def _allowed(module: str, name: str) -> bool:
+    # looked up in the module's own namespace: getattr could trigger torch's lazy imports of submodules
+    if module == "torch":
+        return name == "Size" or isinstance(vars(torch).get(name), (torch.dtype, torch.layout, torch.memory_format))
+    if module == "torch.serialization":
+        return name == "_get_layout"  # a layout by its name, looked up among torch's layouts
+    if module == "torch.distributed.checkpoint.metadata":
+        found = vars(dcp_metadata).get(name)
+        return isinstance(found, type) and found.__module__ == module and (
+            dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
+    if module == "torch.distributed.checkpoint.filesystem":
+        return name == "_StorageInfo"
+    return module == "pathlib" and name in _PATHS
+
+
+def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
+    """DCP's metadata file `path`, read with `SafeUnpickler`; its data files must lie beside it. A UserError naming
+    the file when it names anything else, or is not a DCP metadata file."""
+    try:
+        with open(path, "rb") as f:
+            metadata = SafeUnpickler(f).load()
+    except RefusedGlobal as err:
+        raise UserError(_refusal(path, str(err))) from None
+    except pickle.UnpicklingError as err:
+        raise UserError(f"{path} is not a readable DCP metadata file ({err}); resume from another checkpoint") from None
+    except OSError as err:
+        raise UserError(f"{path} cannot be read ({err.strerror or err}); resume from another checkpoint") from None
+    except Exception as err:  # an allowed type built from arguments it does not take
+        raise UserError(f"{path} is not a readable DCP metadata file ({type(err).__name__}: {err}); resume from "
+                        f"another checkpoint") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UserError(f"{path} is not a DCP metadata file (it holds a {type(metadata).__name__}); resume from "
+                        f"another checkpoint")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not all(
+            isinstance(info, _StorageInfo) and is_inside_name(info.relative_path) and "/" not in info.relative_path
+            for info in storage.values()):
+        raise UserError(f"{path} names data files outside its folder, which tttv never writes; resume from another "
+                        f"checkpoint")
+    if metadata.storage_meta is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata `read_dcp_metadata` read (DCP's own would unpickle it unrestricted)."""
+
+    def __init__(self, path: Path, metadata: dcp_metadata.Metadata):
+        super().__init__(path)
+        self._safe_metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        metadata = (self._safe_metadata if rank is None
+                    else read_dcp_metadata(Path(self.path) / f"__{rank}{METADATA_FILE}"))
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading the state's non-tensor values (the optimizer's hyperparameters) with torch's
+    weights-only unpickler; `refused` holds the sentence for a value it refused."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+        self.refused: str | None = None
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            self.refused = _refusal(f"{self.folder} (its value {read_item.dest_index.fqn})", refused_global(str(err)))
+            raise
+        # DefaultLoadPlanner places the value where it belongs; it unpickles again, so it gets our own pickle of
+        # what the weights-only read built
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        super().load_bytes(read_item, buffer)

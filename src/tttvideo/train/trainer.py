@@ -113,7 +113,7 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, console: Any = None, quiet: bool = False,
-                 if_exists: str | None = None):
+                 if_exists: str | None = None, trust_checkpoint: bool = False):
         from rich.console import Console
 
         self.cfg = cfg
@@ -151,6 +151,8 @@ class Trainer:
             check_mp4_writer("train.sample_at_end / train.validate_every (set them to false and 0 to train without "
                              "videos)")
         self.resume_from: Path | None = None
+        # --trust-checkpoint: a checkpoint file that only the full unpickler reads may be read (docs/security.md)
+        self.trust_checkpoint = trust_checkpoint
 
     # ------------------------------------------------------------------ setup
     def _build(self, stack: contextlib.ExitStack | None = None) -> None:
@@ -244,7 +246,7 @@ class Trainer:
         from tttvideo.models.weights import trained_duration
 
         if is_sharded_checkpoint(folder):
-            load_sharded_checkpoint(folder, self.model, self.optimizer)
+            load_sharded_checkpoint(folder, self.model, self.optimizer, trust=self.trust_checkpoint)
         elif self.ranks.distributed:
             raise SharedError(f"{folder} was written by a one-process run, which a multi-process run cannot resume "
                               f"yet; resume it with one process, or start a new stage from it with "
@@ -252,7 +254,8 @@ class Trainer:
         else:
             load_checkpoint(self.model, folder / ckpt.MODEL_FILE)
         self.trained_duration_s = max(self.layout.duration_s, trained_duration(folder / ckpt.MODEL_FILE) or 0)
-        state = ckpt.load_state(folder)
+        # rank 0 alone reads it: an earlier version's state.pt is converted in place
+        state = self.ranks.on_main(lambda: ckpt.load_state(folder, trust=self.trust_checkpoint))
         if "imported" in state:  # tttv convert's: weights only
             raise UserError(f"{folder} was imported by tttv convert and holds no training state to resume; start "
                             f"a new run from it with train.init_from = '{folder.parent.parent}'")
