@@ -23,10 +23,10 @@ from torch import nn
 from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
-from tttvideo.models.block import Block
 from tttvideo.models.checkpointing import checkpointed
-from tttvideo.models.embeddings import PatchEmbed, TimestepEmbedding
-from tttvideo.models.presets import ModelSpec
+from tttvideo.models.cogvideox.block import Block
+from tttvideo.models.cogvideox.embeddings import PatchEmbed, TimestepEmbedding
+from tttvideo.models.cogvideox.presets import ModelSpec
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the model needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
