@@ -27,6 +27,7 @@ def long_range_layer(cfg: Config) -> str:
                           f"{m.sequence_layer!r} asks for one; set only sequence_layer (use_ttt = false is "
                           f"sequence_layer = 'none')")
     layer = configured_layer(m)
+    # before any weight loads; of the long-range layers only TTT has a chunked pass (`chunked_pass_`)
     if layer not in ("ttt", "none") and cfg.memory.chunked_inference:
         raise ConfigError(f"memory.chunked_inference runs the TTT layer in chunks; model.sequence_layer = {layer!r} "
                           f"has no chunked forward: set memory.chunked_inference = false")
