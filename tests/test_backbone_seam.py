@@ -207,6 +207,18 @@ def test_the_vae_and_text_encoder_are_the_backbones(toy_backbone, tmp_path):
         make_text_encoder(cfg, 8, 64, torch.device("cpu"))
 
 
+def test_precompute_refuses_a_backbone_with_other_encoders(toy_backbone, tmp_path, monkeypatch, capsys):
+    """`tttv precompute` encodes with CogVideoX's VAE and T5 only: for the toy it stops with one sentence."""
+    from tttvideo.cli import main, precompute_cmd
+
+    monkeypatch.setattr(precompute_cmd, "config_from_args", lambda args: toy_config(tmp_path))
+    args = ["--videos", "v", "--captions", "c.jsonl", "--vae", "vae", "--t5", "t5", "--out", str(tmp_path / "out")]
+    assert main(["precompute", *args]) == 2
+    err = capsys.readouterr().err
+    assert "precompute encodes with CogVideoX's VAE and T5" in err and "'toy-cross-attention'" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_no_chunked_forward_is_a_config_error(toy_backbone, tmp_path):
     cfg = toy_config(tmp_path)
     cfg.memory.chunked_inference = True
@@ -217,8 +229,11 @@ def test_no_chunked_forward_is_a_config_error(toy_backbone, tmp_path):
 def test_a_second_backbone_trains_and_samples(toy_backbone, tmp_path, monkeypatch):
     """`tttvideo.api.train` and `VideoPipeline` on the toy: the trainer's loss is the toy schedule's and the
     sampler steps on it; checkpoints save and load the toy's config."""
+    import tttvideo.sample.pipeline as pipeline
     import tttvideo.train.trainer as trainer
 
+    # the sampler's gc.collect between phases walks the whole test session's heap (seconds) and frees nothing checked
+    monkeypatch.setattr(pipeline, "free_memory", lambda: None)
     schedules = []
     objective = trainer.DiffusionObjective
     monkeypatch.setattr(trainer, "DiffusionObjective", lambda schedule, *a, **k: (schedules.append(schedule),
