@@ -26,8 +26,8 @@ from tttvideo.errors import ConfigError
 from tttvideo.layout import LayoutParams, VideoLayout
 from tttvideo.models import build_model
 from tttvideo.models.attention import LocalAttention
-from tttvideo.models.backbone import (BackboneSpec, Objective, backbone_of, get_preset, layout_of, register_backbone,
-                                      unregister_backbone)
+from tttvideo.models.backbone import (Backbone, BackboneSpec, Objective, backbone_of, get_preset, layout_of,
+                                      register_backbone, unregister_backbone)
 from tttvideo.sequence.build import sequence_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -94,7 +94,7 @@ class ToyBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class ToyCrossAttentionDiT(nn.Module):
+class ToyCrossAttentionDiT(Backbone):
     def __init__(self, spec: ToyConfig, ttt: TTTConfig | None = None, use_ttt: bool = True,
                  sequence_layer: str = "ttt"):
         super().__init__()
@@ -129,15 +129,6 @@ class ToyCrossAttentionDiT(nn.Module):
             x = block(x, temb, context, layout)
         x = self.proj_out(self.norm_out(x)).reshape(B, T, H // p, W // p, C, p, p)
         return x.permute(0, 1, 4, 2, 5, 3, 6).reshape(B, T, C, H, W)
-
-    def ttt_modules(self):
-        return [b.ttt for b in self.blocks if b.ttt is not None]
-
-    @torch.no_grad()
-    def set_ttt_gates(self, value: float) -> None:
-        for m in self.ttt_modules():
-            for g in m.gates():
-                g.fill_(value)
 
 
 @pytest.fixture

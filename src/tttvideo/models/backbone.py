@@ -43,26 +43,40 @@ class BackboneConfig(Protocol):
     def validate(self) -> None: ...
 
 
-class Backbone(Protocol):
-    """What the trainer, the sampler, FSDP, checkpointing and the memory tools use of a model.
+class Backbone(nn.Module):
+    """The base of every backbone's model: what the trainer, the sampler, FSDP, checkpointing and the memory tools
+    use of it.
 
-    `blocks` are the transformer layers (sharded, offloaded, checkpointed one by one); each block that supports
-    `memory.chunked_inference` has `chunked_forward(x, temb_act, layout, plan)` and an `inference_chunks` slot.
-    The long-range layer of a block is its attribute `ttt` (None without one), whatever its kind."""
+    A subclass sets `spec` (the `BackboneConfig` it was built from), `use_ttt`, `sequence_layer` (the long-range
+    layer's kind, "none" without one), `blocks` (the transformer layers: sharded, offloaded and checkpointed one by
+    one) and `block_units` ((start, stop, checkpointed) runs of blocks, which `models.checkpointing` rewrites), and
+    implements `forward`. The long-range layer of a block is its attribute `ttt` (None without one), whatever its
+    kind; a block that supports `memory.chunked_inference` has `chunked_forward(x, temb_act, layout, plan)` and an
+    `inference_chunks` slot."""
 
-    spec: Any  # the BackboneConfig it was built from
+    spec: Any
     use_ttt: bool
     sequence_layer: str
     blocks: nn.ModuleList
-    block_units: list[tuple[int, int, bool]]  # (start, stop, checkpointed) runs of blocks
+    block_units: list[tuple[int, int, bool]]
 
-    def __call__(self, latents: torch.Tensor, text: torch.Tensor | Sequence[torch.Tensor],
-                 timestep: torch.Tensor | int | float, layout: VideoLayout | None = None,
-                 sp: SequenceParallel | None = None) -> torch.Tensor: ...
+    def forward(self, latents: torch.Tensor, text: torch.Tensor | Sequence[torch.Tensor],
+                timestep: torch.Tensor | int | float, layout: VideoLayout | None = None,
+                sp: SequenceParallel | None = None) -> torch.Tensor:
+        """The prediction [B, T, C, H, W] for latents [B, T, C, H, W], text embeddings [B, segments, tokens, dim]
+        and the timestep; `sp`: this rank's part of a sequence-parallel group (every rank gets the same inputs)."""
+        raise NotImplementedError
 
-    def ttt_modules(self) -> list[nn.Module]: ...
+    def ttt_modules(self) -> list[nn.Module]:
+        return [b.ttt for b in self.blocks if b.ttt is not None]
 
-    def set_ttt_gates(self, value: float) -> None: ...
+    @torch.no_grad()
+    def set_ttt_gates(self, value: float) -> None:
+        """Fill every gate of the long-range layers (forward/reverse, text/video); 0 makes the model the pretrained
+        backbone."""
+        for m in self.ttt_modules():
+            for g in m.gates():
+                g.fill_(value)
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,8 @@ class BackboneSpec:
     text_encoder: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.build, type) and not issubclass(self.build, Backbone):
+            raise ValueError(f"backbone {self.name!r}: {self.build.__name__} is not a models.backbone.Backbone")
         for name, preset in self.presets.items():
             if preset.name != name:
                 raise ValueError(f"backbone {self.name!r}: preset {name!r} is named {preset.name!r}")
