@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.trace import is_kernel, kernel_kind
+from tttvideo.models.backbone import get_preset
 from tttvideo.models.fp8_storage import quantize_rows
-from tttvideo.models.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

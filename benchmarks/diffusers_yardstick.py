@@ -28,7 +28,7 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
 from tttvideo.layout import VideoLayout
-from tttvideo.models.presets import ModelSpec
+from tttvideo.models.cogvideox.presets import ModelSpec
 
 NAME = "diffusers CogVideoXTransformer3DModel"
 TIMESTEP = 500  # any timestep: the cost does not depend on it

@@ -72,7 +72,7 @@ def probe_check(cfg, videos) -> dict:
     from tttvideo.data.demo import forgotten_colour, render_video
     from tttvideo.data.demo_score import latent_frames, score_persistence
     from tttvideo.layout import VideoLayout
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
 
     layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
     channels = get_preset(cfg.model.preset).in_channels

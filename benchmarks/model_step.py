@@ -54,7 +54,7 @@ from tttvideo.dtypes import torch_dtype
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.cap import apply_memory_cap
 from tttvideo.models import CogVideoXTTT, build_model, trainable_summary
-from tttvideo.models.presets import get_preset
+from tttvideo.models.backbone import get_preset
 from tttvideo.train.distributed import TrainRanks, rank_device
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.optim import build_optimizer

@@ -77,7 +77,7 @@ def run_layout(args) -> int:
     from tttvideo.config.loader import load_config
     from tttvideo.layout import VideoLayout
     from tttvideo.models import build_model
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
     from tttvideo.sample.distributed import start_sample_ranks
     from tttvideo.sample.guidance import GuidedPrediction
 

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from tttvideo.config.schema import ParallelConfig, TTTConfig
 from tttvideo.layout import VideoLayout
-from tttvideo.models.presets import PRESETS, ModelSpec
-from tttvideo.models.transformer import CogVideoXTTT
+from tttvideo.models.cogvideox.presets import PRESETS, ModelSpec
+from tttvideo.models.cogvideox.transformer import CogVideoXTTT
 from tttvideo.parallel import close_parallel, init_parallel, shard_model
 
 # fp32 everywhere: the parallel runs differ from the one-process run only in summation order

@@ -16,7 +16,7 @@ import torch
 
 import tttvideo
 from tttvideo.errors import UserError
-from tttvideo.models.weights import diffusers_name_map
+from tttvideo.models.cogvideox.weights import diffusers_name_map
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -62,7 +62,7 @@ def diffusers_folder(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """A diffusers CogVideoX pipeline folder holding a random transformer of the tiny preset's shape."""
     from diffusers import CogVideoXTransformer3DModel
 
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
 
     torch.manual_seed(0)
     ref = CogVideoXTransformer3DModel(**get_preset("tiny").to_diffusers_config())

@@ -28,7 +28,7 @@ def demo_cache(tmp_path_factory):
     from tttvideo.config.loader import load_config
     from tttvideo.data.demo import build_demo_cache
     from tttvideo.layout import VideoLayout
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
 
     cfg = load_config(DEMO, CHEAP)
     spec = get_preset(cfg.model.preset)

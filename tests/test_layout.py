@@ -7,7 +7,7 @@ import torch
 
 from tttvideo.cli import main
 from tttvideo.errors import LayoutError
-from tttvideo.layout import VideoLayout, explain_sequence_length, parse_duration
+from tttvideo.layout import LayoutParams, VideoLayout, explain_sequence_length, parse_duration
 
 ORIGINAL_TABLE = [
     # duration, segments, latent frames, video tokens, text tokens per segment, total
@@ -88,6 +88,25 @@ def test_windows_share_one_frame():
     count = lay.window_overlap_count.view(lay.latent_frames, F)[:, 0]
     assert count[12] == 2 and count[24] == 2 and count[0] == 1 and count[13] == 1 and count[-1] == 1
     assert int((count == 2).sum()) == lay.num_segments - 1
+
+
+def test_a_backbones_window_and_text_placement():
+    """A window of 7 latent frames (3 s at 8 fps through a 4x temporal VAE) and text kept out of the stream:
+    segments share one frame, the stream and the TTT order are the video alone, text is still counted per segment."""
+    lay = VideoLayout.create("9s", height=32, width=48, fps=8, text_tokens=5, mini_batch_size=16, window_frames=7,
+                             text_in_stream=False)
+    F = lay.tokens_per_frame
+    assert (lay.latent_frames, lay.num_frames, lay.text_tokens, lay.total_text_tokens) == (19, 73, 5, 0)
+    assert lay.total_tokens == lay.video_tokens == 19 * F and lay.window_tokens == 7 * F
+    assert [(r.start, r.stop) for r in map(lay.segment_frames, range(3))] == [(0, 7), (6, 13), (12, 19)]
+    assert torch.equal(lay.window_index(2), torch.arange(12 * F, 19 * F))
+    assert torch.equal(lay.interleave_perm, torch.arange(19 * F))
+    assert torch.equal(lay.reverse_perm, torch.arange(19 * F).flip(0))
+    assert lay.local_positions[:, 0].max() == 6
+    same = VideoLayout.from_latents(19, 4, 6, 5, 2, 16, backbone=LayoutParams(window_frames=7, text_in_stream=False))
+    assert same.total_tokens == lay.total_tokens and same.latent_frames == 19
+    with pytest.raises(LayoutError, match="segment windows of 7 latent frames need 6"):
+        VideoLayout.create("3s", height=32, width=48, fps=16, window_frames=7)
 
 
 def test_interleave_permutation_structure_and_inverse():

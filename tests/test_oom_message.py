@@ -13,7 +13,7 @@ from tttvideo.cli import main
 from tttvideo.config.loader import load_config
 from tttvideo.memory.oom import adamw_state_saving, frozen_linear_saving, train_savings
 from tttvideo.models import build_model
-from tttvideo.models.block import Block
+from tttvideo.models.cogvideox.block import Block
 from tttvideo.models.fp8_storage import frozen_weight_bytes, store_fp8
 
 pytestmark = pytest.mark.usefixtures("one_thread")

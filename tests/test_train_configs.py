@@ -65,7 +65,7 @@ def fixed_gib(cfg) -> float:
     from tttvideo.dtypes import torch_dtype
     from tttvideo.memory.oom import adamw_state_saving, frozen_linear_saving
     from tttvideo.models import apply_adapter, get_preset
-    from tttvideo.models.transformer import CogVideoXTTT
+    from tttvideo.models.cogvideox.transformer import CogVideoXTTT
 
     with torch.device("meta"):
         model = CogVideoXTTT(get_preset(cfg.model.preset), cfg.ttt, cfg.model.use_ttt).to(torch_dtype(cfg.model.dtype))

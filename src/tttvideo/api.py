@@ -30,7 +30,7 @@ from tttvideo.sample.model import LoadedModel, load_model
 from tttvideo.sample.scenes import Story, story_from_scenes
 
 if TYPE_CHECKING:
-    from tttvideo.models.presets import ModelSpec
+    from tttvideo.models.backbone import BackboneConfig
     from tttvideo.train.trainer import TrainResult
 
 
@@ -152,9 +152,9 @@ class VideoPipeline:
         return Video(frames, layout.fps, story, record)
 
     @property
-    def spec(self) -> ModelSpec:
+    def spec(self) -> BackboneConfig:
         """The backbone's sizes (the config's model.preset)."""
-        from tttvideo.models.presets import get_preset
+        from tttvideo.models.backbone import get_preset
 
         return get_preset(self.config.model.preset)
 

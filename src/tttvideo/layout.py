@@ -1,9 +1,15 @@
 """The long-video sequence layout, in one place.
 
 A video of n 3-second segments is one sequence ``[text_0 .. text_{n-1} | video frames 0 .. T-1]`` (the residual
-stream order), with T = 13 + 12 (n - 1) latent frames and F tokens per latent frame. Everything that depends on that
-arithmetic lives here: token counts, the attention window of every segment, the TTT interleave permutation and its
-inverse, the reversal used by the reverse TTT pass, padding to the TTT mini-batch, and RoPE positions.
+stream order), with T = W + (W - 1)(n - 1) latent frames for a window of W latent frames per segment (CogVideoX: 13)
+and F tokens per latent frame. Everything that depends on that arithmetic lives here: token counts, the attention
+window of every segment, the TTT interleave permutation and its inverse, the reversal used by the reverse TTT pass,
+padding to the TTT mini-batch, and RoPE positions.
+
+What a layout depends on besides the config is the backbone's (`LayoutParams`, which `BackboneSpec.layout` gives):
+the window W, the patch size and VAE factors, and whether the text is in the stream. A backbone that cross-attends
+to the text keeps it out of the stream: its sequence is the video alone (`stream_text_tokens` = 0) while
+`text_tokens` is still the length of each segment's text embedding.
 
 Every check fails with one sentence that says what was expected; the most common failure of the original system
 (counting ONE segment's text instead of all of them, which surfaced as an opaque RoPE shape assertion) is named
@@ -19,12 +25,12 @@ from functools import cached_property
 import torch
 
 from tttvideo.config.schema import TRAIN_MINI_BATCH, LayoutConfig, TTTConfig
-from tttvideo.errors import LayoutError
+from tttvideo.errors import ConfigError, LayoutError
 
 SEGMENT_SECONDS = 3
-# Latent frames per segment window; consecutive windows share one frame.
+# CogVideoX's latent frames per segment window (49 frames of 3 s at 16 fps through the 4x temporal VAE);
+# consecutive windows share one frame.
 WINDOW_FRAMES = 13
-NEW_FRAMES_PER_SEGMENT = WINDOW_FRAMES - 1
 
 # Text tokens per segment chosen by the original system so that the total is a multiple of 64.
 ORIGINAL_TEXT_TOKENS: dict[int, int] = {1: 498, 3: 502, 6: 471, 10: 497, 21: 458}
@@ -47,8 +53,20 @@ def parse_duration(value: str | int | float) -> int:
     return int(seconds)
 
 
-def latent_frames_for(num_segments: int) -> int:
-    return WINDOW_FRAMES + NEW_FRAMES_PER_SEGMENT * (num_segments - 1)
+def latent_frames_for(num_segments: int, window_frames: int = WINDOW_FRAMES) -> int:
+    return window_frames + (window_frames - 1) * (num_segments - 1)
+
+
+@dataclass(frozen=True)
+class LayoutParams:
+    """What a layout asks of the backbone (`BackboneSpec.layout`); the defaults are CogVideoX's. `VideoLayout.
+    from_config` takes them with the config: the config's patch size and VAE factors must agree with them."""
+
+    window_frames: int = WINDOW_FRAMES  # latent frames per segment's attention window
+    text_in_stream: bool = True  # False: the text is cross-attended, the sequence is the video alone
+    patch_size: int = 2
+    vae_spatial: int = 8
+    vae_temporal: int = 4
 
 
 def auto_text_tokens(num_segments: int, video_tokens: int, mini_batch_size: int) -> int:
@@ -77,8 +95,10 @@ class VideoLayout:
     vae_spatial: int
     vae_temporal: int
     patch_size: int
-    text_tokens: int  # per segment
+    text_tokens: int  # per segment: the length of each segment's text embedding
     mini_batch_size: int  # TTT mini-batch; the TTT sequence is padded to a multiple of it
+    window_frames: int = WINDOW_FRAMES  # latent frames per segment's window (`LayoutParams`)
+    text_in_stream: bool = True  # False: the stream is the video alone (`LayoutParams`)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -93,6 +113,8 @@ class VideoLayout:
         patch_size: int = LayoutConfig.patch_size,
         text_tokens: int = LayoutConfig.text_tokens,
         mini_batch_size: int = TRAIN_MINI_BATCH["mlp"],
+        window_frames: int = WINDOW_FRAMES,
+        text_in_stream: bool = True,
     ) -> "VideoLayout":
         """text_tokens=0 picks the original's per-duration length or the largest one <= 512 that
         makes the total a multiple of the mini-batch."""
@@ -104,18 +126,23 @@ class VideoLayout:
                     f"resolution {height}x{width}: {name} {value} is not divisible by VAE compression x patch size "
                     f"= {vae_spatial} x {patch_size} = {cell}; use a multiple of {cell} (e.g. {max(cell, value // cell * cell)})"
                 )
-        if fps != 16 or vae_temporal != 4:
-            # 3 s at 16 fps = 49 frames -> 13 latent frames is what the segment windows are built on.
+        if window_frames < 2:
+            raise LayoutError(f"a segment window of {window_frames} latent frame(s): consecutive windows share one "
+                              f"frame, so a window needs at least 2")
+        new_frames = window_frames - 1
+        if fps != 16 or vae_temporal != 4 or window_frames != WINDOW_FRAMES:
+            # 3 s at 16 fps = 49 frames -> 13 latent frames is what CogVideoX's segment windows are built on.
             if (SEGMENT_SECONDS * fps) % vae_temporal:
                 raise LayoutError(
                     f"{fps} fps with temporal compression {vae_temporal} does not give whole latent frames per 3-s "
                     f"segment; use 16 fps with compression 4"
                 )
-            if SEGMENT_SECONDS * fps // vae_temporal != NEW_FRAMES_PER_SEGMENT:
+            if SEGMENT_SECONDS * fps // vae_temporal != new_frames:
                 raise LayoutError(
                     f"{fps} fps with temporal compression {vae_temporal} gives "
-                    f"{SEGMENT_SECONDS * fps // vae_temporal} new latent frames per 3 s; the segment windows need "
-                    f"{NEW_FRAMES_PER_SEGMENT} (16 fps, compression 4)"
+                    f"{SEGMENT_SECONDS * fps // vae_temporal} new latent frames per 3 s; the segment windows of "
+                    f"{window_frames} latent frames need {new_frames} ({new_frames * vae_temporal // SEGMENT_SECONDS}"
+                    f" fps with compression {vae_temporal})"
                 )
         if mini_batch_size <= 0:
             raise LayoutError(f"TTT mini-batch size must be positive, got {mini_batch_size}")
@@ -124,18 +151,28 @@ class VideoLayout:
         n = seconds // SEGMENT_SECONDS
         tokens_per_frame = (height // cell) * (width // cell)
         if text_tokens == 0:
-            text_tokens = auto_text_tokens(n, latent_frames_for(n) * tokens_per_frame, mini_batch_size)
-        return cls(seconds, height, width, fps, vae_spatial, vae_temporal, patch_size, text_tokens, mini_batch_size)
+            # with the text out of the stream any length leaves the total as it is: the original's choice stands
+            video = latent_frames_for(n, window_frames) * tokens_per_frame
+            text_tokens = auto_text_tokens(n, video, mini_batch_size if text_in_stream else 1)
+        return cls(seconds, height, width, fps, vae_spatial, vae_temporal, patch_size, text_tokens, mini_batch_size,
+                   window_frames, text_in_stream)
 
     @classmethod
     def from_config(cls, layout: LayoutConfig, ttt: TTTConfig, duration: str | int | None = None,
-                    phase: str = "train") -> "VideoLayout":
-        """The layout of a config's `[layout]` and `[ttt]` sections; `duration` (e.g. a story's) replaces
-        layout.duration. The TTT mini-batch of `phase` ("train" or "sample") sets the padding; the automatic text
-        length is always the training mini-batch's, so that a model samples with the text length it trained with."""
+                    phase: str = "train", backbone: LayoutParams | None = None) -> "VideoLayout":
+        """The layout of a config's `[layout]` and `[ttt]` sections for a backbone's `LayoutParams` (None:
+        CogVideoX's); `duration` (e.g. a story's) replaces layout.duration. The TTT mini-batch of `phase` ("train"
+        or "sample") sets the padding; the automatic text length is always the training mini-batch's, so that a
+        model samples with the text length it trained with."""
+        backbone = LayoutParams() if backbone is None else backbone
+        for key in ("patch_size", "vae_spatial", "vae_temporal"):
+            if getattr(layout, key) != getattr(backbone, key):
+                raise ConfigError(f"layout.{key} = {getattr(layout, key)} but the model's backbone has "
+                                  f"{getattr(backbone, key)}; set layout.{key} = {getattr(backbone, key)}")
         common = dict(duration=layout.duration if duration is None else duration, height=layout.height,
                       width=layout.width, fps=layout.fps, vae_spatial=layout.vae_spatial,
-                      vae_temporal=layout.vae_temporal, patch_size=layout.patch_size)
+                      vae_temporal=layout.vae_temporal, patch_size=layout.patch_size,
+                      window_frames=backbone.window_frames, text_in_stream=backbone.text_in_stream)
         trained = cls.create(**common, text_tokens=layout.text_tokens, mini_batch_size=ttt.train_mini_batch())
         if phase == "train":
             return trained
@@ -144,23 +181,28 @@ class VideoLayout:
     @classmethod
     def from_latents(cls, latent_frames: int, latent_height: int, latent_width: int, text_tokens: int,
                      patch_size: int, mini_batch_size: int,
-                     vae_spatial: int = LayoutConfig.vae_spatial) -> "VideoLayout":
+                     vae_spatial: int = LayoutConfig.vae_spatial,
+                     backbone: LayoutParams | None = None) -> "VideoLayout":
         """The layout of latents [.., latent_frames, C, latent_height, latent_width] with `text_tokens` per segment:
-        what a model infers when it is called without a layout."""
-        if latent_frames < WINDOW_FRAMES or (latent_frames - WINDOW_FRAMES) % NEW_FRAMES_PER_SEGMENT:
+        what a model infers when it is called without a layout (`backbone`: its window and text placement)."""
+        backbone = LayoutParams() if backbone is None else backbone
+        w = backbone.window_frames
+        if latent_frames < w or (latent_frames - w) % (w - 1):
             raise LayoutError(
-                f"{latent_frames} latent frames is not 13 + 12 (n - 1) for n 3-s segments "
-                f"(13 for 3 s, 25 for 6 s, 37 for 9 s, ...)"
+                f"{latent_frames} latent frames is not {w} + {w - 1} (n - 1) for n 3-s segments "
+                f"({w} for 3 s, {latent_frames_for(2, w)} for 6 s, {latent_frames_for(3, w)} for 9 s, ...)"
             )
         if latent_height % patch_size or latent_width % patch_size:
             raise LayoutError(
                 f"latent size {latent_height}x{latent_width} is not divisible by the patch size {patch_size}")
         if text_tokens <= 0:
             raise LayoutError("the text embeddings have 0 tokens; give at least one text token per segment")
-        n = (latent_frames - WINDOW_FRAMES) // NEW_FRAMES_PER_SEGMENT + 1
+        n = (latent_frames - w) // (w - 1) + 1
         return cls.create(duration=SEGMENT_SECONDS * n, height=latent_height * vae_spatial,
-                          width=latent_width * vae_spatial, vae_spatial=vae_spatial, patch_size=patch_size,
-                          text_tokens=text_tokens, mini_batch_size=mini_batch_size)
+                          width=latent_width * vae_spatial, fps=(w - 1) * backbone.vae_temporal // SEGMENT_SECONDS,
+                          vae_spatial=vae_spatial, vae_temporal=backbone.vae_temporal, patch_size=patch_size,
+                          text_tokens=text_tokens, mini_batch_size=mini_batch_size, window_frames=w,
+                          text_in_stream=backbone.text_in_stream)
 
     # ------------------------------------------------------------------ counts
     @property
@@ -174,7 +216,11 @@ class VideoLayout:
 
     @property
     def latent_frames(self) -> int:
-        return latent_frames_for(self.num_segments)
+        return latent_frames_for(self.num_segments, self.window_frames)
+
+    @property
+    def new_frames_per_segment(self) -> int:
+        return self.window_frames - 1
 
     @property
     def latent_height(self) -> int:
@@ -201,8 +247,14 @@ class VideoLayout:
         return self.latent_frames * self.tokens_per_frame
 
     @property
+    def stream_text_tokens(self) -> int:
+        """Text tokens per segment inside the residual stream: `text_tokens`, or 0 when the text is cross-attended."""
+        return self.text_tokens if self.text_in_stream else 0
+
+    @property
     def total_text_tokens(self) -> int:
-        return self.num_segments * self.text_tokens
+        """Text tokens in the residual stream, all segments."""
+        return self.num_segments * self.stream_text_tokens
 
     @property
     def total_tokens(self) -> int:
@@ -219,24 +271,26 @@ class VideoLayout:
 
     @property
     def window_tokens(self) -> int:
-        """Tokens in one attention window: one segment's text and 13 latent frames."""
-        return self.text_tokens + WINDOW_FRAMES * self.tokens_per_frame
+        """Tokens in one attention window: one segment's text (in the stream) and its window of latent frames."""
+        return self.stream_text_tokens + self.window_frames * self.tokens_per_frame
 
     def segment_frames(self, i: int) -> range:
-        """Latent frames of segment i's attention window (13; later windows share their first with the previous)."""
-        start = NEW_FRAMES_PER_SEGMENT * i
-        return range(start, start + WINDOW_FRAMES)
+        """Latent frames of segment i's attention window (13 for CogVideoX; later windows share their first with
+        the previous)."""
+        start = self.new_frames_per_segment * i
+        return range(start, start + self.window_frames)
 
     def segment_own_frames(self, i: int) -> range:
         """Frames that belong to segment i alone in the TTT interleave (the first segment carries the extra one)."""
         if i == 0:
-            return range(0, WINDOW_FRAMES)
-        start = NEW_FRAMES_PER_SEGMENT * i + 1
-        return range(start, start + NEW_FRAMES_PER_SEGMENT)
+            return range(0, self.window_frames)
+        start = self.new_frames_per_segment * i + 1
+        return range(start, start + self.new_frames_per_segment)
 
     # ------------------------------------------------------------------ index maps
     def text_slice(self, i: int) -> slice:
-        return slice(i * self.text_tokens, (i + 1) * self.text_tokens)
+        """Residual-stream positions of segment i's text (empty when the text is not in the stream)."""
+        return slice(i * self.stream_text_tokens, (i + 1) * self.stream_text_tokens)
 
     def frames_slice(self, frames: range) -> slice:
         """Residual-stream positions of a contiguous run of latent frames."""
@@ -244,7 +298,7 @@ class VideoLayout:
         return slice(start, start + len(frames) * self.tokens_per_frame)
 
     def window_index(self, i: int) -> torch.Tensor:
-        """Residual positions of segment i's attention window: [text_i ; its 13 frames]."""
+        """Residual positions of segment i's attention window: [text_i ; its window of frames]."""
         text = self.text_slice(i)
         video = self.frames_slice(self.segment_frames(i))
         return torch.cat([torch.arange(text.start, text.stop), torch.arange(video.start, video.stop)])
@@ -276,7 +330,8 @@ class VideoLayout:
     def reverse_perm(self) -> torch.Tensor:
         """Reversal of the reverse TTT pass: text chunks in reversed segment order (each chunk keeps its order),
         video tokens flipped one by one. It is its own inverse."""
-        text = torch.arange(self.total_text_tokens).view(self.num_segments, self.text_tokens).flip(0).reshape(-1)
+        text = torch.arange(self.total_text_tokens).view(self.num_segments, self.stream_text_tokens).flip(0)
+        text = text.reshape(-1)
         video = torch.arange(self.total_text_tokens, self.total_tokens).flip(0)
         return torch.cat([text, video])
 
@@ -328,8 +383,8 @@ class VideoLayout:
 
     @cached_property
     def local_positions(self) -> torch.Tensor:
-        """(t, h, w) inside one attention window, t restarting at 0 as in pretraining: [13 * F, 3]."""
-        return self._frame_grid(WINDOW_FRAMES)
+        """(t, h, w) inside one attention window, t restarting at 0 as in pretraining: [window_frames * F, 3]."""
+        return self._frame_grid(self.window_frames)
 
     # ------------------------------------------------------------------ checks
     def check_text_embeddings(self, count: int) -> None:
@@ -344,15 +399,15 @@ class VideoLayout:
             return
         msg = (
             f"sequence length {length:,} does not match the {self.duration_s} s layout: expected "
-            f"{self.num_segments} segment(s) x {self.text_tokens} text tokens + {self.video_tokens:,} video tokens "
-            f"= {self.total_tokens:,}"
+            f"{self.num_segments} segment(s) x {self.stream_text_tokens} text tokens + {self.video_tokens:,} video "
+            f"tokens = {self.total_tokens:,}"
         )
-        if length == self.video_tokens + self.text_tokens:
+        if self.text_in_stream and length == self.video_tokens + self.text_tokens:
             msg += (
                 f"; {length:,} is the video plus ONE segment's text: count the text of all "
                 f"{self.num_segments} segments"
             )
-        hints = explain_sequence_length(length, self.tokens_per_frame)
+        hints = explain_sequence_length(length, self.tokens_per_frame, window_frames=self.window_frames)
         if hints:
             msg += "; " + " or ".join(f"{n} segment(s) with {t} text tokens" for n, t in hints[:3])
             msg += f" would give {length:,}"
@@ -374,11 +429,12 @@ class VideoLayout:
         }
 
 
-def explain_sequence_length(length: int, tokens_per_frame: int, max_segments: int = 64) -> list[tuple[int, int]]:
+def explain_sequence_length(length: int, tokens_per_frame: int, max_segments: int = 64,
+                            window_frames: int = WINDOW_FRAMES) -> list[tuple[int, int]]:
     """(segments, text tokens per segment) pairs that would produce `length` at this frame size."""
     out = []
     for n in range(1, max_segments + 1):
-        rest = length - latent_frames_for(n) * tokens_per_frame
+        rest = length - latent_frames_for(n, window_frames) * tokens_per_frame
         if rest > 0 and rest % n == 0 and rest // n <= 4096:
             out.append((n, rest // n))
     return out

@@ -257,7 +257,7 @@ def resolve_checkpoint(path: str | Path, cfg: Config | None = None) -> Path:
     """A model file, a checkpoint folder (model.safetensors inside) or a run folder (its newest checkpoint). A
     damaged or foreign file, or (given `cfg`) one of another backbone than cfg.model.preset, fails here, before the
     model is built."""
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
     from tttvideo.models.weights import check_same_model, model_file_metadata
 
     found = find_model_file(path)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles 
 
 def test_compiled_block_glue_equals_eager_forward_and_backward():
     from tttvideo.device import compiled_on_cuda
-    from tttvideo.models.block import gated_add, norm_modulate
+    from tttvideo.models.cogvideox.block import gated_add, norm_modulate
 
     T, L, C = 226, 226 + 18048, 3072
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tttvideo.data.precompute import PrecomputeOptions, run_precompute
-    from tttvideo.layout import VideoLayout
+    from tttvideo.models.backbone import backbone_of, layout_of
     from tttvideo.outputs import check_writable_dir
 
     cfg = config_from_args(args)
@@ -51,7 +51,13 @@ def run(args: argparse.Namespace) -> int:
     for flag, key in FLAGS.items():
         if not getattr(data, key):
             raise ConfigError(f"precompute needs --{flag} (or data.{key} in the config)")
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    layout = layout_of(cfg)
+    backbone = backbone_of(cfg.model.preset)
+    # data.precompute encodes with diffusers' AutoencoderKLCogVideoX and T5, the components CogVideoX names
+    if (backbone.vae, backbone.text_encoder) != ("cogvideox", "t5"):
+        raise ConfigError(f"precompute encodes with CogVideoX's VAE and T5, but model.preset {cfg.model.preset!r} is "
+                          f"a {backbone.name!r} model (VAE {backbone.vae!r}, text encoder {backbone.text_encoder!r}); "
+                          f"precompute with a cogvideox preset only")
     check_writable_dir(data.cache_dir, "--out (data.cache_dir)")
     opts = PrecomputeOptions(
         videos=Path(data.videos), captions=Path(data.captions), out=Path(data.cache_dir),

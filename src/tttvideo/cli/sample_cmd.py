@@ -123,7 +123,7 @@ def _checked_inputs(args: argparse.Namespace):
 def _sample(args: argparse.Namespace, quiet: bool) -> int:
     from rich.console import Console
 
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
     from tttvideo.parallel.launch import SharedError, launch_world_size
     from tttvideo.sample.distributed import start_sample_ranks
     from tttvideo.sample.pipeline import sample_stories

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from tttvideo.layout import VideoLayout
-    from tttvideo.models.transformer import CogVideoXTTT
+    from tttvideo.models.backbone import Backbone
 
 PHASES = ("train", "sample")
 # Exit status of a profile that ran out of memory; its report is complete and says where (the matrix reads it).
@@ -55,7 +55,7 @@ def _resolve_device(cfg: Config, device: str) -> torch.device:
     return resolve_device(device, "--device")
 
 
-def _inputs(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, batch: int,
+def _inputs(cfg: Config, model: Backbone, layout: VideoLayout, batch: int,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random latents [B, T, C, h, w] and text features [B, segments, tokens, dim] in the cache dtype."""
     import torch
@@ -70,7 +70,7 @@ def _inputs(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, batch: int,
     return latents, text
 
 
-def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool) -> CogVideoXTTT:
+def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool) -> Backbone:
     from tttvideo.models import build_model
     from tttvideo.models.fp8_storage import check_weight_streaming, stream_fp8_weights
 

@@ -69,7 +69,7 @@ def _cogvideox(tiny: bool) -> dict[str, Callable[[], Any]]:
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXTransformer3DModel
     from transformers import T5Config, T5EncoderModel
 
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
 
     # THUDM/CogVideoX-5b: transformer as our preset, text_encoder (T5 v1.1 XXL), vae (scaling 0.7), scheduler
     dit = get_preset("tiny" if tiny else "cogvideox-5b").to_diffusers_config()

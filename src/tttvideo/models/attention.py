@@ -18,7 +18,7 @@ windows are attended exactly as above on those heads, and the reverse all-to-all
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import nn
 from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
+from tttvideo.sequence.chunks import ChunkPlan, token_chunks
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the model needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
@@ -40,7 +41,7 @@ def window_tensors(layout: VideoLayout, head_dim: int, theta: float, device: tor
     n = layout.num_segments
     index = torch.stack([layout.window_index(i) for i in range(n)])
     cos, sin = rope_cos_sin(layout.local_positions, head_dim, theta)
-    text = layout.text_tokens
+    text = layout.stream_text_tokens
     cos = torch.cat([torch.ones(text, head_dim), cos])
     sin = torch.cat([torch.zeros(text, head_dim), sin])
     inv_count = torch.cat([torch.ones(layout.total_text_tokens), 1.0 / layout.window_overlap_count.double()]).float()
@@ -126,3 +127,31 @@ class LocalAttention(nn.Module):
         if sp is not None:
             out = sp.to_sequence_shards(out.view(B, L, H, D), layout, head_axis=2).flatten(2)
         return self.to_out(out)
+
+    def chunked_forward(self, x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor], layout: VideoLayout,
+                        plan: ChunkPlan) -> torch.Tensor:
+        """`forward(norm(x))` without gradients, one window at a time: `norm` (the block's adaLN, which modulates
+        a window's text and video tokens apart: every window starts with its text) of the window's tokens, q/k/v,
+        their norms, RoPE and SDPA, summed into one accumulator [B, L, H D] (a new tensor); then the overlap
+        average and the output projection over `plan.tokens`-token chunks, in place."""
+        B, L, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        index, cos, sin, inv_count = window_tensors(layout, D, self.rope_theta, x.device)
+        n, W = index.shape
+        acc = x.new_zeros(B, L, H * D)
+        for i in range(n):
+            idx = index[i]
+            h = norm(x[:, idx])
+            q = self.norm_q(self.to_q(h).view(B, W, H, D)).transpose(1, 2)
+            k = self.norm_k(self.to_k(h).view(B, W, H, D)).transpose(1, 2)
+            v = self.to_v(h).view(B, W, H, D).transpose(1, 2)
+            del h
+            out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, dropout_p=0.0,
+                                                 is_causal=False)
+            del q, k, v
+            acc.index_add_(1, idx, out.transpose(1, 2).reshape(B, W, H * D))
+        if n > 1:
+            acc.mul_(inv_count.to(acc.dtype))
+        for s, e in token_chunks(0, L, plan.tokens):
+            acc[:, s:e] = self.to_out(acc[:, s:e])
+        return acc

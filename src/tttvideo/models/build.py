@@ -1,4 +1,5 @@
-"""The model a config asks for: preset, weights (diffusers folder or random), dtype, adapter and checkpointing."""
+"""The model a config asks for: the backbone and size of its preset, weights (the backbone's outside weights or
+random), dtype, adapter, fp8 storage, checkpointing and chunked inference."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ from tttvideo.config.schema import Config
 from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import ConfigError
 from tttvideo.models.adapters import apply_adapter
+from tttvideo.models.backbone import Backbone, backbone_of
 from tttvideo.models.checkpointing import apply_checkpointing
 from tttvideo.models.chunked_inference import apply_chunked_inference
 from tttvideo.models.fp8_storage import store_fp8
-from tttvideo.models.presets import get_preset
-from tttvideo.models.transformer import CogVideoXTTT
-from tttvideo.models.weights import from_pretrained, init_model
+from tttvideo.models.weights import init_model
 from tttvideo.sequence.build import configured_layer
 from tttvideo.ttt.layer import inner_hidden
 from tttvideo.ttt.ops import check_backend_config
@@ -27,19 +27,22 @@ def long_range_layer(cfg: Config) -> str:
                           f"{m.sequence_layer!r} asks for one; set only sequence_layer (use_ttt = false is "
                           f"sequence_layer = 'none')")
     layer = configured_layer(m)
+    # before any weight loads; of the long-range layers only TTT has a chunked pass (`chunked_pass_`)
     if layer not in ("ttt", "none") and cfg.memory.chunked_inference:
         raise ConfigError(f"memory.chunked_inference runs the TTT layer in chunks; model.sequence_layer = {layer!r} "
                           f"has no chunked forward: set memory.chunked_inference = false")
     return layer
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT:
+def build_model(cfg: Config, device: torch.device | str = "cpu") -> Backbone:
     """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt,
     frozen_weights: fp8 storage of the linears the adapter froze), `cfg.ttt`, `cfg.checkpointing` and
-    `cfg.memory.chunked_inference`. Random initialisation follows torch's current seed. The trainer, the sampler's
-    `load_model`, the memory profiler and benchmarks/model_step.py all build their model here."""
+    `cfg.memory.chunked_inference`. The preset picks the backbone (`models.backbone`). Random initialisation
+    follows torch's current seed. The trainer, the sampler's `load_model`, the memory profiler and
+    benchmarks/model_step.py all build their model here."""
     m = cfg.model
-    spec = get_preset(m.preset)
+    backbone = backbone_of(m.preset)
+    spec = backbone.presets[m.preset]
     head_dim = spec.attention_head_dim
     layer = long_range_layer(cfg)
     if layer == "ttt":
@@ -47,8 +50,11 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT
     dtype = torch_dtype(m.dtype)
     use_ttt = layer != "none"
     if m.pretrained_path:
-        model = from_pretrained(m.pretrained_path, spec=spec, ttt=cfg.ttt, use_ttt=use_ttt, dtype=dtype,
-                                device=device, sequence_layer=layer)
+        if backbone.from_pretrained is None:
+            raise ConfigError(f"model.pretrained_path is set, but the {backbone.name!r} backbone of preset "
+                              f"{m.preset!r} loads no outside weights; set model.pretrained_path = ''")
+        model = backbone.from_pretrained(m.pretrained_path, spec=spec, ttt=cfg.ttt, use_ttt=use_ttt, dtype=dtype,
+                                         device=device, sequence_layer=layer)
     else:
         model = init_model(spec, cfg.ttt, use_ttt, dtype=dtype, device=device, sequence_layer=layer)
     apply_adapter(model, m.adapter, m.lora_rank, m.lora_alpha)
@@ -58,9 +64,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> CogVideoXTTT
             raise ConfigError(f"model.frozen_weights = 'fp8' found no frozen linear layer to store (model.adapter "
                               f"= {m.adapter!r} trains them all); use adapter 'qkvo' or 'lora', or frozen_weights "
                               f"'dtype'")
-    for block in model.blocks:
-        block.attn.compile_glue = m.compile_attention_glue
-        block.compile_glue = block.norm1.compile_glue = block.norm2.compile_glue = m.compile_block_glue
+    backbone.configure(model, m)
     apply_checkpointing(model, cfg.checkpointing)
     apply_chunked_inference(model, cfg.memory)
     return model

@@ -37,7 +37,7 @@ from tttvideo.config.schema import CheckpointingConfig, CheckpointRule
 from tttvideo.errors import ConfigError
 
 if TYPE_CHECKING:  # the transformer imports this module
-    from tttvideo.models.transformer import CogVideoXTTT
+    from tttvideo.models.backbone import Backbone
 
 
 def _ops(*names: str) -> frozenset[Any]:
@@ -183,8 +183,8 @@ def block_units(policies: list[LayerPolicy]) -> list[tuple[int, int, bool]]:
     return units
 
 
-def apply_checkpointing(model: CogVideoXTTT, cfg: CheckpointingConfig) -> list[LayerPolicy]:
-    """Set the switches of every block of a CogVideoXTTT model from a CheckpointingConfig; returns the per-layer
+def apply_checkpointing(model: Backbone, cfg: CheckpointingConfig) -> list[LayerPolicy]:
+    """Set the switches of every block of a Backbone model from a CheckpointingConfig; returns the per-layer
     policies (for logging)."""
     policies = resolve_policy(cfg, len(model.blocks))
     for block, p in zip(model.blocks, policies):

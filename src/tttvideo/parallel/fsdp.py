@@ -15,11 +15,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 if TYPE_CHECKING:
-    from tttvideo.models.transformer import CogVideoXTTT
+    from tttvideo.models.backbone import Backbone
 
 
-def shard_model(model: "CogVideoXTTT", mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-                reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> "CogVideoXTTT":
+def shard_model(model: "Backbone", mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> "Backbone":
     """Shard `model` in place over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP) and return it.
 
     param_dtype / reduce_dtype: None keeps the parameters' own dtype. reshard_after_forward=False keeps the

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -169,13 +169,22 @@ class CogVideoXDecoder:
         return torch.cat(result_rows, dim=3)
 
 
+# the VAEs a backbone can name (`BackboneSpec.vae`): kind -> (folder, device=, dtype=, tiling=) -> decoder
+VAE_DECODERS: dict[str, Callable[..., CogVideoXDecoder]] = {"cogvideox": CogVideoXDecoder.from_folder}
+
+
 def make_decoder(vae_path: str, device: torch.device, dtype: torch.dtype, tiling: bool, spatial: int = 8,
-                 temporal: int = 4):
-    """The CogVideoX VAE from `vae_path`, or the identity decode when it is empty (the demo)."""
+                 temporal: int = 4, kind: str | None = "cogvideox"):
+    """The VAE of `kind` (the backbone's, `BackboneSpec.vae`) from `vae_path`, or the identity decode when it is
+    empty (the demo)."""
     if not vae_path:
         log.info("no VAE folder given: identity decode (demo latents are shown as pixels)")
         return IdentityDecoder(spatial=spatial, temporal=temporal)
-    dec = CogVideoXDecoder.from_folder(vae_path, device=device, dtype=dtype, tiling=tiling)
+    if kind not in VAE_DECODERS:
+        raise UserError(f"a VAE folder is set ({vae_path}), but the model's backbone names no VAE tttvideo can load"
+                        f"{f' ({kind!r})' if kind else ''}; leave sample.vae_path and data.vae_path empty for the "
+                        f"identity decode")
+    dec = VAE_DECODERS[kind](vae_path, device=device, dtype=dtype, tiling=tiling)
     factor = 2 ** (len(dec.vae.config.block_out_channels) - 1)
     if factor != spatial or dec.temporal != temporal:
         raise UserError(

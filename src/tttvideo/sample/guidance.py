@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from tttvideo.config.schema import SampleConfig
-from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.layout import VideoLayout
+from tttvideo.models.backbone import backbone_of
 from tttvideo.sample.solvers import GuidanceSchedule, guide, make_solver
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def denoise(model: torch.nn.Module, layout: VideoLayout, cond: torch.Tensor, unc
     gen = torch.Generator(device="cpu").manual_seed(int(sample_cfg.seed))
     shape = (1, layout.latent_frames, spec.in_channels, layout.latent_height, layout.latent_width)
     x = torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
-    solver = make_solver(sample_cfg.solver, ZeroSNRSchedule(), sample_cfg.steps)
+    solver = make_solver(sample_cfg.solver, backbone_of(spec).objective.schedule(), sample_cfg.steps)
     scales = GuidanceSchedule(sample_cfg.cfg_schedule, sample_cfg.cfg, sample_cfg.cfg_start,
                               sample_cfg.cfg_ramp_exp).scales(len(solver.timesteps))
     dtype = next(model.parameters()).dtype

@@ -12,7 +12,7 @@ import torch
 
 from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
-from tttvideo.models.transformer import CogVideoXTTT
+from tttvideo.models.backbone import Backbone
 from tttvideo.runs import is_full_checkpoint, resolve_checkpoint
 from tttvideo.sample.offload import BlockOffloader
 from tttvideo.sample.scenes import Story
@@ -25,7 +25,7 @@ class LoadedModel:
     """The model in eval mode without gradients, and the block offloader that streams its weights (None when the
     blocks are resident). `close()` (or leaving a `with` block) removes the offloader's hooks."""
 
-    model: CogVideoXTTT
+    model: Backbone
     offloader: BlockOffloader | None = None
 
     def close(self) -> None:

@@ -81,7 +81,9 @@ def free_memory() -> None:
 def story_layouts(cfg: Config, stories: list[Story], duration: str | int | None = None) -> list[VideoLayout]:
     """Each story's layout, with the sampling TTT mini-batch: its duration is its scene count's (checked against
     `duration` when given)."""
-    return [VideoLayout.from_config(cfg.layout, cfg.ttt, check_duration(s, duration), phase="sample") for s in stories]
+    from tttvideo.models.backbone import layout_of
+
+    return [layout_of(cfg, check_duration(s, duration), phase="sample") for s in stories]
 
 
 def encode_stories(cfg: Config, stories: list[Story], layouts: list[VideoLayout], text_dim: int,
@@ -138,11 +140,12 @@ def denoise_stories(model: torch.nn.Module, stories: list[Story], layouts: list[
 
 def make_story_decoder(cfg: Config, device: torch.device):
     """The VAE of sample.vae_path (or data.vae_path), or the identity decode when neither is set (the demo)."""
+    from tttvideo.models.backbone import backbone_of
     from tttvideo.sample.decode import make_decoder
 
     vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return make_decoder(cfg.sample.vae_path or cfg.data.vae_path, device, vae_dtype, cfg.sample.vae_tiling,
-                        cfg.layout.vae_spatial, cfg.layout.vae_temporal)
+                        cfg.layout.vae_spatial, cfg.layout.vae_temporal, backbone_of(cfg.model.preset).vae)
 
 
 def write_video(decoder: Any, latents: torch.Tensor, path: Path, fps: int) -> int:
@@ -221,7 +224,7 @@ def _sample_share(cfg: Config, stories: list[Story], out: str | Path, checkpoint
                   ranks: SampleRanks | None = None) -> list[SampleResult]:
     """The results this rank writes: every story with one process, its story group's share (or none, on a rank
     that does not write) under torchrun."""
-    from tttvideo.models.presets import get_preset
+    from tttvideo.models.backbone import get_preset
 
     if model is not None:
         device = next(model.parameters()).device

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tttvideo.layout import VideoLayout
+from tttvideo.sequence.chunks import ChunkPlan
 
 if TYPE_CHECKING:
     from tttvideo.parallel.sequence import SequenceParallel
@@ -83,6 +84,19 @@ class GatedBidirectional(nn.Module):
         if remat and torch.is_grad_enabled():
             return checkpoint(self.ttt, x, layout, reverse, sp, use_reentrant=False)
         return self.ttt(x, layout, reverse, sp)
+
+    @property
+    def has_chunked_forward(self) -> bool:
+        return callable(getattr(self.ttt, "chunked_pass_", None))
+
+    def chunked_forward_(self, x: torch.Tensor, layout: VideoLayout, plan: ChunkPlan) -> None:
+        """`forward` without gradients and without sequence parallelism, in place on x and in bounded memory: each
+        pass is the inner layer's `chunked_pass_(x, layout, plan, reverse, (text gate, video gate))`."""
+        if not self.has_chunked_forward:
+            raise TypeError(f"{type(self.ttt).__name__} has no chunked forward (chunked_pass_)")
+        self.ttt.chunked_pass_(x, layout, plan, False, (self.forward_gate_text, self.forward_gate_video))
+        if self.bidirectional:
+            self.ttt.chunked_pass_(x, layout, plan, True, (self.reverse_gate_text, self.reverse_gate_video))
 
     def forward(self, x: torch.Tensor, layout: VideoLayout, sp: SequenceParallel | None = None) -> torch.Tensor:
         """x [B, L, C] in residual order (with `sp`: this rank's shard [B, L / sp, C]) -> the same shape."""

@@ -47,8 +47,8 @@ from tttvideo.train.checkpoint import publish_checkpoint, staging_folder
 from tttvideo.train.statefile import TRUST_FLAG, refused_global
 
 if TYPE_CHECKING:
-    from tttvideo.models.presets import ModelSpec
-    from tttvideo.models.transformer import CogVideoXTTT
+    from tttvideo.models.backbone import BackboneConfig
+    from tttvideo.models.backbone import Backbone
     from tttvideo.train.distributed import TrainRanks
 
 DCP_DIR = "dcp"
@@ -63,8 +63,8 @@ class _WholeWeights:
     """The gathered state dict in the shape `tttvideo.models.save_checkpoint` reads a model in (named parameters,
     spec, use_ttt, sequence_layer): the sharded model's own parameters are DTensors."""
 
-    def __init__(self, model: CogVideoXTTT, tensors: dict[str, torch.Tensor]):
-        self.spec: ModelSpec = model.spec
+    def __init__(self, model: Backbone, tensors: dict[str, torch.Tensor]):
+        self.spec: BackboneConfig = model.spec
         self.use_ttt: bool = model.use_ttt
         self.sequence_layer: str = model.sequence_layer
         names = {n for n, _ in model.named_parameters()}
@@ -74,7 +74,7 @@ class _WholeWeights:
         return iter(self._tensors.items())
 
 
-def save_sharded_checkpoint(output_dir: str | Path, step: int, model: CogVideoXTTT,
+def save_sharded_checkpoint(output_dir: str | Path, step: int, model: Backbone,
                             optimizer: torch.optim.Optimizer, state: dict[str, Any], config_text: str, keep: int,
                             meta: dict[str, Any], trained_duration_s: int | None, ranks: TrainRanks) -> Path:
     """Write checkpoint `step` from every rank (a collective: all ranks call it) and return its folder."""

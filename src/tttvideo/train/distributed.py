@@ -23,7 +23,7 @@ from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard
 from tttvideo.parallel.launch import SharedError, check_launch, launch_rank, rank_device
 
 if TYPE_CHECKING:
-    from tttvideo.models.transformer import CogVideoXTTT
+    from tttvideo.models.backbone import Backbone
     from tttvideo.parallel import SequenceParallel
 
 T = TypeVar("T")
@@ -75,7 +75,7 @@ class TrainRanks:
     def sequence(self) -> SequenceParallel | None:
         return self.plan.sequence
 
-    def shard(self, model: CogVideoXTTT, param_dtype: torch.dtype | None) -> None:
+    def shard(self, model: Backbone, param_dtype: torch.dtype | None) -> None:
         """FSDP2 over the plan's mesh; gradients are reduced in fp32 whatever the compute dtype."""
         if self.distributed:
             shard_model(model, self.plan.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from tttvideo.layout import VideoLayout
-    from tttvideo.models.presets import ModelSpec
+    from tttvideo.models.backbone import BackboneConfig
 
 IF_EXISTS = ("refuse", "resume", "new", "overwrite")
 
@@ -32,7 +32,7 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "samples")
 IN_USE_ADVICE = "wait for it to finish or stop it, or pass --new to start a new run beside it"
 
 
-def open_dataset(cfg: Config, layout: VideoLayout, spec: ModelSpec, output_dir: Path, console: Console,
+def open_dataset(cfg: Config, layout: VideoLayout, spec: BackboneConfig, output_dir: Path, console: Console,
                  stack: contextlib.ExitStack | None = None) -> LatentCache:
     """The data set: `data.manifest`, or the demo set, built (or reused) in data.demo_dir. A demo folder is shared
     by the runs that train on it: it is (re)written only under its exclusive lock and read under a shared one,

@@ -43,9 +43,7 @@ import torch
 from tttvideo.config.loader import config_to_dict, dump_toml
 from tttvideo.config.schema import Config, TrainConfig
 from tttvideo.data.loader import make_loader
-from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.layout import VideoLayout
 from tttvideo.memory.cap import apply_memory_cap
 from tttvideo.memory.oom import OomWatch, train_oom_error
 from tttvideo import runs
@@ -62,7 +60,7 @@ from tttvideo.train.optim import build_optimizer, build_scheduler, group_lr
 from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
 from tttvideo.device import resolve_device
 from tttvideo.dtypes import torch_dtype
-from tttvideo.models.presets import get_preset
+from tttvideo.models.backbone import backbone_of, get_preset, layout_of
 
 
 log = logging.getLogger(__name__)
@@ -136,7 +134,7 @@ class Trainer:
             self.console, self.quiet = Console(quiet=True), True
         # the global batch is data-parallel ranks wide: the ranks of a sequence-parallel group share their samples
         self.grad_accum, self.global_batch = batch_plan(self.train, self.ranks.dp_size)
-        self.layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+        self.layout = layout_of(cfg)
         # what to do with an earlier run in output_dir: --resume (resume=True) or train.if_exists
         self.if_exists = if_exists or ("resume" if resume else self.train.if_exists)
         if self.if_exists not in runfolder.IF_EXISTS:
@@ -180,7 +178,8 @@ class Trainer:
         self.scaler = grad_scaler(self.device, self.train.precision)
         self.noise = NoiseSource(self.train.seed, self.device)
         self.oom_watch = OomWatch(self.model)
-        objective = DiffusionObjective(ZeroSNRSchedule(), self.noise, self.layout, self.train.text_dropout,
+        schedule = backbone_of(self.cfg.model.preset).objective.schedule()
+        objective = DiffusionObjective(schedule, self.noise, self.layout, self.train.text_dropout,
                                        self.train.precision, self.train.batch_size, self.global_batch,
                                        self.ranks.dp_rank, self.ranks.dp_size, self.ranks.sequence)
         self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,

@@ -30,6 +30,7 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import rope_cos_sin
 from tttvideo.sequence.bidirectional import GatedBidirectional, gather_tokens, scan_permutations
+from tttvideo.sequence.chunks import ChunkPlan, modal_chunks, token_chunks
 from tttvideo.ttt import ops
 from tttvideo.ttt.eta_layout import ETA_LAYOUTS, REFERENCE, eta_rows_on
 from tttvideo.ttt.scan_inputs import prepare_scan_inputs
@@ -157,6 +158,50 @@ class TTTLayer(nn.Module):
                             residual_order)
         out = sp.to_sequence_shards(out, layout, head_axis=2).flatten(2)
         return self.wo(self.post_norm(out))
+
+    @torch.no_grad()
+    def chunked_pass_(self, x: torch.Tensor, layout: VideoLayout, plan: ChunkPlan, reverse: bool,
+                      gates: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """x <- x + tanh(gate) * TTT(x) (or of the reversed sequence), in place, in bounded memory (one process,
+        no gradients): projections, eta and the elementwise glue over `plan.tokens`-token chunks in scan order,
+        written into the scan's input buffers; the scan over `plan.ttt_head_groups` groups of heads; post-norm,
+        output projection, gate and residual add over token chunks. `gates`: (text, video) gate parameters."""
+        B, L, C = x.shape
+        H, D = self.num_heads, self.head_dim
+        forward_order, reverse_order, cos, sin = layout_tensors(layout, D, self.rope_theta, x.device)
+        scan_order, residual_order = reverse_order if reverse else forward_order
+        padded = L + layout.ttt_padding
+        groups = torch.arange(H).tensor_split(max(1, min(plan.ttt_head_groups, H)))
+        out = None  # every head's scan output [B, H, L + pad, D], in scan order
+        for group in groups:
+            heads = slice(int(group[0]), int(group[-1]) + 1)
+            h = heads.stop - heads.start
+            inputs = x.new_zeros(3, B, h, padded, D)
+            eta = torch.zeros(B, h, padded, device=x.device, dtype=torch.float32)
+            w_qkv, b_qkv = self.qkv_projection(heads)
+            for s, e in token_chunks(0, L, plan.tokens):
+                xs = gather_tokens(x, scan_order[s:e])
+                qkv = F.linear(xs, w_qkv, b_qkv).unflatten(-1, (3, h, D))
+                inputs[:, :, :, s:e] = prepare_scan_inputs(qkv, cos[s:e], sin[s:e], self.ttt_norm_weight[heads],
+                                                           self.ttt_norm_bias[heads], 0, x.dtype, self.backend,
+                                                           self.compile_glue)
+                eta[:, :, s:e] = self.eta(xs, layout.mini_batch_size, heads).transpose(1, 2)
+            del xs, qkv, w_qkv
+            result = self.scan(inputs[0], inputs[1], inputs[2], eta, layout, heads)
+            del inputs, eta
+            if len(groups) == 1:
+                out = result
+            else:
+                if out is None:
+                    out = x.new_empty(B, H, padded, D)
+                out[:, heads] = result
+            del result
+        T = layout.total_text_tokens
+        text_gate, video_gate = (torch.tanh(g).to(x.dtype) for g in gates)
+        for s, e, is_text in modal_chunks(L, T, plan.tokens):
+            y = out[:, :, residual_order[s:e]].transpose(1, 2).reshape(B, e - s, C).to(x.dtype)
+            y = self.wo(self.post_norm(y))
+            x[:, s:e].add_(y.mul_(text_gate if is_text else video_gate))
 
     def qkv_projection(self, heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """Weight [3 h D, C] and bias [3 h D] of the q/k/v projections of `heads` (all H by default), stacked."""

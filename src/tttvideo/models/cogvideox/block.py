@@ -25,10 +25,10 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import LocalAttention
-from tttvideo.models import chunked_inference
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
-from tttvideo.models.presets import ModelSpec
+from tttvideo.models.cogvideox.presets import ModelSpec
 from tttvideo.sequence.build import sequence_layer
+from tttvideo.sequence.chunks import ChunkPlan, modal_chunks
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the block needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
@@ -123,7 +123,7 @@ class Block(nn.Module):
         self.checkpoint_mlp = False
         self.checkpoint_keep: tuple[str, ...] = ()  # checkpointing.keep: outputs the checkpoints above save
         # bounded-memory forward without gradients (memory.chunked_inference, set by build_model); None: plain
-        self.inference_chunks: chunked_inference.ChunkPlan | None = None
+        self.inference_chunks: ChunkPlan | None = None
         self.compile_glue = False  # model.compile_block_glue: the gated residual adds (and the adaLN norms)
 
     def _attention(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, text_tokens: int,
@@ -140,7 +140,7 @@ class Block(nn.Module):
         """x: the residual stream [B, L, dim], or with `sp` this rank's shard of it [B, L / sp, dim]. Without
         gradients and with `inference_chunks` set (one process), x is updated in place and returned."""
         if self.inference_chunks is not None and sp is None and not torch.is_grad_enabled():
-            return chunked_inference.block_forward(self, x, temb_act, layout, self.inference_chunks)
+            return self.chunked_forward(x, temb_act, layout, self.inference_chunks)
         T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
         a, gate, t_gate = maybe_checkpoint(self._attention, self.checkpoint_attention, x, temb_act, layout, T, sp,
                                            keep=self.checkpoint_keep)
@@ -149,3 +149,24 @@ class Block(nn.Module):
                 a = self.ttt(a, layout, sp)
         x = compiled_on_cuda(gated_add, x, self.compile_glue)(x, a, T, t_gate, gate)
         return maybe_checkpoint(self._mlp, self.checkpoint_mlp, x, temb_act, T, keep=self.checkpoint_keep)
+
+    @torch.no_grad()
+    def chunked_forward(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout,
+                        plan: ChunkPlan) -> torch.Tensor:
+        """`forward` without gradients and without sequence parallelism, in bounded memory
+        (`tttvideo.models.chunked_inference`); x [B, L, C] is updated in place and returned. The adaLN layers run
+        per window or chunk (their modulation linear is a [B, 6C] vector: recomputing it is free)."""
+        T = layout.total_text_tokens
+        # eager adaLN: the windows' and chunks' shapes vary
+        a = self.attn.chunked_forward(
+            x, lambda h: self.norm1(h, temb_act, layout.stream_text_tokens, compile_glue=False)[0], layout, plan)
+        if self.ttt is not None:
+            self.ttt.chunked_forward_(a, layout, plan)
+        gate, t_gate = self.norm1.gates(temb_act)
+        x[:, :T].addcmul_(a[:, :T], t_gate[:, None])
+        x[:, T:].addcmul_(a[:, T:], gate[:, None])
+        del a
+        for s, e, is_text in modal_chunks(x.shape[1], T, plan.tokens):
+            h, gate, t_gate = self.norm2(x[:, s:e], temb_act, e - s if is_text else 0, compile_glue=False)
+            x[:, s:e].addcmul_(self.mlp(h), (t_gate if is_text else gate)[:, None])
+        return x

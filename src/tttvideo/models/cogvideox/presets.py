@@ -188,12 +188,6 @@ KNOWN_OTHER_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def get_preset(name: str) -> ModelSpec:
-    if name not in PRESETS:
-        raise UserError(f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
 def describe_config(config: dict[str, Any]) -> str:
     """Which known model a diffusers config.json looks like, for error messages."""
     for label, fields in KNOWN_OTHER_MODELS.items():

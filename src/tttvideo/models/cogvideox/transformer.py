@@ -23,10 +23,11 @@ from torch import nn
 from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
-from tttvideo.models.block import Block
+from tttvideo.models.backbone import Backbone
 from tttvideo.models.checkpointing import checkpointed, nested_spans
-from tttvideo.models.embeddings import PatchEmbed, TimestepEmbedding
-from tttvideo.models.presets import ModelSpec
+from tttvideo.models.cogvideox.block import Block
+from tttvideo.models.cogvideox.embeddings import PatchEmbed, TimestepEmbedding
+from tttvideo.models.cogvideox.presets import ModelSpec
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the model needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
@@ -45,7 +46,7 @@ class OutputNorm(nn.Module):
         return torch.addcmul(shift[:, None], self.norm(x), 1 + scale[:, None])
 
 
-class CogVideoXTTT(nn.Module):
+class CogVideoXTTT(Backbone):
     def __init__(self, spec: ModelSpec, ttt: TTTConfig | None = None, use_ttt: bool = True,
                  sequence_layer: str = "ttt"):
         """spec: backbone size; ttt: a TTTConfig (defaults when None); use_ttt=False: local attention only;
@@ -167,14 +168,3 @@ class CogVideoXTTT(nn.Module):
         B = x.shape[0]
         x = x.reshape(B, T, H // p, W // p, -1, p, p)
         return x.permute(0, 1, 4, 2, 5, 3, 6).reshape(B, T, -1, H, W)
-
-    # ------------------------------------------------------------------ helpers
-    def ttt_modules(self) -> list[nn.Module]:
-        return [b.ttt for b in self.blocks if b.ttt is not None]
-
-    @torch.no_grad()
-    def set_ttt_gates(self, value: float) -> None:
-        """Fill every TTT gate (forward/reverse, text/video); 0 makes the model the pretrained backbone."""
-        for m in self.ttt_modules():
-            for g in (m.forward_gate_text, m.forward_gate_video, m.reverse_gate_text, m.reverse_gate_video):
-                g.fill_(value)

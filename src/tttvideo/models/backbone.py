@@ -1,0 +1,193 @@
+"""The backbone seam: what tttvideo asks of a video diffusion transformer, and the registry of the ones it has.
+
+A backbone is one folder under `models/` (CogVideoX: `models/cogvideox/`) that registers a `BackboneSpec`: its
+named sizes (presets, e.g. "tiny" and "cogvideox-5b"), how to build one with random weights and how to load the
+outside weights it is published with, the layout it asks for (`LayoutParams`: the window of latent frames per
+segment, whether the text is in the stream, patch size, VAE factors), and its diffusion objective and schedule.
+Everything else is shared and works on any backbone that has the `Backbone` shape: the long-range layer beside
+attention (`tttvideo.sequence`, `tttvideo.ttt`), adapters, activation checkpointing, fp8 storage, activation
+offload, FSDP sharding, the trainer and the sampler.
+
+`model.preset` names a preset; preset names are unique over all backbones, so the preset alone picks the backbone
+(`backbone_of`). `build_model` (models/build.py) builds any backbone's model from a config.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from tttvideo.diffusion import ZeroSNRSchedule
+from tttvideo.errors import UserError
+from tttvideo.layout import LayoutParams, VideoLayout
+
+if TYPE_CHECKING:
+    from tttvideo.config.schema import Config, ModelConfig, TTTConfig
+    from tttvideo.parallel.sequence import SequenceParallel
+
+
+class BackboneConfig(Protocol):
+    """A preset: a frozen dataclass (saved as JSON in every model file) with at least these fields."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    attention_head_dim: int
+    in_channels: int  # latent channels (the VAE's)
+    text_embed_dim: int  # width of the text encoder's features
+
+    def validate(self) -> None: ...
+
+
+class Backbone(nn.Module):
+    """The base of every backbone's model: what the trainer, the sampler, FSDP, checkpointing and the memory tools
+    use of it.
+
+    A subclass sets `spec` (the `BackboneConfig` it was built from), `use_ttt`, `sequence_layer` (the long-range
+    layer's kind, "none" without one), `blocks` (the transformer layers: sharded, offloaded and checkpointed one by
+    one) and `block_units` ((start, stop, checkpointed) runs of blocks, which `models.checkpointing` rewrites), and
+    implements `forward`. The long-range layer of a block is its attribute `ttt` (None without one), whatever its
+    kind; a block that supports `memory.chunked_inference` has `chunked_forward(x, temb_act, layout, plan)` and an
+    `inference_chunks` slot."""
+
+    spec: Any
+    use_ttt: bool
+    sequence_layer: str
+    blocks: nn.ModuleList
+    block_units: list[tuple[int, int, bool]]
+
+    def forward(self, latents: torch.Tensor, text: torch.Tensor | Sequence[torch.Tensor],
+                timestep: torch.Tensor | int | float, layout: VideoLayout | None = None,
+                sp: SequenceParallel | None = None) -> torch.Tensor:
+        """The prediction [B, T, C, H, W] for latents [B, T, C, H, W], text embeddings [B, segments, tokens, dim]
+        and the timestep; `sp`: this rank's part of a sequence-parallel group (every rank gets the same inputs)."""
+        raise NotImplementedError
+
+    def ttt_modules(self) -> list[nn.Module]:
+        return [b.ttt for b in self.blocks if b.ttt is not None]
+
+    @torch.no_grad()
+    def set_ttt_gates(self, value: float) -> None:
+        """Fill every gate of the long-range layers (forward/reverse, text/video); 0 makes the model the pretrained
+        backbone."""
+        for m in self.ttt_modules():
+            for g in m.gates():
+                g.fill_(value)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The diffusion objective a backbone was trained with. `prediction`: what the model outputs ("v" is what the
+    trainer and the samplers implement); `schedule`: the training noise schedule (the samplers step on it too)."""
+
+    prediction: str = "v"
+    schedule: Callable[[], ZeroSNRSchedule] = ZeroSNRSchedule
+
+    def __post_init__(self) -> None:
+        if self.prediction != "v":
+            raise ValueError(f"prediction {self.prediction!r}: the trainer and the samplers implement 'v' only")
+
+
+# the model's constructor: (preset, ttt settings, use_ttt, long-range layer kind) -> the module with its parameters
+# on the current default device (`models.weights.init_model` calls it under torch.device("meta") and materialises)
+BuildFn = Callable[[Any, "TTTConfig | None", bool, str], nn.Module]
+# outside weights: (path, spec=preset or None for the folder's own, ttt=, use_ttt=, dtype=, device=,
+# sequence_layer=) -> the model
+PretrainedFn = Callable[..., nn.Module]
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """One backbone: what `build_model`, the layout, the trainer and the sampler ask of it.
+
+    - presets: name -> config (each a `BackboneConfig`; every name is unique over the registry)
+    - config_type: the presets' dataclass (`backbone_of` finds the backbone of a config derived from a preset)
+    - build: the model of a preset with random weights (`models.weights.init_model` materialises it)
+    - from_pretrained: the model with outside weights (diffusers' layout for CogVideoX); None: none published
+    - layout: the layout parameters it asks for
+    - objective: prediction and noise schedule
+    - configure: settings of `[model]` that are the backbone's own (e.g. CogVideoX's compiled glue), applied to a
+      built model
+    - vae / text_encoder: the kinds of VAE its latents come from and of text encoder its text features come from,
+      keys of `sample.decode.VAE_DECODERS` and `text.encoders.TEXT_ENCODERS` (the loaders live in the layers that
+      load them); None: none can be loaded (a backbone trained on the demo set alone)
+    """
+
+    name: str
+    presets: Mapping[str, Any]
+    config_type: type
+    build: BuildFn
+    from_pretrained: PretrainedFn | None = None
+    layout: LayoutParams = field(default_factory=LayoutParams)
+    objective: Objective = field(default_factory=Objective)
+    configure: Callable[[nn.Module, "ModelConfig"], None] = lambda model, cfg: None
+    vae: str | None = None
+    text_encoder: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.build, type) and not issubclass(self.build, Backbone):
+            raise ValueError(f"backbone {self.name!r}: {self.build.__name__} is not a models.backbone.Backbone")
+        for name, preset in self.presets.items():
+            if preset.name != name:
+                raise ValueError(f"backbone {self.name!r}: preset {name!r} is named {preset.name!r}")
+            if not isinstance(preset, self.config_type):
+                raise ValueError(f"backbone {self.name!r}: preset {name!r} is not a {self.config_type.__name__}")
+
+
+_REGISTRY: dict[str, BackboneSpec] = {}
+# the backbones tttvideo ships; each module registers itself on import
+_BUILTIN = ("tttvideo.models.cogvideox",)
+
+
+def register_backbone(spec: BackboneSpec) -> BackboneSpec:
+    """Add a backbone; its preset names become valid values of `model.preset` for `build_model` (a TOML config's
+    `model.preset` is also checked against the schema's choices, which name the shipped presets)."""
+    taken = {p: b.name for b in _REGISTRY.values() if b.name != spec.name for p in b.presets}
+    clash = [p for p in spec.presets if p in taken]
+    if clash:
+        raise ValueError(f"backbone {spec.name!r}: preset(s) {', '.join(clash)} belong to {taken[clash[0]]!r}")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister_backbone(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def backbones() -> dict[str, BackboneSpec]:
+    for module in _BUILTIN:
+        importlib.import_module(module)
+    return dict(_REGISTRY)
+
+
+def backbone_of(preset: str | Any) -> BackboneSpec:
+    """The backbone of a preset name, or of a preset config (by its dataclass: tests derive configs of other sizes
+    with dataclasses.replace)."""
+    found = backbones().values()
+    if isinstance(preset, str):
+        for spec in found:
+            if preset in spec.presets:
+                return spec
+        names = [p for spec in found for p in spec.presets]
+        raise UserError(f"unknown model preset {preset!r}; use one of {', '.join(names)}")
+    for spec in found:
+        if isinstance(preset, spec.config_type):
+            return spec
+    raise UserError(f"no registered backbone takes a {type(preset).__name__} config")
+
+
+def get_preset(name: str) -> Any:
+    """The config of preset `name`, whichever backbone has it."""
+    return backbone_of(name).presets[name]
+
+
+def layout_of(cfg: "Config", duration: str | int | None = None, phase: str = "train") -> VideoLayout:
+    """The layout of a config (`[layout]`, `[ttt]`) for its backbone's layout parameters: `VideoLayout.from_config`
+    with `BackboneSpec.layout`; `duration` (e.g. a story's) replaces layout.duration; `phase` ("train" or "sample")
+    picks the TTT mini-batch."""
+    return VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase=phase,
+                                   backbone=backbone_of(cfg.model.preset).layout)

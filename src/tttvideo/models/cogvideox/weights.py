@@ -1,0 +1,180 @@
+"""CogVideoX weights in diffusers' layout: a `transformer/` folder of a CogVideoX download into our model.
+
+`from_pretrained(path)` reads the folder (config.json plus `diffusion_pytorch_model-0000X-of-0000Y.safetensors` with
+its `.index.json`, or one `.safetensors` file). The model is built on the meta device and every tensor is read shard
+by shard with `safe_open` and assigned in place of its meta parameter, so the weights exist once in memory (plus one
+tensor in flight). Names go through an explicit map (`diffusers_name_map`). The TTT parameters, which diffusers does
+not have, are then materialised and initialised as the original does (`BidirectionalTTT.reset_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tttvideo.config.schema import TTTConfig
+from tttvideo.dtypes import torch_dtype
+from tttvideo.errors import UserError
+from tttvideo.models.adapters import is_ttt_parameter
+from tttvideo.models.cogvideox.presets import ModelSpec, describe_config
+from tttvideo.models.cogvideox.transformer import CogVideoXTTT
+from tttvideo.models.weights import _names, assign_tensor, materialize
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
+
+
+def diffusers_name_map(num_layers: int) -> dict[str, str]:
+    """diffusers parameter name -> ours, for every parameter a CogVideoX 1.0 transformer can have."""
+    pairs = {
+        "patch_embed.proj": "embed.patch",
+        "patch_embed.text_proj": "embed.text",
+        "time_embedding.linear_1": "time_embed.linear1",
+        "time_embedding.linear_2": "time_embed.linear2",
+        "norm_final": "norm_final",
+        "norm_out.linear": "norm_out.linear",
+        "norm_out.norm": "norm_out.norm",
+        "proj_out": "proj_out",
+    }
+    block = {
+        "norm1.linear": "norm1.linear",
+        "norm1.norm": "norm1.norm",
+        "attn1.to_q": "attn.to_q",
+        "attn1.to_k": "attn.to_k",
+        "attn1.to_v": "attn.to_v",
+        "attn1.to_out.0": "attn.to_out",
+        "attn1.norm_q": "attn.norm_q",
+        "attn1.norm_k": "attn.norm_k",
+        "norm2.linear": "norm2.linear",
+        "norm2.norm": "norm2.norm",
+        "ff.net.0.proj": "mlp.fc1",
+        "ff.net.2": "mlp.fc2",
+    }
+    for i in range(num_layers):
+        pairs.update({f"transformer_blocks.{i}.{d}": f"blocks.{i}.{o}" for d, o in block.items()})
+    return {f"{d}.{suffix}": f"{o}.{suffix}" for d, o in pairs.items() for suffix in ("weight", "bias")}
+
+
+# ---------------------------------------------------------------------------------------------------- folders
+def find_transformer_folder(path: str | Path) -> Path:
+    """The folder holding the transformer's config.json: `path` itself or its `transformer/` subfolder."""
+    path = Path(path).expanduser()
+    for folder in (path, path / "transformer"):
+        if (folder / CONFIG_NAME).is_file() and (
+            (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))
+        ):
+            return folder
+    if not path.exists():
+        raise UserError(f"model folder {path} does not exist; point model.pretrained_path at a CogVideoX-5B download")
+    raise UserError(
+        f"{path} is not a diffusers transformer folder: expected config.json and diffusion_pytorch_model*.safetensors "
+        f"in it or in its transformer/ subfolder (the layout of a CogVideoX-5B download)"
+    )
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{folder / CONFIG_NAME} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    cls = config.get("_class_name")
+    if cls is not None and cls != DIFFUSERS_CLASS:
+        raise UserError(f"{folder} holds a {cls}, not a {DIFFUSERS_CLASS}; point at the transformer/ folder")
+    return config
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise UserError(f"{folder}: the shard index names {', '.join(absent)}, which is not there (incomplete download?)")
+        return files
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) == 1:
+        return files
+    raise UserError(f"{folder}: found {len(files)} .safetensors files and no {INDEX_NAME}; expected one file or an index")
+
+
+def spec_for_folder(config: dict[str, Any], folder: Path, spec: ModelSpec | None) -> ModelSpec:
+    """The folder's spec, checked against the requested preset; a folder of another model is an error saying which."""
+    try:
+        found = ModelSpec.from_diffusers_config(config, name=folder.name)
+    except UserError as e:
+        raise UserError(f"{folder} holds {describe_config(config)}: {e}") from None
+    if spec is None:
+        return found
+    diff = spec.mismatches(found)
+    if diff:
+        raise UserError(
+            f"{folder} holds {describe_config(config)}, not the {spec.name!r} preset: {'; '.join(diff)}; "
+            f"set model.preset to match the folder or point model.pretrained_path at a {spec.name} download"
+        )
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+def from_pretrained(
+    path: str | Path,
+    spec: ModelSpec | None = None,
+    ttt: TTTConfig | None = None,
+    use_ttt: bool = True,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    sequence_layer: str = "ttt",
+) -> CogVideoXTTT:
+    """Our model with the backbone weights of a diffusers CogVideoX transformer folder and freshly initialised TTT.
+
+    spec: the preset the folder must match (None: take the folder's own config). ttt: a TTTConfig.
+    """
+    dtype = torch_dtype(dtype)
+    device = torch.device(device)
+    folder = find_transformer_folder(path)
+    config = read_config(folder)
+    spec = spec_for_folder(config, folder, spec)
+    files = weight_files(folder)
+
+    with torch.device("meta"):
+        model = CogVideoXTTT(spec, ttt, use_ttt, sequence_layer)
+    expected = {n: p for n, p in model.named_parameters() if not is_ttt_parameter(n)}
+    name_map = diffusers_name_map(spec.num_layers)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                ours = name_map.get(key)
+                if ours is None or ours not in expected:
+                    unexpected.append(key)
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[ours].shape):
+                    wrong_shape.append(f"{key} {list(shape)} (model has {list(expected[ours].shape)})")
+                    continue
+                assign_tensor(model, ours, f.get_tensor(key).to(device=device, dtype=dtype))
+                loaded.add(ours)
+    inverse = {o: d for d, o in name_map.items()}
+    missing = [inverse.get(n, n) for n in expected if n not in loaded]
+    problems = []
+    if missing:
+        problems.append(f"missing {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_names(unexpected)}")
+    if wrong_shape:
+        problems.append(f"wrong shape {_names(wrong_shape)}")
+    if problems:
+        raise UserError(f"{folder} does not fit the {spec.name!r} model: {'; '.join(problems)}")
+    materialize(model, device, dtype)  # only the TTT parameters are still on meta
+    return model
