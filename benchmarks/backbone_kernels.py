@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.trace import is_kernel, kernel_kind
+from tttvideo.memory.profile.trace import is_kernel, kernel_kind
 from tttvideo.models.fp8_storage import quantize_rows
 from tttvideo.models.presets import get_preset
 

@@ -19,7 +19,7 @@ import torch._dynamo  # noqa: F401  (optimizers import it on first use; under tr
 from tttvideo.config.loader import load_config
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.profiler import MemoryProfiler
+from tttvideo.memory.profile.profiler import MemoryProfiler
 from tttvideo.models import build_model
 from tttvideo.train.loss import NoiseSource, diffusion_loss
 from tttvideo.train.optim import build_optimizer, build_scheduler
