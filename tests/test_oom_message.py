@@ -1,6 +1,7 @@
-"""A CUDA out-of-memory error becomes one sentence (tttvideo.memory.guard.oom): `tttv train` and `tttv sample` exit 2 naming
-the phase, the block, the newest checkpoint and the switches not on with what each saves, counted from the model.
-The error is faked on CPU by a block that raises torch.cuda.OutOfMemoryError."""
+"""A CUDA out-of-memory error becomes one sentence (tttvideo.memory.guard.oom): `tttv train` and `tttv sample` exit 2
+naming the phase, the block, the newest checkpoint and the switches not on with what each saves, counted from the
+model (with the planner's byte counts, checked against the optimizers' real state). The error is faked on CPU by a
+block that raises torch.cuda.OutOfMemoryError."""
 
 from __future__ import annotations
 

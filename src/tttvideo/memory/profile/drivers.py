@@ -1,11 +1,12 @@
 """What `tttv profile CONFIG --phase train|sample` runs under the profiler, and the report it leaves.
 
 train: the trainer's own optimizer step, as `tttvideo.train.step.build_train_step` assembles it (the memory
-techniques of the config applied, the fp8 weight streaming inside a component of its own) on the model of `build_model(cfg)` (preset, dtype, adapter, checkpointing), AdamW with the trainer's
-parameter groups, random latents and text features standing in for the latent cache (training reads the cache;
-the text encoder and the VAE are never on the GPU then): the diffusion objective (v-prediction MSE on ZeroSNR, under
-train.precision autocast), backward through the gradient scaler, clipping and the AdamW step, each phase marked from
-inside the step. One micro-batch per step: accumulation adds nothing to the peak, gradients persist across
+techniques of the config applied, the fp8 weight streaming inside a component of its own) on the model of
+`build_model(cfg)` (preset, dtype, adapter, checkpointing), the optimizer with the trainer's parameter groups,
+random latents and text features standing in for the latent cache (training reads the cache; the text encoder and
+the VAE are never on the GPU then): the diffusion objective (v-prediction MSE on ZeroSNR, under train.precision
+autocast), backward through the gradient scaler, clipping and the optimizer step, each phase marked from inside the
+step. One micro-batch per step: accumulation adds nothing to the peak, gradients persist across
 micro-batches either way.
 
 sample: one story as `tttv sample` runs it (`tttvideo.sample`): `load_model` (block offload if
@@ -201,7 +202,8 @@ def drive_sample(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.de
     prof.meta["decoded_frames"] = frames
 
 
-DRIVERS: dict[str, Callable[[Config, MemoryProfiler, int, torch.device], None]] = {"train": drive_train, "sample": drive_sample}
+DRIVERS: dict[str, Callable[[Config, MemoryProfiler, int, torch.device], None]] = {"train": drive_train,
+                                                                                 "sample": drive_sample}
 
 
 def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device: str = "auto", snapshot: bool = False,

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-from tttvideo.config.schema import Config
+from tttvideo.config.schema import Config, Optimizer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -30,7 +30,6 @@ Phase = Literal["train", "sample"]
 # gradients or optimizer state (the curves of the activation regime it runs in apply); "parallel" -- the tokens and
 # counted tensors per GPU (a measured efficiency per degree).
 Regime = Literal["activation", "counted", "parallel"]
-Optimizer = Literal["adamw", "adamw8bit"]
 
 # torchao's AdamW8bit quantizes both moments of a tensor of at least this many values whose count is a multiple of
 # the block; each block of values has one fp32 scale. Smaller or ragged tensors keep plain moments.
@@ -83,7 +82,7 @@ class ModelBytes:
                    fp8=fp8_code_bytes(model), block_fp8=fp8_code_bytes(block), frozen_linear_saving=saving,
                    trainable=sum(p.numel() for p in trainable), gradients=nbytes(trainable),
                    optimizer={name: sum(optimizer_state_bytes(name, p.numel(), p.element_size()) for p in trainable)
-                              for name in ("adamw", "adamw8bit")},
+                              for name in get_args(Optimizer)},
                    dim=getattr(spec, "dim", 0))
 
 
@@ -162,12 +161,3 @@ class MemoryTechnique:
     calibration: tuple[CalibrationSetup, ...] = ()
     lossy: bool = False  # it rounds numbers (fp8 weights, 8-bit optimizer state)
     streams_weights: bool = False  # it copies weights in from host memory layer by layer every step
-
-    def settings(self, cfg: Config) -> dict[str, object]:
-        """The values `cfg` holds for this technique's keys, in `keys` order (a plan file writes them)."""
-        return {key: _get(cfg, key) for key in self.keys}
-
-
-def _get(cfg: Config, key: str) -> object:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
