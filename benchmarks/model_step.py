@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -362,12 +361,11 @@ def run_durations(cfg: Config, model: CogVideoXTTT, args: argparse.Namespace, de
 
 
 def yardstick_module() -> Any:
-    """benchmarks/diffusers_yardstick.py, imported only with --yardstick (it imports diffusers). This script's folder
-    is on sys.path when it runs as a script, not when a test loads it by its path."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.append(here)  # last: a test that loads this script by its path keeps its own imports first
-    import diffusers_yardstick
+    """benchmarks/diffusers_yardstick.py, imported only with --yardstick (it imports diffusers)."""
+    try:  # python -m benchmarks.model_step, or a test
+        from benchmarks import diffusers_yardstick
+    except ImportError:  # python benchmarks/model_step.py: this script's folder is first on sys.path
+        import diffusers_yardstick
 
     return diffusers_yardstick
 
