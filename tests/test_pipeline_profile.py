@@ -1,6 +1,6 @@
-"""`tttv profile` on diffusers pipelines (tttvideo.memory.studies.pipelines): tiny random Wan2.1 and CogVideoX pipelines give
-a complete report, a local pipeline folder loads, the variant files of the studies load, a failing variant is a
-one-sentence error (a matrix row), and the matrix report ranks its rows."""
+"""`tttv profile` on diffusers pipelines (tttvideo.memory.studies.pipelines): tiny random Wan2.1 and CogVideoX
+pipelines give a complete report, a local pipeline folder loads, the variant files of the studies load, a failing
+variant is a one-sentence error (a matrix row), and the matrix report ranks its rows."""
 
 from __future__ import annotations
 

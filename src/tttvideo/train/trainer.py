@@ -9,9 +9,10 @@ Exact resume: model, optimizer, scheduler, scaler, every RNG and the step are re
 and the data order is a pure function of (seed, data position) (`tttvideo.data.loader`), so a resumed run computes
 bit for bit what the uninterrupted run would have (on the same hardware and software).
 
-Memory: `memory.max_gpu_gib` caps the CUDA allocator (`tttvideo.memory.guard.cap`), `checkpointing.offload_activations`
-is handed to the step, and a CUDA out-of-memory error in a step stops the run with one sentence
-(`tttvideo.memory.guard.oom`): the phase and block it hit, the newest checkpoint, and the switches that would make room.
+Memory: `memory.max_gpu_gib` caps the CUDA allocator (`tttvideo.memory.guard.cap`), the step is assembled with the
+config's memory techniques (`tttvideo.train.step.build_train_step`), and a CUDA out-of-memory error in a step stops
+the run with one sentence (`tttvideo.memory.guard.oom`): the phase and block it hit, the newest checkpoint, and the
+switches that would make room.
 
 Run safety: the run folder is locked for the whole run (`runlock`), an earlier run in it is resumed, kept or
 deleted only as `train.if_exists` (or --resume / --new / --overwrite) says, damaged checkpoints are passed over
