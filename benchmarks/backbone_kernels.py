@@ -35,11 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.trace import is_kernel, kernel_kind
+from tttvideo.memory.profile.trace import is_kernel, kernel_kind
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.fp8_storage import quantize_rows
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -157,8 +155,11 @@ def kernel_time_by_kind(fn: Callable[[], Any]) -> dict[str, float]:
 
 
 def forward_profiles(duration: int, overrides: list[str]) -> list[dict[str, Any]]:
-    import diffusers_yardstick
-    import model_step
+    try:  # python -m benchmarks.backbone_kernels, or a test
+        from benchmarks import diffusers_yardstick, model_step
+    except ImportError:  # python benchmarks/backbone_kernels.py: this script's folder is first on sys.path
+        import diffusers_yardstick
+        import model_step
 
     args = model_step.parse_args(["--durations", str(duration), "--set", "model.use_ttt=false",
                                   *(a for o in overrides for a in ("--set", o))])
@@ -240,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         print("backbone_kernels.py times CUDA kernels: no CUDA device here", file=sys.stderr)
         return 2
     skip = set(filter(None, args.skip.split(",")))
-    import model_step
+    try:
+        from benchmarks import model_step
+    except ImportError:  # run as a script
+        import model_step
 
     spec = get_preset("cogvideox-5b")
     cfg = model_step.bench_config(model_step.parse_args(["--durations", str(args.duration)]))

@@ -9,8 +9,9 @@ checkpointing of every block (what model_step's block group 1 does), the trainab
 adapter (attention q/k/v/o and q/k norms for `qkvo`, everything for `sft`). At 3 s (one segment) both models see the
 same tokens; at longer durations diffusers attends over all latent frames at once, which the result's `note` says.
 
-model_step.py imports this module only with --yardstick (its own folder is on sys.path) and passes its timer, so that
-both models are timed by the same loop (warm-up, then the median of --steps, the peak memory reset in between).
+model_step.py imports this module only with --yardstick (as `benchmarks.diffusers_yardstick`) and passes its timer,
+so that both models are timed by the same loop (warm-up, then the median of --steps, the peak memory reset in
+between).
 """
 
 from __future__ import annotations

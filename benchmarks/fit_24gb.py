@@ -74,9 +74,9 @@ def tail(log: Path, lines: int = 3) -> str:
 
 def profile(name: str, config: Path, phase: str, steps: int, overrides: list[str], work: Path,
             timeout: float) -> dict:
-    """One `tttv profile` run in its own process (`tttvideo.memory.matrix.run_variant`) -> its status, peaks per
+    """One `tttv profile` run in its own process (`tttvideo.memory.studies.matrix.run_variant`) -> its status, peaks per
     phase, totals, out-of-memory location and step times."""
-    from tttvideo.memory.matrix import Matrix, Variant, child_command, run_variant
+    from tttvideo.memory.studies.matrix import Matrix, Variant, child_command, run_variant
 
     matrix = Matrix(Path(__file__), config, [], timeout_s=timeout)
     variant = Variant(name, NO_WEIGHTS + overrides + EXTRA, phase, steps)

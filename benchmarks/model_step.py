@@ -39,7 +39,6 @@ import os
 import platform
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,16 +48,14 @@ import torch
 
 from tttvideo.config.loader import config_to_dict, load_config
 from tttvideo.config.schema import Config
-from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.dtypes import torch_dtype
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.cap import apply_memory_cap
+from tttvideo.memory.guard.cap import apply_memory_cap
 from tttvideo.models import CogVideoXTTT, build_model, trainable_summary
 from tttvideo.models.backbone import get_preset
 from tttvideo.train.distributed import TrainRanks, rank_device
 from tttvideo.train.loss import NoiseSource
-from tttvideo.train.optim import build_optimizer
-from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
+from tttvideo.train.step import TrainStep, build_train_step
 from tttvideo.ttt import ops
 
 # Dense bf16 tensor-core peak of an H100 SXM / H200 (datasheet, no sparsity).
@@ -185,17 +182,11 @@ def build(cfg: Config, device: torch.device) -> tuple[CogVideoXTTT, float, dict[
 
 def make_step(cfg: Config, model: CogVideoXTTT, device: torch.device, layout: VideoLayout,
               ranks: TrainRanks) -> TrainStep:
-    """The trainer's step for `layout`: its objective, AdamW groups, scaler and clipping, one micro-batch per
-    data-parallel rank."""
+    """The trainer's step for `layout` (`build_train_step`: the config's memory techniques, its objective, AdamW
+    groups, scaler and clipping), one micro-batch per data-parallel rank."""
     train = cfg.train
-    optimizer = build_optimizer(model, train)
-    objective = DiffusionObjective(ZeroSNRSchedule(), NoiseSource(train.seed, device), layout, train.text_dropout,
-                                   train.precision, train.batch_size, train.batch_size * ranks.dp_size,
-                                   ranks.dp_rank, ranks.dp_size, ranks.sequence)
-    return TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
-                     grad_clip=train.grad_clip, reduce=ranks if ranks.distributed else None,
-                     offload=cfg.checkpointing.offload_activations,
-                     offload_host_gib=cfg.checkpointing.offload_host_gib)
+    return build_train_step(cfg, model, device, layout, NoiseSource(train.seed, device),
+                            global_batch=train.batch_size * ranks.dp_size, ranks=ranks)
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -376,12 +367,11 @@ def run_durations(cfg: Config, model: CogVideoXTTT, args: argparse.Namespace, de
 
 
 def yardstick_module() -> Any:
-    """benchmarks/diffusers_yardstick.py, imported only with --yardstick (it imports diffusers). This script's folder
-    is on sys.path when it runs as a script, not when a test loads it by its path."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.append(here)  # last: a test that loads this script by its path keeps its own imports first
-    import diffusers_yardstick
+    """benchmarks/diffusers_yardstick.py, imported only with --yardstick (it imports diffusers)."""
+    try:  # python -m benchmarks.model_step, or a test
+        from benchmarks import diffusers_yardstick
+    except ImportError:  # python benchmarks/model_step.py: this script's folder is first on sys.path
+        import diffusers_yardstick
 
     return diffusers_yardstick
 

@@ -3,7 +3,7 @@
     # on the GPU: profile every setup (one process each), keep the measurements
     PYTHONPATH=src python3 benchmarks/plan_calibration.py run --gpu-kind h100 \\
         --out benchmarks/results/plan_calibration_h100.json --also benchmarks/results/fit_24gb_h100.json
-    # anywhere: fit the costs from the calibration setups, write src/tttvideo/memory/plan_costs.json, and print
+    # anywhere: fit the costs from the calibration setups, write src/tttvideo/memory/plan/costs.json, and print
     # predicted against measured for every setup (the held-out ones are the test)
     PYTHONPATH=src python3 benchmarks/plan_calibration.py fit benchmarks/results/plan_calibration_h100.json \\
         --also benchmarks/results/fit_24gb_h100.json
@@ -12,11 +12,11 @@
 
 A setup is a config, a phase, a duration and `--set` overrides; `run` profiles it with `tttv profile --steps 2`
 (random init, no cap, the expandable allocator segments `tttv` sets by default) and records the peak allocated
-memory and the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan_count`) from each
-measured peak and keeps the activation per regime as a curve through the calibration durations of `SETUPS`
-(`plan_costs.Curve`), and step time likewise; then it predicts every setup and prints the errors. `--also` takes
-the profiler runs of benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured
-twice).
+memory and the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan.count`) from each
+measured peak and keeps the activation per regime as a curve through the calibration durations of `SETUPS` (each
+memory technique's `calibration`, `tttvideo.memory.techniques`; `tttvideo.memory.plan.costs.Curve`), and step time
+likewise; then it predicts every setup and prints the errors. `--also` takes the profiler runs of
+benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured twice).
 """
 
 from __future__ import annotations
@@ -30,55 +30,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tttvideo.memory.techniques import calibration_setups
+
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 NO_WEIGHTS = ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0"]
-LORA = "configs/cogvideox-5b/24gb-3s.toml"  # lora, bf16, fp8, 8-bit AdamW, sub-block checkpointing, offload
-QKVO = "configs/cogvideox-5b/stage2-9s-1gpu.toml"  # qkvo, fp32 weights under bf16 autocast, sub-block
-SAMPLE = "configs/cogvideox-5b/24gb-sample-63s.toml"
-BLOCK = ["checkpointing.attention=false", "checkpointing.forward_ttt=false", "checkpointing.reverse_ttt=false",
-         "checkpointing.mlp=false"]
-BF16_PLAIN = ["model.frozen_weights=dtype", "train.optimizer=adamw", "checkpointing.offload_activations=false"]
-
-# (name, config, phase, overrides, durations to calibrate on, durations held out). A setup's measurement may also come
-# from `--also` (benchmarks/fit_24gb.py's JSON): a run there with the same resolved switches counts as this setup's.
-SAMPLE_PLAIN = ["memory.chunked_inference=false", "sample.cfg_batched=true", "sample.offload_blocks=false",
-                "model.frozen_weights=dtype"]
-SETUPS = [
-    ("lora, block ckpt, bf16, AdamW", LORA, "train", BLOCK + BF16_PLAIN, ["3s", "9s"], ["18s"]),
-    ("lora, sub-block ckpt + offload, fp8, 8-bit AdamW", LORA, "train", [], ["3s", "9s"], ["18s"]),
-    ("lora, sub-block ckpt + offload, fp8 streamed, 8-bit AdamW", LORA, "train",
-     ["memory.stream_frozen_weights=true"], [], ["9s"]),
-    # sampling is planned up to 63 s, so its curves run to 63 s (the plain forward's per-token cost measured
-    # 205-210 KB at 3-18 s and 173 KB at 63 s: a line through 3 and 9 s alone overshoots 63 s by 18%)
-    ("lora, block ckpt keeping attention, bf16, AdamW", LORA, "train",
-     BLOCK + BF16_PLAIN + ['checkpointing.keep=["attention"]'], ["3s", "9s"], []),
-    ("lora, block ckpt keeping attention and matmul, bf16, AdamW", LORA, "train",
-     BLOCK + BF16_PLAIN + ['checkpointing.keep=["attention","matmul"]'], ["3s", "6s"], []),
-    ("sample: plain, guidance batched, bf16 resident", SAMPLE, "sample", SAMPLE_PLAIN, ["9s", "18s", "63s"], ["3s"]),
-    ("sample: chunked, bf16 resident", SAMPLE, "sample", ["sample.offload_blocks=false", "model.frozen_weights=dtype"],
-     ["9s", "63s"], ["3s", "18s"]),
-    ("sample: chunked, fp8 streamed", SAMPLE, "sample", [], [], ["63s"]),
-    ("sample: chunked, 2 head groups, fp8 streamed", SAMPLE, "sample", ["memory.ttt_head_groups=2"], ["9s", "63s"],
-     []),
-    ("sample: chunked, 4 head groups, fp8 streamed", SAMPLE, "sample", ["memory.ttt_head_groups=4"], ["9s", "63s"],
-     ["3s"]),
-    # held out: calibrated activation regimes with other counted parts (weight storage, optimizer)
-    ("lora, block ckpt, fp8, 8-bit AdamW", LORA, "train",
-     BLOCK + ["checkpointing.offload_activations=false"], [], ["3s", "9s"]),
-    ("lora, sub-block ckpt + offload, bf16, AdamW", LORA, "train",
-     ["model.frozen_weights=dtype", "train.optimizer=adamw"], [], ["3s", "9s"]),
-    # last, as the first to go when device time runs short
-    ("qkvo, sub-block ckpt, fp32 weights, AdamW", QKVO, "train", [], ["3s", "9s"], []),
-    ("qkvo, sub-block ckpt, fp32 weights, 8-bit AdamW", QKVO, "train", ["train.optimizer=adamw8bit"], [], ["9s"]),
-]
+# Every registered memory technique's calibration setups (`MemoryTechnique.calibration`), in run order. A setup's
+# measurement may also come from `--also` (benchmarks/fit_24gb.py's JSON): a run there with the same resolved
+# switches counts as this setup's.
+SETUPS = calibration_setups()
 
 
 def measure(name: str, config: str, phase: str, duration: str, overrides: list[str], work: Path,
             timeout: float) -> dict:
-    """One `tttv profile --steps 2` in its own process (`tttvideo.memory.matrix.run_variant`) -> the row `fit`
+    """One `tttv profile --steps 2` in its own process (`tttvideo.memory.studies.matrix.run_variant`) -> the row `fit`
     reads."""
-    from tttvideo.memory.matrix import Matrix, Variant, run_variant
+    from tttvideo.memory.studies.matrix import Matrix, Variant, run_variant
 
     r = run_variant(Matrix(Path(__file__), ROOT / config, [], timeout_s=timeout),
                     Variant(f"{name} @ {duration}", NO_WEIGHTS + [f"layout.duration={duration}"] + overrides, phase,
@@ -105,10 +72,12 @@ def cmd_run(args) -> int:
     rows = [r for r in json.loads(out.read_text())["setups"] if r.get("status") in ("ok", "oom")] \
         if out.is_file() else []
     done = {(r["name"], r["duration"]) for r in rows + also_rows(args.also, rows)}
-    for name, config, phase, overrides, cal, held in SETUPS:
+    for setup in SETUPS:
+        name, config, phase, overrides, cal = (setup.name, setup.config, setup.phase, list(setup.overrides),
+                                               setup.calibrate)
         if args.only and args.only not in name:
             continue
-        for duration in cal + held:
+        for duration in cal + setup.held_out:
             if (name, duration) in done or (args.durations and duration not in args.durations.split(",")):
                 continue
             print(f"{name} @ {duration}", flush=True)
@@ -158,8 +127,8 @@ def also_rows(paths: list[str], measured: list[dict]) -> list[dict]:
     their own name where no setup matches."""
     from tttvideo.config.loader import load_config
 
-    known = {signature(load_config(ROOT / config, NO_WEIGHTS + overrides), phase): (name, cal)
-             for name, config, phase, overrides, cal, _ in SETUPS}
+    known = {signature(load_config(ROOT / s.config, NO_WEIGHTS + list(s.overrides)), s.phase): (s.name, s.calibrate)
+             for s in SETUPS}
     have = {(r["name"], r["duration"]) for r in measured}
     out = []
     for path in paths:
@@ -196,11 +165,11 @@ def rows_from_fit_24gb(path: Path) -> list[dict]:
 
 def cmd_fit(args) -> int:
     from tttvideo.layout import VideoLayout
-    from tttvideo.memory.plan_costs import CostTable, Curve, activation_key, save_costs, time_key
-    from tttvideo.memory.plan_count import count
+    from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, save_costs, time_key
+    from tttvideo.memory.plan.count import count
 
     data = json.loads(Path(args.measured).read_text()) if args.measured else {"gpu_kind": None, "setups": []}
-    calibration = {name: cal for name, _, _, _, cal, _ in SETUPS}
+    calibration = {s.name: s.calibrate for s in SETUPS}
     # which durations calibrate is the design's (SETUPS), not what it was when the run wrote its JSON
     rows = [{**r, "calibrate": r["duration"] in calibration[r["name"]] if r["name"] in calibration
              else r.get("calibrate", False)} for r in data["setups"] if r.get("status") == "ok"]
@@ -266,9 +235,9 @@ def cmd_check(args) -> int:
     import torch
 
     from tttvideo.config.loader import load_config
-    from tttvideo.memory.matrix import Matrix, Variant, run_variant
-    from tttvideo.memory.plan_costs import load_costs
-    from tttvideo.memory.planner import CUDA_CONTEXT, best, overheads, plan, plan_toml
+    from tttvideo.memory.studies.matrix import Matrix, Variant, run_variant
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import CUDA_CONTEXT, best, overheads, plan, plan_toml
 
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -316,7 +285,7 @@ def cmd_check(args) -> int:
                                     args.phase, 2), work)
             s = r.summary or {}
             rows.append({"gpu_mem_gib": mem, "duration": duration, "role": role, "setup": pred.candidate.label,
-                         "overrides": {k: v for k, v in pred.candidate.overrides}, "cap_gib": cap,
+                         "overrides": pred.candidate.settings(pred.config), "cap_gib": cap,
                          "predicted_peak": pred.peak, "predicted_step_s": pred.step_s, "status": r.status,
                          "note": r.note, "peak_allocated": s.get("totals", {}).get("peak_allocated"),
                          "peak_reserved": s.get("totals", {}).get("peak_reserved"),
@@ -348,7 +317,7 @@ def main(argv=None) -> int:
     f.add_argument("--also", action="append", default=[],
                    help="benchmarks/fit_24gb.py JSON: its runs count as the setups with the same switches")
     f.add_argument("--gpu-kind", default=None)
-    f.add_argument("--costs-out", default=None, help="write the table here (default: tttvideo's plan_costs.json)")
+    f.add_argument("--costs-out", default=None, help="write the table here (default: tttvideo's memory/plan/costs.json)")
     f.add_argument("--sp-efficiency", type=json.loads, default=None,
                    help='measured sequence-parallel efficiency per degree, e.g. \'{"2": 0.75}\'')
     c = sub.add_parser("check", help="run the planner's choice for each card size under its cap")

@@ -73,7 +73,10 @@ def main():
     args = ap.parse_args()
     import triton
 
-    from ttt_kernel import git_commit, write_json  # this script's folder: benchmarks/ttt_kernel.py
+    try:  # python -m benchmarks.ttt_accuracy, or a test
+        from benchmarks.ttt_kernel import git_commit, write_json
+    except ImportError:  # python benchmarks/ttt_accuracy.py: this script's folder is first on sys.path
+        from ttt_kernel import git_commit, write_json
     from tttvideo.ttt.testing import TOLERANCE
 
     meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or git_commit(),

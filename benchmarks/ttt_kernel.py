@@ -5,7 +5,7 @@
 
 (PYTHONPATH=src is not needed with the package installed.) Inputs and the accuracy check come from
 tttvideo.ttt.testing; benchmarks/ttt_accuracy.py and benchmarks/ttt_layer_glue.py import this script's timer and
-JSON writer as the module `ttt_kernel` (the script's own folder is first on sys.path).
+JSON writer (as `benchmarks.ttt_kernel` under `python -m`, or from their own folder when run as scripts).
 
 B=1, H=48, head dim 64; TTT-MLP with mini-batch 64, TTT-Linear with 16; bf16 inputs, checkpoint group 16.
 "fwd" is the training forward (checkpoints saved, as under autograd), "fwd+bwd" adds the backward of a random

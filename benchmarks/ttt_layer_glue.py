@@ -21,7 +21,10 @@ import platform
 from unittest import mock
 
 import torch
-from ttt_kernel import bench, git_commit  # this script's folder: benchmarks/ttt_kernel.py
+try:  # python -m benchmarks.ttt_layer_glue
+    from benchmarks.ttt_kernel import bench, git_commit
+except ImportError:  # python benchmarks/ttt_layer_glue.py: this script's folder is first on sys.path
+    from ttt_kernel import bench, git_commit
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout

@@ -1,4 +1,5 @@
-"""The scripts under benchmarks/ as modules, for the tests that run them on the CPU (benchmarks/ is not a package)."""
+"""The scripts under benchmarks/ loaded afresh by path, for the tests that run them on the CPU (each test gets its own
+copy of the module, so that what one test changes in it another does not see)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def test_trainer_with_offload_trains_the_same_weights(tmp_path, monkeypatch):
 
 def test_profiler_train_phase_runs_with_offload(tmp_path, monkeypatch):
     from tttvideo.config.loader import load_config
-    from tttvideo.memory import drivers
+    from tttvideo.memory.profile import drivers
     from tttvideo.train import step
 
     monkeypatch.setattr(step, "OFFLOAD_MIN_BYTES", 1024)

@@ -221,13 +221,13 @@ def test_a_second_backbone_trains_and_samples(toy_backbone, tmp_path, monkeypatc
     """`tttvideo.api.train` and `VideoPipeline` on the toy: the trainer's loss is the toy schedule's and the
     sampler steps on it; checkpoints save and load the toy's config."""
     import tttvideo.sample.pipeline as pipeline
-    import tttvideo.train.trainer as trainer
+    import tttvideo.train.step as step
 
     # the sampler's gc.collect between phases walks the whole test session's heap (seconds) and frees nothing checked
     monkeypatch.setattr(pipeline, "free_memory", lambda: None)
     schedules = []
-    objective = trainer.DiffusionObjective
-    monkeypatch.setattr(trainer, "DiffusionObjective", lambda schedule, *a, **k: (schedules.append(schedule),
+    objective = step.DiffusionObjective
+    monkeypatch.setattr(step, "DiffusionObjective", lambda schedule, *a, **k: (schedules.append(schedule),
                                                                                   objective(schedule, *a, **k))[1])
     cfg = toy_config(tmp_path)
     torch.manual_seed(0)

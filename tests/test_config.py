@@ -348,3 +348,20 @@ def test_base_toml_lists_every_key():
                                                   type(getattr(Config(), section.name)))}
         missing = keys - set(written.get(section.name, {}))
         assert not missing, f"[{section.name}] in configs/base.toml lacks {sorted(missing)}"
+
+
+def test_choice_fields_are_typed_by_their_allowed_values():
+    """A `choice` field's annotation is the Literal of exactly the values the loader accepts (config.schema)."""
+    from tttvideo.config import schema
+
+    checked = 0
+    for section in dataclasses.fields(schema.Config):
+        cls = section.default_factory
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            if choices and typing.get_origin(hints[f.name]) is not list:
+                assert typing.get_origin(hints[f.name]) is typing.Literal, f"{section.name}.{f.name}"
+                assert typing.get_args(hints[f.name]) == choices, f"{section.name}.{f.name}"
+                checked += 1
+    assert checked == 20

@@ -31,7 +31,7 @@ def test_cap_on_cpu_is_a_no_op():
 # ------------------------------------------------------------------------------------------- memory.max_gpu_gib
 from tttvideo.config.loader import load_config  # noqa: E402
 from tttvideo.config.schema import MemoryConfig  # noqa: E402
-from tttvideo.memory import cap  # noqa: E402
+from tttvideo.memory.guard import cap  # noqa: E402
 
 SMALL = ["layout.duration=3s", "layout.height=64", "layout.width=64", "layout.text_tokens=24",
          "ttt.backend=reference", "train.precision=fp32", "train.device=cpu", "sample.device=cpu"]
@@ -81,7 +81,7 @@ def test_train_sample_and_profile_apply_the_key(command, monkeypatch, caplog, tm
 
             load_model(cfg, None, torch.device("cpu")).close()
         else:
-            from tttvideo.memory.drivers import profile
+            from tttvideo.memory.profile.drivers import profile
 
             assert profile(cfg, "train", 1, tmp_path / "report", device="cpu")[1] == 0
     assert len(off_cuda_notes(caplog)) == 1

@@ -150,7 +150,7 @@ def test_unwritable_outputs_fail_before_any_work(capsys, tmp_path, tiny_model_fi
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the output was checked")
 
-    import tttvideo.memory.drivers as drivers
+    import tttvideo.memory.profile.drivers as drivers
     import tttvideo.sample.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "make_text_encoder", no_work)

@@ -19,10 +19,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what every layer may use: errors, config, layout arithmetic, devices and dtypes, the diffusion schedule, and
-    # the process-group plumbing the model's layers are handed (the sequence shards, the device mesh), and the
-    # memory package's lower half that train and sample call (the allocator cap, the out-of-memory explanation)
+    # the process-group plumbing the model's layers are handed (the sequence shards, the device mesh)
     ("base", ("errors", "outputs", "device", "dtypes", "config", "layout", "rope", "diffusion",
-              "parallel.sequence", "parallel.mesh", "memory.cap", "memory.oom")),
+              "parallel.sequence", "parallel.mesh")),
     # the long-range layers: TTT and the baselines beside it, which share its gated bidirectional wrapper
     ("ttt", ("ttt", "sequence")),
     # FSDP sharding walks the model's blocks, and the parallel package's __init__ imports it
@@ -32,11 +31,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runs", ("runs",)),
     ("text", ("text",)),
     ("data", ("data",)),
+    # what train and sample call at run time (the allocator cap, the out-of-memory explanation) and the memory
+    # techniques they, the planner and the profiler read
+    ("memory runtime", ("memory.guard", "memory.techniques")),
     ("sample", ("sample",)),
     ("train", ("train",)),
     # importers of other systems' checkpoints: they write run folders as the trainer does (its manifest writer)
     ("convert", ("convert",)),
-    ("memory", ("memory",)),
+    # the planner and the profiler (which drives train and sample); the studies run the profiler over variants and
+    # over diffusers' pipelines
+    ("memory tools", ("memory", "memory.plan", "memory.profile")),
+    ("memory studies", ("memory.studies",)),
     ("api", ("", "api")),
     ("cli", ("cli", "__main__")),
 ]
@@ -133,3 +138,91 @@ def test_the_walker_sees_relative_function_level_and_type_checking_imports(tmp_p
     found = imported_modules(src / "data" / "x.py", "data.x", src)
     assert found == [(1, "data.demo"), (2, "sample"), (4, "train.trainer"), (6, "")]
     assert layer_of("data.demo") < layer_of("sample") < layer_of("train.trainer")
+
+
+def unit_of(module: str) -> str | None:
+    """The LAYERS entry that places `module` (the longest that is it or a parent): the unit cycles are counted
+    between."""
+    parts = module.split(".") if module else []
+    for n in range(len(parts), -1, -1):
+        entry = ".".join(parts[:n])
+        if entry in RANK and (n > 0 or not module):
+            return entry
+    return None
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of `graph`: its strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def import_cycles(level: str) -> list[list[str]]:
+    """Cycles of imports (every import counts, lazy and TYPE_CHECKING ones included) between units ("unit": the
+    LAYERS entries, so that memory.guard and memory.profile are apart) or between top-level packages ("package")."""
+    graph: dict[str, set[str]] = {}
+    for module, path in all_modules().items():
+        key = unit_of(module) if level == "unit" else module.split(".")[0]
+        for _, target in imported_modules(path, module):
+            other = unit_of(target) if level == "unit" else target.split(".")[0]
+            if key is not None and other is not None and other != key:
+                graph.setdefault(key, set()).add(other)
+    return strongly_connected(graph)
+
+
+# The cycles that remain, each with its reason (docs/design-imports.md says the same). Between units:
+EXPLAINED_UNIT_CYCLES = {
+    ("sequence", "ttt"): "one layer, the long-range layers: sequence.build builds TTT's layer (ttt.layer), which is "
+                         "a gated bidirectional layer of sequence.bidirectional like the baselines",
+}
+# Between top-level packages, where a package is split between layers:
+EXPLAINED_PACKAGE_CYCLES = {
+    ("memory", "sample", "train"): "memory is four packages in three layers: memory.guard and memory.techniques "
+                                   "below sample and train, which import them; memory.plan and memory.profile "
+                                   "above (the profiler drives train's step and sample's denoiser); memory.studies "
+                                   "on top",
+    ("models", "parallel", "sequence", "ttt"): "parallel.sequence and parallel.mesh are base plumbing the "
+                                               "long-range layers are handed; parallel.fsdp walks models' blocks",
+}
+
+
+def test_unit_cycles_are_the_explained_ones():
+    assert {tuple(c) for c in import_cycles("unit")} == set(EXPLAINED_UNIT_CYCLES)
+
+
+def test_package_cycles_are_the_explained_ones():
+    assert {tuple(c) for c in import_cycles("package")} == set(EXPLAINED_PACKAGE_CYCLES)
+
+
+def test_cycle_finder_sees_a_lazy_cycle():
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert strongly_connected({"a": {"b"}, "b": set()}) == []

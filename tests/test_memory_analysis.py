@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from tttvideo.memory.analysis import summarize
-from tttvideo.memory.events import MIB, MemorySample, Recording
-from tttvideo.memory.profiler import MemoryProfiler
+from tttvideo.memory.profile.analysis import summarize
+from tttvideo.memory.profile.events import MIB, MemorySample, Recording
+from tttvideo.memory.profile.profiler import MemoryProfiler
 
 SEGMENT = 64 * MIB
 CONTEXT = 512 * MIB
@@ -225,7 +225,7 @@ def test_trace_sums_device_time_by_kind_of_kernel(tmp_path):
 
     from torch.autograd import DeviceType
 
-    from tttvideo.memory.trace import OTHER_KIND, kernel_kind, top_operators, write_top
+    from tttvideo.memory.profile.trace import OTHER_KIND, kernel_kind, top_operators, write_top
 
     kernels = {
         "_mlp_fwd_kernel": 4.0, "_reverse_kernel": 3.0, "_scan_inputs_fwd_kernel": 0.5,

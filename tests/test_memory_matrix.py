@@ -11,8 +11,8 @@ import pytest
 from tttvideo.cli import main
 from tttvideo.config.loader import load_config
 from tttvideo.errors import UserError
-from tttvideo.memory.matrix import load_matrix, matrix_table
-from tttvideo.memory.report import REPORT_FILES
+from tttvideo.memory.studies.matrix import load_matrix, matrix_table
+from tttvideo.memory.profile.report import REPORT_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "configs" / "base.toml"
@@ -50,7 +50,7 @@ def test_profile_oom_is_recorded_with_its_place(tmp_path, monkeypatch):
     import torch
     from torch import nn
 
-    from tttvideo.memory import drivers
+    from tttvideo.memory.profile import drivers
 
     class Boom(nn.Module):
         def forward(self, x):
@@ -115,7 +115,7 @@ def test_matrix_rows_for_ok_oom_and_failing_variants(tmp_path, capsys):
 
 
 def test_matrix_table_shows_a_crashed_variant(tmp_path):
-    from tttvideo.memory.matrix import MatrixRow
+    from tttvideo.memory.studies.matrix import MatrixRow
 
     rows = [MatrixRow("crashy", "crashed", -11, 1.0, "Segmentation fault", str(tmp_path))]
     cols, table = matrix_table(rows)

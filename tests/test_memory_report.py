@@ -11,9 +11,9 @@ import torch._dynamo  # noqa: F401  (optimizers import it on first use; under tr
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tttvideo.memory.events import Recording
-from tttvideo.memory.profiler import MemoryProfiler
-from tttvideo.memory.report import REPORT_FILES, write_report
+from tttvideo.memory.profile.events import Recording
+from tttvideo.memory.profile.profiler import MemoryProfiler
+from tttvideo.memory.profile.report import REPORT_FILES, write_report
 
 
 class MLPBlock(nn.Module):
@@ -122,7 +122,7 @@ def test_cuda_figures_are_exact(tmp_path):
     snap = prof.dump_snapshot(tmp_path / "snapshot.pickle")
     assert snap is not None and snap.stat().st_size > 0
 
-    from tttvideo.memory.analysis import summarize
+    from tttvideo.memory.profile.analysis import summarize
 
     s = summarize(prof.recording())
     assert s.backend == "cuda"

@@ -1,6 +1,7 @@
-"""A CUDA out-of-memory error becomes one sentence (tttvideo.memory.oom): `tttv train` and `tttv sample` exit 2 naming
-the phase, the block, the newest checkpoint and the switches not on with what each saves, counted from the model.
-The error is faked on CPU by a block that raises torch.cuda.OutOfMemoryError."""
+"""A CUDA out-of-memory error becomes one sentence (tttvideo.memory.guard.oom): `tttv train` and `tttv sample` exit 2
+naming the phase, the block, the newest checkpoint and the switches not on with what each saves, counted from the
+model (with the planner's byte counts, checked against the optimizers' real state). The error is faked on CPU by a
+block that raises torch.cuda.OutOfMemoryError."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from tttvideo.cli import main
 from tttvideo.config.loader import load_config
-from tttvideo.memory.oom import adamw_state_saving, frozen_linear_saving, train_savings
+from tttvideo.memory.guard.oom import train_savings
+from tttvideo.memory.techniques import ModelBytes, optimizer_state_bytes
 from tttvideo.models import build_model
 from tttvideo.models.cogvideox.block import Block
 from tttvideo.models.fp8_storage import frozen_weight_bytes, store_fp8
@@ -51,15 +53,18 @@ def test_train_oom_is_one_sentence_with_phase_block_checkpoint_and_switches(tmp_
     assert f"{run / 'checkpoints' / 'step-000002'}" in msg
     cfg = load_config("configs/demo.toml", TRAIN)
     model = build_model(cfg)
-    expected = [f"model.frozen_weights = 'fp8' ({frozen_linear_saving(model) / 2**30:.2f} GiB",
-                f"train.optimizer = 'adamw8bit' ({adamw_state_saving(model) / 2**30:.2f} GiB",
+    counted = ModelBytes.of(model)
+    frozen_linear_saving = counted.frozen_linear_saving
+    adamw_state_saving = counted.optimizer["adamw"] - counted.optimizer["adamw8bit"]
+    expected = [f"model.frozen_weights = 'fp8' ({frozen_linear_saving / 2**30:.2f} GiB",
+                f"train.optimizer = 'adamw8bit' ({adamw_state_saving / 2**30:.2f} GiB",
                 "checkpointing.block = true", "checkpointing.offload_activations = true (",
                 "tttv profile CONFIG --phase train shows where the memory goes",
                 "`tttv plan CONFIG --gpu-mem SIZE --phase train` (or --auto-fit) picks the fastest setup that fits"]
     at = [msg.index(e) for e in expected]
     # counted savings in decreasing order, then the uncounted ones
-    counted = sorted([(frozen_linear_saving(model), at[0]), (adamw_state_saving(model), at[1])], reverse=True)
-    assert [a for _, a in counted] == sorted(a for _, a in counted) and max(at[:2]) < at[2]
+    largest = sorted([(frozen_linear_saving, at[0]), (adamw_state_saving, at[1])], reverse=True)
+    assert [a for _, a in largest] == sorted(a for _, a in largest) and max(at[:2]) < at[2]
 
 
 def test_switches_already_on_are_not_suggested():
@@ -82,20 +87,52 @@ def test_kept_outputs_are_suggested_away_with_their_size():
     assert {s.switch: s for s in train_savings(cfg, model, gpus=1)}["checkpointing.keep = []"].nbytes is None
 
 
-def test_counts_match_fp8_storage_and_adamw_state():
+def test_fp8_saving_matches_fp8_storage():
     cfg = load_config("configs/demo.toml", TRAIN)
     model = build_model(cfg)
     converted = copy.deepcopy(model)
     store_fp8(converted)
-    assert frozen_linear_saving(model) == frozen_weight_bytes(model) - frozen_weight_bytes(converted) > 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    adamw = sum(s[k].nbytes for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
-    eight_bit = sum(2 * p.numel() + 2 * 4 * p.numel() / 256 for p in params)
-    assert adamw_state_saving(model) == int(adamw - eight_bit)
+    assert ModelBytes.of(model).frozen_linear_saving == frozen_weight_bytes(model) - frozen_weight_bytes(converted) > 0
+
+
+def real_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Both moments of every parameter as they sit in memory: torchao's 8-bit codes and scales, or plain tensors."""
+    total = 0
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = state[key]
+            parts = (t.codes, t.scale) if hasattr(t, "codes") else (t,)
+            total += sum(p.numel() * p.element_size() for p in parts)
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_byte_count_is_what_the_optimizers_allocate(dtype):
+    """The one count of optimizer state (the planner's and the OOM advice's) against AdamW's and torchao's
+    AdamW8bit's real state, after a step on CPU, over tensors torchao quantizes (>= 4096 values, a multiple of 256)
+    and those it leaves plain (small, ragged)."""
+    pytest.importorskip("torchao")
+    from tttvideo.train.optim import adamw8bit_class
+
+    torch.manual_seed(0)
+    shapes = [(64, 64), (16, 512), (100,), (65, 64), (4096,)]
+    for name in ("adamw", "adamw8bit"):
+        params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in shapes]
+        opt = adamw8bit_class()(params) if name == "adamw8bit" else torch.optim.AdamW(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        counted = sum(optimizer_state_bytes(name, p.numel(), p.element_size()) for p in params)
+        assert counted == real_state_bytes(opt), name
+
+
+def test_advice_counts_the_optimizer_as_the_planner_does():
+    cfg = load_config("configs/demo.toml", TRAIN)
+    model = build_model(cfg)
+    saving = {s.switch: s.nbytes for s in train_savings(cfg, model, gpus=1)}["train.optimizer = 'adamw8bit'"]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert saving == sum(optimizer_state_bytes("adamw", p.numel(), p.element_size())
+                         - optimizer_state_bytes("adamw8bit", p.numel(), p.element_size()) for p in trainable) > 0
 
 
 def test_sample_oom_names_the_denoise_step(tmp_path, monkeypatch, capsys):

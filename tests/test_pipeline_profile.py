@@ -1,6 +1,6 @@
-"""`tttv profile` on diffusers pipelines (tttvideo.memory.pipelines): tiny random Wan2.1 and CogVideoX pipelines give
-a complete report, a local pipeline folder loads, the variant files of the studies load, a failing variant is a
-one-sentence error (a matrix row), and the matrix report ranks its rows."""
+"""`tttv profile` on diffusers pipelines (tttvideo.memory.studies.pipelines): tiny random Wan2.1 and CogVideoX
+pipelines give a complete report, a local pipeline folder loads, the variant files of the studies load, a failing
+variant is a one-sentence error (a matrix row), and the matrix report ranks its rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tttvideo.memory.pipeline_config import PIPELINE_NAMES, is_pipeline_profile, load_pipeline_profile
+from tttvideo.memory.studies.pipeline_config import PIPELINE_NAMES, is_pipeline_profile, load_pipeline_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,7 +24,7 @@ def tiny(name: str, *extra: str):
 
 @pytest.mark.parametrize("name", PIPELINE_NAMES)
 def test_tiny_pipeline_gives_a_complete_report(tmp_path, name):
-    from tttvideo.memory.drivers import profile_pipeline
+    from tttvideo.memory.studies.pipelines import profile_pipeline
 
     traced = name.startswith("wan")  # torch.profiler's first start costs ~10 s on 2 cores: one pipeline traces
     summary, code = profile_pipeline(tiny(name), 2, tmp_path, device="cpu", trace=traced)
@@ -52,7 +52,7 @@ def test_tiny_pipeline_gives_a_complete_report(tmp_path, name):
 
 
 def test_memory_switches_run_and_show_as_components(tmp_path):
-    from tttvideo.memory.drivers import profile_pipeline
+    from tttvideo.memory.studies.pipelines import profile_pipeline
 
     pc = tiny("wan2.1-t2v-1.3b", "pipeline.loading=blockwise", "pipeline.text_encoder_device=cpu",
               "pipeline.offload=group", "pipeline.vae_tiling=true", "pipeline.fp8_weights=true")
@@ -66,8 +66,8 @@ def test_memory_switches_run_and_show_as_components(tmp_path):
 def test_local_pipeline_folder_loads_its_weights(tmp_path):
     import torch
 
-    from tttvideo.memory.pipelines import PIPELINES, build_pipeline
-    from tttvideo.memory.profiler import MemoryProfiler
+    from tttvideo.memory.studies.pipelines import PIPELINES, build_pipeline
+    from tttvideo.memory.profile.profiler import MemoryProfiler
 
     torch.manual_seed(0)
     factories = PIPELINES["wan2.1-t2v-1.3b"].build(True)
@@ -90,7 +90,7 @@ def test_local_pipeline_folder_loads_its_weights(tmp_path):
 
 
 def test_study_variant_files_load():
-    from tttvideo.memory.matrix import child_command, load_matrix
+    from tttvideo.memory.studies.matrix import child_command, load_matrix
 
     for study, count in (("wan21", 16), ("cogvideox5b-diffusers", 6)):
         m = load_matrix(ROOT / "configs" / "profile" / study / "matrix.toml")
@@ -122,8 +122,8 @@ def test_bad_pipeline_variant_is_one_sentence(tmp_path, capsys):
 
 
 def test_matrix_report_ranks_by_peak_and_time(tmp_path):
-    from tttvideo.memory.matrix import MatrixRow, matrix_table
-    from tttvideo.memory.matrix_report import rankings, write_matrix_report
+    from tttvideo.memory.studies.matrix import MatrixRow, matrix_table
+    from tttvideo.memory.studies.matrix_report import rankings, write_matrix_report
 
     def row(name, status, peak=None, step=None):
         summary = None if peak is None else {"totals": {"peak_allocated": peak}, "step_seconds": [9.0, step]}
@@ -146,7 +146,7 @@ def test_context_parallel_variant_equals_one_process_and_resumes(tmp_path, capsy
     as two torchrun processes; its video equals the one-process run's; --resume keeps the finished row and reruns
     the failed one."""
     from tttvideo.cli import main
-    from tttvideo.memory.drivers import profile_pipeline
+    from tttvideo.memory.studies.pipelines import profile_pipeline
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the children: two ranks on a 2-core CI machine
     (tmp_path / "tiny.toml").write_text("[pipeline]\nname = 'wan2.1-t2v-1.3b'\ntiny = true\nheight = 32\nwidth = 32\n"
@@ -195,7 +195,7 @@ def test_blockwise_build_keeps_shared_weights_shared(name):
     build makes it once, so blockwise loading holds the same bytes as a whole build."""
     import torch
 
-    from tttvideo.memory.pipelines import PIPELINES, _materialize, _on_meta
+    from tttvideo.memory.studies.pipelines import PIPELINES, _materialize, _on_meta
 
     factory = PIPELINES[name].build(True)["text_encoder"]
     model = _on_meta(factory, torch.float32)

@@ -13,8 +13,8 @@ import pytest
 from tests.benchmark_scripts import load_benchmark
 from tttvideo.config.loader import load_config
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan_costs import activation_key, load_costs
-from tttvideo.memory.plan_count import count
+from tttvideo.memory.plan.costs import activation_key, load_costs
+from tttvideo.memory.plan.count import count
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,18 +65,20 @@ def test_fit_recovers_the_costs_and_predicts_held_out_setups(tmp_path, capsys):
 def test_setups_name_existing_configs_and_valid_overrides():
     """Every setup of the device run loads (a typo would only show on the GPU)."""
     module = calibration_module()
-    for name, config, phase, overrides, calibrate, held in module.SETUPS:
-        assert phase in ("train", "sample") and (calibrate or held), name
-        assert len(calibrate) != 1, f"{name}: a regime needs two durations to fit"
-        for duration in calibrate + held:
-            load_config(ROOT / config, module.NO_WEIGHTS + [f"layout.duration={duration}"] + overrides)
+    names = [s.name for s in module.SETUPS]
+    assert len(names) == len(set(names)) == 14
+    for s in module.SETUPS:
+        assert s.phase in ("train", "sample") and (s.calibrate or s.held_out), s.name
+        assert len(s.calibrate) != 1, f"{s.name}: a regime needs two durations to fit"
+        for duration in s.calibrate + s.held_out:
+            load_config(ROOT / s.config, module.NO_WEIGHTS + [f"layout.duration={duration}"] + list(s.overrides))
 
 
 def test_check_runs_the_choice_under_the_cap_and_spot_checks_faster_ones(tmp_path, monkeypatch):
     """`check` with the profiling replaced: at 24 GiB, 9 s it runs the planner's choice under the card's cap and two
     faster candidates predicted not to fit; an earlier row for a choice the planner no longer makes is set aside as
     superseded, not counted as checked; at 80 GiB the choice is the fastest regime, so no spot check there."""
-    import tttvideo.memory.matrix as matrix
+    import tttvideo.memory.studies.matrix as matrix
 
     pc = calibration_module()
     runs = []

@@ -4,6 +4,7 @@ it writes is a config the trainer reads; `tttv plan` end to end."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -12,9 +13,9 @@ import torch
 from tttvideo.config.loader import load_config
 from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan_costs import CostTable, Curve, activation_key, load_costs, save_costs, time_key
-from tttvideo.memory.plan_count import count, with_overrides
-from tttvideo.memory.planner import (CUDA_CONTEXT, FRAGMENTATION, GIB, best, candidates, fits_in, parse_size, plan,
+from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, load_costs, save_costs, time_key
+from tttvideo.memory.plan.count import count
+from tttvideo.memory.plan.planner import (CUDA_CONTEXT, FRAGMENTATION, GIB, best, candidates, fits_in, parse_size, plan,
                                     plan_toml, predict)
 from tttvideo.models import build_model
 
@@ -108,9 +109,7 @@ def synthetic_costs(cfg: Config, phase: str) -> CostTable:
     """A cost for every regime the planner proposes: 1 KiB and 1 ms per token, more without offload."""
     table = CostTable("test")
     for cand in candidates(cfg, phase):
-        from tttvideo.memory.plan_count import with_overrides
-
-        c = with_overrides(cfg, cand.as_dict())
+        c = cand.apply(cfg)
         per_token = 2048.0 if phase == "train" and not c.checkpointing.offload_activations else 1024.0
         table.activation[activation_key(c, phase)] = Curve.fit([(t, per_token * t + 1e6) for t in (1e3, 1e5)])
         seconds = 1e-3 * (1.5 if c.checkpointing.offload_activations else 1.0)
@@ -161,7 +160,7 @@ def test_kept_outputs_are_chosen_where_they_fit_and_block_checkpointing_where_th
     # per token: bytes far above what the weight storage and optimizer switches change, seconds
     per_token = {"block": (1e6, 1.0), "block-keep-attention": (2e6, 0.9), "block-keep-attention+matmul": (8e6, 0.8)}
     for cand in candidates(cfg, "train"):
-        c = with_overrides(cfg, cand.as_dict())
+        c = cand.apply(cfg)
         key = activation_key(c, "train")
         policy = key.split("|")[4]
         if policy in per_token and not c.checkpointing.offload_activations:
@@ -169,9 +168,11 @@ def test_kept_outputs_are_chosen_where_they_fit_and_block_checkpointing_where_th
             table.activation[key] = Curve.fit([(1.0, mem)])
             table.time[time_key(c, "train")] = Curve.fit([(1.0, 1e-3 * sec)])
     tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens
-    assert not any(c.as_dict().get("checkpointing.offload_activations") and c.as_dict()["checkpointing.keep"]
+    assert not any(c.apply(cfg).checkpointing.offload_activations and c.apply(cfg).checkpointing.keep
                    for c in candidates(cfg, "train"))
-    base = count(with_overrides(cfg, {"model.frozen_weights": "dtype"}), "train").total
+    exact = copy.deepcopy(cfg)
+    exact.model.frozen_weights = "dtype"
+    base = count(exact, "train").total
 
     def chosen_keep(activation_room: float) -> list[str]:
         card = int((base + activation_room * tokens) * (1 + FRAGMENTATION)) + CUDA_CONTEXT + 2**20
@@ -220,7 +221,7 @@ def test_plan_file_is_a_config_that_includes_the_base(tmp_path):
     out.write_text(plan_toml(chosen, base, out, "tttv plan base.toml --gpu-mem 80GiB", {"layout.duration": "9s"}))
     loaded = load_config(out)
     assert loaded.model.lora_rank == 4 and loaded.layout.duration == "9s"
-    for key, value in chosen.candidate.overrides:
+    for key, value in chosen.candidate.settings(chosen.config).items():
         section, name = key.split(".")
         assert getattr(getattr(loaded, section), name) == value
 
@@ -279,7 +280,7 @@ def test_streamed_fp8_weights_leave_two_blocks_counted():
     block_fp8 = tensor_bytes(t for m in model.blocks[0].modules() if isinstance(m, Fp8Linear)
                              for t in (m.weight_fp8, m.weight_scale))
     assert fp8 > 0 and streamed.weights == resident.weights - fp8 + 2 * block_fp8
-    assert any(c.as_dict().get("memory.stream_frozen_weights") for c in candidates(tiny(), "train"))
+    assert any(c.apply(tiny()).memory.stream_frozen_weights for c in candidates(tiny(), "train"))
 
 
 def test_streaming_needs_fp8_weights(tmp_path, capsys):

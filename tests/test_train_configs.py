@@ -63,17 +63,17 @@ def fixed_gib(cfg) -> float:
     import torch
 
     from tttvideo.dtypes import torch_dtype
-    from tttvideo.memory.oom import adamw_state_saving, frozen_linear_saving
+    from tttvideo.memory.techniques import ModelBytes
     from tttvideo.models import apply_adapter, get_preset
     from tttvideo.models.cogvideox.transformer import CogVideoXTTT
 
     with torch.device("meta"):
         model = CogVideoXTTT(get_preset(cfg.model.preset), cfg.ttt, cfg.model.use_ttt).to(torch_dtype(cfg.model.dtype))
     apply_adapter(model, cfg.model.adapter, cfg.model.lora_rank, cfg.model.lora_alpha)
-    frozen = sum(p.nbytes for p in model.parameters() if not p.requires_grad) - frozen_linear_saving(model)
+    counted = ModelBytes.of(model)
+    frozen = sum(p.nbytes for p in model.parameters() if not p.requires_grad) - counted.frozen_linear_saving
     trainable = sum(p.nbytes for p in model.parameters() if p.requires_grad)
-    adamw = sum(2 * p.nbytes for p in model.parameters() if p.requires_grad)
-    return (frozen + 2 * trainable + adamw - adamw_state_saving(model)) / 2**30
+    return (frozen + 2 * trainable + counted.optimizer["adamw8bit"]) / 2**30
 
 
 def test_24gb_training_configs_have_every_switch_on_and_chain():

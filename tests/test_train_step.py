@@ -19,11 +19,11 @@ import torch._dynamo  # noqa: F401  (optimizers import it on first use; under tr
 from tttvideo.config.loader import load_config
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.profiler import MemoryProfiler
+from tttvideo.memory.profile.profiler import MemoryProfiler
 from tttvideo.models import build_model
 from tttvideo.train.loss import NoiseSource, diffusion_loss
-from tttvideo.train.optim import build_optimizer, build_scheduler
-from tttvideo.train.step import BACKWARD, FORWARD, OPTIMIZER, DiffusionObjective, TrainStep, grad_scaler
+from tttvideo.train.optim import build_optimizer
+from tttvideo.train.step import BACKWARD, FORWARD, OPTIMIZER, build_train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,13 +48,26 @@ def setup(*extra):
 
 
 def make_step(cfg, layout, model, grad_accum, profiler=None, scheduler=False):
-    optimizer = build_optimizer(model, cfg.train)
-    objective = DiffusionObjective(ZeroSNRSchedule(), NoiseSource(cfg.train.seed, CPU), layout,
-                                   cfg.train.text_dropout, cfg.train.precision, cfg.train.batch_size,
-                                   global_batch=cfg.train.batch_size * grad_accum)
-    return TrainStep(model, objective, optimizer, grad_scaler(CPU, cfg.train.precision), CPU, grad_accum=grad_accum,
-                     grad_clip=cfg.train.grad_clip, profiler=profiler,
-                     scheduler=build_scheduler(optimizer, cfg.train) if scheduler else None)
+    """The step as the trainer, the profiler and benchmarks/model_step.py assemble it."""
+    return build_train_step(cfg, model, CPU, layout, NoiseSource(cfg.train.seed, CPU),
+                            global_batch=cfg.train.batch_size * grad_accum, grad_accum=grad_accum,
+                            scheduled=scheduler, profiler=profiler)
+
+
+def test_the_assembly_applies_the_configs_memory_techniques():
+    cfg, layout, model, _ = setup("checkpointing.offload_activations=true", "model.frozen_weights=fp8",
+                                  "memory.stream_frozen_weights=true", "model.adapter=lora", "model.lora_rank=4")
+    step = make_step(cfg, layout, model, grad_accum=1, scheduler=True)
+    # offload around each micro-batch; streaming applied (a no-op off CUDA: nothing moved); the schedule built
+    assert step.offload and step.prepared == {"fp8 weight streaming": 0} and step.scheduler is not None
+    assert step.grad_clip == cfg.train.grad_clip and step.objective.global_batch == cfg.train.batch_size
+    plain = make_step(*setup()[:3], grad_accum=1)
+    assert not plain.offload and plain.prepared == {} and plain.scheduler is None
+    cfg.model.frozen_weights = "dtype"
+    from tttvideo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="memory.stream_frozen_weights"):
+        make_step(cfg, layout, model, grad_accum=1)
 
 
 @pytest.mark.parametrize("clip", [0.05, 0.0])

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kern
 
 def test_kept_attention_is_not_recomputed_and_gradients_match():
     from tttvideo.config.loader import load_config
-    from tttvideo.memory.trace import kernel_kind
+    from tttvideo.memory.profile.trace import kernel_kind
     from tttvideo.layout import VideoLayout
     from tttvideo.models import apply_checkpointing, build_model
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -88,8 +87,7 @@ if pytest is not None:
         check_fp16_scaler(tmp_path)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "src"))
+if __name__ == "__main__":  # PYTHONPATH=src python -m tests.gpu.test_train_gpu, or with the package installed
     with tempfile.TemporaryDirectory() as d:
         print(torch.cuda.get_device_name(), torch.__version__)
         print(check_bf16_resume(Path(d)))

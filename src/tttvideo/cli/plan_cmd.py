@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tttvideo.memory.plan_costs import load_costs
-    from tttvideo.memory.planner import best, parse_size, plan, plan_toml
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import best, parse_size, plan, plan_toml
 
     if args.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {args.gpus}")
@@ -69,7 +69,7 @@ def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str) -> No
     from rich.console import Console
     from rich.table import Table
 
-    from tttvideo.memory.planner import GIB
+    from tttvideo.memory.plan.planner import GIB
 
     shown = preds if args.all else preds[:12]
     first = preds[0].config if preds else None

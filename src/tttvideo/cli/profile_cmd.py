@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tttvideo.cli.common import add_config_arguments, config_from_args
 from tttvideo.errors import UserError
-from tttvideo.memory.pipeline_config import PIPELINE_NAMES, is_pipeline_profile
+from tttvideo.memory.studies.pipeline_config import PIPELINE_NAMES, is_pipeline_profile
 from tttvideo.outputs import check_writable_dir
 
 
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     args.phase = args.phase or "train"
     cfg = config_from_args(args)
     out = check_writable_dir(args.out or f"runs/profile/{args.phase}", "--out")
-    from tttvideo.memory.drivers import profile
+    from tttvideo.memory.profile.drivers import profile
 
     summary, code = profile(cfg, args.phase, args.steps, out, device=args.device, snapshot=args.snapshot,
                             trace=args.trace, meta={"config": args.config or "(defaults)",
@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_pipeline(args: argparse.Namespace) -> int:
-    from tttvideo.memory.drivers import profile_pipeline
-    from tttvideo.memory.pipeline_config import load_pipeline_profile
+    from tttvideo.memory.studies.pipelines import profile_pipeline
+    from tttvideo.memory.studies.pipeline_config import load_pipeline_profile
 
     if args.phase == "train":
         raise UserError("a diffusers pipeline is profiled for inference only; drop --phase train")
@@ -93,7 +93,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 def _run_matrix(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tttvideo.memory.matrix import load_matrix, print_matrix, run_matrix
+    from tttvideo.memory.studies.matrix import load_matrix, print_matrix, run_matrix
 
     m = load_matrix(args.matrix)
     if args.device != "auto":
@@ -116,7 +116,7 @@ def _print_summary(s: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from tttvideo.memory.report import fmt_bytes
+    from tttvideo.memory.profile.report import fmt_bytes
 
     console = Console()
     t = Table(title=f"memory ({s.get('labels', {}).get('unit', s.get('backend'))})", show_header=True)

@@ -114,7 +114,7 @@ def _checked_inputs(args: argparse.Namespace):
     cfg_path = _config_file(args)
     cfg = load_config(cfg_path, _overrides(args))
     if args.auto_fit:
-        from tttvideo.memory.planner import auto_fit
+        from tttvideo.memory.plan.planner import auto_fit
 
         cfg = auto_fit(cfg, "sample", cfg_path, args.duration or f"{stories[0].duration_s}s")
     return stories, cfg_path, cfg

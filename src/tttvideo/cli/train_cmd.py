@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     cfg = config_from_args(args)
     if args.auto_fit:
-        from tttvideo.memory.planner import auto_fit
+        from tttvideo.memory.plan.planner import auto_fit
 
         cfg = auto_fit(cfg, "train", args.config)
     configured_dir = cfg.train.output_dir

@@ -291,7 +291,9 @@ def _type_name(tp: Any) -> str:
     if origin is Union or (hasattr(types, "UnionType") and origin is types.UnionType):
         return " or ".join(_type_name(a) for a in args if a is not _NONE)
     if origin is Literal:
-        return "one of " + ", ".join(_toml_literal(a) for a in args)
+        # a choice field (`schema.choice`) is typed by its allowed values, which the key's help lists as "one of"
+        kinds = {type(a) for a in args}
+        return _type_name(kinds.pop()) if len(kinds) == 1 else "one of " + ", ".join(_toml_literal(a) for a in args)
     if _is_dataclass_type(tp):
         return f"a table of {', '.join(_settable_fields(tp))}"
     if origin in (list, tuple) or tp in (list, tuple):
@@ -328,6 +330,8 @@ def _apply_override(cfg: Any, text: str) -> None:
         return
     target = _field_type(type(cfg), parts)
     plain = _strip_optional(target)
+    if typing.get_origin(plain) is Literal and all(isinstance(a, str) for a in typing.get_args(plain)):
+        plain = str  # a choice of strings
     if plain is str and not isinstance(value, str):
         value = raw  # --set train.output_dir=2024 means the string "2024": the field says so
     elif plain is bool and isinstance(value, str) and value.lower() in ("true", "false"):

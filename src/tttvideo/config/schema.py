@@ -8,7 +8,29 @@ names the key, the file and what is allowed. Sections are owned by the parts of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
+
+
+# The allowed values of the choice fields: their annotations, and the loader's check (`choice`).
+Preset = Literal["tiny", "cogvideox-5b"]
+WeightDtype = Literal["fp32", "bf16", "fp16"]
+Adapter = Literal["sft", "qkvo", "lora"]
+SequenceLayer = Literal["ttt", "none", "full-attention", "mamba2", "gated-deltanet"]
+FrozenWeights = Literal["dtype", "fp8"]
+TTTKind = Literal["mlp", "linear"]
+EtaLayout = Literal["per-token", "reference"]
+TTTBackend = Literal["auto", "triton", "reference"]
+Decay = Literal["cosine", "linear", "constant"]
+Optimizer = Literal["adamw", "adamw8bit"]
+Precision = Literal["bf16", "fp16", "fp32"]
+IfExists = Literal["refuse", "resume", "new", "overwrite"]
+OnNonfinite = Literal["stop", "skip"]
+DemoTextEncoder = Literal["auto", "minilm", "table"]
+DemoKind = Literal["scenes", "long-range"]
+CacheDtype = Literal["bf16", "fp16", "fp32"]
+Solver = Literal["ddim", "dpm++2m"]
+CfgSchedule = Literal["constant", "ramp"]
+TextEncoderDevice = Literal["auto", "cpu"]
 
 
 def choice(default: Any, *allowed: Any, help: str = "") -> Any:
@@ -33,27 +55,28 @@ def listed(default_factory: Any, help: str = "", choices: tuple = (), lo: float 
 
 @dataclass
 class ModelConfig:
-    preset: str = choice("tiny", "tiny", "cogvideox-5b", help="backbone size")
+    preset: Preset = choice("tiny", *get_args(Preset), help="backbone size")
     pretrained_path: str = field(default="", metadata={"help": "diffusers transformer/ folder ('' = random init)"})
-    dtype: str = choice("fp32", "fp32", "bf16", "fp16", help="parameter dtype at load")
-    adapter: str = choice("qkvo", "sft", "qkvo", "lora",
-                          help="what trains: sft = every weight; qkvo = attention (q/k/v/o and their norms), TTT "
-                               "layers and gates; lora = LoRA on attention q/k/v/o, TTT layers and gates (the "
-                               "original: sft at 3 s, qkvo from 9 s)")
+    dtype: WeightDtype = choice("fp32", *get_args(WeightDtype), help="parameter dtype at load")
+    adapter: Adapter = choice("qkvo", *get_args(Adapter), help="what trains: sft = every weight; qkvo = attention "
+                                                               "(q/k/v/o and their norms), TTT layers and gates; lora "
+                                                               "= LoRA on attention q/k/v/o, TTT layers and gates (the"
+                                                               " original: sft at 3 s, qkvo from 9 s)")
     lora_rank: int = bounded(64, 1, 4096)
     lora_alpha: float = bounded(64.0, 0.0)
     use_ttt: bool = field(default=True, metadata={"help": "False: local attention only (the no-TTT baseline; the "
                                                           "same as sequence_layer = 'none')"})
-    sequence_layer: str = choice("ttt", "ttt", "none", "full-attention", "mamba2", "gated-deltanet",
-                                 help="the long-range layer after local attention in every block: ttt (TTT-MLP or "
-                                      "TTT-Linear by ttt.kind), none, full attention over the whole video, Mamba 2 "
-                                      "or Gated DeltaNet (flash-linear-attention's kernels on CUDA: pip install "
-                                      "'tttvideo[long-range]'); all but ttt are the baselines of "
-                                      "benchmarks/long_range.py and run on one GPU")
-    frozen_weights: str = choice("dtype", "dtype", "fp8",
-                                 help="storage of frozen linear weights (those the adapter does not train): dtype = "
-                                      "model.dtype; fp8 = float8 e4m3 with one scale per output channel, upcast "
-                                      "layer by layer at compute (half the bytes of bf16, ~2.5% output error)")
+    sequence_layer: SequenceLayer = choice("ttt", *get_args(SequenceLayer),
+                                           help="the long-range layer after local attention in every block: ttt "
+                                                "(TTT-MLP or TTT-Linear by ttt.kind), none, full attention over the "
+                                                "whole video, Mamba 2 or Gated DeltaNet (flash-linear-attention's "
+                                                "kernels on CUDA: pip install 'tttvideo[long-range]'); all but ttt are"
+                                                " the baselines of benchmarks/long_range.py and run on one GPU")
+    frozen_weights: FrozenWeights = choice("dtype", *get_args(FrozenWeights),
+                                           help="storage of frozen linear weights (those the adapter does not train): "
+                                                "dtype = model.dtype; fp8 = float8 e4m3 with one scale per output "
+                                                "channel, upcast layer by layer at compute (half the bytes of bf16, "
+                                                "~2.5% output error)")
     compile_attention_glue: bool = field(default=True, metadata={
         "help": "torch.compile local attention's window gather + RoPE and its overlap merge on CUDA (one write per "
                 "tensor instead of a gather, an fp32 copy and elementwise passes); false = eager"})
@@ -89,7 +112,7 @@ class TTTConfig:
     so that a config that leaves them out follows `kind` while an explicit value (as every saved run spells out)
     wins."""
 
-    kind: str = choice("mlp", "mlp", "linear", help="inner model: TTT-MLP or TTT-Linear")
+    kind: TTTKind = choice("mlp", *get_args(TTTKind), help="inner model: TTT-MLP or TTT-Linear")
     mini_batch_size: int = bounded(0, 0, 4096, help="tokens per inner gradient step in training (the sequence is "
                                                     "padded to a multiple of it); 0 = the kind's default, as the "
                                                     "reference system trains: 64 (MLP), 16 (Linear)")
@@ -99,15 +122,15 @@ class TTTConfig:
                                                            "per segment still follows the training mini-batch")
     base_lr: float = bounded(0.0, 0.0, help="inner learning rate scale; 0 = the kind's default: 0.1 (MLP), 1.0 "
                                             "(Linear)")
-    eta_layout: str = choice("per-token", "per-token", "reference",
+    eta_layout: EtaLayout = choice("per-token", *get_args(EtaLayout),
                              help="inner learning rates of a mini-batch: per-token = each key's own rate (the "
                                   "paper's math); reference = the reference system's per-mini-batch matrices, "
                                   "whose rows follow the scan order of a multi-segment video and whose columns do "
                                   "not (what its checkpoints were trained with; tttv convert sets it; the PyTorch "
                                   "scan, not the Triton kernels). The same on one segment (docs/model.md)")
     scan_checkpoint_group_size: int = bounded(16, 0, help="mini-batches per scan checkpoint; 0 = no checkpointing")
-    backend: str = choice("auto", "auto", "triton", "reference",
-                          help="the scan and the glue before it: auto = Triton on CUDA, the reference elsewhere")
+    backend: TTTBackend = choice("auto", *get_args(TTTBackend), help="the scan and the glue before it: auto = Triton "
+                                                                     "on CUDA, the reference elsewhere")
     gate_init: float = bounded(0.1, help="initial value of the tanh gates")
     rope_theta: float = bounded(10000.0, 1.0)
     compile_glue: bool = field(default=True, metadata={
@@ -146,37 +169,38 @@ class TrainConfig:
     lr_end: float = bounded(1e-5, 0.0, help="learning rate both groups decay to by the last step (the original: "
                                             "1e-5, so lr = 1e-5 stays constant)")
     warmup_steps: int = bounded(0, 0, help="linear warmup from 0 to the peak learning rates")
-    decay: str = choice("linear", "cosine", "linear", "constant", help="decay of lr after warmup, down to lr_end")
-    decay_ssm: str = choice("cosine", "cosine", "linear", "constant", help="decay of lr_ssm after warmup, down to "
-                                                                           "lr_end")
+    decay: Decay = choice("linear", *get_args(Decay), help="decay of lr after warmup, down to lr_end")
+    decay_ssm: Decay = choice("cosine", *get_args(Decay), help="decay of lr_ssm after warmup, down to lr_end")
     weight_decay: float = bounded(1e-4, 0.0, help="AdamW weight decay; never applied to biases and norms")
     adam_beta1: float = bounded(0.9, 0.0, 1.0)
     adam_beta2: float = bounded(0.95, 0.0, 1.0)
     adam_eps: float = bounded(1e-8, 0.0)
-    optimizer: str = choice("adamw", "adamw", "adamw8bit",
-                            help="adamw8bit: both AdamW moments in 8 bits with one scale per 256 values (torchao's "
-                                 "AdamW8bit; needs pip install 'tttvideo[memory]'): 2 bytes of state per trainable "
-                                 "parameter instead of 4 (bf16 parameters) or 8 (fp32)")
+    optimizer: Optimizer = choice("adamw", *get_args(Optimizer), help="adamw8bit: both AdamW moments in 8 bits with "
+                                                                      "one scale per 256 values (torchao's AdamW8bit; "
+                                                                      "needs pip install 'tttvideo[memory]'): 2 bytes "
+                                                                      "of state per trainable parameter instead of 4 "
+                                                                      "(bf16 parameters) or 8 (fp32)")
     grad_clip: float = bounded(0.1, 0.0, help="max global gradient norm; 0 = no clipping")
     # loss
     text_dropout: float = bounded(0.1, 0.0, 1.0, help="probability of zeroing a sample's text (for CFG)")
-    precision: str = choice("bf16", "bf16", "fp16", "fp32", help="autocast dtype; fp16 adds a gradient scaler")
+    precision: Precision = choice("bf16", *get_args(Precision), help="autocast dtype; fp16 adds a gradient scaler")
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
     cpu_threads: int = bounded(0, 0, help="PyTorch CPU threads; 0 = its default (one per core). 1 is faster on a "
                                           "busy machine, where spinning OpenMP threads stall each other")
     # checkpoints
     checkpoint_every: int = bounded(500, 1, help="optimizer steps between checkpoints (the last step always saves)")
     keep_checkpoints: int = bounded(3, 1, help="checkpoints kept; older ones are deleted")
-    if_exists: str = choice("refuse", "refuse", "resume", "new", "overwrite",
-                            help="when output_dir already holds a run: refuse (naming the flags), resume it, start a "
-                                 "new run in the first free output_dir-2, -3, ... (the old one is kept), or "
-                                 "overwrite (delete its checkpoints, metrics, TensorBoard logs and videos); "
-                                 "--resume / --new / --overwrite set it")
+    if_exists: IfExists = choice("refuse", *get_args(IfExists), help="when output_dir already holds a run: refuse "
+                                                                     "(naming the flags), resume it, start a new run "
+                                                                     "in the first free output_dir-2, -3, ... (the old"
+                                                                     " one is kept), or overwrite (delete its "
+                                                                     "checkpoints, metrics, TensorBoard logs and "
+                                                                     "videos); --resume / --new / --overwrite set it")
     init_from: str = field(default="", metadata={"help": "checkpoint (file or run folder) of the previous stage to "
                                                          "start from; optimizer and step start fresh"})
     # failures
-    on_nonfinite: str = choice("stop", "stop", "skip", help="NaN/Inf loss: stop naming the last good checkpoint, "
-                                                          "or skip the step")
+    on_nonfinite: OnNonfinite = choice("stop", *get_args(OnNonfinite), help="NaN/Inf loss: stop naming the last good "
+                                                                            "checkpoint, or skip the step")
     max_nonfinite_skips: int = bounded(10, 0, help="with on_nonfinite = 'skip': stop after this many skipped steps")
     # logging
     log_every: int = bounded(10, 1, help="optimizer steps between log lines / TensorBoard points")
@@ -196,12 +220,14 @@ class DataConfig:
     demo_videos: int = bounded(32, 1, help="synthetic videos in the demo set")
     demo_dir: str = field(default="", metadata={"help": "where the demo set is written ('' = <output_dir>/data); "
                                                         "runs that share it reuse it"})
-    demo_text_encoder: str = choice("auto", "auto", "minilm", "table",
-                                    help="demo text features: all-MiniLM-L6-v2 if installed (auto), or a fixed table")
-    demo_kind: str = choice("scenes", "scenes", "long-range",
-                            help="demo videos: scenes (each caption names its colour, shape, motion, background) or "
-                                 "long-range (a cut every segment, the colour named only in the first scene and kept "
-                                 "through the video: a test of memory across scenes)")
+    demo_text_encoder: DemoTextEncoder = choice("auto", *get_args(DemoTextEncoder),
+                                                help="demo text features: all-MiniLM-L6-v2 if installed (auto), or a "
+                                                     "fixed table")
+    demo_kind: DemoKind = choice("scenes", *get_args(DemoKind), help="demo videos: scenes (each caption names its "
+                                                                     "colour, shape, motion, background) or long-range"
+                                                                     " (a cut every segment, the colour named only in "
+                                                                     "the first scene and kept through the video: a "
+                                                                     "test of memory across scenes)")
     # tttv precompute
     videos: str = field(default="", metadata={"help": "precompute: folder of mp4 clips (16 fps, 16 x seconds + 1 "
                                                       "frames, the layout's resolution)"})
@@ -213,7 +239,7 @@ class DataConfig:
                                                                  "folder with text_encoder/ and tokenizer/)"})
     precompute_batch_size: int = bounded(1, 1, help="clips per VAE call")
     text_batch_size: int = bounded(8, 1, help="prompts per T5 call")
-    cache_dtype: str = choice("bf16", "bf16", "fp16", "fp32", help="dtype of stored latents and text features")
+    cache_dtype: CacheDtype = choice("bf16", *get_args(CacheDtype), help="dtype of stored latents and text features")
     vae_tiling: bool = field(default=False, metadata={"help": "tiled VAE encoding (less memory, tiny seams)"})
     device: str = field(default="auto", metadata={"help": "precompute device: 'auto', 'cpu', 'cuda', ..."})
 
@@ -222,10 +248,11 @@ class DataConfig:
 class SampleConfig:
     steps: int = bounded(50, 1, 1000, help="denoising steps (trailing spacing over the 1000 training steps)")
     seed: int = bounded(0, 0, help="initial noise (and DPM noise) seed; the same seed gives the same video")
-    solver: str = choice("ddim", "ddim", "dpm++2m", help="v-prediction DDIM (deterministic) or the stochastic "
-                                                         "DPM-Solver++(2M) CogVideoX and the original sample with")
+    solver: Solver = choice("ddim", *get_args(Solver), help="v-prediction DDIM (deterministic) or the stochastic "
+                                                            "DPM-Solver++(2M) CogVideoX and the original sample with")
     cfg: float = bounded(4.0, 0.0, help="classifier-free guidance scale (the end value of a ramp)")
-    cfg_schedule: str = choice("ramp", "constant", "ramp", help="constant at cfg, or ramp from cfg_start to cfg")
+    cfg_schedule: CfgSchedule = choice("ramp", *get_args(CfgSchedule), help="constant at cfg, or ramp from cfg_start "
+                                                                            "to cfg")
     cfg_start: float = bounded(1.0, 0.0, help="guidance at the first step of a ramp (the paper: 1 -> 4)")
     cfg_ramp_exp: float = bounded(1.0, 0.0, help="shape of the half-cosine ramp: 1 smooth, larger stays low longer")
     cfg_batched: bool = field(default=True, metadata={"help": "conditional and unconditional in one batch of 2 "
@@ -233,8 +260,9 @@ class SampleConfig:
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
     text_encoder_path: str = field(default="", metadata={"help": "T5 folder ('' = data.text_encoder_path; both "
                                                                  "empty = the demo text encoder)"})
-    text_encoder_device: str = choice("auto", "auto", "cpu", help="'cpu' keeps T5 off the GPU entirely; it always "
-                                                                  "leaves the GPU before denoising")
+    text_encoder_device: TextEncoderDevice = choice("auto", *get_args(TextEncoderDevice),
+                                                    help="'cpu' keeps T5 off the GPU entirely; it always leaves the "
+                                                         "GPU before denoising")
     vae_path: str = field(default="", metadata={"help": "CogVideoX VAE folder ('' = data.vae_path; both empty = "
                                                         "identity decode of demo latents)"})
     vae_tiling: bool = field(default=True, metadata={"help": "decode in spatial tiles (bounded memory at 480x720)"})

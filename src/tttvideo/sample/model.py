@@ -43,7 +43,7 @@ class LoadedModel:
 def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device, offload: bool = False) -> LoadedModel:
     """The transformer of `cfg.model`, with the weights of `checkpoint` (a tttvideo model file, checkpoint folder
     or run folder) on top; with `offload` the blocks stay in CPU memory and stream onto a CUDA device."""
-    from tttvideo.memory.cap import apply_memory_cap
+    from tttvideo.memory.guard.cap import apply_memory_cap
     from tttvideo.models import build_model, load_checkpoint
 
     apply_memory_cap(cfg.memory, device)

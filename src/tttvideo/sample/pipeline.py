@@ -34,7 +34,7 @@ from tttvideo.config.schema import Config
 from tttvideo.device import resolve_device
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.oom import DenoiseWatch
+from tttvideo.memory.guard.oom import DenoiseWatch
 from tttvideo.runs import resolve_checkpoint
 from tttvideo.sample.guidance import denoise
 from tttvideo.sample.model import load_model, warn_beyond_training

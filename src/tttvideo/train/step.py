@@ -2,8 +2,9 @@
 
 `TrainStep` runs `grad_accum` micro-batches (forward, then backward of loss / grad_accum through the gradient
 scaler), checks the loss for NaN / Inf, unscales, clips the global gradient norm (or only measures it when
-clipping is off), steps the optimizer through the scaler and advances the LR schedule. The trainer, the memory
-profiler's train driver and benchmarks/model_step.py all run it, so what they time or measure is what trains.
+clipping is off), steps the optimizer through the scaler and advances the LR schedule. `build_train_step` assembles
+it from a config, the one place that does: the trainer, the memory profiler's train driver and
+benchmarks/model_step.py all call it, so what they time or measure is what trains.
 
 A profiler passed as `profiler` sees the step's phases (`FORWARD`, `BACKWARD`, `OPTIMIZER`) as context managers
 opened around the real work; without one no phase is opened at all.
@@ -36,7 +37,9 @@ from tttvideo.models.activation_offload import host_pool_for, offload_activation
 from tttvideo.train.loss import NoiseSource, diffusion_loss
 
 if TYPE_CHECKING:
+    from tttvideo.config.schema import Config
     from tttvideo.parallel import SequenceParallel
+    from tttvideo.train.distributed import TrainRanks
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
 # saved tensors smaller than this stay on the device under offload: a copy each way costs more than they free
@@ -48,7 +51,7 @@ Objective = Callable[[nn.Module, Batch, int], torch.Tensor]
 
 
 class StepProfiler(Protocol):
-    """What the step asks of a profiler: a context manager per phase (`tttvideo.memory.profiler.MemoryProfiler`
+    """What the step asks of a profiler: a context manager per phase (`tttvideo.memory.profile.profiler.MemoryProfiler`
     is one)."""
 
     def phase(self, name: str, step: int | None = None) -> AbstractContextManager[Any]: ...
@@ -150,6 +153,7 @@ class TrainStep:
         self.host_pool = host_pool_for(offload_host_gib) if offload else None
         self.offloaded_bytes = 0  # what the last micro-batch's forward moved to host memory (with offload)
         self.kept_bytes = 0  # what stayed on the device because the host pool was full
+        self.prepared: dict[str, int] = {}  # memory technique -> bytes it moved off the GPU (`build_train_step`)
 
     def __call__(self, batches: Iterator[Batch], step: int) -> StepResult:
         """Optimizer step `step` (0-based, for the profiler) on the next grad_accum batches of `batches`. A
@@ -214,6 +218,42 @@ class TrainStep:
     def _advance_schedule(self) -> None:
         if self.scheduler is not None:
             self.scheduler.step()
+
+
+def build_train_step(cfg: Config, model: nn.Module, device: torch.device, layout: VideoLayout, noise: NoiseSource,
+                     *, global_batch: int, grad_accum: int = 1, ranks: TrainRanks | None = None,
+                     scheduled: bool = False, profiler: StepProfiler | None = None,
+                     around_prepare: Callable[[str], AbstractContextManager[Any]] | None = None) -> TrainStep:
+    """The training step of `cfg` on `model` (built, and under torchrun sharded): the memory techniques that change
+    a built model applied (`MemoryTechnique.prepare`, e.g. the fp8 frozen weights streamed from host memory; each
+    inside `around_prepare(what it does)` when given; what each moved in the step's `prepared`), the optimizer of
+    train.optimizer over the trainer's parameter groups, the LR schedule when `scheduled`, the gradient scaler of
+    train.precision, the diffusion objective of micro-batches of train.batch_size in an optimizer step of
+    `global_batch` samples (this process data-parallel rank `ranks.dp_rank` of `ranks.dp_size`, with its sequence
+    shards), clipping at train.grad_clip, and activation offload when it is on."""
+    from tttvideo.memory.techniques import ACTIVATION_OFFLOAD, check_techniques, techniques
+    from tttvideo.models.backbone import backbone_of
+    from tttvideo.train.optim import build_optimizer, build_scheduler
+
+    check_techniques(cfg, ranks.world_size if ranks is not None else 1)
+    prepared = {}
+    for technique in techniques("train"):
+        if technique.prepare is not None and technique.is_on(cfg):
+            with around_prepare(technique.prepared) if around_prepare else contextlib.nullcontext():
+                prepared[technique.name] = technique.prepare(cfg, model)
+    train = cfg.train
+    optimizer = build_optimizer(model, train)
+    rank, world, sp = (ranks.dp_rank, ranks.dp_size, ranks.sequence) if ranks is not None else (0, 1, None)
+    schedule = backbone_of(cfg.model.preset).objective.schedule()
+    objective = DiffusionObjective(schedule, noise, layout, train.text_dropout, train.precision,
+                                   train.batch_size, global_batch, rank, world, sp)
+    step = TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
+                     grad_accum=grad_accum, grad_clip=train.grad_clip,
+                     scheduler=build_scheduler(optimizer, train) if scheduled else None, profiler=profiler,
+                     reduce=ranks if ranks is not None and ranks.distributed else None,
+                     offload=ACTIVATION_OFFLOAD.is_on(cfg), offload_host_gib=cfg.checkpointing.offload_host_gib)
+    step.prepared = prepared
+    return step
 
 
 def sharded_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -9,9 +9,10 @@ Exact resume: model, optimizer, scheduler, scaler, every RNG and the step are re
 and the data order is a pure function of (seed, data position) (`tttvideo.data.loader`), so a resumed run computes
 bit for bit what the uninterrupted run would have (on the same hardware and software).
 
-Memory: `memory.max_gpu_gib` caps the CUDA allocator (`tttvideo.memory.cap`), `checkpointing.offload_activations`
-is handed to the step, and a CUDA out-of-memory error in a step stops the run with one sentence
-(`tttvideo.memory.oom`): the phase and block it hit, the newest checkpoint, and the switches that would make room.
+Memory: `memory.max_gpu_gib` caps the CUDA allocator (`tttvideo.memory.guard.cap`), the step is assembled with the
+config's memory techniques (`tttvideo.train.step.build_train_step`), and a CUDA out-of-memory error in a step stops
+the run with one sentence (`tttvideo.memory.guard.oom`): the phase and block it hit, the newest checkpoint, and the
+switches that would make room.
 
 Run safety: the run folder is locked for the whole run (`runlock`), an earlier run in it is resumed, kept or
 deleted only as `train.if_exists` (or --resume / --new / --overwrite) says, damaged checkpoints are passed over
@@ -44,20 +45,21 @@ from tttvideo.config.loader import config_to_dict, dump_toml
 from tttvideo.config.schema import Config, TrainConfig
 from tttvideo.data.loader import make_loader
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.memory.cap import apply_memory_cap
-from tttvideo.memory.oom import OomWatch, train_oom_error
+from tttvideo.layout import VideoLayout
+from tttvideo.memory.guard.cap import apply_memory_cap
+from tttvideo.memory.guard.oom import OomWatch, train_oom_error
 from tttvideo import runs
 from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from tttvideo.models.fp8_storage import check_weight_streaming, stream_fp8_weights
+from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
 from tttvideo.train.monitor import SilentMonitor, TrainMonitor, memory_gib
-from tttvideo.train.optim import build_optimizer, build_scheduler, group_lr
-from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
+from tttvideo.train.optim import group_lr
+from tttvideo.train.step import build_train_step
 from tttvideo.device import resolve_device
 from tttvideo.dtypes import torch_dtype
 from tttvideo.models.backbone import backbone_of, get_preset, layout_of
@@ -123,7 +125,7 @@ class Trainer:
         if self.train.precision == "fp16" and self.device.type == "cpu":
             raise ConfigError("train.precision 'fp16' needs a GPU (the gradient scaler is CUDA only); use 'bf16' or "
                               "'fp32' on CPU")
-        check_weight_streaming(cfg, launch_world_size())
+        check_techniques(cfg, launch_world_size())
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
         # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
@@ -168,25 +170,17 @@ class Trainer:
             self.console.print(f"initialised from {path}")
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
-        if self.cfg.memory.stream_frozen_weights:
-            moved = stream_fp8_weights(self.model)
-            if moved:
-                self.console.print(f"frozen fp8 weights streamed from pinned host memory: {moved / 2**30:.2f} GiB "
-                                   f"off the GPU")
-        self.optimizer = build_optimizer(self.model, self.train)
-        self.scheduler = build_scheduler(self.optimizer, self.train)
-        self.scaler = grad_scaler(self.device, self.train.precision)
         self.noise = NoiseSource(self.train.seed, self.device)
         self.oom_watch = OomWatch(self.model)
-        schedule = backbone_of(self.cfg.model.preset).objective.schedule()
-        objective = DiffusionObjective(schedule, self.noise, self.layout, self.train.text_dropout,
-                                       self.train.precision, self.train.batch_size, self.global_batch,
-                                       self.ranks.dp_rank, self.ranks.dp_size, self.ranks.sequence)
-        self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,
-                                    grad_accum=self.grad_accum, grad_clip=self.train.grad_clip,
-                                    scheduler=self.scheduler, reduce=self.ranks if self.ranks.distributed else None,
-                                    profiler=self.oom_watch, offload=self.cfg.checkpointing.offload_activations,
-                                    offload_host_gib=self.cfg.checkpointing.offload_host_gib)
+        self.train_step = build_train_step(self.cfg, self.model, self.device, self.layout, self.noise,
+                                           global_batch=self.global_batch, grad_accum=self.grad_accum,
+                                           ranks=self.ranks, scheduled=True, profiler=self.oom_watch)
+        self.optimizer, self.scheduler = self.train_step.optimizer, self.train_step.scheduler
+        self.scaler = self.train_step.scaler
+        moved = self.train_step.prepared.get(FP8_STREAMING.name, 0)
+        if moved:
+            self.console.print(f"frozen fp8 weights streamed from pinned host memory: {moved / 2**30:.2f} GiB off "
+                               f"the GPU")
         self._open_dataset(stack)
         self.step = 0
         self.nonfinite_skips = 0

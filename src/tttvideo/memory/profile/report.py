@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tttvideo.memory.analysis import Summary, summarize
-from tttvideo.memory.events import GIB, MIB, Recording
+from tttvideo.memory.profile.analysis import Summary, summarize
+from tttvideo.memory.profile.events import GIB, MIB, Recording
 
 REPORT_FILES = ("events.json", "summary.json", "summary.md", "summary.csv", "timeline.png", "components.png",
                 "blocks.png", "report.html")
@@ -172,7 +172,7 @@ def _html(s: Summary, images: dict[str, Path]) -> str:
 
 def write_report(rec: Recording, out_dir: str | Path, *, status: str | None = None) -> dict[str, Path]:
     """Write every report file into `out_dir`; returns name -> path."""
-    from tttvideo.memory import plots
+    from tttvideo.memory.profile import plots
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from tttvideo.errors import UserError
-from tttvideo.memory.drivers import EXIT_OOM, PHASES
-from tttvideo.memory.matrix_report import write_matrix_report
-from tttvideo.memory.report import fmt_bytes
+from tttvideo.memory.profile.drivers import EXIT_OOM, PHASES
+from tttvideo.memory.studies.matrix_report import write_matrix_report
+from tttvideo.memory.profile.report import fmt_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -143,7 +143,7 @@ def _config_path(matrix: Path, value: object, what: str) -> Path | None:
 
 def gpus_needed(m: Matrix, v: Variant) -> int:
     """Processes (one GPU each) the variant runs on: a diffusers pipeline's context-parallel degree, else 1."""
-    from tttvideo.memory.pipeline_config import is_pipeline_profile, load_pipeline_profile
+    from tttvideo.memory.studies.pipeline_config import is_pipeline_profile, load_pipeline_profile
 
     config = v.config or m.config
     if config is None or not is_pipeline_profile(config):
@@ -155,7 +155,7 @@ def gpus_needed(m: Matrix, v: Variant) -> int:
 
 
 def child_command(m: Matrix, v: Variant, out_dir: Path) -> list[str]:
-    from tttvideo.memory.pipeline_config import is_pipeline_profile
+    from tttvideo.memory.studies.pipeline_config import is_pipeline_profile
 
     procs = gpus_needed(m, v)
     cmd = [sys.executable, "-m", "tttvideo", "profile"]

@@ -1,5 +1,5 @@
 """diffusers video pipelines under our memory profiler: `tttv profile --pipeline wan2.1-t2v-1.3b` (or a
-`[pipeline]` file, `tttvideo.memory.pipeline_config`).
+`[pipeline]` file, `tttvideo.memory.studies.pipeline_config`).
 
 The pipeline is diffusers' own (`WanPipeline`, `CogVideoXPipeline`) with its own memory switches; we build its
 components, mark what happens, and run its `__call__`:
@@ -19,16 +19,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tttvideo.errors import UserError
-from tttvideo.memory.pipeline_config import PipelineProfile
+from tttvideo.memory.studies.pipeline_config import PipelineProfile
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from tttvideo.memory.profiler import MemoryProfiler
+    from tttvideo.memory.profile.profiler import MemoryProfiler
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,6 @@ def _build(name: str, factory: Callable[[], Any], pc: PipelineProfile, device: t
     import torch
 
     if pc.weights:
-        from pathlib import Path
-
         folder = Path(pc.weights) / name
         if not folder.is_dir():
             raise UserError(f"pipeline.weights = {pc.weights!r} has no {name}/ folder; point it at a diffusers "
@@ -431,3 +430,32 @@ def _encode(text_encoder: Any, pc: PipelineProfile, spec: PipelineSpec, prof: Me
             hidden = text_encoder(ids, attention_mask=torch.ones_like(ids))[0]
             out.append(hidden.to(device, torch_dtype(pc.precision)))
     return out[0], (out[1] if len(out) > 1 else None)
+
+
+def profile_pipeline(pc: PipelineProfile, steps: int, out_dir: str | Path, *, device: str = "auto",
+                     snapshot: bool = False, trace: bool = False,
+                     meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+    """`tttvideo.memory.profile.drivers.profile` for a diffusers pipeline: inference, `steps` denoising steps, under a
+    fresh profiler, the report written to `out_dir`."""
+    from dataclasses import asdict
+
+    from tttvideo.config.schema import MemoryConfig
+    from tttvideo.device import resolve_device
+    from tttvideo.memory.profile.drivers import run_profiled
+    from tttvideo.parallel.mesh import close_parallel
+
+    check_pipeline_profile(pc)
+    dev, rank = join_context_parallel(pc, resolve_device(device, "--device"))
+    meta = {"phase": f"pipeline {pc.name}", "steps": steps, **(meta or {}), "pipeline": asdict(pc)}
+    if pc.context_parallel > 1:
+        meta["context_parallel"] = f"Ulysses over {pc.context_parallel} GPUs; the figures are rank {rank}'s"
+        out_dir = Path(out_dir) / f"rank{rank}" if rank else out_dir  # rank 0's report is the variant's
+    try:
+        result = run_profiled(lambda prof, d: drive_pipeline(pc, prof, steps, d), dev,
+                              MemoryConfig(max_gpu_gib=pc.max_gpu_gib), steps, out_dir, meta=meta,
+                              snapshot=snapshot, trace=trace)
+    except BaseException:
+        close_parallel(wait=False)
+        raise
+    close_parallel(wait=result[1] == 0)
+    return result

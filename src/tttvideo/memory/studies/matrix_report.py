@@ -7,10 +7,10 @@ import html
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tttvideo.memory.report import fmt_bytes
+from tttvideo.memory.profile.report import fmt_bytes
 
 if TYPE_CHECKING:
-    from tttvideo.memory.matrix import MatrixRow
+    from tttvideo.memory.studies.matrix import MatrixRow
 
 
 def _peak(r: MatrixRow) -> int | None:
@@ -34,7 +34,7 @@ def rankings(rows: list[MatrixRow]) -> dict[str, list[tuple[str, str]]]:
 
 
 def bar_chart(rows: list[MatrixRow], path: Path) -> None:
-    from tttvideo.memory.plots import pyplot
+    from tttvideo.memory.profile.plots import pyplot
 
     plt = pyplot()
     names = [r.variant for r in rows]

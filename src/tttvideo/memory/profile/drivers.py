@@ -1,11 +1,12 @@
 """What `tttv profile CONFIG --phase train|sample` runs under the profiler, and the report it leaves.
 
-train: the trainer's own optimizer step (`tttvideo.train.step.TrainStep`, with checkpointing.offload_activations
-as configured) on the model of `build_model(cfg)` (preset, dtype, adapter, checkpointing), AdamW with the trainer's
-parameter groups, random latents and text features standing in for the latent cache (training reads the cache;
-the text encoder and the VAE are never on the GPU then): the diffusion objective (v-prediction MSE on ZeroSNR, under
-train.precision autocast), backward through the gradient scaler, clipping and the AdamW step, each phase marked from
-inside the step. One micro-batch per step: accumulation adds nothing to the peak, gradients persist across
+train: the trainer's own optimizer step, as `tttvideo.train.step.build_train_step` assembles it (the memory
+techniques of the config applied, the fp8 weight streaming inside a component of its own) on the model of
+`build_model(cfg)` (preset, dtype, adapter, checkpointing), the optimizer with the trainer's parameter groups,
+random latents and text features standing in for the latent cache (training reads the cache; the text encoder and
+the VAE are never on the GPU then): the diffusion objective (v-prediction MSE on ZeroSNR, under train.precision
+autocast), backward through the gradient scaler, clipping and the optimizer step, each phase marked from inside the
+step. One micro-batch per step: accumulation adds nothing to the peak, gradients persist across
 micro-batches either way.
 
 sample: one story as `tttv sample` runs it (`tttvideo.sample`): `load_model` (block offload if
@@ -27,9 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from tttvideo.config.schema import Config, MemoryConfig
 from tttvideo.errors import UserError
-from tttvideo.memory.pipeline_config import PipelineProfile
-from tttvideo.memory.profiler import MemoryProfiler, is_oom
-from tttvideo.memory.report import write_report
+from tttvideo.memory.profile.profiler import MemoryProfiler, is_oom
+from tttvideo.memory.profile.report import write_report
 
 if TYPE_CHECKING:
     import torch
@@ -71,24 +71,18 @@ def _inputs(cfg: Config, model: Backbone, layout: VideoLayout, batch: int,
 
 
 def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool) -> Backbone:
+    from tttvideo.memory.techniques import check_techniques
     from tttvideo.models import build_model
-    from tttvideo.models.fp8_storage import check_weight_streaming, stream_fp8_weights
 
     if train:
-        check_weight_streaming(cfg, 1)  # the profiler runs one process
+        check_techniques(cfg, 1)  # the profiler runs one process
     with prof.component("transformer") as info:
         model = build_model(cfg, device=device)
         info["counted_bytes"] = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
     trainable = [p for p in model.parameters() if p.requires_grad]
     prof.meta["parameters"] = {"total": sum(p.numel() for p in model.parameters()),
                                "trainable": sum(p.numel() for p in trainable) if train else 0}
-    if train and cfg.memory.stream_frozen_weights:
-        with prof.component("frozen fp8 weights streamed to pinned host memory"):
-            stream_fp8_weights(model)
-    if train:
-        # The adapter's trainable parameters live inside the transformer's load; listed by count, not added again.
-        prof.add_component(f"trainable parameters ({cfg.model.adapter}, inside transformer)", _tensor_bytes(trainable))
-    else:
+    if not train:
         model.requires_grad_(False)
     return model
 
@@ -96,11 +90,11 @@ def _build(cfg: Config, prof: MemoryProfiler, device: torch.device, train: bool)
 class _TrainPhases:
     """The step's phases as profiler phases, with marks around each forward and what the first step allocates for
     good recorded as components: the gradients (after its backward) and the optimizer state (inside its optimizer
-    phase)."""
+    phase). `optimizer` is the step's, set once the step is assembled."""
 
-    def __init__(self, prof: MemoryProfiler, optimizer: torch.optim.Optimizer):
+    def __init__(self, prof: MemoryProfiler):
         self.prof = prof
-        self.optimizer = optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
@@ -130,34 +124,32 @@ class _TrainPhases:
 def drive_train(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.device) -> None:
     import torch
 
-    from tttvideo.diffusion import ZeroSNRSchedule
-    from tttvideo.layout import VideoLayout
+    from tttvideo.models.backbone import layout_of
     from tttvideo.train.loss import NoiseSource
-    from tttvideo.train.optim import build_optimizer
-    from tttvideo.train.step import DiffusionObjective, TrainStep, grad_scaler
+    from tttvideo.train.step import build_train_step
 
     train = cfg.train
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    layout = layout_of(cfg)
     torch.manual_seed(train.seed)
     model = _build(cfg, prof, device, train=True)
+    batch_size = int(train.batch_size)
+    phases = _TrainPhases(prof)
+    train_step = build_train_step(cfg, model, device, layout, NoiseSource(train.seed, device),
+                                  global_batch=batch_size, profiler=phases, around_prepare=prof.component)
+    phases.optimizer = train_step.optimizer
+    # The adapter's trainable parameters live inside the transformer's load; listed by count, not added again.
+    prof.add_component(f"trainable parameters ({cfg.model.adapter}, inside transformer)",
+                       _tensor_bytes(p for p in model.parameters() if p.requires_grad))
     model.train()
     prof.attach_block_hooks(list(model.blocks))
-    optimizer = build_optimizer(model, train)
-    batch_size = int(train.batch_size)
     with prof.component("inputs (cached latents + text features)"):
         latents, text = _inputs(cfg, model, layout, batch_size, device)
     batch = {"latents": latents, "text": text}
-    objective = DiffusionObjective(ZeroSNRSchedule(), NoiseSource(train.seed, device), layout, train.text_dropout,
-                                   train.precision, batch_size, global_batch=batch_size)
-    train_step = TrainStep(model, objective, optimizer, grad_scaler(device, train.precision), device,
-                           grad_clip=train.grad_clip, profiler=_TrainPhases(prof, optimizer),
-                           offload=cfg.checkpointing.offload_activations,
-                           offload_host_gib=cfg.checkpointing.offload_host_gib)
     for step in range(steps):
         done = train_step(iter((batch,)), step)
         prof.meta.setdefault("loss", []).append(done.loss)
         prof.end_step(f"training step {step + 1}/{steps}")
-    optimizer.zero_grad(set_to_none=True)
+    train_step.optimizer.zero_grad(set_to_none=True)
     prof.mark("gradients released")
 
 
@@ -170,14 +162,14 @@ def drive_sample(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.de
 
     import torch
 
-    from tttvideo.layout import VideoLayout
+    from tttvideo.models.backbone import layout_of
     from tttvideo.sample.guidance import denoise
     from tttvideo.sample.model import load_model
     from tttvideo.sample.pipeline import make_story_decoder
 
     cfg = copy.deepcopy(cfg)
     cfg.sample.steps = steps
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, phase="sample")
+    layout = layout_of(cfg, phase="sample")
     torch.manual_seed(cfg.sample.seed)
     with prof.component("transformer") as info:
         loaded = load_model(cfg, None, device, offload=cfg.sample.offload_blocks)
@@ -210,7 +202,8 @@ def drive_sample(cfg: Config, prof: MemoryProfiler, steps: int, device: torch.de
     prof.meta["decoded_frames"] = frames
 
 
-DRIVERS: dict[str, Callable[[Config, MemoryProfiler, int, torch.device], None]] = {"train": drive_train, "sample": drive_sample}
+DRIVERS: dict[str, Callable[[Config, MemoryProfiler, int, torch.device], None]] = {"train": drive_train,
+                                                                                 "sample": drive_sample}
 
 
 def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device: str = "auto", snapshot: bool = False,
@@ -226,33 +219,6 @@ def profile(cfg: Config, phase: str, steps: int, out_dir: str | Path, *, device:
     return run_profiled(lambda prof, d: DRIVERS[phase](cfg, prof, steps, d), dev, cfg.memory, steps, out_dir,
                         meta={"phase": phase, "steps": steps, **(meta or {}), "resolved": config_to_dict(cfg)},
                         snapshot=snapshot, trace=trace)
-
-
-def profile_pipeline(pc: PipelineProfile, steps: int, out_dir: str | Path, *, device: str = "auto",
-                     snapshot: bool = False, trace: bool = False,
-                     meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
-    """`profile` for a diffusers pipeline (`tttvideo.memory.pipelines`): inference, `steps` denoising steps."""
-    from dataclasses import asdict
-
-    from tttvideo.device import resolve_device
-    from tttvideo.memory.pipelines import check_pipeline_profile, drive_pipeline, join_context_parallel
-    from tttvideo.parallel.mesh import close_parallel
-
-    check_pipeline_profile(pc)
-    dev, rank = join_context_parallel(pc, resolve_device(device, "--device"))
-    meta = {"phase": f"pipeline {pc.name}", "steps": steps, **(meta or {}), "pipeline": asdict(pc)}
-    if pc.context_parallel > 1:
-        meta["context_parallel"] = f"Ulysses over {pc.context_parallel} GPUs; the figures are rank {rank}'s"
-        out_dir = Path(out_dir) / f"rank{rank}" if rank else out_dir  # rank 0's report is the variant's
-    try:
-        result = run_profiled(lambda prof, d: drive_pipeline(pc, prof, steps, d), dev,
-                              MemoryConfig(max_gpu_gib=pc.max_gpu_gib), steps, out_dir, meta=meta,
-                              snapshot=snapshot, trace=trace)
-    except BaseException:
-        close_parallel(wait=False)
-        raise
-    close_parallel(wait=result[1] == 0)
-    return result
 
 
 def run_profiled(drive: Callable[[MemoryProfiler, torch.device], None], dev: torch.device, memory: MemoryConfig,
@@ -274,8 +240,8 @@ def run_profiled(drive: Callable[[MemoryProfiler, torch.device], None], dev: tor
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
-    from tttvideo.memory.cap import apply_memory_cap
-    from tttvideo.memory.trace import traced
+    from tttvideo.memory.guard.cap import apply_memory_cap
+    from tttvideo.memory.profile.trace import traced
 
     apply_memory_cap(memory, dev)  # before anything is allocated: the run sees the card it rehearses
     prof = MemoryProfiler(device=str(dev) if dev.type == "cuda" else "cpu", meta=meta)

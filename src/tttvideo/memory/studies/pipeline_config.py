@@ -11,34 +11,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Literal, get_args
 
 from tttvideo.config.schema import bounded, choice
 
-PIPELINE_NAMES = ("wan2.1-t2v-1.3b", "cogvideox-5b-diffusers")
+PipelineName = Literal["wan2.1-t2v-1.3b", "cogvideox-5b-diffusers"]
+PIPELINE_NAMES = get_args(PipelineName)
+Precision = Literal["fp32", "fp16", "bf16"]
+Loading = Literal["whole", "blockwise"]
+TextEncoderDevice = Literal["gpu", "cpu"]
+Offload = Literal["none", "model", "sequential", "group"]
 
 
 @dataclass
 class PipelineProfile:
-    name: str = choice("wan2.1-t2v-1.3b", *PIPELINE_NAMES, help="the diffusers pipeline, at its published sizes")
+    name: PipelineName = choice("wan2.1-t2v-1.3b", *PIPELINE_NAMES,
+                                help="the diffusers pipeline, at its published sizes")
     weights: str = field(default="", metadata={
         "help": "a local diffusers pipeline folder (text_encoder/, vae/, transformer/); '' = random weights of the "
                 "published sizes, built on the device (memory figures stay valid; the report says so)"})
     tiny: bool = field(default=False, metadata={
         "help": "scaled-down random components (CPU tests and rehearsals; figures meaningless)"})
-    precision: str = choice("bf16", "fp32", "fp16", "bf16", help="dtype of the transformer and the text encoder")
-    vae_precision: str = choice("fp32", "fp32", "fp16", "bf16", help="dtype of the VAE (Wan's reference decodes in "
-                                                                     "fp32)")
-    loading: str = choice("whole", "whole", "blockwise",
-                          help="whole: each model built (or loaded) then moved at once; blockwise: built on the meta "
-                               "device and materialised on the GPU one block at a time (no host copy)")
-    text_encoder_device: str = choice("gpu", "gpu", "cpu", help="cpu: the text encoder runs on the CPU in fp32 and "
-                                                                "only its output moves to the GPU")
-    offload: str = choice("none", "none", "model", "sequential", "group",
-                          help="none: every model on the GPU; model: diffusers' enable_model_cpu_offload (a whole "
-                               "model on the GPU while it runs); sequential: enable_sequential_cpu_offload (layer by "
-                               "layer); group: enable_group_offload, one block at a time with copies on a side "
-                               "stream")
+    precision: Precision = choice("bf16", *get_args(Precision), help="dtype of the transformer and the text encoder")
+    vae_precision: Precision = choice("fp32", *get_args(Precision), help="dtype of the VAE (Wan's reference decodes "
+                                                                         "in fp32)")
+    loading: Loading = choice("whole", *get_args(Loading),
+                              help="whole: each model built (or loaded) then moved at once; blockwise: built on the "
+                                   "meta device and materialised on the GPU one block at a time (no host copy)")
+    text_encoder_device: TextEncoderDevice = choice("gpu", *get_args(TextEncoderDevice),
+                                                    help="cpu: the text encoder runs on the CPU in fp32 and only its "
+                                                         "output moves to the GPU")
+    offload: Offload = choice("none", *get_args(Offload),
+                              help="none: every model on the GPU; model: diffusers' enable_model_cpu_offload (a whole "
+                                   "model on the GPU while it runs); sequential: enable_sequential_cpu_offload (layer "
+                                   "by layer); group: enable_group_offload, one block at a time with copies on a side "
+                                   "stream")
     vae_tiling: bool = False
     vae_slicing: bool = False
     attention_backend: str = field(default="", metadata={

@@ -6,7 +6,8 @@ forward, and in backward where a checkpointed block is recomputed), and `phase(n
 denoising steps. `train_oom_error` / `sample_oom_error` turn what it saw into one `UserError` sentence: the phase,
 the block when known, the newest checkpoint (training), and the switches not yet on, each with what it would save
 counted from the model (frozen linear weights, optimizer state, block inputs, block weights), the largest first,
-and the command that shows where memory goes (`tttv profile`).
+and the command that shows where memory goes (`tttv profile`). What each switch saves is its memory technique's
+`advice` (`tttvideo.memory.techniques`), counted with the same byte rules as the planner's.
 
 The counts are of the whole model: under FSDP each GPU holds its shard of the weights and optimizer state, so
 divide those by the shard degree. Activations are not counted beyond the block inputs (the rest depends on the
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +26,14 @@ import torch
 from torch import nn
 
 from tttvideo.config.schema import Config
-from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import UserError
-from tttvideo.layout import VideoLayout
+from tttvideo.memory.techniques import Saving, techniques
 
 GIB = 2**30
-# 8-bit AdamW: two 1-byte codes per value and one fp32 scale per 256 values of each moment
-_ADAMW8BIT_BYTES_PER_VALUE = 2 + 2 * 4 / 256
 
 
 class OutOfMemory(UserError):
     """The GPU ran out of memory; the message says where and what to switch on."""
-
-
-@dataclass
-class Saving:
-    switch: str  # the setting that saves it, as the user writes it
-    what: str  # what it moves or shrinks
-    nbytes: int | None = None  # counted from the model; None where only a run measures it
 
 
 class OomWatch:
@@ -82,94 +72,16 @@ class OomWatch:
 
 
 # ------------------------------------------------------------------------------------------------- what would help
-def frozen_linear_saving(model: nn.Module) -> int:
-    """Bytes fp8 storage would free: frozen plain `nn.Linear` weights at their size minus 1 byte per value and one
-    fp32 scale per output row."""
-    total = 0
-    for m in model.modules():
-        if type(m) is nn.Linear and not m.weight.requires_grad:
-            total += m.weight.numel() * (m.weight.element_size() - 1) - 4 * m.weight.shape[0]
-    return total
-
-
-def fp8_streaming_saving(model: nn.Module) -> int:
-    """Bytes streaming the fp8 codes from host memory frees: all of them but two blocks' worth in flight. (Fp8Linear
-    is known by its buffers: this module sits below the models package.)"""
-
-    def fp8_bytes(module: nn.Module) -> int:
-        return sum(m._buffers[name].nbytes for m in module.modules() if "weight_fp8" in m._buffers
-                   for name in ("weight_fp8", "weight_scale"))
-
-    blocks = list(getattr(model, "blocks", ()))
-    return max(0, fp8_bytes(model) - 2 * (fp8_bytes(blocks[0]) if blocks else 0))
-
-
-def adamw_state_saving(model: nn.Module) -> int:
-    """Bytes 8-bit AdamW would free against AdamW's two moments in the trainable parameters' dtypes."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return int(sum(p.numel() * (2 * p.element_size() - _ADAMW8BIT_BYTES_PER_VALUE) for p in params))
-
-
-def block_input_bytes(cfg: Config, model: nn.Module, batch: int) -> int:
-    """The residual stream entering one block: what block checkpointing keeps per block for backward."""
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
-    dim = model.spec.dim if hasattr(model, "spec") else 0
-    return batch * layout.total_tokens * dim * torch.tensor([], dtype=torch_dtype(cfg.model.dtype)).element_size()
-
-
-def block_weight_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for b in getattr(model, "blocks", ())
-               for t in (*b.parameters(), *b.buffers()))
-
-
-def _common_savings(cfg: Config, model: nn.Module) -> list[Saving]:
-    found = []
-    if cfg.model.frozen_weights != "fp8":
-        saved = frozen_linear_saving(model)
-        if saved > 0:
-            found.append(Saving("model.frozen_weights = 'fp8'", "of frozen linear weights", saved))
-    return found
-
-
 def train_savings(cfg: Config, model: nn.Module, gpus: int) -> list[Saving]:
-    """The switches of a training run that are off, with what each would save; largest first."""
-    found = _common_savings(cfg, model)
-    if cfg.train.optimizer == "adamw":
-        found.append(Saving("train.optimizer = 'adamw8bit'", "of optimizer state", adamw_state_saving(model)))
-    if cfg.model.frozen_weights == "fp8" and not cfg.memory.stream_frozen_weights and gpus == 1:
-        found.append(Saving("memory.stream_frozen_weights = true", "of fp8 frozen weights kept in host memory",
-                            fp8_streaming_saving(model)))
-    layers = len(getattr(model, "blocks", ()))
-    inputs = block_input_bytes(cfg, model, cfg.train.batch_size) * layers
-    ck = cfg.checkpointing
-    if ck.keep:
-        # the kept SDPA outputs are the stream's size per layer; the kept products, several times it (not counted)
-        kept = inputs if set(ck.keep) == {"attention"} else None
-        found.append(Saving("checkpointing.keep = []", f"of the {' and '.join(ck.keep)} outputs kept for backward "
-                                                       "(recomputed instead)", kept))
-    if not ck.block:
-        found.append(Saving("checkpointing.block = true", "of activations: each block is recomputed in backward and "
-                                                          "keeps only its input"))
-    if not ck.offload_activations:
-        found.append(Saving("checkpointing.offload_activations = true",
-                            "of saved activations to host memory (with block checkpointing: the block inputs)", inputs))
-    if gpus > 1 and cfg.parallel.sp == 1:
-        found.append(Saving(f"parallel.sp = {gpus} under torchrun", f"of activations: each of the {gpus} GPUs holds "
-                                                                    f"1/{gpus} of a video's tokens"))
-    return _largest_first(found)
+    """The switches of a training run that are off, with what each would save (each registered technique's
+    advice); largest first."""
+    return _largest_first([s for t in techniques("train") for s in t.advice(cfg, model, "train", gpus)])
 
 
 def sample_savings(cfg: Config, model: nn.Module) -> list[Saving]:
     """The switches of sampling that are off, with what each would save; largest first (a batched guidance pass
     that runs out already falls back to two passes by itself, `tttvideo.sample.guidance`)."""
-    found = _common_savings(cfg, model)
-    s = cfg.sample
-    if not s.offload_blocks:
-        blocks = len(getattr(model, "blocks", ())) or 1
-        resident = block_weight_bytes(model) * (blocks - 1 - s.prefetch_blocks) // blocks
-        if resident > 0:
-            found.append(Saving("sample.offload_blocks = true", "of block weights kept in host memory", resident))
-    return _largest_first(found)
+    return _largest_first([s for t in techniques("sample") for s in t.advice(cfg, model, "sample", 1)])
 
 
 def _largest_first(found: list[Saving]) -> list[Saving]:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tttvideo.memory.backends import MemoryBackend, make_backend
-from tttvideo.memory.events import BLOCK, COMPONENT, MARK, OOM, PHASE, Event, MemorySample, Recording
+from tttvideo.memory.profile.backends import MemoryBackend, make_backend
+from tttvideo.memory.profile.events import BLOCK, COMPONENT, MARK, OOM, PHASE, Event, MemorySample, Recording
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -1,7 +1,8 @@
 """`tttv plan`: predict the peak GPU memory and step time of every setup the project offers for a config, and pick
 the fastest that fits.
 
-A candidate is the config plus a few switches (`Candidate.overrides`, dotted keys as `--set` takes them):
+A candidate is the config with one option of each memory technique it varies (`Candidate.options`, typed setters
+that the techniques of `tttvideo.memory.techniques` offer):
 - training: activation checkpointing (whole blocks, whole blocks keeping the attention outputs or those and the
   backbone's matrix products', or blocks and their four parts), activation offload to host
   memory, fp8 storage of the frozen weights (not with `sft`, which freezes none) resident or streamed from host
@@ -11,8 +12,8 @@ A candidate is the config plus a few switches (`Candidate.overrides`, dotted key
   sequence parallelism.
 The adapter, the duration and the resolution are the user's experiment, not memory switches: they stay as given.
 
-Each candidate's peak = counted (weights, gradients, optimizer state: `plan_count`) + activations (per-token costs
-measured on a GPU kind: `plan_costs`); its step time = per-token time cost. It fits a card of M bytes when
+Each candidate's peak = counted (weights, gradients, optimizer state: `count`) + activations (per-token costs
+measured on a GPU kind: `costs`); its step time = per-token time cost. It fits a card of M bytes when
 peak x (1 + margin) + CUDA_CONTEXT <= M: the allocator's reserved memory runs a few percent above what is
 allocated (FRAGMENTATION; more with weights streamed from host memory, whose per-layer copies come and go:
 FRAGMENTATION_STREAMED), and the CUDA context sits outside PyTorch's figures. The best candidate is the fastest
@@ -21,6 +22,7 @@ that fits; a candidate whose regime was never measured is listed but never chose
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -31,8 +33,11 @@ from typing import Any
 from tttvideo.config.schema import Config
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan_costs import CostTable, activation_key, time_key
-from tttvideo.memory.plan_count import Counted, count, with_overrides
+from tttvideo.memory.plan.costs import CostTable, activation_key, time_key
+from tttvideo.memory.plan.count import Counted, count
+from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FP8_STREAMING,
+                                        FP8_WEIGHTS, GUIDANCE_PASSES, REGISTRY, SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL,
+                                        MemoryTechnique, Option)
 
 GIB = 2**30
 FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (docs/memory.md: measured 2-8%)
@@ -41,35 +46,30 @@ FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (doc
 FRAGMENTATION_STREAMED = 0.10
 CUDA_CONTEXT = int(0.8 * GIB)  # measured 0.5-0.8 GiB outside PyTorch on H100 / H200 with torch 2.11
 
-_BLOCK = {"checkpointing.block": True, "checkpointing.group_size": 1, "checkpointing.attention": False,
-          "checkpointing.forward_ttt": False, "checkpointing.reverse_ttt": False, "checkpointing.mlp": False,
-          "checkpointing.layers": [], "checkpointing.keep": []}
-CHECKPOINTING = {
-    "block": _BLOCK,
-    # selective: the block's recompute skips attention (and the backbone's matrix products), whose outputs stay
-    "block, keeping attention": {**_BLOCK, "checkpointing.keep": ["attention"]},
-    "block, keeping attention and matmul": {**_BLOCK, "checkpointing.keep": ["attention", "matmul"]},
-    "sub-block": {**_BLOCK, "checkpointing.attention": True, "checkpointing.forward_ttt": True,
-                  "checkpointing.reverse_ttt": True, "checkpointing.mlp": True},
-}
-SAMPLE_FORWARDS = {
-    "plain, guidance batched": {"memory.chunked_inference": False, "sample.cfg_batched": True},
-    "plain, two passes": {"memory.chunked_inference": False, "sample.cfg_batched": False},
-    "chunked": {"memory.chunked_inference": True, "memory.ttt_head_groups": 1, "sample.cfg_batched": False},
-    "chunked, 2 head groups": {"memory.chunked_inference": True, "memory.ttt_head_groups": 2,
-                               "sample.cfg_batched": False},
-    "chunked, 4 head groups": {"memory.chunked_inference": True, "memory.ttt_head_groups": 4,
-                               "sample.cfg_batched": False},
-}
-
 
 @dataclass(frozen=True)
 class Candidate:
-    label: str
-    overrides: tuple[tuple[str, Any], ...]
+    """A setup the planner tries: the config with one option of each technique it varies applied."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.overrides)
+    label: str
+    options: tuple[Option, ...]
+
+    def apply(self, cfg: Config) -> Config:
+        """A copy of `cfg` with the candidate's options set."""
+        out = copy.deepcopy(cfg)
+        for option in self.options:
+            option.apply(out)
+        return out
+
+    def settings(self, applied: Config) -> dict[str, Any]:
+        """The keys the candidate's options set, with their values in `applied` (`apply`'s result): what a plan
+        file writes."""
+        out: dict[str, Any] = {}
+        for option in self.options:
+            for key in option.keys:
+                section, name = key.split(".")
+                out.setdefault(key, getattr(getattr(applied, section), name))
+        return out
 
 
 @dataclass
@@ -88,58 +88,75 @@ class Prediction:
         return None if self.activation is None else self.counted.total + self.activation
 
 
-def sp_degrees(gpus: int, heads: int) -> list[int]:
-    return [d for d in range(1, gpus + 1) if gpus % d == 0 and heads % d == 0]
+def _option(technique: MemoryTechnique, label: str, cfg: Config, phase: str, gpus: int) -> Option:
+    return next(o for o in technique.options(cfg, phase, gpus) if o.label == label)
 
 
 def candidates(cfg: Config, phase: str, gpus: int = 1) -> list[Candidate]:
-    from tttvideo.models import get_preset
-
-    heads = get_preset(cfg.model.preset).num_attention_heads
-    frozen = ["dtype"] if cfg.model.adapter == "sft" else ["dtype", "fp8"]
-    out = []
+    """Every setup the registered techniques offer for `phase` on `gpus` GPUs, in a fixed order."""
     if phase == "train":
-        # (label, model.frozen_weights, memory.stream_frozen_weights); streaming runs in one process
-        storages = [(w, w, False) for w in frozen]
-        if "fp8" in frozen and gpus == 1:
-            storages.append(("fp8 streamed", "fp8", True))
-        for (ck, ck_over), offload, (stored, weights, streamed), optim, sp in itertools.product(
-                CHECKPOINTING.items(), (False, True), storages, ("adamw", "adamw8bit"), sp_degrees(gpus, heads)):
-            if offload and ck_over["checkpointing.keep"]:
-                continue  # kept outputs stay on the GPU: offloading the rest is a regime nobody measured
-            over = {**ck_over, "checkpointing.offload_activations": offload, "model.frozen_weights": weights,
-                    "train.optimizer": optim, "memory.stream_frozen_weights": streamed}
-            label = f"ckpt {ck}{', offload' if offload else ''}, {stored} weights, {optim}"
-            if gpus > 1:
-                over.update({"parallel.sp": sp, "parallel.dp_shard": gpus // sp, "parallel.dp_replicate": 1})
-                label += f", sp {sp} x fsdp {gpus // sp}"
-            out.append(Candidate(label, tuple(over.items())))
-        return out
+        return _train_candidates(cfg, gpus)
     if phase != "sample":
         raise ValueError(f"phase must be 'train' or 'sample', got {phase!r}")
-    for (fw, fw_over), streamed, weights in itertools.product(SAMPLE_FORWARDS.items(), (False, True), frozen):
-        over = {**fw_over, "sample.offload_blocks": streamed, "model.frozen_weights": weights}
-        label = f"{fw}, {'streamed' if streamed else 'resident'} blocks, {weights} weights"
+    return _sample_candidates(cfg, gpus)
+
+
+def _train_candidates(cfg: Config, gpus: int) -> list[Candidate]:
+    phase = "train"
+    # weight storage: (label, fp8 storage option, streaming option); streaming needs the fp8 codes
+    stream = FP8_STREAMING.options(cfg, phase, gpus)
+    fp8 = FP8_WEIGHTS.options(cfg, phase, gpus)
+    storages = [(o.label, o, stream[0]) for o in fp8]
+    storages += [("fp8 " + s.label, o, s) for o in fp8 if o.label == "fp8" for s in stream[1:]]
+    out = []
+    for ck, offload, (stored, weights, streamed), optim, sp in itertools.product(
+            CHECKPOINTING.options(cfg, phase, gpus), ACTIVATION_OFFLOAD.options(cfg, phase, gpus), storages,
+            ADAMW_8BIT.options(cfg, phase, gpus), SEQUENCE_PARALLEL.options(cfg, phase, gpus)):
+        options = (ck, offload, weights, optim, streamed) + ((sp,) if gpus > 1 else ())
+        c = Candidate("", options).apply(cfg)
+        if c.checkpointing.offload_activations and c.checkpointing.keep:
+            continue  # kept outputs stay on the GPU: offloading the rest is a regime nobody measured
+        label = f"ckpt {ck.label}{', ' + offload.label if offload.label else ''}, {stored} weights, {optim.label}"
+        if gpus > 1:
+            label += f", sp {c.parallel.sp} x fsdp {gpus // c.parallel.sp}"
+        out.append(Candidate(label, options))
+    return out
+
+
+def _sample_candidates(cfg: Config, gpus: int) -> list[Candidate]:
+    phase = "sample"
+    forwards = []  # (label, options): the plain forward with the guidance batched or in two passes, or chunked
+    for chunked in CHUNKED_INFERENCE.options(cfg, phase, gpus):
+        if chunked.label == "plain":
+            forwards += [(f"plain, {g.label}", (chunked, g)) for g in GUIDANCE_PASSES.options(cfg, phase, gpus)
+                         if g.label in ("guidance batched", "two passes")]
+        else:
+            forwards.append((chunked.label, (chunked,)))
+    out = []
+    for (fw, fw_options), blocks, weights in itertools.product(
+            forwards, SAMPLE_BLOCK_OFFLOAD.options(cfg, phase, gpus), FP8_WEIGHTS.options(cfg, phase, gpus)):
+        options = (*fw_options, blocks, weights)
+        label = f"{fw}, {blocks.label} blocks, {weights.label} weights"
         if gpus == 1:
-            out.append(Candidate(label, tuple(over.items())))
+            out.append(Candidate(label, options))
             continue
-        if fw.startswith("chunked") or streamed:
-            continue  # chunked and streamed run one process
-        if gpus in sp_degrees(gpus, heads):  # sp over all GPUs
-            out.append(Candidate(f"{label}, sp {gpus}",
-                                 tuple({**over, "parallel.sp": gpus, "sample.split_guidance": False}.items())))
+        degrees = {o.label: o for o in SEQUENCE_PARALLEL.options(cfg, phase, gpus)}
+        if f"sp {gpus}" in degrees:  # sp over all GPUs
+            out.append(Candidate(f"{label}, sp {gpus}", (*options, degrees[f"sp {gpus}"],
+                                                         _option(GUIDANCE_PASSES, "not split", cfg, phase, gpus))))
         # or the guidance's two passes split over two halves of the GPUs, each half an sp group; each rank runs one
         # pass, costed by the measured batched regime (the per-pass one is not measured)
         sp = gpus // 2
-        if fw == "plain, guidance batched" and gpus % 2 == 0 and sp in sp_degrees(gpus, heads):
-            label = label.replace("guidance batched", f"guidance split over 2 x sp {sp}")
-            out.append(Candidate(label, tuple({**over, "parallel.sp": sp, "sample.split_guidance": True}.items())))
+        if fw == "plain, guidance batched" and gpus % 2 == 0 and f"sp {sp}" in degrees:
+            out.append(Candidate(label.replace("guidance batched", f"guidance split over 2 x sp {sp}"),
+                                 (*options, degrees[f"sp {sp}"],
+                                  _option(GUIDANCE_PASSES, "guidance split", cfg, phase, gpus))))
     return out
 
 
 def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpus: int = 1,
             gpu_mem: int | None = None) -> Prediction:
-    c = with_overrides(cfg, candidate.as_dict())
+    c = candidate.apply(cfg)
     layout = VideoLayout.from_config(c.layout, c.ttt)
     batch = c.train.batch_size if phase == "train" else 1
     sp = c.parallel.sp if gpus > 1 else 1
@@ -177,7 +194,7 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
 
 def streams_weights(cfg: Config) -> bool:
     """Whether a setup copies weights in from host memory layer by layer (training or sampling)."""
-    return bool(cfg.memory.stream_frozen_weights or cfg.sample.offload_blocks)
+    return any(t.streams_weights and t.is_on(cfg) for t in REGISTRY)
 
 
 def fits_in(peak: int, gpu_mem: int, streamed: bool = False) -> bool:
@@ -203,8 +220,8 @@ def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1)
 def overheads(cfg: Config) -> tuple[int, int]:
     """What the time fit leaves out, to order setups it predicts as fast: first how many switches round numbers
     (fp8 weights, 8-bit optimizer state), then how many copy weights from host memory each step; fewer is better."""
-    lossy = (cfg.model.frozen_weights == "fp8") + (cfg.train.optimizer == "adamw8bit")
-    return lossy, int(cfg.memory.stream_frozen_weights) + int(cfg.sample.offload_blocks)
+    on = [t for t in REGISTRY if t.is_on(cfg)]
+    return sum(t.lossy for t in on), sum(t.streams_weights for t in on)
 
 
 def best(preds: list[Prediction]) -> Prediction | None:
@@ -254,7 +271,7 @@ def plan_toml(pred: Prediction, config_path: str | Path | None, out_path: str | 
         rel = os.path.relpath(Path(config_path).resolve(), Path(out_path).resolve().parent)
         lines.append(f"include = {json.dumps(rel)}")
     sections: dict[str, dict[str, Any]] = {}
-    for key, value in {**(extra or {}), **pred.candidate.as_dict()}.items():
+    for key, value in {**(extra or {}), **pred.candidate.settings(pred.config)}.items():
         section, name = key.split(".")
         sections.setdefault(section, {})[name] = value
     for section, values in sections.items():
@@ -280,7 +297,7 @@ def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | N
 
     import torch
 
-    from tttvideo.memory.plan_costs import known_gpus, load_costs
+    from tttvideo.memory.plan.costs import known_gpus, load_costs
     from tttvideo.parallel.launch import launch_world_size
 
     log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tttvideo.memory.analysis import Summary
-from tttvideo.memory.events import GIB, MIB, OOM, PHASE, Recording
+from tttvideo.memory.profile.analysis import Summary
+from tttvideo.memory.profile.events import GIB, MIB, OOM, PHASE, Recording
 
 
 def pyplot() -> Any:

@@ -2,13 +2,14 @@
 GPU kind.
 
 Local attention works window by window and the TTT scan, the MLP and every projection token by token, so for a
-fixed setup a step's activation memory (its peak minus what `plan_count` counts) and its time grow with the tokens
+fixed setup a step's activation memory (its peak minus what `count` counts) and its time grow with the tokens
 and nothing else. Not always on one line: the plain sampling forward measured 205-210 KB per token at 3-18 s and
 173 KB at 63 s. So a cost is the measured points themselves (`Curve`): linear between two measured token counts,
-along the nearest two beyond them. `benchmarks/plan_calibration.py` measures the points, writes `plan_costs.json`
+along the nearest two beyond them. `benchmarks/plan_calibration.py` measures the points, writes `costs.json`
 beside this module and checks the predictions against held-out runs.
 
-A curve belongs to a regime, the switches that change what a step allocates or how long it takes:
+A curve belongs to a regime, the switches that change what a step allocates or how long it takes (the techniques
+whose `regime` is "activation", `tttvideo.memory.techniques`, each naming its part of the key):
 - activation, training: preset, weight dtype (fp32 weights under bf16 autocast keep bf16 copies), adapter, activation
   checkpointing policy, activation offload;
 - activation, sampling: preset, weight dtype, forward (plain at batch 2 or 1, or chunked with G TTT head groups);
@@ -28,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from tttvideo.config.schema import Config
+from tttvideo.memory.techniques import ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, GUIDANCE_PASSES
 
-COSTS_FILE = Path(__file__).with_name("plan_costs.json")
+COSTS_FILE = Path(__file__).with_name("costs.json")
 
 
 @dataclass(frozen=True)
@@ -113,30 +115,9 @@ def save_costs(table: CostTable, path: Path = COSTS_FILE) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ regime keys
-def checkpoint_policy(cfg: Config) -> str:
-    """'none', 'block' (whole blocks), 'block-keep-attention' / 'block-keep-attention+matmul' (whole blocks keeping
-    those outputs), 'sub-block' (blocks and their four parts, as the stage configs), or 'custom' (per-layer rules or
-    another mix: not a regime the planner proposes)."""
-    ck = cfg.checkpointing
-    parts = (ck.attention, ck.forward_ttt, ck.reverse_ttt, ck.mlp)
-    if ck.layers or (ck.block and ck.group_size != 1):
-        return "custom"
-    if ck.keep:
-        return "block-keep-" + "+".join(sorted(set(ck.keep))) if ck.block and not any(parts) else "custom"
-    if not ck.block and not any(parts):
-        return "none"
-    if ck.block and not any(parts):
-        return "block"
-    if ck.block and all(parts):
-        return "sub-block"
-    return "custom"
-
-
 def sample_forward(cfg: Config) -> str:
-    m = cfg.memory
-    if m.chunked_inference:
-        return f"chunked-g{m.ttt_head_groups}"
-    return "plain-b2" if cfg.sample.cfg_batched else "plain-b1"
+    """The sampling forward's regime: the chunked forward's head groups, or the plain one's guidance batch."""
+    return CHUNKED_INFERENCE.regime_tag(cfg) or GUIDANCE_PASSES.regime_tag(cfg)
 
 
 def long_range_tag(cfg: Config) -> str:
@@ -152,9 +133,8 @@ def long_range_tag(cfg: Config) -> str:
 def activation_key(cfg: Config, phase: str) -> str:
     if phase == "sample":
         return f"{cfg.model.preset}|{cfg.model.dtype}|sample|{sample_forward(cfg)}{long_range_tag(cfg)}"
-    offload = "offload" if cfg.checkpointing.offload_activations else "resident"
-    return (f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{checkpoint_policy(cfg)}|{offload}"
-            f"{long_range_tag(cfg)}")
+    return (f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{CHECKPOINTING.regime_tag(cfg)}|"
+            f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{long_range_tag(cfg)}")
 
 
 def time_key(cfg: Config, phase: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tttvideo.errors import UserError
-from tttvideo.memory.events import MemorySample
+from tttvideo.memory.profile.events import MemorySample
 
 
 class MemoryBackend(Protocol):

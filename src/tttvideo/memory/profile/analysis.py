@@ -18,7 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tttvideo.memory.events import BLOCK, COMPONENT, MARK, PHASE, Event, MemorySample, Recording
+from tttvideo.memory.profile.events import BLOCK, COMPONENT, MARK, PHASE, Event, MemorySample, Recording
 
 
 @dataclass

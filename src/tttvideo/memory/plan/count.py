@@ -1,0 +1,93 @@
+"""The part of a setup's GPU memory that can be counted: weights, gradients and optimizer state, per GPU.
+
+The model of a config is built on the meta device (every shape and dtype, no data: a few seconds for CogVideoX-5B
+on a CPU) with the config's adapter and weight storage, and its tensors are summed:
+
+- weights: every parameter and buffer (fp8 codes and their scales included) in its storage dtype; then each memory
+  technique that is on changes them by its `footprint`: when sampling streams the blocks from host memory
+  (`sample.offload_blocks`), only `prefetch_blocks + 1` blocks of them;
+- gradients: the trainable parameters, in their dtype (training only);
+- optimizer state: both moments of every trainable tensor as `tttvideo.memory.techniques.optimizer_state_bytes`
+  counts them (AdamW's in the parameters' dtype; 8-bit AdamW's 8-bit codes and fp32 scales, as torchao stores them;
+  the OOM advice counts with the same function), training only;
+- with FSDP2 each of these divided by the shard degree (dp_shard x sp: `fsdp_shard_degree`), buffers (fp8 codes
+  and scales among them) excepted, which FSDP2 keeps whole on every GPU, plus the all-gathered full weights of the
+  two blocks in flight (FSDP's prefetch of the next block while one computes);
+- with `memory.stream_frozen_weights` (training) the fp8 codes and scales live in host memory: two blocks' worth
+  is counted for the copies in flight.
+
+These are exact for the tensors they name (tests/test_planner.py checks them against a built model); what a step
+allocates beyond them is the activation model's job (`tttvideo.memory.plan.costs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tttvideo.config.schema import Config
+from tttvideo.memory.techniques import ModelBytes, techniques
+from tttvideo.memory.techniques.technique import Phase
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Bytes per GPU of what is counted; `trainable_params` is a count, not bytes."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    trainable_params: int
+    block_weights: int  # one block's weights, unsharded (the unit that streams or is all-gathered)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+@lru_cache(maxsize=32)
+def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_weights: str, use_ttt: bool,
+                 ttt_kind: str, sequence_layer: str) -> ModelBytes:
+    """The tensors of a model built on the meta device, summed."""
+    from tttvideo.models import build_model
+
+    cfg = Config()
+    cfg.model.preset, cfg.model.dtype, cfg.model.adapter = preset, dtype, adapter
+    cfg.model.lora_rank, cfg.model.frozen_weights, cfg.model.use_ttt = lora_rank, frozen_weights, use_ttt
+    cfg.ttt.kind, cfg.ttt.backend = ttt_kind, "reference"  # the backend changes no tensor
+    cfg.model.sequence_layer = sequence_layer
+    return ModelBytes.of(build_model(cfg, device="meta"))
+
+
+def count(cfg: Config, phase: Phase, gpus: int = 1) -> Counted:
+    """The counted memory per GPU of `cfg` for `phase` ("train" or "sample") on `gpus` GPUs: the model's tensors
+    as built (weight storage included), changed by the footprint of every technique of `phase` that is on."""
+    m = cfg.model
+    b = _model_bytes(m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind,
+                     m.sequence_layer)
+    weights, buffers = b.weights, b.buffers
+    optimizer = b.optimizer["adamw"] if phase == "train" else 0
+    for technique in techniques(phase):
+        if technique.footprint is not None and technique.is_on(cfg):
+            change = technique.footprint(cfg, phase, b)
+            weights, buffers, optimizer = (weights + change.weights, buffers + change.buffers,
+                                           optimizer + change.optimizer)
+    if phase == "sample":
+        return Counted(weights, 0, 0, 0, b.block)
+    shard = fsdp_shard_degree(cfg, gpus)
+    if shard > 1:
+        # FSDP2 shards parameters; buffers (fp8 codes and scales among them) stay whole on every GPU
+        return Counted((weights - buffers) // shard + buffers + 2 * b.block, b.gradients // shard,
+                       optimizer // shard, b.trainable, b.block)
+    return Counted(weights, b.gradients, optimizer, b.trainable, b.block)
+
+
+def fsdp_shard_degree(cfg: Config, gpus: int) -> int:
+    """How many GPUs FSDP2 shards each parameter over in a training launch on `gpus` GPUs: dp_shard x sp (the sp ranks
+    of a group hold the same parameters, so the trainer's FSDP mesh includes them: `parallel.mesh`); HSDP replicas
+    (dp_replicate) each hold a whole sharded copy. parallel.dp_shard = -1 fills what sp and dp_replicate leave."""
+    par = cfg.parallel
+    if gpus <= 1:
+        return 1
+    dp_shard = max(1, gpus // (par.sp * par.dp_replicate)) if par.dp_shard == -1 else par.dp_shard
+    return dp_shard * par.sp

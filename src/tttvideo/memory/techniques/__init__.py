@@ -1,0 +1,14 @@
+"""Memory techniques as objects: what each is, sets, applies, counts, costs, calibrates and advises
+(`technique`), and the registry of those the project offers (`registry`)."""
+
+from tttvideo.memory.techniques.registry import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE,
+                                                 FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, REGISTRY,
+                                                 SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, calibration_setups,
+                                                 check_techniques, checkpoint_policy, sp_degrees, techniques)
+from tttvideo.memory.techniques.technique import (CalibrationSetup, Footprint, MemoryTechnique, ModelBytes, Option,
+                                                  Saving, optimizer_state_bytes)
+
+__all__ = ["ACTIVATION_OFFLOAD", "ADAMW_8BIT", "CHECKPOINTING", "CHUNKED_INFERENCE", "FP8_STREAMING", "FP8_WEIGHTS",
+           "GUIDANCE_PASSES", "REGISTRY", "SAMPLE_BLOCK_OFFLOAD", "SEQUENCE_PARALLEL", "CalibrationSetup", "Footprint",
+           "MemoryTechnique", "ModelBytes", "Option", "Saving", "calibration_setups", "check_techniques",
+           "checkpoint_policy", "optimizer_state_bytes", "sp_degrees", "techniques"]

@@ -1,0 +1,464 @@
+"""The memory techniques the project offers, each one `MemoryTechnique` (`tttvideo.memory.techniques.technique`).
+
+Training: activation checkpointing (whole blocks, keeping some outputs, or blocks and their four parts), activation
+offload to host memory, fp8 storage of the frozen weights, streaming those from host memory, 8-bit AdamW, and on
+several GPUs sequence parallelism. Sampling: fp8 storage, the chunked (bounded-memory) forward, the guidance's two
+passes batched, in turn, or split over two groups of GPUs, blocks streamed from host memory, sequence parallelism.
+`REGISTRY` holds them in the order the OOM advice lists savings of equal size and the calibration runs its setups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tttvideo.config.schema import Config
+from tttvideo.layout import VideoLayout
+from tttvideo.memory.techniques.technique import (CalibrationSetup, Footprint, MemoryTechnique, ModelBytes, Option,
+                                                  Phase, Saving)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# the calibration's configs (benchmarks/plan_calibration.py profiles each setup with them) and shared overrides
+LORA = "configs/cogvideox-5b/24gb-3s.toml"  # lora, bf16, fp8, 8-bit AdamW, sub-block checkpointing, offload
+QKVO = "configs/cogvideox-5b/stage2-9s-1gpu.toml"  # qkvo, fp32 weights under bf16 autocast, sub-block
+SAMPLE = "configs/cogvideox-5b/24gb-sample-63s.toml"
+BLOCK = ("checkpointing.attention=false", "checkpointing.forward_ttt=false", "checkpointing.reverse_ttt=false",
+         "checkpointing.mlp=false")
+BF16_PLAIN = ("model.frozen_weights=dtype", "train.optimizer=adamw", "checkpointing.offload_activations=false")
+SAMPLE_PLAIN = ("memory.chunked_inference=false", "sample.cfg_batched=true", "sample.offload_blocks=false",
+                "model.frozen_weights=dtype")
+
+
+def block_input_bytes(cfg: Config, model: nn.Module, batch: int) -> int:
+    """The residual stream entering one block: what block checkpointing keeps per block for backward."""
+    import torch
+
+    from tttvideo.dtypes import torch_dtype
+
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    dim = model.spec.dim if hasattr(model, "spec") else 0
+    return batch * layout.total_tokens * dim * torch.tensor([], dtype=torch_dtype(cfg.model.dtype)).element_size()
+
+
+def _all_block_inputs(cfg: Config, model: nn.Module) -> int:
+    return block_input_bytes(cfg, model, cfg.train.batch_size) * len(getattr(model, "blocks", ()))
+
+
+# ------------------------------------------------------------------------------------------- activation checkpointing
+_CHECKPOINT_PARTS = ("checkpointing.attention", "checkpointing.forward_ttt", "checkpointing.reverse_ttt",
+                     "checkpointing.mlp")
+_CHECKPOINT_KEYS = ("checkpointing.block", "checkpointing.group_size", *_CHECKPOINT_PARTS, "checkpointing.layers",
+                    "checkpointing.keep")
+
+
+def _checkpoint(parts: bool, keep: tuple[str, ...] = ()):
+    def apply(cfg: Config) -> None:
+        ck = cfg.checkpointing
+        ck.block, ck.group_size, ck.layers, ck.keep = True, 1, [], list(keep)
+        ck.attention = ck.forward_ttt = ck.reverse_ttt = ck.mlp = parts
+
+    return apply
+
+
+def checkpoint_policy(cfg: Config) -> str:
+    """'none', 'block' (whole blocks), 'block-keep-attention' / 'block-keep-attention+matmul' (whole blocks keeping
+    those outputs), 'sub-block' (blocks and their four parts, as the stage configs), or 'custom' (per-layer rules or
+    another mix: not a regime the planner proposes)."""
+    ck = cfg.checkpointing
+    parts = (ck.attention, ck.forward_ttt, ck.reverse_ttt, ck.mlp)
+    if ck.layers or (ck.block and ck.group_size != 1):
+        return "custom"
+    if ck.keep:
+        return "block-keep-" + "+".join(sorted(set(ck.keep))) if ck.block and not any(parts) else "custom"
+    if not ck.block and not any(parts):
+        return "none"
+    if ck.block and not any(parts):
+        return "block"
+    if ck.block and all(parts):
+        return "sub-block"
+    return "custom"
+
+
+def _checkpoint_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
+    found = []
+    ck = cfg.checkpointing
+    if ck.keep:
+        # the kept SDPA outputs are the stream's size per layer; the kept products, several times it (not counted)
+        kept = _all_block_inputs(cfg, model) if set(ck.keep) == {"attention"} else None
+        found.append(Saving("checkpointing.keep = []", f"of the {' and '.join(ck.keep)} outputs kept for backward "
+                                                       "(recomputed instead)", kept))
+    if not ck.block:
+        found.append(Saving("checkpointing.block = true", "of activations: each block is recomputed in backward and "
+                                                          "keeps only its input"))
+    return found
+
+
+CHECKPOINTING = MemoryTechnique(
+    name="activation checkpointing",
+    phases=("train",),
+    keys=_CHECKPOINT_KEYS,
+    mechanism="tttvideo.models.checkpointing.apply_checkpointing, in build_model",
+    is_on=lambda cfg: checkpoint_policy(cfg) != "none",
+    options=lambda cfg, phase, gpus: (
+        Option("block", _checkpoint(False), _CHECKPOINT_KEYS),
+        # selective: the block's recompute skips attention (and the backbone's matrix products), whose outputs stay
+        Option("block, keeping attention", _checkpoint(False, ("attention",)), _CHECKPOINT_KEYS),
+        Option("block, keeping attention and matmul", _checkpoint(False, ("attention", "matmul")), _CHECKPOINT_KEYS),
+        Option("sub-block", _checkpoint(True), _CHECKPOINT_KEYS),
+    ) if phase == "train" else (),
+    regime="activation",
+    regime_tag=checkpoint_policy,
+    advice=_checkpoint_advice,
+    calibration=(
+        CalibrationSetup("lora, block ckpt, bf16, AdamW", LORA, "train", BLOCK + BF16_PLAIN, ("3s", "9s"), ("18s",),
+                         order=0),
+        CalibrationSetup("lora, block ckpt keeping attention, bf16, AdamW", LORA, "train",
+                         BLOCK + BF16_PLAIN + ('checkpointing.keep=["attention"]',), ("3s", "9s"), order=3),
+        CalibrationSetup("lora, block ckpt keeping attention and matmul, bf16, AdamW", LORA, "train",
+                         BLOCK + BF16_PLAIN + ('checkpointing.keep=["attention","matmul"]',), ("3s", "6s"), order=4),
+        # last, as the first to go when device time runs short
+        CalibrationSetup("qkvo, sub-block ckpt, fp32 weights, AdamW", QKVO, "train", (), ("3s", "9s"), order=12),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- activation offload
+def _set_offload(on: bool):
+    def apply(cfg: Config) -> None:
+        cfg.checkpointing.offload_activations = on
+
+    return apply
+
+
+ACTIVATION_OFFLOAD = MemoryTechnique(
+    name="activation offload",
+    phases=("train",),
+    keys=("checkpointing.offload_activations",),
+    mechanism="tttvideo.models.activation_offload.offload_activations, around each micro-batch of "
+              "tttvideo.train.step.TrainStep",
+    is_on=lambda cfg: cfg.checkpointing.offload_activations,
+    options=lambda cfg, phase, gpus: (Option("", _set_offload(False), ("checkpointing.offload_activations",)),
+                                      Option("offload", _set_offload(True), ("checkpointing.offload_activations",)))
+    if phase == "train" else (),
+    regime="activation",
+    regime_tag=lambda cfg: "offload" if cfg.checkpointing.offload_activations else "resident",
+    advice=lambda cfg, model, phase, gpus: [] if cfg.checkpointing.offload_activations else [Saving(
+        "checkpointing.offload_activations = true",
+        "of saved activations to host memory (with block checkpointing: the block inputs)",
+        _all_block_inputs(cfg, model))],
+    calibration=(
+        CalibrationSetup("lora, sub-block ckpt + offload, fp8, 8-bit AdamW", LORA, "train", (), ("3s", "9s"),
+                         ("18s",), order=1),
+        # held out: a calibrated activation regime with other counted parts (weight storage, optimizer)
+        CalibrationSetup("lora, sub-block ckpt + offload, bf16, AdamW", LORA, "train",
+                         ("model.frozen_weights=dtype", "train.optimizer=adamw"), (), ("3s", "9s"), order=11),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- fp8 frozen weights
+def _set_frozen(storage: str):
+    def apply(cfg: Config) -> None:
+        cfg.model.frozen_weights = storage
+
+    return apply
+
+
+def _fp8_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
+    if cfg.model.frozen_weights == "fp8":
+        return []
+    saved = ModelBytes.of(model).frozen_linear_saving
+    return [Saving("model.frozen_weights = 'fp8'", "of frozen linear weights", saved)] if saved > 0 else []
+
+
+FP8_WEIGHTS = MemoryTechnique(
+    name="fp8 frozen weights",
+    phases=("train", "sample"),
+    keys=("model.frozen_weights",),
+    # the planner builds the model with the setting, so its counted weights are the fp8 codes and scales
+    mechanism="tttvideo.models.fp8_storage.store_fp8, in build_model",
+    is_on=lambda cfg: cfg.model.frozen_weights == "fp8",
+    # sft trains every weight: none is frozen
+    options=lambda cfg, phase, gpus: tuple(Option(s, _set_frozen(s), ("model.frozen_weights",))
+                                           for s in (("dtype",) if cfg.model.adapter == "sft" else ("dtype", "fp8"))),
+    advice=_fp8_advice,
+    lossy=True,
+    calibration=(
+        CalibrationSetup("lora, block ckpt, fp8, 8-bit AdamW", LORA, "train",
+                         BLOCK + ("checkpointing.offload_activations=false",), (), ("3s", "9s"), order=10),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- fp8 weight streaming
+def _set_stream(on: bool):
+    def apply(cfg: Config) -> None:
+        cfg.memory.stream_frozen_weights = on
+
+    return apply
+
+
+def _stream_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
+    if phase != "train" or cfg.model.frozen_weights != "fp8":
+        return Footprint()
+    # the block computing and the one whose backward comes next stay on the GPU
+    kept = 2 * b.block_fp8
+    return Footprint(weights=kept - b.fp8, buffers=kept - b.fp8, host=b.fp8)
+
+
+def _stream_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
+    if phase != "train" or cfg.model.frozen_weights != "fp8" or cfg.memory.stream_frozen_weights or gpus != 1:
+        return []
+    return [Saving("memory.stream_frozen_weights = true", "of fp8 frozen weights kept in host memory",
+                   -_stream_footprint(cfg, phase, ModelBytes.of(model)).weights)]
+
+
+def _check_stream(cfg: Config, processes: int) -> None:
+    from tttvideo.models.fp8_storage import check_weight_streaming
+
+    check_weight_streaming(cfg, processes)
+
+
+def _stream(cfg: Config, model: nn.Module) -> int:
+    from tttvideo.models.fp8_storage import stream_fp8_weights
+
+    return stream_fp8_weights(model)
+
+
+FP8_STREAMING = MemoryTechnique(
+    name="fp8 weight streaming",
+    phases=("train",),
+    keys=("memory.stream_frozen_weights",),
+    mechanism="tttvideo.models.fp8_storage.stream_fp8_weights, applied by tttvideo.train.step.build_train_step",
+    is_on=lambda cfg: cfg.memory.stream_frozen_weights,
+    # streaming runs in one process
+    options=lambda cfg, phase, gpus: (Option("", _set_stream(False), ("memory.stream_frozen_weights",)),) + (
+        (Option("streamed", _set_stream(True), ("memory.stream_frozen_weights",)),) if gpus == 1 else ())
+    if phase == "train" else (),
+    footprint=_stream_footprint,
+    advice=_stream_advice,
+    check=_check_stream,
+    prepare=_stream,
+    prepared="frozen fp8 weights streamed to pinned host memory",
+    streams_weights=True,
+    calibration=(
+        CalibrationSetup("lora, sub-block ckpt + offload, fp8 streamed, 8-bit AdamW", LORA, "train",
+                         ("memory.stream_frozen_weights=true",), (), ("9s",), order=2),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- 8-bit AdamW
+def _set_optimizer(name: str):
+    def apply(cfg: Config) -> None:
+        cfg.train.optimizer = name
+
+    return apply
+
+
+def _optimizer_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
+    return Footprint(optimizer=b.optimizer["adamw8bit"] - b.optimizer["adamw"]) if phase == "train" else Footprint()
+
+
+ADAMW_8BIT = MemoryTechnique(
+    name="8-bit AdamW",
+    phases=("train",),
+    keys=("train.optimizer",),
+    mechanism="tttvideo.train.optim.build_optimizer (torchao's AdamW8bit)",
+    is_on=lambda cfg: cfg.train.optimizer == "adamw8bit",
+    options=lambda cfg, phase, gpus: tuple(Option(n, _set_optimizer(n), ("train.optimizer",))
+                                           for n in ("adamw", "adamw8bit")) if phase == "train" else (),
+    footprint=_optimizer_footprint,
+    advice=lambda cfg, model, phase, gpus: [] if phase != "train" or cfg.train.optimizer == "adamw8bit" else [
+        Saving("train.optimizer = 'adamw8bit'", "of optimizer state",
+               -_optimizer_footprint(cfg, phase, ModelBytes.of(model)).optimizer)],
+    lossy=True,
+    calibration=(
+        CalibrationSetup("qkvo, sub-block ckpt, fp32 weights, 8-bit AdamW", QKVO, "train",
+                         ("train.optimizer=adamw8bit",), (), ("9s",), order=13),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- chunked inference
+_CHUNKED_KEYS = ("memory.chunked_inference", "memory.ttt_head_groups")
+
+
+def _set_chunked(groups: int):
+    def apply(cfg: Config) -> None:
+        cfg.memory.chunked_inference = groups > 0
+        if groups:
+            cfg.memory.ttt_head_groups = groups
+            cfg.sample.cfg_batched = False  # the chunked forward runs one pass at a time
+
+    return apply
+
+
+CHUNKED_INFERENCE = MemoryTechnique(
+    name="chunked inference",
+    phases=("sample",),
+    keys=_CHUNKED_KEYS,
+    mechanism="tttvideo.models.chunked_inference, chosen by the model's forward without gradients",
+    is_on=lambda cfg: cfg.memory.chunked_inference,
+    # plain (off) leaves the head groups as they are; its guidance is the next technique's
+    # (the chunked forward runs in one process or with parallel.sp = 1: the planner proposes it on one GPU)
+    options=lambda cfg, phase, gpus: (
+        Option("plain", _set_chunked(0), ("memory.chunked_inference",)),
+        *((Option("chunked", _set_chunked(1), (*_CHUNKED_KEYS, "sample.cfg_batched")),
+           Option("chunked, 2 head groups", _set_chunked(2), (*_CHUNKED_KEYS, "sample.cfg_batched")),
+           Option("chunked, 4 head groups", _set_chunked(4), (*_CHUNKED_KEYS, "sample.cfg_batched")))
+          if gpus == 1 else ()),
+    ) if phase == "sample" else (),
+    regime="activation",
+    regime_tag=lambda cfg: f"chunked-g{cfg.memory.ttt_head_groups}" if cfg.memory.chunked_inference else "",
+    calibration=(
+        CalibrationSetup("sample: chunked, bf16 resident", SAMPLE, "sample",
+                         ("sample.offload_blocks=false", "model.frozen_weights=dtype"), ("9s", "63s"),
+                         ("3s", "18s"), order=6),
+        CalibrationSetup("sample: chunked, 2 head groups, fp8 streamed", SAMPLE, "sample",
+                         ("memory.ttt_head_groups=2",), ("9s", "63s"), order=8),
+        CalibrationSetup("sample: chunked, 4 head groups, fp8 streamed", SAMPLE, "sample",
+                         ("memory.ttt_head_groups=4",), ("9s", "63s"), ("3s",), order=9),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- the guidance's passes
+def _set_batched(batched: bool):
+    def apply(cfg: Config) -> None:
+        cfg.sample.cfg_batched = batched
+
+    return apply
+
+
+def _set_split(split: bool):
+    def apply(cfg: Config) -> None:
+        cfg.sample.split_guidance = split
+
+    return apply
+
+
+GUIDANCE_PASSES = MemoryTechnique(
+    name="guidance passes",
+    phases=("sample",),
+    keys=("sample.cfg_batched", "sample.split_guidance"),
+    mechanism="tttvideo.sample.guidance (batched, in turn, or split over two rank groups under torchrun)",
+    is_on=lambda cfg: not cfg.sample.cfg_batched or cfg.sample.split_guidance,
+    # one GPU: batched (the memory of batch 2) or two passes; several GPUs: split over two halves of them, each rank
+    # running one pass (costed by the measured batched regime)
+    options=lambda cfg, phase, gpus: (
+        Option("guidance batched", _set_batched(True), ("sample.cfg_batched",)),
+        Option("two passes", _set_batched(False), ("sample.cfg_batched",)),
+        *((Option("not split", _set_split(False), ("sample.split_guidance",)),
+           Option("guidance split", _set_split(True), ("sample.split_guidance",))) if gpus > 1 else ()),
+    ) if phase == "sample" else (),
+    regime="activation",
+    regime_tag=lambda cfg: "plain-b2" if cfg.sample.cfg_batched else "plain-b1",
+    calibration=(
+        # sampling is planned up to 63 s, so its curves run to 63 s (the plain forward's per-token cost measured
+        # 205-210 KB at 3-18 s and 173 KB at 63 s: a line through 3 and 9 s alone overshoots 63 s by 18%)
+        CalibrationSetup("sample: plain, guidance batched, bf16 resident", SAMPLE, "sample", SAMPLE_PLAIN,
+                         ("9s", "18s", "63s"), ("3s",), order=5),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- sample block offload
+def _set_offload_blocks(on: bool):
+    def apply(cfg: Config) -> None:
+        cfg.sample.offload_blocks = on
+
+    return apply
+
+
+def _offload_blocks_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
+    if phase != "sample":
+        return Footprint()
+    resident = b.block * (cfg.sample.prefetch_blocks + 1)
+    return Footprint(weights=resident - b.blocks * b.block, host=b.blocks * b.block)
+
+
+def _offload_blocks_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
+    if phase != "sample" or cfg.sample.offload_blocks:
+        return []
+    freed = -_offload_blocks_footprint(cfg, phase, ModelBytes.of(model)).weights
+    return [Saving("sample.offload_blocks = true", "of block weights kept in host memory", freed)] if freed > 0 else []
+
+
+SAMPLE_BLOCK_OFFLOAD = MemoryTechnique(
+    name="sample block offload",
+    phases=("sample",),
+    keys=("sample.offload_blocks",),
+    mechanism="tttvideo.sample.offload.offload_blocks, in tttvideo.sample.model.load_model",
+    is_on=lambda cfg: cfg.sample.offload_blocks,
+    # streaming runs one process
+    options=lambda cfg, phase, gpus: tuple(Option(label, _set_offload_blocks(on), ("sample.offload_blocks",))
+                                           for label, on in (("resident", False), ("streamed", True))
+                                           if gpus == 1 or not on) if phase == "sample" else (),
+    footprint=_offload_blocks_footprint,
+    advice=_offload_blocks_advice,
+    streams_weights=True,
+    calibration=(
+        CalibrationSetup("sample: chunked, fp8 streamed", SAMPLE, "sample", (), (), ("63s",), order=7),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------- sequence parallelism
+def sp_degrees(gpus: int, heads: int) -> list[int]:
+    """The sequence-parallel degrees a launch on `gpus` GPUs can use: they divide the GPUs and the heads."""
+    return [d for d in range(1, gpus + 1) if gpus % d == 0 and heads % d == 0]
+
+
+def _set_sp(sp: int, gpus: int, phase: Phase):
+    def apply(cfg: Config) -> None:
+        cfg.parallel.sp = sp
+        if phase == "train":  # the rest shards (FSDP2)
+            cfg.parallel.dp_shard, cfg.parallel.dp_replicate = gpus // sp, 1
+
+    return apply
+
+
+def _sp_options(cfg: Config, phase: Phase, gpus: int) -> tuple[Option, ...]:
+    from tttvideo.models import get_preset
+
+    keys = ("parallel.sp", "parallel.dp_shard", "parallel.dp_replicate") if phase == "train" else ("parallel.sp",)
+    return tuple(Option(f"sp {sp}", _set_sp(sp, gpus, phase), keys)
+                 for sp in sp_degrees(gpus, get_preset(cfg.model.preset).num_attention_heads))
+
+
+SEQUENCE_PARALLEL = MemoryTechnique(
+    name="sequence parallelism",
+    phases=("train", "sample"),
+    keys=("parallel.sp", "parallel.dp_shard", "parallel.dp_replicate"),
+    mechanism="tttvideo.parallel.sequence (Ulysses), under torchrun",
+    is_on=lambda cfg: cfg.parallel.sp > 1,
+    options=_sp_options,
+    regime="parallel",
+    advice=lambda cfg, model, phase, gpus: [Saving(
+        f"parallel.sp = {gpus} under torchrun",
+        f"of activations: each of the {gpus} GPUs holds 1/{gpus} of a video's tokens")]
+    if phase == "train" and gpus > 1 and cfg.parallel.sp == 1 else [],
+)
+
+
+REGISTRY: tuple[MemoryTechnique, ...] = (FP8_WEIGHTS, ADAMW_8BIT, FP8_STREAMING, CHECKPOINTING, ACTIVATION_OFFLOAD,
+                                         SEQUENCE_PARALLEL, CHUNKED_INFERENCE, GUIDANCE_PASSES, SAMPLE_BLOCK_OFFLOAD)
+
+
+def check_techniques(cfg: Config, processes: int) -> None:
+    """A ConfigError naming the key when a technique that is on cannot apply to a launch of `processes`."""
+    for technique in REGISTRY:
+        if technique.check is not None:
+            technique.check(cfg, processes)
+
+
+def techniques(phase: Phase) -> tuple[MemoryTechnique, ...]:
+    """The registered techniques that apply to `phase`, in registry order."""
+    return tuple(t for t in REGISTRY if phase in t.phases)
+
+
+def calibration_setups() -> list[CalibrationSetup]:
+    """Every technique's calibration setups, in run order."""
+    return sorted((s for t in REGISTRY for s in t.calibration), key=lambda s: s.order)
