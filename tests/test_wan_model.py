@@ -8,7 +8,8 @@
 (d) segment-local attention does not mix windows: with TTT off, perturbing a token (or the text) of segment 3 leaves
     segment 1's own frames unchanged; with TTT on it does not;
 (e) the full-size preset matches diffusers' 1.3B parameter for parameter (on the meta device); folders of another
-    model or with missing / unexpected tensors are UserErrors naming them.
+    model or with missing / unexpected tensors are UserErrors naming them. The test folder is sharded (an index and
+    several files), as the real download is.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def reference(model: WanTransformer3DModel, latents: torch.Tensor, text: torch.T
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("wan") / "Wan-test-Diffusers"
-    diffusers_wan(SPEC).save_pretrained(path / "transformer")
+    # small shards, so that the loader reads the index and several files as for the real 1.3B download
+    diffusers_wan(SPEC).save_pretrained(path / "transformer", max_shard_size="40KB")
+    assert len(list((path / "transformer").glob("diffusion_pytorch_model-*.safetensors"))) > 1
     return path
 
 
@@ -183,8 +186,7 @@ def test_full_size_preset_matches_diffusers_on_meta():
 
 
 def test_folder_errors(folder, tmp_path):
-    file = folder / "transformer" / "diffusion_pytorch_model.safetensors"
-    tensors = load_file(file)
+    tensors = {k: v for f in (folder / "transformer").glob("*.safetensors") for k, v in load_file(f).items()}
     config = json.loads((folder / "transformer" / "config.json").read_text())
 
     def write(name: str, tensors: dict, config: dict):

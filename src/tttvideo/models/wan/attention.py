@@ -31,7 +31,8 @@ def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
     return head_dim - 2 * side, side, side
 
 
-def wan_rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def wan_rope_cos_sin(positions: torch.Tensor, head_dim: int,
+                     theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [N, 3] of (frame, row, column) -> cos, sin [N, head_dim] fp32, each angle repeated for its pair
     (angles in float64, as diffusers' WanRotaryPosEmbed tabulates them)."""
     angles = []
