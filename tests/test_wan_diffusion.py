@@ -49,6 +49,8 @@ def test_target_is_the_velocity_the_sampler_integrates():
     sigma = torch.tensor([0.37])
     x = FM.add_noise(x0, noise, sigma)
     torch.testing.assert_close(FM.euler_step(x, FM.target(x0, noise), 0.37, 0.0), x0)
+    assert FM.loss(FM.target(x0, noise), x0, noise) == 0
+    torch.testing.assert_close(FM.loss(noise, x0, noise), x0.square().mean())
 
     unipc = FM.diffusers_scheduler("unipc")
     unipc.set_timesteps(6)

@@ -6,7 +6,7 @@
 
 The shift s bends time toward the noisy end: sigma = s u / (1 + (s - 1) u) for u in [0, 1]. Training draws u
 uniformly ("shifted-uniform") or from a logit-normal ("logit-normal", SD3's choice) and shifts it; sampling walks a
-shifted grid from 1 to 0. Wan-AI/Wan2.1-T2V-1.3B-Diffusers ships diffusers' UniPCMultistepScheduler with
+shifted grid from 1 to 0. Wan's default sampler in diffusers (its Wan documentation) is UniPCMultistepScheduler with
 `use_flow_sigmas`, `prediction_type = "flow_prediction"` and `flow_shift = 3.0` (diffusers' advice: 3.0 at 480p, 5.0
 at 720p); `diffusers_scheduler` builds it, or the first-order FlowMatchEulerDiscreteScheduler, with these settings.
 `sampling_sigmas` is UniPC's grid and `euler_sigmas` Euler's (diffusers shifts Euler's already-shifted end point a
@@ -68,7 +68,8 @@ class WanFlowMatching:
         return noise - x0
 
     def loss(self, prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """Mean squared error against the velocity, in fp32 (Wan weights every noise level equally)."""
+        """Mean squared error against the velocity in fp32, every noise level weighted alike (Wan-AI released no
+        training code; this is the plain rectified-flow loss)."""
         return (prediction.float() - self.target(x0, noise).float()).square().mean()
 
     # ------------------------------------------------------------------ sampling
