@@ -1,0 +1,99 @@
+"""One block of the long-video Wan model: Wan2.1's block with the TTT layer after self-attention.
+
+    (shift, scale, gate, c_shift, c_scale, c_gate) = table + time projection     (fp32, one 6-way table per block)
+    X' = WindowSelfAttention(LN(x) (1 + scale) + shift)     (the attention OUTPUT, segment-local 3-s windows)
+    Z' = BidirectionalTTT(X')                               (the whole video's tokens in frame order, both ways)
+    x  = x + gate * Z'
+    x  = x + SegmentCrossAttention(LN_affine(x), text)      (each window's tokens to its segment's text, no gate)
+    x  = x + c_gate * FFN(LN(x) (1 + c_scale) + c_shift)    (GELU-tanh)
+
+The LayerNorms (no affine, eps 1e-6) and the modulation run in fp32 and the stream is cast back, as diffusers'
+`WanTransformerBlock` does; with the TTT gates at 0 (or no TTT) and one segment the block is exactly that block.
+The TTT layer sees video tokens only: Wan's text is not in the residual stream but cross-attended, so the scan has
+no text chunks and the TTT layer's text gates touch no token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tttvideo.config.schema import TTTConfig
+from tttvideo.layout import VideoLayout
+from tttvideo.models.block import MLP
+from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
+from tttvideo.models.wan.attention import SegmentCrossAttention, WindowSelfAttention
+from tttvideo.models.wan.spec import WanSpec
+from tttvideo.sequence.build import sequence_layer
+
+
+class ModulationTable(nn.Module):
+    """The learned per-block offsets added to the time projection: `rows` vectors of width dim (diffusers'
+    `scale_shift_table`, initialised as there: N(0, 1) / sqrt(dim))."""
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.empty(1, rows, dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.table.normal_().div_(self.table.shape[-1] ** 0.5)
+
+    def forward(self, projection: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """projection [B, rows, dim] -> rows tensors [B, 1, dim] in fp32."""
+        return (self.table.float() + projection.float()).chunk(self.table.shape[1], dim=1)
+
+
+def norm_modulate(x: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """LayerNorm without affine in fp32, then x (1 + scale) + shift, back in x's dtype."""
+    h = F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    return torch.addcmul(shift, h, 1 + scale).to(x.dtype)
+
+
+class WanBlock(nn.Module):
+    def __init__(self, spec: WanSpec, ttt: TTTConfig | None, kind: str = "ttt"):
+        """ttt: the TTT layer's settings, None for the attention-only block; kind: the long-range layer
+        (`tttvideo.sequence.build.SEQUENCE_LAYERS`)."""
+        super().__init__()
+        dim = spec.dim
+        self.eps = spec.eps
+        self.modulation = ModulationTable(6, dim)
+        # `attn` is self-attention, so that the adapters' attention group and LoRA targets find it by that name
+        self.attn = WindowSelfAttention(dim, spec.num_attention_heads, spec.eps, spec.rope_theta)
+        self.ttt = sequence_layer(kind if ttt is not None else "none", dim, spec.ttt_heads, ttt, spec.rope_theta)
+        self.cross_norm = nn.LayerNorm(dim, eps=spec.eps) if spec.cross_attn_norm else None
+        self.cross_attn = SegmentCrossAttention(dim, spec.num_attention_heads, spec.eps)
+        self.ffn = MLP(dim, spec.ffn_dim)
+        # the switches `tttvideo.models.checkpointing.apply_checkpointing` sets: the self-attention half, and the
+        # cross-attention + FFN half; the TTT passes have their own on self.ttt
+        self.checkpoint_attention = False
+        self.checkpoint_mlp = False
+        self.checkpoint_keep: tuple[str, ...] = ()
+
+    def _self_attention(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                        layout: VideoLayout) -> torch.Tensor:
+        return self.attn(norm_modulate(x, self.eps, shift, scale), layout)
+
+    def _cross_and_ffn(self, x: torch.Tensor, text: torch.Tensor, layout: VideoLayout, shift: torch.Tensor,
+                       scale: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x if self.cross_norm is None else F.layer_norm(x.float(), (x.shape[-1],), self.cross_norm.weight.float(),
+                                                          self.cross_norm.bias.float(), self.eps).to(x.dtype)
+        x = x + self.cross_attn(h, text, layout)
+        y = self.ffn(norm_modulate(x, self.eps, shift, scale))
+        return (x.float() + y.float() * gate).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, projection: torch.Tensor,
+                layout: VideoLayout) -> torch.Tensor:
+        """x [B, L, dim] video tokens; text [B, n, text_len, dim] embedded; projection [B, 6, dim] the time
+        projection -> [B, L, dim]."""
+        shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(projection)
+        a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
+                             keep=self.checkpoint_keep)
+        if self.ttt is not None:
+            with long_range_layer():
+                a = self.ttt(a, layout)
+        x = (x.float() + a * gate).to(x.dtype)
+        return maybe_checkpoint(self._cross_and_ffn, self.checkpoint_mlp, x, text, layout, c_shift, c_scale, c_gate,
+                                keep=self.checkpoint_keep)

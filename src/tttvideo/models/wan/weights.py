@@ -1,0 +1,147 @@
+"""Weights of diffusers' Wan2.1 text-to-video folders (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`) into `WanTTT`.
+
+The model is built on the meta device; each tensor of the `transformer/` folder's safetensors shards is read with
+`safe_open` and put in place of its meta parameter under our name (`wan_name_map`), so the weights exist once in
+memory; the parameters diffusers does not have (the TTT layers and their gates) are then allocated and initialised.
+The folder handling that is not CogVideoX's (shard lists, in-place assignment, meta initialisation) is shared with
+`tttvideo.models.weights`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from tttvideo.config.schema import TTTConfig
+from tttvideo.dtypes import torch_dtype
+from tttvideo.errors import UserError
+from tttvideo.models.adapters import is_ttt_parameter
+from tttvideo.models.wan.spec import DIFFUSERS_CLASS, WanSpec
+from tttvideo.models.wan.transformer import WanTTT
+from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, assign_tensor, materialize, weight_files
+
+# keys diffusers' own loader skips in Wan folders (an image-branch norm some conversions carry)
+IGNORED = ("norm_added_q",)
+
+
+def wan_name_map(num_layers: int) -> dict[str, str]:
+    """diffusers parameter name -> ours, for every parameter a Wan2.1 text-to-video transformer can have."""
+    modules = {
+        "patch_embedding": "patch",
+        "condition_embedder.time_embedder.linear_1": "time_embed.linear1",
+        "condition_embedder.time_embedder.linear_2": "time_embed.linear2",
+        "condition_embedder.time_proj": "time_proj",
+        "condition_embedder.text_embedder.linear_1": "text_embed.linear1",
+        "condition_embedder.text_embedder.linear_2": "text_embed.linear2",
+        "proj_out": "proj_out",
+    }
+    block = {"norm2": "cross_norm", "ffn.net.0.proj": "ffn.fc1", "ffn.net.2": "ffn.fc2"}
+    for diffusers, ours in (("attn1", "attn"), ("attn2", "cross_attn")):
+        block.update({f"{diffusers}.{p}": f"{ours}.{p}" for p in ("to_q", "to_k", "to_v", "norm_q", "norm_k")})
+        block[f"{diffusers}.to_out.0"] = f"{ours}.to_out"
+    for i in range(num_layers):
+        modules.update({f"blocks.{i}.{d}": f"blocks.{i}.{o}" for d, o in block.items()})
+    names = {f"{d}.{s}": f"{o}.{s}" for d, o in modules.items() for s in ("weight", "bias")}
+    names["scale_shift_table"] = "head_modulation.table"
+    names.update({f"blocks.{i}.scale_shift_table": f"blocks.{i}.modulation.table" for i in range(num_layers)})
+    return names
+
+
+def find_wan_folder(path: str | Path) -> Path:
+    """The folder holding the transformer's config.json: `path` itself or its `transformer/` subfolder."""
+    path = Path(path).expanduser()
+    for folder in (path, path / "transformer"):
+        if (folder / CONFIG_NAME).is_file() and ((folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))):
+            return folder
+    if not path.exists():
+        raise UserError(f"model folder {path} does not exist; point model.pretrained_path at a "
+                        f"Wan2.1-T2V-1.3B-Diffusers download")
+    raise UserError(f"{path} is not a diffusers transformer folder: expected config.json and "
+                    f"diffusion_pytorch_model*.safetensors in it or in its transformer/ subfolder (the layout of "
+                    f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
+
+
+def read_wan_spec(folder: Path, spec: WanSpec | None) -> WanSpec:
+    """The folder's spec, checked against the requested preset (None: the folder's own)."""
+    try:
+        config: dict[str, Any] = json.loads((folder / CONFIG_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{folder / CONFIG_NAME} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    cls = config.get("_class_name")
+    if cls is not None and cls != DIFFUSERS_CLASS:
+        raise UserError(f"{folder} holds a {cls}, not a {DIFFUSERS_CLASS}; point at a Wan2.1 transformer/ folder")
+    try:
+        found = WanSpec.from_diffusers_config(
+            config, name=folder.parent.name if folder.name == "transformer" else folder.name)
+    except UserError as e:
+        raise UserError(f"{folder}: {e}") from None
+    if spec is None:
+        return found
+    diff = spec.mismatches(found)
+    if diff:
+        raise UserError(f"{folder} does not hold the {spec.name!r} model: {'; '.join(diff)}; set model.preset to "
+                        f"match the folder or point model.pretrained_path at a {spec.name} download")
+    return spec
+
+
+def from_pretrained_wan(path: str | Path, spec: WanSpec | None = None, ttt: TTTConfig | None = None,
+                        use_ttt: bool = True, dtype: torch.dtype | str = torch.float32,
+                        device: torch.device | str = "cpu", sequence_layer: str = "ttt") -> WanTTT:
+    """Our Wan model with the backbone weights of a diffusers Wan2.1 T2V transformer folder and fresh TTT layers."""
+    dtype, device = torch_dtype(dtype), torch.device(device)
+    folder = find_wan_folder(path)
+    spec = read_wan_spec(folder, spec)
+    files = weight_files(folder)
+    with torch.device("meta"):
+        model = WanTTT(spec, ttt, use_ttt, sequence_layer)
+    expected = {n: p for n, p in model.named_parameters() if not is_ttt_parameter(n)}
+    name_map = wan_name_map(spec.num_layers)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                ours = name_map.get(key)
+                if ours is None or ours not in expected:
+                    if not any(part in key for part in IGNORED):
+                        unexpected.append(key)
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[ours].shape):
+                    wrong_shape.append(f"{key} {list(shape)} (model has {list(expected[ours].shape)})")
+                    continue
+                assign_tensor(model, ours, f.get_tensor(key).to(device=device, dtype=dtype))
+                loaded.add(ours)
+    inverse = {o: d for d, o in name_map.items()}
+    problems = [f"{label} {_names(v)}" for label, v in
+                (("missing", [inverse.get(n, n) for n in expected if n not in loaded]), ("unexpected", unexpected),
+                 ("wrong shape", wrong_shape)) if v]
+    if problems:
+        raise UserError(f"{folder} does not fit the {spec.name!r} model: {'; '.join(problems)}")
+    materialize(model, device, dtype)  # only the TTT layers are still on meta
+    return model
+
+
+def init_wan_model(spec: WanSpec, ttt: TTTConfig | None = None, use_ttt: bool = True,
+                   dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+                   sequence_layer: str = "ttt") -> WanTTT:
+    """A randomly initialised model built directly on `device` in `dtype` (on meta: the skeleton alone)."""
+    dtype = torch_dtype(dtype)
+    with torch.device("meta"):
+        model = WanTTT(spec, ttt, use_ttt, sequence_layer)
+    if torch.device(device).type == "meta":
+        return model.to(dtype)
+    materialize(model, torch.device(device), dtype)
+    return model
+
+
+def _names(names: Iterable[str], limit: int = 8) -> str:
+    names = list(names)
+    text = ", ".join(names[:limit])
+    return f"{text} (+{len(names) - limit} more)" if len(names) > limit else text
