@@ -52,6 +52,30 @@ def _reset_units(module: nn.Module) -> Iterator[nn.Module]:
         yield from _reset_units(child)
 
 
+# a diffusers model folder: config.json and one safetensors file, or shards named by an index
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a diffusers model folder (every shard its index names, or its one file)."""
+    index = folder / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise UserError(f"{folder}: the shard index names {', '.join(absent)}, which is not there (incomplete download?)")
+        return files
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) == 1:
+        return files
+    raise UserError(f"{folder}: found {len(files)} .safetensors files and no {INDEX_NAME}; expected one file or an index")
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Allocate and initialise every parameter still on the meta device, one reset unit at a time (fp32 init, then

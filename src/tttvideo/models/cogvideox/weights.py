@@ -21,11 +21,8 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.cogvideox.presets import ModelSpec, describe_config
 from tttvideo.models.cogvideox.transformer import CogVideoXTTT
-from tttvideo.models.weights import _names, assign_tensor, materialize
+from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, _names, assign_tensor, materialize, weight_files
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
 
 
@@ -86,23 +83,6 @@ def read_config(folder: Path) -> dict[str, Any]:
     if cls is not None and cls != DIFFUSERS_CLASS:
         raise UserError(f"{folder} holds a {cls}, not a {DIFFUSERS_CLASS}; point at the transformer/ folder")
     return config
-
-
-def weight_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({folder / name for name in weight_map.values()})
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise UserError(f"{folder}: the shard index names {', '.join(absent)}, which is not there (incomplete download?)")
-        return files
-    if (folder / WEIGHTS_NAME).is_file():
-        return [folder / WEIGHTS_NAME]
-    files = sorted(folder.glob("*.safetensors"))
-    if len(files) == 1:
-        return files
-    raise UserError(f"{folder}: found {len(files)} .safetensors files and no {INDEX_NAME}; expected one file or an index")
 
 
 def spec_for_folder(config: dict[str, Any], folder: Path, spec: ModelSpec | None) -> ModelSpec:

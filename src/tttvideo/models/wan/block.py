@@ -21,7 +21,7 @@ from torch import nn
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
-from tttvideo.models.block import MLP
+from tttvideo.models.cogvideox.block import MLP
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
 from tttvideo.models.wan.attention import SegmentCrossAttention, WindowSelfAttention
 from tttvideo.models.wan.spec import WanSpec

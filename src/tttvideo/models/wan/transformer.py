@@ -24,7 +24,7 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.checkpointing import checkpointed, nested_spans
-from tttvideo.models.embeddings import TimestepEmbedding
+from tttvideo.models.cogvideox.embeddings import TimestepEmbedding
 from tttvideo.models.wan.block import ModulationTable, WanBlock
 from tttvideo.models.wan.layout import wan_layout_from_latents
 from tttvideo.models.wan.spec import WanSpec
