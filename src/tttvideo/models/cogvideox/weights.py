@@ -10,6 +10,7 @@ not have, are then materialised and initialised as the original does (`Bidirecti
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,42 @@ def from_pretrained(
         raise UserError(f"{folder} does not fit the {spec.name!r} model: {'; '.join(problems)}")
     materialize(model, device, dtype)  # only the TTT parameters are still on meta
     return model
+
+
+def save_diffusers_folder(model: CogVideoXTTT, folder: str | Path, shard_bytes: int = 5 * 2**30) -> Path:
+    """Write `model`'s backbone as a diffusers CogVideoXTransformer3DModel folder (config.json, safetensors shards of
+    at most `shard_bytes` and their index), what a CogVideoX download holds: benchmarks make full-size
+    random-weight folders with it, to run the loading path without the real weights. The TTT layers are not part of
+    that layout. Written under a temporary name and renamed, so the folder appears whole."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    inverse = {o: d for d, o in diffusers_name_map(model.spec.num_layers).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in model.state_dict().items():
+        if name not in inverse:  # TTT parameters, buffers
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][inverse[name]] = tensor.detach().to("cpu").contiguous()
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = {"_class_name": DIFFUSERS_CLASS, **model.spec.to_diffusers_config()}
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return folder
