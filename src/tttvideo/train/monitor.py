@@ -28,6 +28,17 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
+def reserved_gib(device: torch.device) -> float:
+    """Peak GPU memory the caching allocator reserved (what the card must hold); 0 off CUDA."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def host_gib() -> float:
+    """The process's peak resident host memory."""
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
 BAR_MIN = 10
 NO_ETA = "-:--:--"
 

@@ -57,7 +57,7 @@ from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, s
 from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
-from tttvideo.train.monitor import SilentMonitor, TrainMonitor, memory_gib
+from tttvideo.train.monitor import SilentMonitor, TrainMonitor, host_gib, memory_gib, reserved_gib
 from tttvideo.train.optim import group_lr
 from tttvideo.train.step import build_train_step
 from tttvideo.device import resolve_device
@@ -353,12 +353,15 @@ class Trainer:
                     "step_time": dt,
                     "tokens_per_s": tokens_per_step / dt,
                     "memory_gib": memory_gib(self.device),
+                    "memory_reserved_gib": reserved_gib(self.device),
+                    "host_gib": host_gib(),
                 })
                 saved = self.step % self.train.checkpoint_every == 0 or self.step == total
                 if saved:
+                    t_save = time.perf_counter()
                     path = self._save()
                     result.checkpoints.append(path)
-                    monitor.note(f"checkpoint {path}")
+                    monitor.note(f"checkpoint {path} ({time.perf_counter() - t_save:.1f} s)")
                 # a signal to any rank stops them all after the same step (the save is a collective)
                 signum = self.ranks.largest(stop.signum or 0) or None  # the identity with one process
                 if signum is not None:  # SIGINT / SIGTERM: this step is done; save it and stop
