@@ -86,14 +86,21 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from tttvideo.parallel.launch import exit_on_rank, launch_rank
+    from tttvideo.parallel.watchdog import advise, peer_failure
 
     rank = launch_rank()
     if rank != 0:  # one voice: the other ranks print only errors of their own
         logging.getLogger("tttvideo").setLevel(logging.ERROR)
+    advise(lambda: f"the videos written before it are in {args.out}; run the same command again for the others")
     try:
         return _sample(args, quiet=rank != 0)
     except UserError as err:  # a SharedError is the same sentence on every rank: rank 0 prints it once
         return exit_on_rank(err, "sample")
+    except Exception as err:  # under torchrun: a peer that died closed its connections mid-collective
+        lost = peer_failure(err)
+        if lost is None:
+            raise
+        return lost.exit("sample")
 
 
 def _checked_inputs(args: argparse.Namespace):

@@ -9,8 +9,10 @@ sequence-parallel group share a data-parallel rank, so they read the same sample
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -18,13 +20,16 @@ import torch.distributed as dist
 
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard_model
+from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, resolve_degrees, shard_model
+from tttvideo.parallel.group import start_group
+from tttvideo.parallel.watchdog import PeerWatch
 # re-exported: the trainer and `tttv train` import them from here
 from tttvideo.parallel.launch import SharedError, check_launch, launch_rank, rank_device
 
 if TYPE_CHECKING:
     from tttvideo.models.transformer import CogVideoXTTT
     from tttvideo.parallel import SequenceParallel
+    from tttvideo.train.step import StepProfiler
 
 T = TypeVar("T")
 
@@ -37,6 +42,7 @@ class TrainRanks:
     rank: int
     world_size: int
     device: torch.device  # where the collectives' tensors live (nccl takes CUDA tensors only)
+    watch: PeerWatch | None = field(default=None, repr=False)  # None with one process
 
     @classmethod
     def start(cls, cfg: Config, heads: int, device: torch.device) -> "TrainRanks":
@@ -47,12 +53,14 @@ class TrainRanks:
             raise SharedError("train.precision 'fp16' is not supported with several processes (the gradient scaler "
                               "does not unscale sharded gradients); use 'bf16'")
         try:
+            resolve_degrees(cfg.parallel, heads, world)  # the checks no other rank is needed for come first
+            watch = start_group(cfg, "train", device.type) if world > 1 else None
             plan = init_parallel(cfg.parallel, heads, device_type=device.type)
         except ConfigError as err:
             raise SharedError(str(err)) from None
         if not plan.distributed:
             return cls(plan, 0, 1, device)
-        return cls(plan, dist.get_rank(), dist.get_world_size(), device)
+        return cls(plan, dist.get_rank(), dist.get_world_size(), device, watch)
 
     # ------------------------------------------------------------------ who is who
     @property
@@ -82,19 +90,48 @@ class TrainRanks:
 
     def close(self) -> None:
         if self.distributed:
-            close_parallel()
+            with self.phase("the last barrier"):
+                dist.barrier()
+            if self.watch is not None:
+                self.watch.stop()
+            close_parallel(wait=False)
+
+    # ------------------------------------------------------------------ phases, for the watch's messages
+    def phase(self, name: str, step: int | None = None, slow: bool = False) -> AbstractContextManager[None]:
+        """What this rank is doing (`PeerWatch.phase`); nothing with one process."""
+        if self.watch is None:
+            return contextlib.nullcontext()
+        return self.watch.phase(name, step, slow=slow)
+
+    def phases(self, inner: StepProfiler | None) -> StepProfiler | None:
+        """A profiler for `TrainStep` that opens each phase of the step in the watch and in `inner` (the OOM
+        watch); `inner` itself with one process."""
+        if self.watch is None:
+            return inner
+        ranks = self
+
+        class Both:
+            @contextlib.contextmanager
+            def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+                with ranks.phase(name, step), (inner.phase(name, step) if inner is not None
+                                               else contextlib.nullcontext()):
+                    yield
+
+        return Both()
 
     # ------------------------------------------------------------------ collectives (identities on one process)
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with self.phase("barrier"):
+                dist.barrier()
 
     def broadcast(self, value: T) -> T:
         """Rank 0's `value` on every rank."""
         if not self.distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        with self.phase("rank 0's decision" if self.is_main else "waiting for rank 0's decision"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def on_main(self, fn: Callable[[], T]) -> T:
@@ -119,20 +156,23 @@ class TrainRanks:
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        with self.phase("all-reduce of the loss"):
+            dist.all_reduce(t)
         return float(t[0]) / self.world_size
 
     def all_true(self, flag: bool) -> bool:
         if not self.distributed:
             return flag
         t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t)
+        with self.phase("all-reduce of the finite-loss check"):
+            dist.all_reduce(t)
         return int(t[0]) == 0
 
     def largest(self, value: int) -> int:
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self.phase("all-reduce of the stop signals"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t[0])
 

@@ -51,7 +51,7 @@ from tttvideo.memory.oom import OomWatch, train_oom_error
 from tttvideo import runs
 from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
-from tttvideo.train.stop import StopSignals, TrainingStopped
+from tttvideo.train.stop import StopSignals, TrainingStopped, uninterrupted
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from tttvideo.models.fp8_storage import check_weight_streaming, stream_fp8_weights
@@ -184,7 +184,7 @@ class Trainer:
         self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,
                                     grad_accum=self.grad_accum, grad_clip=self.train.grad_clip,
                                     scheduler=self.scheduler, reduce=self.ranks if self.ranks.distributed else None,
-                                    profiler=self.oom_watch, offload=self.cfg.checkpointing.offload_activations)
+                                    profiler=self.ranks.phases(self.oom_watch), offload=self.cfg.checkpointing.offload_activations)
         self._open_dataset(stack)
         self.step = 0
         self.nonfinite_skips = 0
@@ -269,6 +269,7 @@ class Trainer:
         self.last_good = folder
         self.console.print(f"resumed from {folder} at step {self.step} (data position {state['data_position']})")
 
+    @uninterrupted  # a second SIGTERM / SIGINT waits for the save to end
     def _save(self) -> Path:
         meta = {"data_position": self.step * self.global_batch, "global_batch": self.global_batch,
                 "tttvideo": _version(), "torch": torch.__version__}
