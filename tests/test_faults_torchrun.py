@@ -179,10 +179,10 @@ def test_phase_budgets_slow_for_start_up_first_step_and_saves(watch):
 
 # ---------------------------------------------------------------------------------------------- one launch
 def test_ranks_with_different_configs_stop_with_one_sentence(tmp_path):
-    """Rank 1 started with another train.lr and parallel.sp (a wrapper adds them): rank 0 names both keys and
-    exits 2 before any data or model work; nothing trains."""
+    """Rank 1 started with another train.lr and a parallel.sp that fails the checks on its own (a wrapper adds
+    them): the configs are compared first, so rank 0 names both keys and exits 2 before any data or model work."""
     wrapper = tmp_path / "rank.sh"
-    wrapper.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then set -- "$@" --set train.lr=0.001 --set parallel.sp=2; fi\n'
+    wrapper.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then set -- "$@" --set train.lr=0.001 --set parallel.sp=3; fi\n'
                        f'exec {sys.executable} -m tttvideo "$@"\n')
     wrapper.chmod(0o755)
     logs = tmp_path / "logs"
@@ -196,7 +196,7 @@ def test_ranks_with_different_configs_stop_with_one_sentence(tmp_path):
     assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stderr[-4000:]
     err = next(logs.glob("*/attempt_0/0/stderr.log")).read_text()
     assert err.strip().count("\n") == 0 and "Traceback" not in err, err
-    assert ("tttv train: error: the ranks were started with different configs: parallel.sp is 1 on rank 0 but 2 on "
+    assert ("tttv train: error: the ranks were started with different configs: parallel.sp is 1 on rank 0 but 3 on "
             "rank 1; train.lr is 0.005 on rank 0 but 0.001 on rank 1; start every rank with the same config file "
             "and --set flags") in err, err
     assert not (tmp_path / "data").exists() and not (out / "checkpoints").exists()

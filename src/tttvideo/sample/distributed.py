@@ -147,18 +147,20 @@ class SampleRanks:
 
 
 def start_sample_ranks(cfg: Config, heads: int) -> SampleRanks:
-    """Check the launch and the degrees (before any process group exists, so that every rank raises the same
-    SharedError), then build the mesh and this rank's groups."""
+    """Check the launch, start the process group (`tttvideo.parallel.group`: the ranks' configs compared), check
+    the degrees (every rank raises the same SharedError), then build the mesh and this rank's groups."""
     world = check_launch("sample", "sampling")
+    device = rank_device(resolve_device(cfg.sample.device, "sample.device"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # a bounded timeout, the watch, and the ranks' configs compared before the checks that a config only some ranks
+    # have could fail on those ranks alone
+    start_group(cfg, "sample", device.type)
     try:
         degrees = resolve_sample_degrees(cfg, heads, world)
     except ConfigError as err:
         raise SharedError(str(err)) from None
     warn_if_nothing_to_split(cfg)
-    device = rank_device(resolve_device(cfg.sample.device, "sample.device"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    start_group(cfg, "sample", device.type)  # a bounded timeout, the ranks' configs compared, the watch
     mesh = init_device_mesh(device.type, (degrees.story_groups, degrees.guidance, degrees.sp),
                             mesh_dim_names=("stories", "guidance", "sp"))
     sequence = SequenceParallel.of(mesh["sp"].get_group()) if degrees.sp > 1 else None

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, resolve_degrees, shard_model
+from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard_model
 from tttvideo.parallel.group import start_group
 from tttvideo.parallel.watchdog import PeerWatch
 # re-exported: the trainer and `tttv train` import them from here
@@ -53,7 +53,8 @@ class TrainRanks:
             raise SharedError("train.precision 'fp16' is not supported with several processes (the gradient scaler "
                               "does not unscale sharded gradients); use 'bf16'")
         try:
-            resolve_degrees(cfg.parallel, heads, world)  # the checks no other rank is needed for come first
+            # the ranks' configs are compared first: a config only some ranks have may fail the checks below on
+            # those ranks alone, whose SharedError rank 0 would then never say
             watch = start_group(cfg, "train", device.type) if world > 1 else None
             plan = init_parallel(cfg.parallel, heads, device_type=device.type)
         except ConfigError as err:
