@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,37 @@ def test_phase_budgets_slow_for_start_up_first_step_and_saves(watch):
         assert budget() == 4.0
     with watch.phase("waiting", bounded=False), watch.phase("inner"):
         assert budget() is None
+
+
+STUCK = """
+import threading, time, torch.distributed as dist
+from tttvideo.parallel.watchdog import PeerWatch
+store = dist.HashStore()
+peer = PeerWatch(1, 2, 0.5, 2.0, "train", store)
+peer._publish("info", {"pid": 1, "host": "elsewhere"})
+def beat():  # rank 1 answers, busy in another phase
+    for n in range(200):
+        peer._publish("hb", {"beat": n, "phase": "forward", "step": 4})
+        time.sleep(0.05)
+threading.Thread(target=beat, daemon=True).start()
+watch = PeerWatch(0, 2, 0.5, 2.0, "train", store).start()
+with watch.phase("forward", 1):  # the first step: the slow budget
+    pass
+with watch.phase("all-reduce of the loss", 2):
+    time.sleep(10)
+"""
+
+
+def test_a_collective_past_its_budget_stops_the_rank_with_a_sentence():
+    """Every rank answers, but rank 0 waits in a collective rank 1 is not in: past parallel.timeout_s the watch's
+    thread says so and ends the process with status 3 (its main thread would never come back)."""
+    run = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert run.returncode == EXIT_PEER_LOST, run.stderr[-3000:]
+    assert re.fullmatch(
+        r"tttv train: error: the ranks are in different phases \(rank 1 in 'forward' of step 4\), so a collective "
+        r"cannot complete; this rank waited \d s in 'all-reduce of the loss' of step 3 \(parallel.timeout_s = 0.5\)",
+        run.stderr.strip()), run.stderr
 
 
 # ---------------------------------------------------------------------------------------------- one launch

@@ -90,6 +90,18 @@ def _watch_store() -> dist.Store | None:
         return None
 
 
+def bound_mesh_timeouts(par: Any, *meshes: Any) -> None:
+    """Give every process group of `meshes` the backstop timeout of the default group: torch creates them with its
+    own defaults (30 min for gloo, 10 min for NCCL, whose watchdog would end a slow first step before the watch's
+    sentence)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    timeout = backstop_timeout(par.timeout_s, par.slow_timeout_s)
+    for mesh in meshes:
+        for group in mesh.get_all_groups():
+            _set_pg_timeout(timeout, group)
+
+
 def start_group(cfg: Any, command: str, device_type: str) -> PeerWatch:
     """Initialise the default process group (if nobody has), with a timeout above the watch's budgets; start the
     watch; compare the ranks' configs. Raises a SharedError on a config mismatch."""

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -189,6 +190,9 @@ class PeerWatch:
         self._parent = os.getppid()
         self._fired = threading.Lock()
         self._known = 0  # peers whose pid and host are known
+        self._waits = 0
+        # one store connection, used by the thread and (waits, the end) the main thread: one request at a time
+        self._store_lock = threading.Lock()
         self._failed_in: tuple[str, int | None] | None = None
 
     # ------------------------------------------------------------------ the main thread's side
@@ -243,16 +247,25 @@ class PeerWatch:
         waiting for another that samples one more story."""
         if self.store is None:
             return
-        self._publish(f"arrived/{name}", {"rank": self.rank})
-        keys = [f"{self.prefix}arrived/{name}/{r}" for r in range(self.world)]
+        self._waits += 1
+        kind = f"arrived/{self._waits}"
+        self._publish(kind, {"rank": self.rank})
+        keys = [f"{self.prefix}{kind}/{r}" for r in range(self.world)]
         with self.phase(f"waiting for every rank to finish {name}", bounded=False):
-            while not self.store.check(keys):
+            while not self._ask(lambda store: store.check(keys)):
                 time.sleep(poll_s)
 
     # ------------------------------------------------------------------ the thread
+    def _ask(self, request: Callable[[dist.Store], Any]) -> Any:
+        with self._store_lock:
+            store = self.store
+            if store is None:
+                raise ConnectionError("no store")
+            return request(store)
+
     def _publish(self, kind: str, value: dict) -> None:
         if self.store is not None:
-            self.store.set(f"{self.prefix}{kind}/{self.rank}", json.dumps(value))
+            self._ask(lambda store: store.set(f"{self.prefix}{kind}/{self.rank}", json.dumps(value)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -261,7 +274,8 @@ class PeerWatch:
             if self.store is not None and os.getppid() != self._parent:
                 # the launcher died, and the store with it: the kernel sent SIGTERM (PR_SET_PDEATHSIG; sent here
                 # too where it cannot), the run stops after its step with a checkpoint; the peers go the same way
-                self.store = None
+                with self._store_lock:
+                    self.store = None
                 os.kill(os.getpid(), signal.SIGTERM)
             try:
                 self._publish("hb", {"beat": self._beat, "phase": top[0] if top else "", "step": self._step})
@@ -285,17 +299,20 @@ class PeerWatch:
         """Read the peers' heartbeats; the peers silent for longer than timeout_s."""
         if self.store is None:
             return []
-        try:
+        def read(store: dist.Store) -> dict[str, bytes]:
             if self._known < len(self.peers):  # start-up: each peer's record once it is there
                 for r, peer in self.peers.items():
                     key = f"{self.prefix}info/{r}"
-                    if not peer.pid and self.store.check([key]):
-                        data = json.loads(self.store.get(key))
+                    if not peer.pid and store.check([key]):
+                        data = json.loads(store.get(key))
                         peer.pid, peer.host = int(data["pid"]), str(data["host"])
                         self._known += 1
             hb = [f"{self.prefix}hb/{r}" for r in self.peers]
-            present = hb if self.store.check(hb) else [k for k in hb if self.store.check([k])]
-            values = dict(zip(present, self.store.multi_get(present))) if present else {}
+            present = hb if store.check(hb) else [k for k in hb if store.check([k])]
+            return dict(zip(present, store.multi_get(present))) if present else {}
+
+        try:
+            values = self._ask(read)
         except Exception:
             return []
         for r, peer in self.peers.items():

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tttvideo.config.schema import Config
 from tttvideo.device import resolve_device
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.parallel.group import start_group
+from tttvideo.parallel.group import bound_mesh_timeouts, start_group
 from tttvideo.parallel.launch import SharedError, check_launch, rank_device
 from tttvideo.parallel.mesh import check_sp_divides_heads, check_tensor_parallel
 from tttvideo.parallel.sequence import SequenceParallel
@@ -163,6 +163,7 @@ def start_sample_ranks(cfg: Config, heads: int) -> SampleRanks:
     warn_if_nothing_to_split(cfg)
     mesh = init_device_mesh(device.type, (degrees.story_groups, degrees.guidance, degrees.sp),
                             mesh_dim_names=("stories", "guidance", "sp"))
+    bound_mesh_timeouts(cfg.parallel, mesh)
     sequence = SequenceParallel.of(mesh["sp"].get_group()) if degrees.sp > 1 else None
     split = None
     if degrees.guidance == 2:
