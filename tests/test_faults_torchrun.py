@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,35 +179,60 @@ def test_phase_budgets_slow_for_start_up_first_step_and_saves(watch):
         assert budget() is None
 
 
-STUCK = """
-import threading, time, torch.distributed as dist
-from tttvideo.parallel.watchdog import PeerWatch
-store = dist.HashStore()
-peer = PeerWatch(1, 2, 0.5, 2.0, "train", store)
-peer._publish("info", {"pid": 1, "host": "elsewhere"})
-def beat():  # rank 1 answers, busy in another phase
-    for n in range(200):
-        peer._publish("hb", {"beat": n, "phase": "forward", "step": 4})
-        time.sleep(0.05)
-threading.Thread(target=beat, daemon=True).start()
-watch = PeerWatch(0, 2, 0.5, 2.0, "train", store).start()
-with watch.phase("forward", 1):  # the first step: the slow budget
-    pass
-with watch.phase("all-reduce of the loss", 2):
-    time.sleep(10)
-"""
+def beating(w: PeerWatch, rank: int, phase: str, step: int, beats: int) -> threading.Thread:
+    """A thread that writes `beats` heartbeats of rank `rank` (another host) 0.05 s apart, then falls silent."""
+    peer = PeerWatch(rank, w.world, w.timeout_s, w.slow_timeout_s, "train", w.store)
+    peer._publish("info", {"pid": 1, "host": "elsewhere"})
+
+    def beat() -> None:
+        for n in range(beats):
+            peer._publish("hb", {"beat": n, "phase": phase, "step": step})
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
 
 
-def test_a_collective_past_its_budget_stops_the_rank_with_a_sentence():
+def fired(w: PeerWatch, capfd, timeout_s: float = 10) -> str:
+    """Run `w`'s thread until it ends the process (recorded instead); what it printed."""
+    codes: list[int] = []
+    w.exit = codes.append
+    w.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not codes and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        w._stop.set()
+    assert codes == [EXIT_PEER_LOST]
+    return capfd.readouterr().err
+
+
+def test_a_collective_past_its_budget_stops_the_rank_with_a_sentence(watch, capfd):
     """Every rank answers, but rank 0 waits in a collective rank 1 is not in: past parallel.timeout_s the watch's
     thread says so and ends the process with status 3 (its main thread would never come back)."""
-    run = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert run.returncode == EXIT_PEER_LOST, run.stderr[-3000:]
+    watch.timeout_s, watch.tick_s = 0.5, 0.1
+    beating(watch, 1, "forward", 4, 200)
+    with watch.phase("forward", 1):  # the first step: the slow budget
+        pass
+    with watch.phase("all-reduce of the loss", 2):
+        err = fired(watch, capfd)
     assert re.fullmatch(
         r"tttv train: error: the ranks are in different phases \(rank 1 in 'forward' of step 4\), so a collective "
-        r"cannot complete; this rank waited \d s in 'all-reduce of the loss' of step 3 \(parallel.timeout_s = 0.5\)",
-        run.stderr.strip()), run.stderr
+        r"cannot complete; this rank waited \d s in 'all-reduce of the loss' of step 3 \(parallel.timeout_s = 0.5\); "
+        r"resume with: torchrun ... --resume", err.strip()), err
+
+
+def test_a_silent_peer_on_another_host_stops_the_rank_with_a_sentence(watch, capfd):
+    watch.timeout_s, watch.tick_s = 0.5, 0.1
+    beating(watch, 1, "backward", 7, 3).join()
+    with watch.phase("forward", 6), watch.phase("all-reduce of the loss", 6):
+        err = fired(watch, capfd)
+    assert re.fullmatch(
+        r"tttv train: error: rank 1 stopped answering: its process \(pid 1 on elsewhere\) sends no sign of life, "
+        r"last seen in 'backward' of step 7; this rank, in 'forward: all-reduce of the loss' of step 7, heard "
+        r"nothing from it for \d s \(parallel.timeout_s = 0.5\); resume with: torchrun ... --resume", err.strip()), err
 
 
 # ---------------------------------------------------------------------------------------------- one launch

@@ -151,7 +151,7 @@ def _after_lost_peer(args: argparse.Namespace, configured_dir: str, trainer) -> 
     from tttvideo import runs
 
     output_dir = str(trainer.output_dir) if trainer is not None else configured_dir
-    newest = runs.latest_checkpoint(output_dir) if trainer is not None else None
+    newest = runs.latest_checkpoint(output_dir)
     kept = f"the newest checkpoint is {newest}" if newest else "no checkpoint was written yet"
     return (f"no checkpoint can be saved now: the model and optimizer are sharded over the ranks (FSDP), so no rank "
             f"holds a whole copy without the lost one; {kept}; resume with: "

@@ -189,6 +189,7 @@ class PeerWatch:
         self._thread: threading.Thread | None = None
         self._parent = os.getppid()
         self._fired = threading.Lock()
+        self.exit: Callable[[int], Any] = os._exit  # how the thread ends the process (a test records it instead)
         self._known = 0  # peers whose pid and host are known
         self._waits = 0
         # one store connection, used by the thread and (waits, the end) the main thread: one request at a time
@@ -299,6 +300,7 @@ class PeerWatch:
         """Read the peers' heartbeats; the peers silent for longer than timeout_s."""
         if self.store is None:
             return []
+
         def read(store: dist.Store) -> dict[str, bytes]:
             if self._known < len(self.peers):  # start-up: each peer's record once it is there
                 for r, peer in self.peers.items():
@@ -398,4 +400,4 @@ class PeerWatch:
                     sys.stdout.flush()
                 os.write(2, f"tttv {self.command}: error: {text}\n".encode())
         finally:
-            os._exit(EXIT_PEER_LOST)
+            self.exit(EXIT_PEER_LOST)

@@ -46,16 +46,16 @@ class TrainRanks:
 
     @classmethod
     def start(cls, cfg: Config, heads: int, device: torch.device) -> "TrainRanks":
-        """Validate `[parallel]` against WORLD_SIZE and the model's `heads`, then (WORLD_SIZE > 1) start the
-        process group (nccl on CUDA, gloo on CPU) and build the mesh."""
+        """(WORLD_SIZE > 1) Start the process group (nccl on CUDA, gloo on CPU) with its watch and compare the
+        ranks' configs, then validate `[parallel]` against WORLD_SIZE and the model's `heads` and build the mesh."""
         world = check_launch("train", "training")
+        # the ranks' configs are compared first: a config only some ranks have may fail the checks below on those
+        # ranks alone, whose SharedError rank 0 would then never say
+        watch = start_group(cfg, "train", device.type) if world > 1 else None
         if world > 1 and cfg.train.precision == "fp16":
             raise SharedError("train.precision 'fp16' is not supported with several processes (the gradient scaler "
                               "does not unscale sharded gradients); use 'bf16'")
         try:
-            # the ranks' configs are compared first: a config only some ranks have may fail the checks below on
-            # those ranks alone, whose SharedError rank 0 would then never say
-            watch = start_group(cfg, "train", device.type) if world > 1 else None
             plan = init_parallel(cfg.parallel, heads, device_type=device.type)
         except ConfigError as err:
             raise SharedError(str(err)) from None
