@@ -10,6 +10,7 @@ prints, and the ranks split the work as `tttvideo.sample.distributed` describes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -133,6 +134,7 @@ def _sample(args: argparse.Namespace, quiet: bool) -> int:
     from tttvideo.models.presets import get_preset
     from tttvideo.parallel.launch import SharedError, launch_world_size
     from tttvideo.sample.distributed import start_sample_ranks
+    from tttvideo.parallel.watchdog import active_watch
     from tttvideo.sample.pipeline import sample_stories
 
     # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
@@ -146,9 +148,13 @@ def _sample(args: argparse.Namespace, quiet: bool) -> int:
         raise SharedError(str(err)) from None  # every rank read the same inputs: rank 0 alone says so
     console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")
     ranks = start_sample_ranks(cfg, get_preset(cfg.model.preset).num_attention_heads) if launched else None
+    watch = active_watch()
     try:
-        results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
-                                 console=console, progress=not quiet, ranks=ranks)
+        # named for the messages of a rank that stops answering; not bounded as a whole (a story can take an hour):
+        # a frozen or dead peer is still found by its silence
+        with watch.phase("sampling its stories", bounded=False) if watch else contextlib.nullcontext():
+            results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
+                                     console=console, progress=not quiet, ranks=ranks)
     finally:
         if ranks is not None:
             ranks.close()
