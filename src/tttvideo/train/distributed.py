@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,9 @@ from tttvideo.parallel.launch import SharedError, check_launch, launch_rank, ran
 if TYPE_CHECKING:
     from tttvideo.models.transformer import CogVideoXTTT
     from tttvideo.parallel import SequenceParallel
-    from tttvideo.train.step import StepProfiler
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 __all__ = ["SharedError", "TrainRanks", "launch_rank", "rank_device"]
 
@@ -104,21 +104,12 @@ class TrainRanks:
             return contextlib.nullcontext()
         return self.watch.phase(name, step, slow=slow)
 
-    def phases(self, inner: StepProfiler | None) -> StepProfiler | None:
-        """A profiler for `TrainStep` that opens each phase of the step in the watch and in `inner` (the OOM
-        watch); `inner` itself with one process."""
+    def phases(self, inner: P) -> P:
+        """`inner` (the OOM watch, a `StepProfiler`) with each phase the step opens in it opened in the watch too;
+        `inner` itself with one process."""
         if self.watch is None:
             return inner
-        ranks = self
-
-        class Both:
-            @contextlib.contextmanager
-            def phase(self, name: str, step: int | None = None) -> Iterator[None]:
-                with ranks.phase(name, step), (inner.phase(name, step) if inner is not None
-                                               else contextlib.nullcontext()):
-                    yield
-
-        return Both()
+        return _AlsoWatched(inner, self)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ collectives (identities on one process)
     def barrier(self) -> None:
@@ -177,3 +168,18 @@ class TrainRanks:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t[0])
 
+
+
+class _AlsoWatched:
+    """A step profiler whose phases are also the watch's; every other attribute is the profiler's own."""
+
+    def __init__(self, inner: Any, ranks: TrainRanks):
+        self._inner, self._ranks = inner, ranks
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        with self._ranks.phase(name, step), self._inner.phase(name, step):
+            yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

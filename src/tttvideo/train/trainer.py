@@ -177,14 +177,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.train)
         self.scaler = grad_scaler(self.device, self.train.precision)
         self.noise = NoiseSource(self.train.seed, self.device)
-        self.oom_watch = OomWatch(self.model)
+        self.oom_watch = self.ranks.phases(OomWatch(self.model))  # under torchrun the watch sees the phases too
         objective = DiffusionObjective(ZeroSNRSchedule(), self.noise, self.layout, self.train.text_dropout,
                                        self.train.precision, self.train.batch_size, self.global_batch,
                                        self.ranks.dp_rank, self.ranks.dp_size, self.ranks.sequence)
         self.train_step = TrainStep(self.model, objective, self.optimizer, self.scaler, self.device,
                                     grad_accum=self.grad_accum, grad_clip=self.train.grad_clip,
                                     scheduler=self.scheduler, reduce=self.ranks if self.ranks.distributed else None,
-                                    profiler=self.ranks.phases(self.oom_watch), offload=self.cfg.checkpointing.offload_activations)
+                                    profiler=self.oom_watch, offload=self.cfg.checkpointing.offload_activations)
         self._open_dataset(stack)
         self.step = 0
         self.nonfinite_skips = 0
