@@ -1,8 +1,8 @@
 """The faults of a torchrun launch (docs/reliability.md, "Several processes (torchrun)"): what can be checked without
 a launch is checked here in this process (the resume command rebuilt from a launcher's command line and
 environment, the sentence naming differing config keys, the signals, the sentence of a lost peer); one 2-process
-launch shows the config check end to end. tests/test_parallel_train.py launches the frozen rank, the killed
-launcher and the printed resume command."""
+launch shows the config check end to end. tests/test_parallel_train.py launches the frozen rank and the killed
+launcher, and checks the resume command printed under torchrun."""
 
 from __future__ import annotations
 
