@@ -1,5 +1,6 @@
 """`tttv train` under torchrun on CPU (gloo): FSDP2, Ulysses sp and both against the one-process run at the same
-global batch, DCP checkpoints resumed on another number of processes (4 and 1), a rank killed mid-run, and the
+global batch, DCP checkpoints resumed on another number of processes (4 and 1), a rank frozen mid-run and a
+launcher killed mid-run (tests/test_faults_torchrun.py has the rest of those faults), and the
 sentences a wrong launch gets.
 
 Every run trains the tiny model (fp32) for 4 steps on a 3-s, 32x32 layout (76 tokens: no sp padding here;
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -69,9 +71,9 @@ def launch(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def rank_log(cmd: list[str], rank: int, stream: str = "stderr") -> str:
-    """What rank `rank` of the launch `cmd` wrote to `stream` ('stdout' or 'stderr')."""
+    """What rank `rank` of the newest launch with `cmd`'s log folder wrote to `stream` ('stdout' or 'stderr')."""
     logs = Path(cmd[cmd.index("--log-dir") + 1])
-    return next(logs.glob(f"*/attempt_0/{rank}/{stream}.log")).read_text()
+    return max(logs.glob(f"*/attempt_0/{rank}/{stream}.log"), key=lambda p: p.stat().st_mtime).read_text()
 
 
 def said(text: str) -> str:
@@ -170,27 +172,69 @@ def rank_pids(launcher: int, world: int, timeout_s: float = 60) -> dict[int, int
     raise AssertionError(f"torchrun did not start {world} workers in {timeout_s} s")
 
 
-def test_killed_rank_stops_the_run_and_resume_continues(work, reference):
-    """SIGKILL of rank 1 after the first checkpoint: torchrun exits non-zero; a resume (2 processes) starts from the
-    newest checkpoint that was published and ends as the uninterrupted run."""
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie no one reaped yet counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (OSError, IndexError):
+        return True
+
+
+def wait_until(what: str, done, proc: subprocess.Popen | None = None, timeout_s: float = LAUNCH_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert proc is None or proc.poll() is None, f"the launch ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_frozen_rank_and_killed_launcher_stop_with_a_sentence_and_resume(work, reference):
+    """docs/reliability.md, several processes. Rank 1 frozen (SIGSTOP) after the first checkpoint, with
+    parallel.timeout_s = 5: rank 0 names it and the phase, and exits 3; rank 1 is then killed. A resume on 2
+    processes starts from the newest published checkpoint; its launcher SIGKILLed mid-run, both ranks save, stop
+    (rank 0 alone printing the SIGTERM line), let the run folder's lock go and print the launch's own torchrun
+    command; the run, resumed from that checkpoint (on one process: the cheapest), ends as the uninterrupted one."""
+    from tttvideo.train.runlock import current_holder
+
     out = work / "killed"
-    cmd = torchrun(work, 2, *settings(work, "killed", "parallel.dp_shard=2", "train.checkpoint_every=1"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = torchrun(work, 2, *settings(work, "killed", "parallel.dp_shard=2", "train.checkpoint_every=1",
+                                      "parallel.timeout_s=5"))
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         pids = rank_pids(proc.pid, 2)
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while not (out / "checkpoints/step-000001").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
-            time.sleep(0.02)
-        os.kill(pids[1], signal.SIGKILL)
+        wait_until("first checkpoint", (out / "checkpoints/step-000001").is_dir, proc)
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_until("stop of rank 0", lambda: gone(pids[0]), timeout_s=60)
+        os.kill(pids[1], signal.SIGKILL)  # torchrun would wait 30 s for the frozen rank to obey its SIGTERM
         log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    assert proc.returncode != 0, log[-4000:]
+    assert proc.returncode != 0 and "exitcode  : 3" in log, log[-4000:]
+    err = said(rank_log(cmd, 0))
+    assert err.startswith("tttv train: error: rank 1 stopped answering: its process (pid "
+                          f"{pids[1]} on this host) is stopped (SIGSTOP, or a debugger holds it)"), err
+    assert "(parallel.timeout_s = 5)" in err and "no checkpoint can be saved now" in err and "Traceback" not in err
     published = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
-    assert published and published[-1] != "step-000004", published  # killed mid-run
+    assert published and published[-1] != "step-000004", published  # stopped mid-run
+    assert f"the newest checkpoint is {out / 'checkpoints' / published[-1]}" in err
 
-    run = launch(torchrun(work, 2, *settings(work, "killed", "parallel.dp_shard=2"), flags=("--resume",)))
-    assert_ok(run)
-    assert f"resumed from {out / 'checkpoints' / published[-1]}" in said(rank_log(run.args, 0, "stdout"))
+    cmd = torchrun(work, 2, *settings(work, "killed", "parallel.dp_shard=2"), flags=("--resume",))
+    lines = lambda: len((out / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+    before = lines()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        pids = rank_pids(proc.pid, 2)
+        wait_until("step of the resumed run", lambda: lines() > before, proc)
+        proc.kill()  # the launcher: SIGKILL
+        proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    wait_until("stop of the ranks", lambda: gone(pids[0]) and gone(pids[1]), timeout_s=60)
+    assert current_holder(out) is None  # no orphan holds the run folder
+    assert f"resumed from {out / 'checkpoints' / published[-1]}" in said(rank_log(cmd, 0, "stdout"))
+    err = rank_log(cmd, 0)
+    assert "tttv train: SIGTERM: finishing the current step, then saving a checkpoint" in err, err
+    assert "SIGTERM" not in rank_log(cmd, 1)
+    stopped = next(line for line in err.splitlines() if "; resume with: " in line)
+    assert stopped.startswith("tttv train: stopped by SIGTERM after step "), stopped
+    assert stopped.split("; resume with: ", 1)[1] == shlex.join(cmd), stopped  # cmd ends with --resume
+
+    Trainer(load_config(DEMO, settings(work, "killed")), quiet=True, if_exists="resume").run()
     assert_same_run(out, reference)
 
 

@@ -10,6 +10,7 @@ prints, and the ranks split the work as `tttvideo.sample.distributed` describes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -86,14 +87,21 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from tttvideo.parallel.launch import exit_on_rank, launch_rank
+    from tttvideo.parallel.watchdog import advise, peer_failure
 
     rank = launch_rank()
     if rank != 0:  # one voice: the other ranks print only errors of their own
         logging.getLogger("tttvideo").setLevel(logging.ERROR)
+    advise(lambda: f"the videos written before it are in {args.out}; run the same command again for the others")
     try:
         return _sample(args, quiet=rank != 0)
     except UserError as err:  # a SharedError is the same sentence on every rank: rank 0 prints it once
         return exit_on_rank(err, "sample")
+    except Exception as err:  # under torchrun: a peer that died closed its connections mid-collective
+        lost = peer_failure(err)
+        if lost is None:
+            raise
+        return lost.exit("sample")
 
 
 def _checked_inputs(args: argparse.Namespace):
@@ -126,6 +134,7 @@ def _sample(args: argparse.Namespace, quiet: bool) -> int:
     from tttvideo.models.backbone import get_preset
     from tttvideo.parallel.launch import SharedError, launch_world_size
     from tttvideo.sample.distributed import start_sample_ranks
+    from tttvideo.parallel.watchdog import active_watch
     from tttvideo.sample.pipeline import sample_stories
 
     # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
@@ -139,9 +148,13 @@ def _sample(args: argparse.Namespace, quiet: bool) -> int:
         raise SharedError(str(err)) from None  # every rank read the same inputs: rank 0 alone says so
     console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")
     ranks = start_sample_ranks(cfg, get_preset(cfg.model.preset).num_attention_heads) if launched else None
+    watch = active_watch()
     try:
-        results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
-                                 console=console, progress=not quiet, ranks=ranks)
+        # named for the messages of a rank that stops answering; not bounded as a whole (a story can take an hour):
+        # a frozen or dead peer is still found by its silence
+        with watch.phase("sampling its stories", bounded=False) if watch else contextlib.nullcontext():
+            results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
+                                     console=console, progress=not quiet, ranks=ranks)
     finally:
         if ranks is not None:
             ranks.close()

@@ -5,6 +5,7 @@ every rank runs it and rank 0 alone prints (docs/parallel.md)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import shlex
 import sys
@@ -38,17 +39,31 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(run=run)
 
 
-def resume_command(args: argparse.Namespace, output_dir: str, configured_dir: str) -> str:
+def resume_command(args: argparse.Namespace, output_dir: str, configured_dir: str,
+                   launcher: list[str] | None = None, nodes: int = 1) -> str:
     """The command line that resumes this run: the same config and overrides, the folder it actually wrote to (with
-    --new it may differ from the config's), and --resume."""
-    parts = ["tttv", "train", args.config]
+    --new it may differ from the config's), and --resume. Under torchrun `launcher` is the launch's command up to
+    the program (`tttvideo.parallel.launch.launcher_prefix`), which replaces `tttv`; a launch of several `nodes`
+    runs it on each."""
+    parts = [*(launcher or ["tttv"]), "train", args.config]
     for item in args.overrides or []:
         parts += ["--set", item]
     if output_dir != configured_dir:
         parts += ["--set", f"train.output_dir={output_dir}"]
     if getattr(args, "auto_fit", False):
         parts.append("--auto-fit")
-    return shlex.join([*parts, "--resume"])
+    command = shlex.join([*parts, "--resume"])
+    if nodes > 1:
+        return f"{command} (on each of the {nodes} nodes, as the run was started)"
+    return command
+
+
+def launch_resume_command(args: argparse.Namespace, output_dir: str, configured_dir: str) -> str:
+    """`resume_command` for this process: with torchrun's command when torchrun started it."""
+    from tttvideo.parallel.launch import launcher_prefix, nodes_of_launch
+
+    launcher = launcher_prefix(sys.argv[1:])
+    return resume_command(args, output_dir, configured_dir, launcher, nodes_of_launch() if launcher else 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tttvideo.errors import UserError
     from tttvideo.parallel.launch import exit_on_rank, launch_rank
+    from tttvideo.parallel.watchdog import advise, finish, peer_failure
     from tttvideo.train.stop import TrainingStopped
     from tttvideo.train.trainer import Trainer
 
@@ -67,16 +83,26 @@ def run(args: argparse.Namespace) -> int:
         cfg = auto_fit(cfg, "train", args.config)
     configured_dir = cfg.train.output_dir
     if_exists = next((value for flag, value in IF_EXISTS_FLAGS.items() if getattr(args, flag, False)), None)
+    started: dict = {}  # the trainer, once built: a rank that loses a peer names its newest checkpoint
+    advise(lambda: _after_lost_peer(args, configured_dir, started.get("trainer")))
     try:
-        trainer = Trainer(cfg, console=console, if_exists=if_exists, trust_checkpoint=args.trust_checkpoint)
+        trainer = started["trainer"] = Trainer(cfg, console=console, if_exists=if_exists,
+                                               trust_checkpoint=args.trust_checkpoint)
         result = trainer.run()
     except TrainingStopped as stop:
+        finish()
         if launch_rank() == 0:
-            command = resume_command(args, str(stop.output_dir), configured_dir)
-            print(f"tttv train: {stop.describe(command)}", file=sys.stderr, flush=True)
+            command = launch_resume_command(args, str(stop.output_dir), configured_dir)
+            with contextlib.suppress(OSError):  # a launcher that died took the pipe with it
+                print(f"tttv train: {stop.describe(command)}", file=sys.stderr, flush=True)
         return stop.exit_code
     except UserError as err:  # under torchrun: a sentence every rank raised is printed once, by rank 0
         return exit_on_rank(err, "train")
+    except Exception as err:  # under torchrun: a peer that died closed its connections mid-collective
+        lost = peer_failure(err)
+        if lost is None:
+            raise
+        return lost.exit("train")
     if launch_rank() != 0:
         return 0
     if result.steps_done == 0 or math.isnan(result.first_loss):
@@ -119,3 +145,16 @@ def _pictures(cfg, result, console) -> list:
             console.print(f"  {score.summary()}")
     pictures.append(loss_curve(result.output_dir / "metrics.jsonl", result.output_dir / "loss.png"))
     return pictures
+
+
+def _after_lost_peer(args: argparse.Namespace, configured_dir: str, trainer) -> str:
+    """The end of the sentence of a run that lost a peer: why no checkpoint is saved now, the newest one, the
+    command that resumes."""
+    from tttvideo import runs
+
+    output_dir = str(trainer.output_dir) if trainer is not None else configured_dir
+    newest = runs.latest_checkpoint(output_dir)
+    kept = f"the newest checkpoint is {newest}" if newest else "no checkpoint was written yet"
+    return (f"no checkpoint can be saved now: the model and optimizer are sharded over the ranks (FSDP), so no rank "
+            f"holds a whole copy without the lost one; {kept}; resume with: "
+            f"{launch_resume_command(args, output_dir, configured_dir)}")

@@ -292,6 +292,14 @@ class ParallelConfig:
     sp: int = bounded(1, 1, help="Ulysses sequence-parallel degree: ranks that split one video's tokens; it must "
                                  "divide the attention heads and WORLD_SIZE")
     tensor_parallel: int = bounded(1, 1, help="tensor parallelism is not implemented; only 1 is accepted")
+    timeout_s: float = bounded(600.0, 1.0, help=(
+        "seconds a rank waits for the others (in one collective, or without a sign of life from a peer) before it "
+        "stops the run naming the rank that stopped answering and the phase (torch's own timeout, 30 min for gloo, "
+        "ends a run with a traceback that names no rank)"))
+    slow_timeout_s: float = bounded(1200.0, 1.0, help=(
+        "the same bound for the phases that are slow on a 5B model: start-up (loading weights, rank 0 preparing the "
+        "data), the first step (kernel autotuning, compilation) and checkpoint saves (rank 0 gathers and writes the "
+        "whole model while the others wait)"))
 
     # keys of earlier versions, read by the config loader into the field that replaced them
     RENAMED_KEYS: ClassVar[dict[str, str]] = {"data_parallel_shard": "dp_shard"}

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tttvideo.config.schema import ParallelConfig
 from tttvideo.errors import ConfigError, UserError
+from tttvideo.parallel.group import bound_mesh_timeouts
 from tttvideo.parallel.sequence import SequenceParallel
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "sp")
@@ -125,6 +126,7 @@ def init_parallel(cfg: ParallelConfig, heads: int, device_type: str | None = Non
     mesh = world._unflatten(0, (degrees.dp_replicate, degrees.dp_shard, degrees.sp), MESH_DIMS)
     fsdp = world._unflatten(0, (degrees.dp_replicate, degrees.dp_shard * degrees.sp), ("dp_replicate", "dp_shard_sp"))
     fsdp_mesh = fsdp if degrees.dp_replicate > 1 else fsdp["dp_shard_sp"]
+    bound_mesh_timeouts(cfg, mesh, fsdp)
     sequence = SequenceParallel.of(mesh["sp"].get_group()) if degrees.sp > 1 else None
     dp_rank = mesh["dp_replicate"].get_local_rank() * degrees.dp_shard + mesh["dp_shard"].get_local_rank()
     return ParallelPlan(degrees, mesh, fsdp_mesh, sequence, dp_rank)

@@ -30,9 +30,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from tttvideo.config.schema import Config
 from tttvideo.device import resolve_device
 from tttvideo.errors import ConfigError, UserError
+from tttvideo.parallel.group import bound_mesh_timeouts, start_group
 from tttvideo.parallel.launch import SharedError, check_launch, rank_device
 from tttvideo.parallel.mesh import check_sp_divides_heads, check_tensor_parallel
 from tttvideo.parallel.sequence import SequenceParallel
+from tttvideo.parallel.watchdog import active_watch, finish
 from tttvideo.sample.solvers import GuidanceSchedule
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,9 @@ class SampleRanks:
         except UserError as err:
             outcome = (False, f"{err}")
         outcomes: list[tuple[bool, object]] = [(True, [])] * self.degrees.world_size
+        watch = active_watch()
+        if watch is not None:  # a story group with one story more keeps the others waiting, legitimately
+            watch.wait_for_all("their stories")
         dist.all_gather_object(outcomes, outcome)
         failed = [str(value) for ok, value in outcomes if not ok]
         if failed:
@@ -136,24 +141,29 @@ class SampleRanks:
         return [item for _, value in outcomes for item in value]  # type: ignore[union-attr]
 
     def close(self) -> None:
+        finish()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def start_sample_ranks(cfg: Config, heads: int) -> SampleRanks:
-    """Check the launch and the degrees (before any process group exists, so that every rank raises the same
-    SharedError), then build the mesh and this rank's groups."""
+    """Check the launch, start the process group (`tttvideo.parallel.group`: the ranks' configs compared), check
+    the degrees (every rank raises the same SharedError), then build the mesh and this rank's groups."""
     world = check_launch("sample", "sampling")
+    device = rank_device(resolve_device(cfg.sample.device, "sample.device"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # a bounded timeout, the watch, and the ranks' configs compared before the checks that a config only some ranks
+    # have could fail on those ranks alone
+    start_group(cfg, "sample", device.type)
     try:
         degrees = resolve_sample_degrees(cfg, heads, world)
     except ConfigError as err:
         raise SharedError(str(err)) from None
     warn_if_nothing_to_split(cfg)
-    device = rank_device(resolve_device(cfg.sample.device, "sample.device"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (degrees.story_groups, degrees.guidance, degrees.sp),
                             mesh_dim_names=("stories", "guidance", "sp"))
+    bound_mesh_timeouts(cfg.parallel, mesh)
     sequence = SequenceParallel.of(mesh["sp"].get_group()) if degrees.sp > 1 else None
     split = None
     if degrees.guidance == 2:

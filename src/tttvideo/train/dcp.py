@@ -78,12 +78,13 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: Backbone,
                             optimizer: torch.optim.Optimizer, state: dict[str, Any], config_text: str, keep: int,
                             meta: dict[str, Any], trained_duration_s: int | None, ranks: TrainRanks) -> Path:
     """Write checkpoint `step` from every rank (a collective: all ranks call it) and return its folder."""
-    tmp = ranks.on_main(lambda: staging_folder(output_dir, step))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
-    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return ranks.on_main(lambda: publish_checkpoint(output_dir, step, _WholeWeights(model, whole), state, config_text,
-                                                    keep, meta, trained_duration_s, tmp))
+    with ranks.phase("checkpoint save", step - 1, slow=True):  # the watch counts steps from 0, as the loop
+        tmp = ranks.on_main(lambda: staging_folder(output_dir, step))
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return ranks.on_main(lambda: publish_checkpoint(output_dir, step, _WholeWeights(model, whole), state,
+                                                        config_text, keep, meta, trained_duration_s, tmp))
 
 
 def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -9,9 +9,11 @@ sequence-parallel group share a data-parallel rank, so they read the same sample
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,8 @@ import torch.distributed as dist
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard_model
+from tttvideo.parallel.group import start_group
+from tttvideo.parallel.watchdog import PeerWatch
 # re-exported: the trainer and `tttv train` import them from here
 from tttvideo.parallel.launch import SharedError, check_launch, launch_rank, rank_device
 
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
     from tttvideo.parallel import SequenceParallel
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 __all__ = ["SharedError", "TrainRanks", "launch_rank", "rank_device"]
 
@@ -37,12 +42,16 @@ class TrainRanks:
     rank: int
     world_size: int
     device: torch.device  # where the collectives' tensors live (nccl takes CUDA tensors only)
+    watch: PeerWatch | None = field(default=None, repr=False)  # None with one process
 
     @classmethod
     def start(cls, cfg: Config, heads: int, device: torch.device) -> "TrainRanks":
-        """Validate `[parallel]` against WORLD_SIZE and the model's `heads`, then (WORLD_SIZE > 1) start the
-        process group (nccl on CUDA, gloo on CPU) and build the mesh."""
+        """(WORLD_SIZE > 1) Start the process group (nccl on CUDA, gloo on CPU) with its watch and compare the
+        ranks' configs, then validate `[parallel]` against WORLD_SIZE and the model's `heads` and build the mesh."""
         world = check_launch("train", "training")
+        # the ranks' configs are compared first: a config only some ranks have may fail the checks below on those
+        # ranks alone, whose SharedError rank 0 would then never say
+        watch = start_group(cfg, "train", device.type) if world > 1 else None
         if world > 1 and cfg.train.precision == "fp16":
             raise SharedError("train.precision 'fp16' is not supported with several processes (the gradient scaler "
                               "does not unscale sharded gradients); use 'bf16'")
@@ -52,7 +61,7 @@ class TrainRanks:
             raise SharedError(str(err)) from None
         if not plan.distributed:
             return cls(plan, 0, 1, device)
-        return cls(plan, dist.get_rank(), dist.get_world_size(), device)
+        return cls(plan, dist.get_rank(), dist.get_world_size(), device, watch)
 
     # ------------------------------------------------------------------ who is who
     @property
@@ -82,19 +91,39 @@ class TrainRanks:
 
     def close(self) -> None:
         if self.distributed:
-            close_parallel()
+            with self.phase("the last barrier"):
+                dist.barrier()
+            if self.watch is not None:
+                self.watch.stop()
+            close_parallel(wait=False)
+
+    # ------------------------------------------------------------------ phases, for the watch's messages
+    def phase(self, name: str, step: int | None = None, slow: bool = False) -> AbstractContextManager[None]:
+        """What this rank is doing (`PeerWatch.phase`); nothing with one process."""
+        if self.watch is None:
+            return contextlib.nullcontext()
+        return self.watch.phase(name, step, slow=slow)
+
+    def phases(self, inner: P) -> P:
+        """`inner` (the OOM watch, a `StepProfiler`) with each phase the step opens in it opened in the watch too;
+        `inner` itself with one process."""
+        if self.watch is None:
+            return inner
+        return _AlsoWatched(inner, self)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ collectives (identities on one process)
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with self.phase("barrier"):
+                dist.barrier()
 
     def broadcast(self, value: T) -> T:
         """Rank 0's `value` on every rank."""
         if not self.distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        with self.phase("rank 0's decision" if self.is_main else "waiting for rank 0's decision"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def on_main(self, fn: Callable[[], T]) -> T:
@@ -119,20 +148,38 @@ class TrainRanks:
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        with self.phase("all-reduce of the loss"):
+            dist.all_reduce(t)
         return float(t[0]) / self.world_size
 
     def all_true(self, flag: bool) -> bool:
         if not self.distributed:
             return flag
         t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t)
+        with self.phase("all-reduce of the finite-loss check"):
+            dist.all_reduce(t)
         return int(t[0]) == 0
 
     def largest(self, value: int) -> int:
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self.phase("all-reduce of the stop signals"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t[0])
 
+
+
+class _AlsoWatched:
+    """A step profiler whose phases are also the watch's; every other attribute is the profiler's own."""
+
+    def __init__(self, inner: Any, ranks: TrainRanks):
+        self._inner, self._ranks = inner, ranks
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        with self._ranks.phase(name, step), self._inner.phase(name, step):
+            yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

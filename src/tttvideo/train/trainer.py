@@ -51,7 +51,7 @@ from tttvideo.memory.guard.oom import OomWatch, train_oom_error
 from tttvideo import runs
 from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
-from tttvideo.train.stop import StopSignals, TrainingStopped
+from tttvideo.train.stop import StopSignals, TrainingStopped, uninterrupted
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
@@ -171,7 +171,7 @@ class Trainer:
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
         self.noise = NoiseSource(self.train.seed, self.device)
-        self.oom_watch = OomWatch(self.model)
+        self.oom_watch = self.ranks.phases(OomWatch(self.model))  # under torchrun the watch sees the phases too
         self.train_step = build_train_step(self.cfg, self.model, self.device, self.layout, self.noise,
                                            global_batch=self.global_batch, grad_accum=self.grad_accum,
                                            ranks=self.ranks, scheduled=True, profiler=self.oom_watch)
@@ -269,6 +269,7 @@ class Trainer:
         self.last_good = folder
         self.console.print(f"resumed from {folder} at step {self.step} (data position {state['data_position']})")
 
+    @uninterrupted  # a second SIGTERM / SIGINT waits for the save to end
     def _save(self) -> Path:
         meta = {"data_position": self.step * self.global_batch, "global_batch": self.global_batch,
                 "tttvideo": _version(), "torch": torch.__version__}
