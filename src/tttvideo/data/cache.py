@@ -164,8 +164,7 @@ def _header(path: Path, keys: tuple[str, ...], advice: str) -> tuple[dict[str, l
     except UserError:
         raise
     except Exception as err:  # safetensors raises its own error types for truncated / foreign files
-        raise UserError(f"cache file {path} is not a readable safetensors file ({err}); delete it, then "
-                        f"{advice}") from None
+        raise UserError(f"cache file {path} is not a readable safetensors file ({err}); {advice}") from None
 
 
 def read_checked(path: Path, keys: tuple[str, ...], shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
