@@ -218,21 +218,27 @@ def test_each_story_is_written_as_soon_as_it_is_denoised(tmp_path, checkpoint, m
 
 
 def test_mp4_appears_under_its_name_only_when_complete(tmp_path):
+    """The mp4 is renamed into place only when ffmpeg has finished it; an interrupted or unfinished one (ffmpeg
+    could not write its index: a full disk, which imageio does not report) never takes the final name."""
     import numpy as np
 
-    from tttvideo.sample.video import Mp4Writer
+    from tttvideo.sample.video import Mp4Writer, mp4_problem
 
     path = tmp_path / "v.mp4"
     frames = np.zeros((4, 16, 16, 3), dtype=np.uint8)
     with Mp4Writer(path, fps=16) as w:
         w.append(frames)
         assert not path.exists()  # a kill here leaves no truncated v.mp4 (ffmpeg writes its temporary)
-    assert path.is_file() and not w.tmp.exists()
+    assert path.is_file() and not w.tmp.exists() and mp4_problem(path) == ""
     with pytest.raises(KeyboardInterrupt):
         with Mp4Writer(tmp_path / "cut.mp4", fps=16) as w:
             w.append(frames)
             raise KeyboardInterrupt
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"]
+    whole = path.read_bytes()
+    for cut in (len(whole) - 100, len(whole) // 2, 6):
+        (tmp_path / "short.mp4").write_bytes(whole[:cut])
+        assert mp4_problem(tmp_path / "short.mp4"), cut
 
 
 def test_full_disk_while_writing_keeps_the_written_stories(capsys, tmp_path, checkpoint, monkeypatch):  # noqa: F811

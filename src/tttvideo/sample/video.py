@@ -96,9 +96,11 @@ class Mp4Writer:
             gen, self._gen = self._gen, None
             try:
                 gen.close()  # ffmpeg flushes and exits
-                # imageio does not look at ffmpeg's exit status: a file it could not write is missing or empty
-                if not self.tmp.is_file() or self.tmp.stat().st_size == 0:
-                    raise OSError(errno.EIO, f"ffmpeg could not write {self.tmp}")
+                # imageio does not look at ffmpeg's exit status: a file it could not finish (a full disk while it
+                # wrote the index at the end) is found by its boxes
+                problem = mp4_problem(self.tmp)
+                if problem:
+                    raise OSError(errno.EIO, f"ffmpeg could not finish the video ({problem})")
                 os.replace(self.tmp, self.path)
             finally:
                 self.tmp.unlink(missing_ok=True)
@@ -121,6 +123,30 @@ class Mp4Writer:
             self.close()
         else:
             self.abort()
+
+
+def mp4_problem(path: Path) -> str:
+    """What is wrong with the mp4 at `path` as a file ('' when nothing): its top-level boxes must tile the file and
+    include the index ('moov'), which ffmpeg writes last. Reads only the box headers."""
+    try:
+        size = path.stat().st_size
+        boxes, at = set(), 0
+        with open(path, "rb") as f:
+            while at < size:
+                f.seek(at)
+                head = f.read(16)
+                if len(head) < 8:
+                    return f"a box header cut off at byte {at}"
+                length, kind = int.from_bytes(head[:4], "big"), head[4:8]
+                if length == 1 and len(head) == 16:
+                    length = int.from_bytes(head[8:16], "big")
+                if length < 8 or at + length > size:
+                    return f"box {kind!r} at byte {at} runs past the end of the file"
+                boxes.add(kind)
+                at += length
+    except OSError as err:
+        return err.strerror or str(err)
+    return "" if b"moov" in boxes else "no index (moov box)"
 
 
 def write_scenes(video_path: str | Path, payload: dict[str, Any]) -> Path:
