@@ -1,7 +1,8 @@
 """`tttv sample` end to end: stories in, one mp4 per story out (or the frames, for the Python API).
 
-Phases, each component alone on the GPU (a component is released as soon as its phase is done, so the peak is
-the largest component's, never their sum):
+Phases; the text encoder is alone on the GPU and released before the transformer loads; the decoder joins the
+transformer once the first story is denoised (its activations freed), so that each story is written as soon as it
+is done:
 
 1. `story_layouts`: parse and validate every story (scene files, durations) before anything heavy is loaded;
 2. `encode_stories`: encode every story's prompts and negative prompts (token counts checked first), then release
