@@ -133,12 +133,13 @@ def read_manifest(path: str | Path) -> list[CacheEntry]:
 DEMO_STAMP = "demo.json"  # the file tttvideo.data.demo writes in a demo set's folder
 
 
-def rebuild_advice(root: Path) -> str:
-    """How to get an intact file back: the demo set rebuilds itself, a real cache is precomputed again."""
+def rebuild_advice(root: Path, damaged: str = "it") -> str:
+    """How to get intact files back: the demo set rebuilds itself; a real cache is precomputed again once the
+    `damaged` files ("it", "them"; "" for files that are missing) are deleted (precompute recomputes missing files)."""
     if (root / DEMO_STAMP).is_file():
         return (f"the built-in demo set is synthetic: delete the folder {root} (data.demo_dir) and run again to "
                 f"rebuild it")
-    return "rerun `tttv precompute` (it rewrites missing and damaged files)"
+    return f"{f'delete {damaged} and ' if damaged else ''}rerun `tttv precompute` (it recomputes missing files)"
 
 
 class DamagedSample(Exception):
@@ -149,10 +150,11 @@ class DamagedSample(Exception):
         super().__init__(f"{path}: {why}")
 
 
-def _header(path: Path, keys: tuple[str, ...], advice: str) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """Shapes of `keys` and the metadata of a safetensors file, reading only its header."""
+def _header(path: Path, keys: tuple[str, ...], root: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Shapes of `keys` and the metadata of a safetensors file of the cache in `root`, reading only its header."""
     if not path.is_file():
-        raise UserError(f"cache file {path} does not exist (listed in the manifest); {advice}")
+        raise UserError(f"cache file {path} does not exist (listed in the manifest); "
+                        f"{rebuild_advice(root, damaged='')}")
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
@@ -164,7 +166,8 @@ def _header(path: Path, keys: tuple[str, ...], advice: str) -> tuple[dict[str, l
     except UserError:
         raise
     except Exception as err:  # safetensors raises its own error types for truncated / foreign files
-        raise UserError(f"cache file {path} is not a readable safetensors file ({err}); {advice}") from None
+        raise UserError(f"cache file {path} is not a readable safetensors file ({err}); "
+                        f"{rebuild_advice(root)}") from None
 
 
 def read_checked(path: Path, keys: tuple[str, ...], shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
@@ -217,7 +220,7 @@ class LatentCache(torch.utils.data.Dataset):
     def _check(self, entry: CacheEntry, channels: int, text_dim: int) -> float:
         lay = self.layout
         latent = self.path(entry.latent)
-        shapes, meta = _header(latent, ("mean", "logvar"), self.advice)
+        shapes, meta = _header(latent, ("mean", "logvar"), self.root)
         want = [channels, lay.latent_frames, lay.latent_height, lay.latent_width]
         for key in ("mean", "logvar"):
             if shapes[key] != want:
@@ -239,7 +242,7 @@ class LatentCache(torch.utils.data.Dataset):
             )
         for rel in entry.text:
             text = self.path(rel)
-            tshape = _header(text, ("embedding",), self.advice)[0]["embedding"]
+            tshape = _header(text, ("embedding",), self.root)[0]["embedding"]
             if tshape != [lay.text_tokens, text_dim]:
                 raise UserError(
                     f"text embedding file {text} has shape {tshape} but the {lay.duration_s} s layout needs "

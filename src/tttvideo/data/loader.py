@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from tttvideo.data.cache import DamagedSample, LatentCache, position_seed
+from tttvideo.data.cache import DamagedSample, LatentCache, position_seed, rebuild_advice
 from tttvideo.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class PositionDataset(Dataset):
             return item
         first, why = damaged[0]
         raise UserError(f"every sample of {self.source.manifest} is damaged ({first}: {why}; ...); "
-                        f"{self.source.advice}")
+                        f"{rebuild_advice(self.source.root, 'them')}")
 
 
 class MicroBatchSampler(Sampler[list[int]]):
@@ -143,7 +143,7 @@ class DamagedFiles:
         listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         return (f"{len(names)} cache file(s) are damaged, more than data.max_damaged_samples = {self.limit} ({listed}; "
                 f"each named in a warning above); checkpoint saved in {checkpoint} at step {step} of {total}; "
-                f"{self.source.advice}, then resume with the same command and --resume")
+                f"{rebuild_advice(self.source.root, 'them')}, then resume with the same command and --resume")
 
     def samples_read(self) -> str:
         """The samples read since `read` was last cleared, for a message ('' when none)."""
