@@ -37,16 +37,16 @@ import numpy as np
 import torch
 
 from tttvideo.config.schema import Config
+from tttvideo.data.video import scenes_path
 from tttvideo.device import resolve_device
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.oom import DenoiseWatch
+from tttvideo.outputs import atomic_target, write_failure
 from tttvideo.runs import resolve_checkpoint
 from tttvideo.sample.guidance import denoise
 from tttvideo.sample.model import load_model, warn_beyond_training
 from tttvideo.sample.scenes import Story, check_duration, check_token_counts, encode_story
-from tttvideo.data.video import scenes_path
-from tttvideo.outputs import atomic_target, write_failure
 from tttvideo.sample.video import Mp4Writer, to_uint8_frames, write_scenes
 from tttvideo.text.encoders import make_text_encoder
 
