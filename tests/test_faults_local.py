@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -176,7 +177,7 @@ def test_third_party_import_noise_is_dropped_and_nothing_else(caplog, monkeypatc
     assert main(["config", "keys", "ttt"]) == 0
     assert not any(isinstance(f, _DropNoise) for name in NOISE for f in logging.getLogger(name).filters)
     monkeypatch.delenv("TTTV_VERBOSE")
-    main(["config", "keys", "ttt"])
+    main(["config", "keys", "ttt"])  # the filters back, as every command leaves them
 
 
 def test_output_to_a_pipe_is_not_wrapped(capsys, tmp_path, monkeypatch):
@@ -189,7 +190,7 @@ def test_output_to_a_pipe_is_not_wrapped(capsys, tmp_path, monkeypatch):
                  "--t5", str(tmp_path), "--out", str(out)]) == 1
     printed = capsys.readouterr().out
     assert any(str(out / "report.json") in line for line in printed.splitlines()), printed
-    assert "COLUMNS" not in __import__("os").environ  # given back after the command
+    assert "COLUMNS" not in os.environ  # given back after the command
 
 
 # ------------------------------------------------------------------------------------------------ sample outputs
