@@ -1,14 +1,22 @@
-"""The `tttv` command line. Each subcommand lives in its own module with `register(subparsers)` and `run(args)`."""
+"""The `tttv` command line. Each subcommand lives in its own module with `register(subparsers)` and `run(args)`.
+
+What every command shares, set up here: one-sentence errors (`UserError`, exit status 2), a quiet end when stdout is
+closed early (`tttv config keys | head`), no third-party import noise (`library_noise`), and output to a pipe or a
+file that is never wrapped (rich wraps at 80 columns when it cannot ask a terminal for its width, which breaks
+printed commands and paths mid-line).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 
 from tttvideo import __version__
 from tttvideo.cli.common import setup_logging
+from tttvideo.cli.library_noise import quiet_library_noise
 from tttvideo.errors import UserError
 
 # subcommand -> module; modules are imported lazily so `tttv layout` does not pay for diffusers.
@@ -33,18 +41,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# rich's width when stdout is no terminal: wide enough that no line of ours is wrapped
+UNWRAPPED_COLUMNS = 10_000
+
+
 def main(argv: list[str] | None = None) -> int:
     # Segments that grow in place keep a long video's varying activation sizes from fragmenting the cache; the
     # planner's costs were measured with it. Read at the first CUDA allocation; a value the user set wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    setup_logging(args.command)
+    quiet_library_noise()
     try:
-        return int(args.run(args) or 0)
-    except UserError as err:
-        print(f"tttv {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"tttv {args.command}: interrupted", file=sys.stderr)
-        return 130
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        setup_logging(args.command)
+        with _unwrapped_output():
+            try:
+                code = int(args.run(args) or 0)
+            except UserError as err:
+                print(f"tttv {args.command}: error: {err}", file=sys.stderr)
+                code = 2
+            except KeyboardInterrupt:
+                print(f"tttv {args.command}: interrupted", file=sys.stderr)
+                code = 130
+            sys.stdout.flush()  # inside the try: a reader that went away is found here, not at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`tttv config keys | head`): end quietly, as Python's docs recommend. Later
+    writes and the flush at exit go to /dev/null; exit status 1, as Python's own on EPIPE."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 1
+
+
+@contextlib.contextmanager
+def _unwrapped_output():
+    """While a command runs with stdout not a terminal (a pipe, a log file), rich consoles get COLUMNS wide enough
+    that nothing is wrapped; a COLUMNS the user set wins. Given back afterwards (in-process callers, the tests)."""
+    if "COLUMNS" in os.environ or sys.stdout.isatty():
+        yield
+        return
+    os.environ["COLUMNS"] = str(UNWRAPPED_COLUMNS)
+    try:
+        yield
+    finally:
+        os.environ.pop("COLUMNS", None)

@@ -121,6 +121,7 @@ def _checked_inputs(args: argparse.Namespace):
     check_mp4_writer()
     cfg_path = _config_file(args)
     cfg = load_config(cfg_path, _overrides(args))
+    _check_one_process(cfg, cfg_path)
     if args.auto_fit:
         from tttvideo.memory.plan.planner import auto_fit
 
@@ -128,14 +129,29 @@ def _checked_inputs(args: argparse.Namespace):
     return stories, cfg_path, cfg
 
 
+def _check_one_process(cfg, cfg_path: str | None) -> None:
+    """Without torchrun, parallel.sp > 1 is refused as `tttv train` refuses it: the sequence parallelism the config
+    asks for needs that many processes (a config saved by a torchrun training run carries its parallel.sp)."""
+    from tttvideo.errors import ConfigError
+    from tttvideo.parallel.launch import launch_world_size
+
+    sp = cfg.parallel.sp
+    if sp > 1 and launch_world_size() == 1:
+        where = f" (in {cfg_path})" if cfg_path else ""
+        raise ConfigError(f"parallel.sp = {sp}{where} does not divide the world size 1 (WORLD_SIZE): sample with "
+                          f"torchrun --nproc_per_node {sp} -m tttvideo sample ..., or in one process with --set "
+                          f"parallel.sp=1")
+
+
 def _sample(args: argparse.Namespace, quiet: bool) -> int:
     from rich.console import Console
 
     from tttvideo.models.backbone import get_preset
     from tttvideo.parallel.launch import SharedError, launch_world_size
+    from tttvideo.outputs import output_lock
     from tttvideo.sample.distributed import start_sample_ranks
     from tttvideo.parallel.watchdog import active_watch
-    from tttvideo.sample.pipeline import sample_stories
+    from tttvideo.sample.pipeline import output_paths, sample_stories
 
     # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
     console = Console(quiet=quiet)
@@ -146,18 +162,21 @@ def _sample(args: argparse.Namespace, quiet: bool) -> int:
         if not launched:
             raise
         raise SharedError(str(err)) from None  # every rank read the same inputs: rank 0 alone says so
-    console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")
-    ranks = start_sample_ranks(cfg, get_preset(cfg.model.preset).num_attention_heads) if launched else None
-    watch = active_watch()
-    try:
-        # named for the messages of a rank that stops answering; not bounded as a whole (a story can take an hour):
-        # a frozen or dead peer is still found by its silence
-        with watch.phase("sampling its stories", bounded=False) if watch else contextlib.nullcontext():
-            results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
-                                     console=console, progress=not quiet, ranks=ranks)
-    finally:
-        if ranks is not None:
-            ranks.close()
+    with contextlib.ExitStack() as stack:
+        if not quiet:  # rank 0 (or the one process) holds --out: a second sample to the same outputs refuses
+            stack.enter_context(output_lock(output_paths(stories, args.out), args.out))
+        console.print(f"config: {cfg_path or 'defaults'}; {len(stories)} story(ies) from {args.scenes}")
+        ranks = start_sample_ranks(cfg, get_preset(cfg.model.preset).num_attention_heads) if launched else None
+        watch = active_watch()
+        try:
+            # named for the messages of a rank that stops answering; not bounded as a whole (a story can take an
+            # hour): a frozen or dead peer is still found by its silence
+            with watch.phase("sampling its stories", bounded=False) if watch else contextlib.nullcontext():
+                results = sample_stories(cfg, stories, args.out, checkpoint=args.checkpoint, duration=args.duration,
+                                         console=console, progress=not quiet, ranks=ranks)
+        finally:
+            if ranks is not None:
+                ranks.close()
     for r in results:
         name = r.video if cfg.sample.write_video else r.story  # latents only: no mp4 was written
         console.print(f"{name}: {r.frames} frames ({r.duration_s} s), denoise {r.denoise_s:.1f} s, decode "

@@ -216,6 +216,8 @@ class TrainConfig:
 class DataConfig:
     manifest: str = field(default="", metadata={"help": "JSONL manifest of the latent cache ('' = built-in demo set)"})
     num_workers: int = bounded(0, 0, help="loader processes prefetching batches (order does not depend on it)")
+    max_damaged_samples: int = bounded(10, 0, help="cache files found damaged mid-run (unreadable, NaN/Inf) are "
+                                                   "passed over with a warning; past this many the run saves and stops")
     # the built-in demo set (used when manifest is '')
     demo_videos: int = bounded(32, 1, help="synthetic videos in the demo set")
     demo_dir: str = field(default="", metadata={"help": "where the demo set is written ('' = <output_dir>/data); "

@@ -16,7 +16,13 @@ position) so that a resumed run draws the very same latents. Samples come out in
 
 `LatentCache` checks every file against the layout when it opens the manifest (safetensors headers only, so it is
 cheap), so a cache made for another duration, resolution or text length fails at start-up with one sentence naming
-the file, not in the middle of a run.
+the file, not in the middle of a run. Every file is checked again when a sample is read: a file that cannot be read
+any more, has another shape, or holds a NaN or an Inf (an +inf log-variance trains on silently with losses in the
+hundreds) raises `DamagedSample` naming the file; `tttvideo.data.loader` puts another sample in its place and the
+trainer counts it (`data.max_damaged_samples`).
+
+The built-in demo set (a folder with `demo.json`) is synthetic: its advice is to delete the folder, which rebuilds
+it, not to rerun `tttv precompute`.
 """
 
 from __future__ import annotations
@@ -124,10 +130,31 @@ def read_manifest(path: str | Path) -> list[CacheEntry]:
     return entries
 
 
-def _header(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """Shapes of `keys` and the metadata of a safetensors file, reading only its header."""
+DEMO_STAMP = "demo.json"  # the file tttvideo.data.demo writes in a demo set's folder
+
+
+def rebuild_advice(root: Path, damaged: str = "it") -> str:
+    """How to get intact files back: the demo set rebuilds itself; a real cache is precomputed again once the
+    `damaged` files ("it", "them"; "" for files that are missing) are deleted (precompute recomputes missing files)."""
+    if (root / DEMO_STAMP).is_file():
+        return (f"the built-in demo set is synthetic: delete the folder {root} (data.demo_dir) and run again to "
+                f"rebuild it")
+    return f"{f'delete {damaged} and ' if damaged else ''}rerun `tttv precompute` (it recomputes missing files)"
+
+
+class DamagedSample(Exception):
+    """A cache file that passed the start-up check cannot be used when its sample is read: `path` and `why`."""
+
+    def __init__(self, path: Path, why: str):
+        self.path, self.why = Path(path), why
+        super().__init__(f"{path}: {why}")
+
+
+def _header(path: Path, keys: tuple[str, ...], root: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Shapes of `keys` and the metadata of a safetensors file of the cache in `root`, reading only its header."""
     if not path.is_file():
-        raise UserError(f"cache file {path} does not exist (listed in the manifest); rerun `tttv precompute`")
+        raise UserError(f"cache file {path} does not exist (listed in the manifest); "
+                        f"{rebuild_advice(root, damaged='')}")
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
@@ -139,8 +166,27 @@ def _header(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, list[int]], di
     except UserError:
         raise
     except Exception as err:  # safetensors raises its own error types for truncated / foreign files
-        raise UserError(f"cache file {path} is not a readable safetensors file ({err}); delete it and rerun "
-                        f"`tttv precompute`") from None
+        raise UserError(f"cache file {path} is not a readable safetensors file ({err}); "
+                        f"{rebuild_advice(root)}") from None
+
+
+def read_checked(path: Path, keys: tuple[str, ...], shapes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The tensors `keys` of a cache file as float32, each of the shape in `shapes` and finite; DamagedSample
+    naming the file otherwise."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k).float() for k in keys}
+    except Exception as err:  # deleted, cut short, overwritten: safetensors' own error types, OSError, KeyError
+        raise DamagedSample(path, f"cannot be read ({type(err).__name__}: {err})") from None
+    for key, t in tensors.items():
+        if list(t.shape) != shapes[key]:
+            raise DamagedSample(path, f"{key} has shape {list(t.shape)}, not {shapes[key]} as at start-up")
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            bad = t[~finite]
+            raise DamagedSample(path, f"{key} holds {int(bad.isnan().sum())} NaN and {int(bad.isinf().sum())} Inf "
+                                      f"value(s)")
+    return tensors
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -158,7 +204,10 @@ class LatentCache(torch.utils.data.Dataset):
         self.manifest = Path(manifest)
         self.root = self.manifest.parent
         self.layout = layout
+        self.advice = rebuild_advice(self.root)
         self.entries = read_manifest(self.manifest)
+        self.latent_shape = [latent_channels, layout.latent_frames, layout.latent_height, layout.latent_width]
+        self.text_shape = [layout.text_tokens, text_dim]
         self.scaling = [self._check(e, latent_channels, text_dim) for e in self.entries]
 
     def __len__(self) -> int:
@@ -171,7 +220,7 @@ class LatentCache(torch.utils.data.Dataset):
     def _check(self, entry: CacheEntry, channels: int, text_dim: int) -> float:
         lay = self.layout
         latent = self.path(entry.latent)
-        shapes, meta = _header(latent, ("mean", "logvar"))
+        shapes, meta = _header(latent, ("mean", "logvar"), self.root)
         want = [channels, lay.latent_frames, lay.latent_height, lay.latent_width]
         for key in ("mean", "logvar"):
             if shapes[key] != want:
@@ -193,7 +242,7 @@ class LatentCache(torch.utils.data.Dataset):
             )
         for rel in entry.text:
             text = self.path(rel)
-            tshape = _header(text, ("embedding",))[0]["embedding"]
+            tshape = _header(text, ("embedding",), self.root)[0]["embedding"]
             if tshape != [lay.text_tokens, text_dim]:
                 raise UserError(
                     f"text embedding file {text} has shape {tshape} but the {lay.duration_s} s layout needs "
@@ -203,11 +252,12 @@ class LatentCache(torch.utils.data.Dataset):
         return scaling
 
     def sample(self, index: int, seed: int) -> dict[str, torch.Tensor]:
-        """latents [T, C, h, w] (float32, one draw from the posterior, scaled) and text [segments, L, D]."""
+        """latents [T, C, h, w] (float32, one draw from the posterior, scaled) and text [segments, L, D]. A file
+        that cannot be read, changed shape or holds NaN / Inf raises DamagedSample naming it."""
         entry = self.entries[index]
-        with safe_open(str(self.path(entry.latent)), framework="pt") as f:
-            mean = f.get_tensor("mean").float()
-            logvar = f.get_tensor("logvar").float()
+        shapes = {"mean": self.latent_shape, "logvar": self.latent_shape}
+        posterior = read_checked(self.path(entry.latent), ("mean", "logvar"), shapes)
+        mean, logvar = posterior["mean"], posterior["logvar"]
         gen = torch.Generator().manual_seed(seed)
         eps = torch.randn(mean.shape, generator=gen, dtype=torch.float32)
         # clamp as diffusers' DiagonalGaussianDistribution does, so a cache of either origin samples the same way
@@ -215,8 +265,7 @@ class LatentCache(torch.utils.data.Dataset):
         latent = (mean + std * eps) * self.scaling[index]
         text = []
         for rel in entry.text:
-            with safe_open(str(self.path(rel)), framework="pt") as f:
-                text.append(f.get_tensor("embedding").float())
+            text.append(read_checked(self.path(rel), ("embedding",), {"embedding": self.text_shape})["embedding"])
         return {"latents": latent.permute(1, 0, 2, 3).contiguous(), "text": torch.stack(text)}
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:

@@ -52,11 +52,16 @@ def read_captions(path: str | Path) -> CaptionsFile:
         raise UserError(f"captions file {path} does not exist; give a JSONL file with one line per clip")
     out = CaptionsFile(path)
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line, so that a bad byte is named by its line
+        for lineno, raw in enumerate(f, start=1):
+            where = f"captions file {path} line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{where} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of "
+                                f"the line); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"captions file {path} line {lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:

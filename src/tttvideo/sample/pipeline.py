@@ -1,15 +1,21 @@
 """`tttv sample` end to end: stories in, one mp4 per story out (or the frames, for the Python API).
 
-Phases, each component alone on the GPU (a component is released as soon as its phase is done, so the peak is
-the largest component's, never their sum):
+Phases; the text encoder is alone on the GPU and released before the transformer loads; the decoder joins the
+transformer once the first story is denoised (its activations freed), so that each story is written as soon as it
+is done:
 
 1. `story_layouts`: parse and validate every story (scene files, durations) before anything heavy is loaded;
 2. `encode_stories`: encode every story's prompts and negative prompts (token counts checked first), then release
    the encoder;
 3. `denoise_stories`: the solver for every story with the transformer (`tttvideo.sample.model.load_model`,
-   optionally with block offload); the final latents stay on the CPU; then the transformer is released;
-4. `write_videos` / `decode_frames`: the VAE (or the identity decode of the demo) streams every story's frames into
-   its mp4 and the story is written beside it (`out.scenes.json`, readable again as a scenes file).
+   optionally with block offload); the final latents go to the CPU;
+4. `StoryWriter`: as soon as a story is denoised, the VAE (or the identity decode of the demo) streams its frames
+   into its mp4 and the story is written beside it (`out.scenes.json`, readable again as a scenes file), each file
+   atomically. The decoder is loaded when the first story is done and stays until the last one is written, beside
+   the transformer (whose denoising activations are freed first); then both are released.
+
+Nothing already sampled is lost: a crash, a kill or a full disk costs at most the story in flight. A file that
+cannot be written (a full disk) is one sentence naming it and the stories already written, which are kept.
 
 Determinism: see `tttvideo.sample.guidance.denoise` (one CPU generator per story, seeded with `sample.seed`, or
 the story's own `Story.seed`).
@@ -25,16 +31,18 @@ import gc
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from tttvideo.config.schema import Config
+from tttvideo.data.video import scenes_path
 from tttvideo.device import resolve_device
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.guard.oom import DenoiseWatch
+from tttvideo.outputs import atomic_target, write_failure
 from tttvideo.runs import resolve_checkpoint
 from tttvideo.sample.guidance import denoise
 from tttvideo.sample.model import load_model, warn_beyond_training
@@ -107,11 +115,13 @@ def encode_stories(cfg: Config, stories: list[Story], layouts: list[VideoLayout]
 
 def denoise_stories(model: torch.nn.Module, stories: list[Story], layouts: list[VideoLayout],
                     texts: list[tuple[torch.Tensor, torch.Tensor]], cfg: Config, device: torch.device,
-                    console: Any = None, progress: bool = True,
-                    ranks: SampleRanks | None = None) -> tuple[list[torch.Tensor], list[float]]:
+                    console: Any = None, progress: bool = True, ranks: SampleRanks | None = None,
+                    on_story: Callable[[int, torch.Tensor, float], None] | None = None,
+                    ) -> tuple[list[torch.Tensor | None], list[float]]:
     """Clean latents [1, T, C, h, w] (CPU) and the denoising seconds of every story, with a progress bar per story.
     The model is put in eval mode for the loop and given back in the mode it came in. `ranks`: this rank's
-    sequence-parallel group and guidance half under torchrun."""
+    sequence-parallel group and guidance half under torchrun. `on_story(i, latents, seconds)` is called as soon as
+    story i is done (to write it); its latents are then not kept (None in the list)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
@@ -127,12 +137,17 @@ def denoise_stories(model: torch.nn.Module, stories: list[Story], layouts: list[
                 t0 = time.perf_counter()
                 sample_cfg = cfg.sample if story.seed is None else replace(cfg.sample, seed=story.seed)
                 with DenoiseWatch(cfg, model, story.name) as watch:  # a CUDA OOM: one sentence naming the step
-                    latents.append(denoise(model, layout, cond, uncond, sample_cfg, device, on_step=watch.on_step(
+                    done = denoise(model, layout, cond, uncond, sample_cfg, device, on_step=watch.on_step(
                         lambda i, n, task=task: bar.update(task, completed=i + 1, total=n)),
-                        sp=ranks.sequence if ranks else None, split=ranks.split if ranks else None))
+                        sp=ranks.sequence if ranks else None, split=ranks.split if ranks else None)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 seconds.append(time.perf_counter() - t0)
+                if on_story is None:
+                    latents.append(done)
+                else:
+                    latents.append(None)
+                    on_story(len(seconds) - 1, done, seconds[-1])
     finally:
         model.train(was_training)
     return latents, seconds
@@ -172,24 +187,55 @@ def sampling_record(cfg: Config, checkpoint: str | Path | None, layout: VideoLay
             "width": layout.width, "text_tokens": layout.text_tokens}
 
 
-def write_videos(cfg: Config, stories: list[Story], layouts: list[VideoLayout], latents: list[torch.Tensor],
-                 paths: list[Path], denoise_s: list[float], checkpoint: str | Path | None,
-                 device: torch.device) -> list[SampleResult]:
-    """Decode every story into its mp4 and write its scenes.json beside it; the decoder is released after. With
-    sample.write_video = false nothing is decoded: scenes.json and the latents only (the mp4 path is not written)."""
-    decoder = make_story_decoder(cfg, device) if cfg.sample.write_video else None
-    results = []
-    for story, layout, lat, path, d_s in zip(stories, layouts, latents, paths, denoise_s):
+class StoryWriter:
+    """Writes one story at a time, as soon as it is denoised: its mp4 (unless sample.write_video is false), its
+    scenes.json and, with sample.save_latents, its latents, each atomically. The decoder is made on the first story
+    and released by `close()`. A file that cannot be written is one sentence naming it and what was written before."""
+
+    def __init__(self, cfg: Config, checkpoint: str | Path | None, device: torch.device, total: int):
+        self.cfg, self.checkpoint, self.device, self.total = cfg, checkpoint, device, total
+        self.decoder: Any = None
+        self.results: list[SampleResult] = []
+
+    def write(self, story: Story, layout: VideoLayout, latents: torch.Tensor, path: Path,
+              denoise_s: float) -> SampleResult:
         t0 = time.perf_counter()
-        path.parent.mkdir(parents=True, exist_ok=True)  # the mp4 writer makes it; without one, here
-        frames = write_video(decoder, lat, path, layout.fps) if decoder is not None else layout.num_frames
-        scenes = write_scenes(path, story.to_json(sampling_record(cfg, checkpoint, layout, frames, story.seed)))
-        saved = save_latents(lat, path) if cfg.sample.save_latents else None
-        results.append(SampleResult(story.name, path, scenes, frames, layout.duration_s, d_s,
-                                    time.perf_counter() - t0, saved))
-    del decoder
-    free_memory()
-    return results
+        if self.decoder is None and self.cfg.sample.write_video:
+            if self.device.type == "cuda":
+                free_memory()  # the denoising activations' cached blocks go before the VAE comes
+            self.decoder = make_story_decoder(self.cfg, self.device)
+        target = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # the mp4 writer makes it; without one, here
+            frames = (write_video(self.decoder, latents, path, layout.fps) if self.cfg.sample.write_video
+                      else layout.num_frames)
+            target = scenes_path(path)
+            scenes = write_scenes(path, story.to_json(sampling_record(self.cfg, self.checkpoint, layout, frames,
+                                                                      story.seed)))
+            target = path.with_suffix(".latents.safetensors")
+            saved = save_latents(latents, path) if self.cfg.sample.save_latents else None
+        except OSError as err:  # a full disk, a folder gone: ffmpeg, json and safetensors all end here
+            raise UserError(self._failure(target, err, story)) from None
+        result = SampleResult(story.name, path, scenes, frames, layout.duration_s, denoise_s,
+                              time.perf_counter() - t0, saved)
+        self.results.append(result)
+        return result
+
+    def _failure(self, target: Path, err: OSError, story: Story) -> str:
+        done = [r.video if self.cfg.sample.write_video else r.scenes for r in self.results]
+        if not done:
+            kept = "no story was written before it"
+        elif len(done) == 1:
+            kept = f"the story written before it is kept ({done[0]})"
+        else:
+            kept = f"the {len(done)} stories written before it are kept ({done[0]} ... {done[-1]})"
+        return (f"cannot write {target} ({write_failure(target, err)}); {kept}; story {story.name!r} "
+                f"({len(done) + 1} of {self.total}) and any after it are not written: make room and sample them "
+                f"again")
+
+    def close(self) -> None:
+        """Let the decoder go (the caller frees the memory)."""
+        self.decoder = None
 
 
 def save_latents(latents: torch.Tensor, video: Path) -> Path:
@@ -198,7 +244,8 @@ def save_latents(latents: torch.Tensor, video: Path) -> Path:
     from safetensors.torch import save_file
 
     path = video.with_suffix(".latents.safetensors")
-    save_file({"latents": latents.float().contiguous()}, str(path))
+    with atomic_target(path) as tmp:
+        save_file({"latents": latents.float().contiguous()}, str(tmp))
     return path
 
 
@@ -247,14 +294,22 @@ def _sample_share(cfg: Config, stories: list[Story], out: str | Path, checkpoint
     texts, described = encode_stories(cfg, stories, layouts, spec.text_embed_dim, device)
     console.print(f"text: {described}; {len(stories)} story(ies) encoded, encoder released")
 
-    if model is not None:
-        latents, denoise_s = denoise_stories(model, stories, layouts, texts, cfg, device, console, progress)
-    else:
-        with load_model(cfg, checkpoint, device, offload=cfg.sample.offload_blocks) as loaded:
-            latents, denoise_s = denoise_stories(loaded.model, stories, layouts, texts, cfg, device, console,
-                                                 progress, ranks)
-        del loaded
+    writer = StoryWriter(cfg, checkpoint, device, len(stories)) if ranks is None or ranks.writes else None
+
+    def write(i: int, latents: torch.Tensor, seconds: float) -> None:
+        if writer is not None:  # under torchrun only the first rank of a story group writes
+            writer.write(stories[i], layouts[i], latents, paths[i], seconds)
+
+    try:
+        if model is not None:
+            denoise_stories(model, stories, layouts, texts, cfg, device, console, progress, on_story=write)
+        else:
+            with load_model(cfg, checkpoint, device, offload=cfg.sample.offload_blocks) as loaded:
+                denoise_stories(loaded.model, stories, layouts, texts, cfg, device, console, progress, ranks,
+                                on_story=write)
+            del loaded
+    finally:
+        if writer is not None:
+            writer.close()
         free_memory()
-    if ranks is not None and not ranks.writes:
-        return []
-    return write_videos(cfg, stories, layouts, latents, paths, denoise_s, checkpoint, device)
+    return writer.results if writer is not None else []

@@ -3,10 +3,15 @@
 
 Frames arrive in chunks from the decoder ([n, H, W, 3] uint8) and go straight to ffmpeg's stdin, so a one-minute
 video (1009 frames at 480x720, about 1 GB of raw RGB) never has to sit in memory at once.
+
+Both files are written atomically (`tttvideo.outputs.atomic_target`): ffmpeg writes a hidden temporary beside the
+mp4, renamed over it when the writer closes cleanly, so a killed or failed sample never leaves a truncated video
+(that plays, cut short) under the final name.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -17,6 +22,7 @@ import torch
 
 from tttvideo.data.video import scenes_path
 from tttvideo.errors import UserError
+from tttvideo.outputs import atomic_target, remove_stale_temporaries, temporary_name
 
 
 def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
@@ -35,7 +41,9 @@ def check_mp4_writer(what: str = "writing the mp4") -> None:
 
 
 class Mp4Writer:
-    """Streams uint8 frames into an mp4: `append(frames)` any number of times, then `close()` (or use `with`).
+    """Streams uint8 frames into an mp4: `append(frames)` any number of times, then `close()` (or use `with`). The
+    frames go to a hidden temporary file beside `path`; `close()` renames it to `path`, `abort()` (or leaving the
+    `with` block on an exception) removes it.
 
     H.264 with yuv420p needs even sides; odd frame sizes are padded by repeating the last row/column instead of
     being rescaled (ffmpeg's default), so decoded frames keep their pixels.
@@ -46,6 +54,7 @@ class Mp4Writer:
         import imageio_ffmpeg
 
         self.path = Path(path)
+        self.tmp = temporary_name(self.path)
         self.fps = fps
         self.quality = quality
         self.frames_written = 0
@@ -69,8 +78,9 @@ class Mp4Writer:
         size = (frames.shape[2], frames.shape[1])  # ffmpeg takes (width, height)
         if self._gen is None:
             self._size = size
+            remove_stale_temporaries(self.path)
             self._gen = self._ffmpeg.write_frames(
-                str(self.path), size, fps=self.fps, quality=self.quality, codec="libx264", macro_block_size=1,
+                str(self.tmp), size, fps=self.fps, quality=self.quality, codec="libx264", macro_block_size=1,
                 ffmpeg_log_level="error",
             )
             self._gen.send(None)  # starts ffmpeg
@@ -81,18 +91,66 @@ class Mp4Writer:
         self.frames_written += len(frames)
 
     def close(self) -> None:
+        """Finish the file and put it under its final name."""
         if self._gen is not None:
-            self._gen.close()
-            self._gen = None
+            gen, self._gen = self._gen, None
+            try:
+                gen.close()  # ffmpeg flushes and exits
+                # imageio does not look at ffmpeg's exit status: a file it could not finish (a full disk while it
+                # wrote the index at the end) is found by its boxes
+                problem = mp4_problem(self.tmp)
+                if problem:
+                    raise OSError(errno.EIO, f"ffmpeg could not finish the video ({problem})")
+                os.replace(self.tmp, self.path)
+            finally:
+                self.tmp.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        """Stop ffmpeg and remove what it wrote; the final name is left as it was."""
+        if self._gen is not None:
+            gen, self._gen = self._gen, None
+            try:
+                gen.close()
+            except Exception:  # it is being thrown away anyway
+                pass
+        self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "Mp4Writer":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def mp4_problem(path: Path) -> str:
+    """What is wrong with the mp4 at `path` as a file ('' when nothing): its top-level boxes must tile the file and
+    include the index ('moov'), which ffmpeg writes last. Reads only the box headers."""
+    try:
+        size = path.stat().st_size
+        boxes, at = set(), 0
+        with open(path, "rb") as f:
+            while at < size:
+                f.seek(at)
+                head = f.read(16)
+                if len(head) < 8:
+                    return f"a box header cut off at byte {at}"
+                length, kind = int.from_bytes(head[:4], "big"), head[4:8]
+                if length == 1 and len(head) == 16:
+                    length = int.from_bytes(head[8:16], "big")
+                if length < 8 or at + length > size:
+                    return f"box {kind!r} at byte {at} runs past the end of the file"
+                boxes.add(kind)
+                at += length
+    except OSError as err:
+        return err.strerror or str(err)
+    return "" if b"moov" in boxes else "no index (moov box)"
 
 
 def write_scenes(video_path: str | Path, payload: dict[str, Any]) -> Path:
     path = scenes_path(video_path)
-    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    with atomic_target(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return path

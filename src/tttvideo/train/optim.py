@@ -180,3 +180,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> tor
         fns.append(functools.partial(lr_multiplier, total=train.steps, warmup=train.warmup_steps,
                                      decay=train.decay_ssm if ssm else train.decay, end_ratio=end_ratio))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fns)
+
+
+def schedule_change(old_steps: int, train: TrainConfig, step: int) -> str | None:
+    """What resuming at optimizer step `step` (0-based) with train.steps changed from `old_steps` does to the learning
+    rates, as a sentence; None when nothing changes (same steps, or both decays constant). The schedule is a
+    function of train.steps, so from the resumed step on the rates follow the new one."""
+    if old_steps == train.steps or (train.decay == "constant" and train.decay_ssm == "constant"):
+        return None
+
+    def lr(peak: float, decay: str, total: int) -> float:
+        end_ratio = train.lr_end / peak if peak > 0 else 1.0
+        return peak * lr_multiplier(step, total, train.warmup_steps, decay, end_ratio)
+
+    return (f"the learning rates ({train.decay} decay of train.lr, {train.decay_ssm} of train.lr_ssm, down to "
+            f"train.lr_end at the last step) now follow a {train.steps}-step schedule, so at step {step + 1} train.lr is "
+            f"{lr(train.lr, train.decay, train.steps):.3g} instead of {lr(train.lr, train.decay, old_steps):.3g} and "
+            f"train.lr_ssm {lr(train.lr_ssm, train.decay_ssm, train.steps):.3g} instead of "
+            f"{lr(train.lr_ssm, train.decay_ssm, old_steps):.3g}; keep train.steps = {old_steps} to continue the old "
+            f"schedule")

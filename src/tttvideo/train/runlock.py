@@ -80,10 +80,10 @@ def _parse(text: str) -> Holder | None:
         return None
 
 
-def read_holder(folder: str | Path) -> Holder | None:
+def read_holder(folder: str | Path, lock_name: str = LOCK_FILE) -> Holder | None:
     """The record in `folder`'s lock file; None when there is none (never locked, released, or unreadable)."""
     try:
-        return _parse((Path(folder) / LOCK_FILE).read_text(encoding="utf-8"))
+        return _parse((Path(folder) / lock_name).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -115,9 +115,10 @@ class RunLock:
     `what` names the folder for the user ("train.output_dir"); `advice` ends the refusal (what to do instead)."""
 
     def __init__(self, folder: str | Path, what: str = "train.output_dir",
-                 advice: str = "wait for it to finish or stop it, or pass --new to start a new run beside it"):
+                 advice: str = "wait for it to finish or stop it, or pass --new to start a new run beside it",
+                 lock_name: str = LOCK_FILE):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_FILE
+        self.path = self.folder / lock_name
         self.what = what
         self.advice = advice
         self.fd: int | None = None
@@ -171,7 +172,7 @@ class RunLock:
     def refusal(self) -> UserError:
         holder = None
         for _ in range(10):  # a holder that has just taken the lock writes its record a moment later
-            holder = read_holder(self.folder)
+            holder = read_holder(self.folder, self.path.name)
             if holder is not None:
                 break
             time.sleep(0.05)

@@ -3,7 +3,10 @@
 One optimizer step (`tttvideo.train.step.TrainStep`) = `grad_accum` micro-batches of `batch_size` samples on each
 GPU; the loss of each micro-batch is divided by `grad_accum` so the accumulated gradient is the mean over the
 effective batch. Then: a non-finite check, gradient clipping, AdamW, the LR schedule. A non-finite loss stops the
-run naming the last good checkpoint, or skips the step with a counter (`train.on_nonfinite`).
+run naming the last good checkpoint and the step's samples, or skips the step with a counter (`train.on_nonfinite`).
+A cache file found damaged when it is read (unreadable, NaN / Inf) is passed over for another sample
+(`tttvideo.data.loader`) with one warning naming it; past `data.max_damaged_samples` such files the run saves and
+stops with one sentence.
 
 Exact resume: model, optimizer, scheduler, scaler, every RNG and the step are restored from the newest checkpoint,
 and the data order is a pure function of (seed, data position) (`tttvideo.data.loader`), so a resumed run computes
@@ -43,7 +46,7 @@ import torch
 
 from tttvideo.config.loader import config_to_dict, dump_toml
 from tttvideo.config.schema import Config, TrainConfig
-from tttvideo.data.loader import make_loader
+from tttvideo.data.loader import DamagedFiles, make_loader
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.guard.cap import apply_memory_cap
@@ -58,7 +61,7 @@ from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
 from tttvideo.train.monitor import SilentMonitor, TrainMonitor, host_gib, memory_gib, reserved_gib
-from tttvideo.train.optim import group_lr
+from tttvideo.train.optim import group_lr, schedule_change
 from tttvideo.train.step import build_train_step
 from tttvideo.device import resolve_device
 from tttvideo.dtypes import torch_dtype
@@ -70,6 +73,11 @@ log = logging.getLogger(__name__)
 class TrainingDiverged(SharedError):
     """The loss became NaN or Inf. Under torchrun every rank raises it after the same step (they agree whether a
     loss is finite), so rank 0 alone prints it."""
+
+
+class DamagedData(SharedError):
+    """More cache files were found damaged mid-run than data.max_damaged_samples allows; the run saved and stopped.
+    Under torchrun the ranks agree on it after the same step."""
 
 
 @dataclass
@@ -184,6 +192,7 @@ class Trainer:
         self._open_dataset(stack)
         self.step = 0
         self.nonfinite_skips = 0
+        self.damaged = DamagedFiles(self.dataset, self.cfg.data.max_damaged_samples)
         self.first_losses: list[float] = []
         self.last_good: Path | None = None
         while self.resume_from is not None:
@@ -268,6 +277,8 @@ class Trainer:
         self.first_losses = list(state["first_losses"])
         self.last_good = folder
         self.console.print(f"resumed from {folder} at step {self.step} (data position {state['data_position']})")
+        if self.ranks.is_main:
+            _warn_changed_schedule(folder, self.train, self.step)
 
     @uninterrupted  # a second SIGTERM / SIGINT waits for the save to end
     def _save(self) -> Path:
@@ -319,7 +330,7 @@ class Trainer:
         loader = make_loader(self.dataset, self.train.seed, self.step, self.train.batch_size, self.grad_accum,
                              self.ranks.dp_rank, self.ranks.dp_size, self.cfg.data.num_workers,
                              pin_memory=self.device.type == "cuda")
-        batches = iter(loader)
+        batches = self.damaged.watch(iter(loader))
         tokens_per_step = self.global_batch * self.layout.total_tokens
         log_window: list[float] = []
         last_loss = math.nan
@@ -330,6 +341,7 @@ class Trainer:
             while self.step < total:
                 t0 = time.perf_counter()
                 lr_used = self.optimizer.param_groups[0]["lr"], group_lr(self.optimizer, ssm=True)
+                self.damaged.read.clear()  # the samples of this step, named if its loss is not finite
                 try:
                     done = self.train_step(batches, self.step)
                 except torch.cuda.OutOfMemoryError as err:
@@ -363,6 +375,10 @@ class Trainer:
                     path = self._save()
                     result.checkpoints.append(path)
                     monitor.note(f"checkpoint {path} ({time.perf_counter() - t_save:.1f} s)")
+                # too many damaged cache files on any rank: all save this step and stop
+                if self.ranks.largest(int(self.damaged.too_many)):
+                    path = result.checkpoints[-1] if saved else self._save()
+                    raise DamagedData(self.damaged.stop_message(path, self.step, total))
                 # a signal to any rank stops them all after the same step (the save is a collective)
                 signum = self.ranks.largest(stop.signum or 0) or None  # the identity with one process
                 if signum is not None:  # SIGINT / SIGTERM: this step is done; save it and stop
@@ -412,19 +428,40 @@ class Trainer:
 
     def _handle_nonfinite(self, loss: float, monitor: TrainMonitor | SilentMonitor) -> None:
         step = self.step + 1
-        where = (f"the last good checkpoint is {self.last_good}" if self.last_good is not None
-                 else "no checkpoint was written yet")
+        rank = f" on rank {self.ranks.rank}" if self.ranks.distributed else ""
+        samples = f"; the step read sample(s){rank} {self.damaged.samples_read()}" if self.damaged.read else ""
         if self.train.on_nonfinite == "skip" and self.nonfinite_skips < self.train.max_nonfinite_skips:
             self.nonfinite_skips += 1
             monitor.note(f"[yellow]step {step}: loss is {loss}; step skipped ({self.nonfinite_skips} of at most "
-                         f"{self.train.max_nonfinite_skips})")
+                         f"{self.train.max_nonfinite_skips}){samples}")
             return
-        extra = (f" after {self.nonfinite_skips} skipped step(s) (train.max_nonfinite_skips)"
-                 if self.train.on_nonfinite == "skip" else "")
-        raise TrainingDiverged(
-            f"loss is {loss} at step {step}{extra}; {where} (resume from it with --resume, perhaps with a lower "
-            f"train.lr / train.lr_ssm or train.precision = 'fp32', or set train.on_nonfinite = 'skip')"
-        )
+        change = "a lower train.lr / train.lr_ssm or train.precision = 'fp32'"
+        if self.train.on_nonfinite == "skip":
+            extra = f" after {self.nonfinite_skips} skipped step(s) (train.max_nonfinite_skips)"
+            change += ", or a larger train.max_nonfinite_skips"
+        else:
+            extra = ""
+            change += ", or train.on_nonfinite = 'skip'"
+        if self.last_good is not None:
+            where = f"the last good checkpoint is {self.last_good} (resume from it with --resume, perhaps with {change})"
+        else:
+            where = f"no checkpoint was written yet: start the run over with --overwrite, perhaps with {change}"
+        raise TrainingDiverged(f"loss is {loss} at step {step}{extra}; {where}{samples}")
+
+
+def _warn_changed_schedule(folder: Path, train: TrainConfig, step: int) -> None:
+    """One warning when train.steps differs from the steps the checkpoint's run was scheduled for: resuming is
+    allowed (training a run for longer is common), but the learning rates jump to the new schedule's."""
+    import tomllib
+
+    try:
+        before = int(tomllib.loads((folder / runs.CONFIG_FILE).read_text(encoding="utf-8"))["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return  # no readable config beside the checkpoint: nothing to compare with
+    change = schedule_change(before, train, step)
+    if change:
+        log.warning("train.steps is %d but %s was trained on a schedule of %d steps: %s", train.steps, folder, before,
+                    change)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
