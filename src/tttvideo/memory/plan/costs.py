@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tttvideo.config.schema import Config
-from tttvideo.memory.techniques import ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, GUIDANCE_PASSES
+from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, GUIDANCE_PASSES,
+                                        NESTED_CHECKPOINTING)
 
 COSTS_FILE = Path(__file__).with_name("costs.json")
 
@@ -69,6 +70,8 @@ class CostTable:
     time: dict[str, Curve] = field(default_factory=dict)
     # measured sequence-parallel efficiency per degree: step time on sp GPUs = one GPU's / (sp x efficiency)
     sp_efficiency: dict[int, float] = field(default_factory=dict)
+    # the counted block model's measured constants (tttvideo.memory.plan.activations), None where not measured
+    blocks: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         def lines(d: dict[str, Curve]) -> dict[str, Any]:
@@ -76,7 +79,8 @@ class CostTable:
 
         return {"gpu": self.gpu, "device": self.device, "source": self.source,
                 "activation": lines(self.activation), "time": lines(self.time),
-                "sp_efficiency": {str(k): v for k, v in sorted(self.sp_efficiency.items())}}
+                "sp_efficiency": {str(k): v for k, v in sorted(self.sp_efficiency.items())},
+                **({"blocks": self.blocks} if self.blocks else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CostTable":
@@ -84,7 +88,8 @@ class CostTable:
             return {k: Curve(tuple((float(t), float(v)) for t, v in pts)) for k, pts in x.items()}
 
         return cls(d["gpu"], d.get("device", ""), d.get("source", ""), lines(d.get("activation", {})),
-                   lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()})
+                   lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()},
+                   d.get("blocks"))
 
 
 def known_gpus(path: Path = COSTS_FILE) -> list[str]:
@@ -133,8 +138,9 @@ def long_range_tag(cfg: Config) -> str:
 def activation_key(cfg: Config, phase: str) -> str:
     if phase == "sample":
         return f"{cfg.model.preset}|{cfg.model.dtype}|sample|{sample_forward(cfg)}{long_range_tag(cfg)}"
+    nested = NESTED_CHECKPOINTING.regime_tag(cfg)
     return (f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{CHECKPOINTING.regime_tag(cfg)}|"
-            f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{long_range_tag(cfg)}")
+            f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{'|' + nested if nested else ''}{long_range_tag(cfg)}")
 
 
 def time_key(cfg: Config, phase: str) -> str:
