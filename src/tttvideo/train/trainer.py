@@ -311,6 +311,7 @@ class Trainer:
             self.console.print("train.sample_at_end / validate_every: multi-process runs make no videos yet; "
                                "sample from a checkpoint with tttv sample")
         total = self.train.steps
+        self.first_step = self.step  # an out-of-memory error here is one `tttv train --auto-fit` re-plans
         result = TrainResult(self.output_dir, self.step, math.nan, math.nan)
         if self.step >= total:
             self.console.print(f"nothing to do: the run is at step {self.step} of {total}")

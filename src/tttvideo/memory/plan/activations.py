@@ -192,7 +192,8 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
         """Saved inputs on the GPU while `unit`'s backward runs."""
         if off:
             kept = max(0, unit + 1 - off)  # units at or below `unit` the pool had no room for
-            return kept + min(2, unit + 1, off), f"{kept} kept + prefetched"
+            back = min(2, unit + 1, off)
+            return kept + back, f"{kept} kept on the GPU + {back} fetched back from the host"
         j = next(j for j, (a, b) in enumerate(spans) if a <= unit < b)
         return j + (unit - spans[j][0] + 1), ("span inputs + this span's unit inputs" if span > 1 else "inputs")
 

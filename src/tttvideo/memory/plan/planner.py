@@ -27,6 +27,7 @@ candidate is the fastest that fits; a candidate whose regime was never measured 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -336,24 +337,45 @@ def gpu_kind(name: str) -> str:
     return lowered.split()[-1] if lowered else ""
 
 
-def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | None = None) -> Config:
-    """`--auto-fit`: `cfg` with the switches of the fastest measured setup that fits this launch's GPUs (their
-    memory, or memory.max_gpu_gib when set); one sentence when none does."""
-    import logging
+@dataclass
+class AutoFit:
+    """What --auto-fit chose and what it chose among: the re-plan after an out-of-memory error starts from it."""
 
+    chosen: Prediction
+    preds: list[Prediction]
+    gpu_mem: int
+    gpus: int
+    phase: str
+    config_path: str | None
+
+    @property
+    def config(self) -> Config:
+        return self.chosen.config
+
+
+def this_gpu() -> tuple[str, int]:
+    """(name, total bytes) of this process's CUDA GPU; a UserError without one."""
     import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("--auto-fit plans for a CUDA GPU and this machine has none; drop --auto-fit (on a CPU the "
+                        "memory switches do not matter), or run `tttv plan` to see what a GPU would need")
+    return torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
+
+
+def auto_fit_plan(cfg: Config, phase: str, config_path: str | None, duration: str | None = None) -> AutoFit:
+    """`--auto-fit`: the fastest measured setup that fits this launch's GPUs (their memory, or memory.max_gpu_gib
+    when set), with the predictions it was chosen from; one sentence when none fits."""
+    import logging
 
     from tttvideo.memory.plan.costs import known_gpus, load_costs
     from tttvideo.parallel.launch import launch_world_size
 
     log = logging.getLogger(__name__)
     gpus = launch_world_size()
-    if not torch.cuda.is_available():
-        raise UserError("--auto-fit plans for a CUDA GPU and this machine has none; drop --auto-fit (on a CPU the "
-                        "memory switches do not matter), or run `tttv plan` to see what a GPU would need")
-    name = torch.cuda.get_device_name()
+    name, total = this_gpu()
     cap = cfg.memory.max_gpu_gib
-    gpu_mem = int(cap * GIB) + CUDA_CONTEXT if cap > 0 else torch.cuda.get_device_properties(0).total_memory
+    gpu_mem = int(cap * GIB) + CUDA_CONTEXT if cap > 0 else total
     kind = gpu_kind(name)
     if kind not in known_gpus():
         log.warning("--auto-fit: no measured costs for %s; using the H100's", name)
@@ -368,4 +390,37 @@ def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | N
                         f"{gpu_mem / GIB:.0f}GiB --gpus {gpus} --phase {phase}` lists the candidates")
     log.info("--auto-fit: %s (predicted peak %.1f GiB per GPU%s)", chosen.candidate.label, chosen.peak / GIB,
              "" if chosen.step_s is None else f", {chosen.step_s:.2f} s per step")
-    return chosen.config
+    return AutoFit(chosen, preds, gpu_mem, gpus, phase, config_path)
+
+
+def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | None = None) -> Config:
+    """`--auto-fit`: `cfg` with the switches of the fastest measured setup that fits this launch's GPUs."""
+    return auto_fit_plan(cfg, phase, config_path, duration).config
+
+
+def replan_after_oom(fit: AutoFit, needed: int) -> tuple[AutoFit, float]:
+    """The next setup after `fit.chosen` ran out of memory needing at least `needed` bytes per GPU (what was
+    reserved when it failed plus the allocation that failed): every candidate's activations (and reserved memory)
+    are scaled by what the failed one measured against its prediction (at least 1.1x), the failed setup is left
+    out, and the fastest that still fits is chosen. Returns it and the scale; a UserError when none fits."""
+    failed = fit.chosen
+    predicted = max(1, failed.reserved - failed.counted.total)
+    scale = max(1.1, (needed - failed.counted.total) / predicted)
+    margin = MARGIN
+    preds = []
+    for p in fit.preds:
+        if p is failed or p.candidate.label == failed.candidate.label or p.activation is None:
+            continue
+        activation = int(p.activation * scale)
+        reserved = p.counted.total + int((p.reserved - p.counted.total) * scale)
+        fits = reserved + CUDA_CONTEXT <= fit.gpu_mem * (1 - margin)
+        preds.append(dataclasses.replace(p, activation=activation, reserved=reserved, fits=fits,
+                                         notes=p.notes + [f"activations x{scale:.2f} after an out-of-memory error"]))
+    preds.sort(key=lambda p: (0, p.step_s if p.step_s is not None else float("inf"), overheads(p.config), p.peak)
+               if p.fits else (1, p.peak, 0, 0))
+    chosen = best(preds)
+    if chosen is None:
+        raise UserError(f"--auto-fit: {failed.candidate.label} ran out of memory and, with its activations measured "
+                        f"{scale:.2f}x the prediction, no other setup fits {fit.gpu_mem / GIB:.1f} GiB per GPU; "
+                        f"shorten layout.duration or use more GPUs")
+    return AutoFit(chosen, preds, fit.gpu_mem, fit.gpus, fit.phase, fit.config_path), scale
