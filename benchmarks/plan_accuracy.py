@@ -140,7 +140,7 @@ def rel(pred: float | None, meas: float | None) -> float | None:
 def fit(rows: list[Row]) -> None:
     """Refit the block model's constants from the calibration rows and write them into costs.json."""
     from tttvideo.memory.plan.activations import BlockConstants, Geometry, train_peak
-    from tttvideo.memory.plan.costs import Curve, load_costs, save_costs, time_key
+    from tttvideo.memory.plan.costs import load_costs, save_costs
     from tttvideo.memory.plan.count import count
 
     by = {r.name: r for r in rows}
@@ -164,11 +164,11 @@ def fit(rows: list[Row]) -> None:
     s18 = Geometry.of(cfg18).stream + Geometry.of(cfg18).tokens * extra
     units = max(0.0, (off18.reserved * GIB - alloc(off18, k) * (1 + fraction)) / s18)
     k = BlockConstants(copies, extra, fraction, units, nested.step_s / kept.step_s, off.step_s / kept.step_s,
+                       ((float(g.tokens), float(kept.step_s)),),
                        "benchmarks/plan_accuracy.py --fit: memory_techniques_h100.json (9 s) and the 18-s offload row "
                        "of model_step_long_h100.json")
     table = load_costs("h100")
     table.blocks = k.to_dict()
-    table.time[time_key(config_of(kept), "train")] = Curve(((float(g.tokens), float(kept.step_s)),))
     save_costs(table)
     print(f"fitted: {k}")
 

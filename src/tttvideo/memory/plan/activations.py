@@ -57,18 +57,22 @@ class BlockConstants:
     # more; offload's copies hide behind compute
     nested_time: float = 1.0
     offload_time: float = 1.0
+    # measured (tokens, seconds) of the step with the inputs kept: the step time's curve (`costs.Curve`)
+    time_points: tuple[tuple[float, float], ...] = ()
     source: str = ""
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockConstants":
         return cls(float(d["stream_copies"]), float(d["saved_extra_per_token"]), float(d["reserved_fraction"]),
                    float(d["offload_reserved_units"]), float(d.get("nested_time", 1.0)),
-                   float(d.get("offload_time", 1.0)), str(d.get("source", "")))
+                   float(d.get("offload_time", 1.0)),
+                   tuple((float(t), float(v)) for t, v in d.get("time_points", ())), str(d.get("source", "")))
 
     def to_dict(self) -> dict:
         return {"stream_copies": self.stream_copies, "saved_extra_per_token": self.saved_extra_per_token,
                 "reserved_fraction": self.reserved_fraction, "offload_reserved_units": self.offload_reserved_units,
-                "nested_time": self.nested_time, "offload_time": self.offload_time, "source": self.source}
+                "nested_time": self.nested_time, "offload_time": self.offload_time,
+                "time_points": [list(p) for p in self.time_points], "source": self.source}
 
     def time_factor(self, cfg: Config) -> float:
         ck = cfg.checkpointing

@@ -1,5 +1,6 @@
 """The measured half of the planner: activation memory and step time as functions of the tokens one GPU holds, per
-GPU kind.
+GPU kind, for the regimes the counted block model (`tttvideo.memory.plan.activations`, whose measured constants sit
+in the same table under "blocks") does not cover.
 
 Local attention works window by window and the TTT scan, the MLP and every projection token by token, so for a
 fixed setup a step's activation memory (its peak minus what `count` counts) and its time grow with the tokens
@@ -114,8 +115,13 @@ def load_costs(gpu: str, path: Path = COSTS_FILE) -> CostTable:
 
 
 def save_costs(table: CostTable, path: Path = COSTS_FILE) -> None:
+    """Write `table` as its GPU kind's entry; a table without block-model constants keeps those already there
+    (benchmarks/plan_calibration.py fits the curves, benchmarks/plan_accuracy.py --fit the block model)."""
     tables = json.loads(path.read_text()) if path.is_file() else {}
+    kept = tables.get(table.gpu, {}).get("blocks")
     tables[table.gpu] = table.to_dict()
+    if table.blocks is None and kept:
+        tables[table.gpu]["blocks"] = kept
     path.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
 
 

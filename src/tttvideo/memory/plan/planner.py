@@ -191,9 +191,9 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             reserved += int(breakdown.allocated * (FRAGMENTATION_STREAMED - FRAGMENTATION))
         notes.extend(breakdown.notes)
         basis = "counted (block model)"
+        # the block model's techniques scale the time of the step with the inputs kept
         time_factor = blocks.time_factor(c)
-        timed = copy.deepcopy(c)  # the block model's techniques scale the time of the step with the inputs kept
-        timed.checkpointing.nested_span, timed.checkpointing.offload_activations = 0, False
+        time_cost = Curve(blocks.time_points) if blocks.time_points else None
     else:
         act_cost = costs.activation.get(activation_key(c, phase))
         activation = None if act_cost is None else max(0, int(act_cost(tokens)))
@@ -203,8 +203,7 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         else:
             reserved = int((counted.total + activation) * (1 + (FRAGMENTATION_STREAMED if streams_weights(c)
                                                                  else FRAGMENTATION)))
-        timed = c
-    time_cost = costs.time.get(time_key(timed, phase))
+        time_cost = costs.time.get(time_key(c, phase))
     step_s = None
     # each half of the ranks runs one of the two guided passes: measured 2.01x on two H200s at 63 s
     # (benchmarks/results/sample_parallel_h200.json), so no loss is counted
