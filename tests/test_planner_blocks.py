@@ -5,7 +5,6 @@ and `--margin`."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 

@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.explain and preds:
         print_parts(chosen or preds[0], gpu_mem, margin)
     if chosen is None:
-        print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU for this {args.phase} setup; use more "
-              f"GPUs (--gpus), a shorter --duration, or a larger card", file=sys.stderr)
+        print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU for this {args.phase} setup; "
+              "use more GPUs (--gpus), a shorter --duration, or a larger card", file=sys.stderr)
         return 1
     if args.out:
         out = Path(args.out)

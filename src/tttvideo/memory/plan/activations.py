@@ -235,8 +235,8 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
 
 
 def fits_block_model(cfg: Config) -> bool:
-    """Whether the block model counts this setup: the measured kind (CogVideoX-5B, qkvo adapter, weights stored and computed in
-    bf16 without autocast, TTT-MLP), every block and sub-module checkpointed, one block a unit, no kept outputs, and
+    """Whether the block model counts this setup: the measured kind (CogVideoX-5B, qkvo adapter, weights stored and
+    computed in bf16, TTT-MLP), every block and sub-module checkpointed, one block a unit, no kept outputs, and
     nested checkpointing and offload not both on. Other setups keep their measured per-token curves: the model's
     constants, fitted on this kind, under-predict LoRA with fp8 weights (its 18-s profile by 20%) and over-predict
     fp32 weights under autocast (by 18% at 9 s), benchmarks/results/plan_accuracy_h100.json."""
@@ -245,4 +245,6 @@ def fits_block_model(cfg: Config) -> bool:
 
     ck = cfg.checkpointing
     return (cfg.model.preset in MEASURED_PRESETS and cfg.model.adapter in MEASURED_ADAPTERS
-            and cfg.model.dtype == "bf16" and not long_range_tag(cfg) and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY and not (ck.nested_span > 1 and ck.offload_activations))
+            and cfg.model.dtype == "bf16" and not long_range_tag(cfg)
+            and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY
+            and not (ck.nested_span > 1 and ck.offload_activations))

@@ -497,7 +497,8 @@ NESTED_CHECKPOINTING = MemoryTechnique(
 
 
 REGISTRY: tuple[MemoryTechnique, ...] = (FP8_WEIGHTS, ADAMW_8BIT, FP8_STREAMING, CHECKPOINTING, ACTIVATION_OFFLOAD,
-                                         NESTED_CHECKPOINTING, SEQUENCE_PARALLEL, CHUNKED_INFERENCE, GUIDANCE_PASSES, SAMPLE_BLOCK_OFFLOAD)
+                                         NESTED_CHECKPOINTING, SEQUENCE_PARALLEL, CHUNKED_INFERENCE, GUIDANCE_PASSES,
+                                         SAMPLE_BLOCK_OFFLOAD)
 
 
 def check_techniques(cfg: Config, processes: int) -> None:
