@@ -118,3 +118,14 @@ def test_gpu_mem_is_required_without_a_gpu_and_margin_is_a_share(capsys):
     assert err.startswith("tttv plan: error: --gpu-mem is needed") and len(err.strip().splitlines()) == 1
     assert main(["plan", "configs/demo.toml", "--gpu-mem", "24", "--margin", "1.5"]) == 2
     assert "--margin" in capsys.readouterr().err
+
+
+def test_sequence_parallel_setups_are_not_counted_by_the_one_gpu_block_model():
+    from tttvideo.memory.plan.activations import fits_block_model
+
+    cfg = cfg_at("63s")
+    assert fits_block_model(cfg) and fits_block_model(cfg, gpus=2)  # sp 1: FSDP only
+    cfg.parallel.sp = 2
+    assert fits_block_model(cfg) and not fits_block_model(cfg, gpus=2)
+    cfg.model.adapter = "lora"
+    assert not fits_block_model(cfg)

@@ -234,10 +234,12 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
     return Breakdown(phase, parts, allocated, reserved, host, notes)
 
 
-def fits_block_model(cfg: Config) -> bool:
+def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
     """Whether the block model counts this setup: the measured kind (CogVideoX-5B, qkvo adapter, weights stored and
-    computed in bf16, TTT-MLP), every block and sub-module checkpointed, one block a unit, no kept outputs, and
-    nested checkpointing and offload not both on. Other setups keep their measured per-token curves: the model's
+    computed in bf16, TTT-MLP, no sequence parallelism), every block and sub-module checkpointed, one block a unit,
+    no kept outputs, and nested checkpointing and offload not both on. With sp > 1 Ulysses' all-to-all buffers
+    raise the reserve far above one GPU's (a 63-s sp = 2 run reserved 1.28x what it allocated), so those setups
+    wait for a measurement. Other setups keep their measured per-token curves: the model's
     constants, fitted on this kind, under-predict LoRA with fp8 weights (its 18-s profile by 20%) and over-predict
     fp32 weights under autocast (by 18% at 9 s), benchmarks/results/plan_accuracy_h100.json."""
     from tttvideo.memory.plan.costs import long_range_tag
@@ -245,6 +247,6 @@ def fits_block_model(cfg: Config) -> bool:
 
     ck = cfg.checkpointing
     return (cfg.model.preset in MEASURED_PRESETS and cfg.model.adapter in MEASURED_ADAPTERS
-            and cfg.model.dtype == "bf16" and not long_range_tag(cfg)
+            and cfg.model.dtype == "bf16" and not long_range_tag(cfg) and (gpus == 1 or cfg.parallel.sp == 1)
             and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY
             and not (ck.nested_span > 1 and ck.offload_activations))

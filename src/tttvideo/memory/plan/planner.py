@@ -183,13 +183,15 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     notes = []
     blocks = BlockConstants.from_dict(costs.blocks) if costs.blocks else None
     breakdown, reserved, host, time_factor = None, None, 0, 1.0
-    if phase == "train" and blocks is not None and fits_block_model(c):
+    if phase == "train" and blocks is not None and fits_block_model(c, gpus):
         breakdown = train_peak(c, counted, blocks, gpus, optimizer_state_live)
         activation = breakdown.allocated - counted.total
         reserved, host = breakdown.reserved, breakdown.host
         if streams_weights(c):
             reserved += int(breakdown.allocated * (FRAGMENTATION_STREAMED - FRAGMENTATION))
         notes.extend(breakdown.notes)
+        if gpus > 1:
+            notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
         basis = "counted (block model)"
         # the block model's techniques scale the time of the step with the inputs kept
         time_factor = blocks.time_factor(c)
