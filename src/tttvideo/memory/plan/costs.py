@@ -71,6 +71,8 @@ class CostTable:
     time: dict[str, Curve] = field(default_factory=dict)
     # measured sequence-parallel efficiency per degree: step time on sp GPUs = one GPU's / (sp x efficiency)
     sp_efficiency: dict[int, float] = field(default_factory=dict)
+    # per activation regime: the largest measured reserved-over-allocated share of its calibration runs
+    reserved: dict[str, float] = field(default_factory=dict)
     # the counted block model's measured constants (tttvideo.memory.plan.activations), None where not measured
     blocks: dict[str, Any] | None = None
 
@@ -81,6 +83,7 @@ class CostTable:
         return {"gpu": self.gpu, "device": self.device, "source": self.source,
                 "activation": lines(self.activation), "time": lines(self.time),
                 "sp_efficiency": {str(k): v for k, v in sorted(self.sp_efficiency.items())},
+                "reserved": dict(sorted(self.reserved.items())),
                 **({"blocks": self.blocks} if self.blocks else {})}
 
     @classmethod
@@ -90,7 +93,7 @@ class CostTable:
 
         return cls(d["gpu"], d.get("device", ""), d.get("source", ""), lines(d.get("activation", {})),
                    lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()},
-                   d.get("blocks"))
+                   {k: float(v) for k, v in d.get("reserved", {}).items()}, d.get("blocks"))
 
 
 def known_gpus(path: Path = COSTS_FILE) -> list[str]:

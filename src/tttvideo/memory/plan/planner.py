@@ -203,8 +203,10 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if act_cost is None:
             notes.append("activation regime not measured")
         else:
-            reserved = int((counted.total + activation) * (1 + (FRAGMENTATION_STREAMED if streams_weights(c)
-                                                                 else FRAGMENTATION)))
+            # the regime's measured reserve where its calibration recorded one, never below the defaults
+            default = FRAGMENTATION_STREAMED if streams_weights(c) else FRAGMENTATION
+            share = max(default, costs.reserved.get(activation_key(c, phase), 0.0))
+            reserved = int((counted.total + activation) * (1 + share))
         time_cost = costs.time.get(time_key(c, phase))
     step_s = None
     # each half of the ranks runs one of the two guided passes: measured 2.01x on two H200s at 63 s
