@@ -13,8 +13,9 @@
 A setup is a config, a phase, a duration and `--set` overrides; `run` profiles it with `tttv profile --steps 2`
 (random init, no cap, the expandable allocator segments `tttv` sets by default) and records the peak allocated
 memory and the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan.count`) from each
-measured peak and keeps the activation per regime as a curve through the calibration durations of `SETUPS` (each
-memory technique's `calibration`, `tttvideo.memory.techniques`; `tttvideo.memory.plan.costs.Curve`), and step time
+measured peak and keeps the activation per regime as a curve (and the largest reserved-over-allocated share of its
+runs) through the calibration durations of `SETUPS` (each memory technique's `calibration`,
+`tttvideo.memory.techniques`; `tttvideo.memory.plan.costs.Curve`), and step time
 likewise; then it predicts every setup and prints the errors. `--also` takes the profiler runs of
 benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured twice).
 """
