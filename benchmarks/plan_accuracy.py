@@ -7,7 +7,8 @@ time, predicted by the planner for every measured setup (the same config) agains
 
 It reads the H100 results (no GPU needed):
 - benchmarks/results/memory_techniques_h100.json: 9 s, block inputs kept / nested / offloaded in one process, the
-  second step of each (optimizer state live, clean times);
+  second step of each (optimizer state live, clean times); memory_techniques_<D>s_h100.json at other lengths, held
+  out;
 - benchmarks/results/model_step_long_h100.json: 18 and 63 s, the first step of a fresh process (the optimizer state
   appears at its optimizer step; times include compilation, so they are not compared);
 - benchmarks/results/plan_calibration_h100.json and plan_check_h100.json: the per-token curves' setups (LoRA, fp32
@@ -63,13 +64,20 @@ class Row:
 
 def _step_rows() -> list[Row]:
     rows = []
-    mt = json.loads((RESULTS / "memory_techniques_h100.json").read_text())
     variant = {"kept": [], "nested": ["checkpointing.nested_span=6"],
                "offloaded": ["checkpointing.offload_activations=true"]}
-    for r in mt["results"]:
-        rows.append(Row(f"9 s, block inputs {r['variant']}", "memory_techniques_h100.json", None,
-                        [f"layout.duration={mt['duration_s']}s", *variant[r["variant"]]], "train", "calibration",
-                        r["peak_allocated_gib"], r["peak_reserved_gib"], r["offloaded_gib"], r["step_s"]))
+    # memory_techniques_h100.json (9 s) calibrates; runs at other lengths (--out memory_techniques_<D>s_h100.json)
+    # are held out, their times clean as well
+    for path in sorted(RESULTS.glob("memory_techniques*_h100.json")):
+        mt = json.loads(path.read_text())
+        role = "calibration" if path.name == "memory_techniques_h100.json" else "held out"
+        for r in mt["results"]:
+            if "peak_reserved_gib" not in r:
+                continue
+            name = f"{mt['duration_s']} s, block inputs {r['variant']}" + ("" if role == "calibration" else " (2nd step)")
+            rows.append(Row(name, path.name, None, [f"layout.duration={mt['duration_s']}s", *variant[r["variant"]]],
+                            "train", role, r["peak_allocated_gib"], r["peak_reserved_gib"], r["offloaded_gib"],
+                            r["step_s"]))
     long = json.loads((RESULTS / "model_step_long_h100.json").read_text())
     for r in long["runs"]:
         over = [f"layout.duration={r['duration_s']}s"] + [f"{k}={json.dumps(v)}" for k, v in r["overrides"].items()]
