@@ -74,7 +74,8 @@ def _step_rows() -> list[Row]:
         for r in mt["results"]:
             if "peak_reserved_gib" not in r:
                 continue
-            name = f"{mt['duration_s']} s, block inputs {r['variant']}" + ("" if role == "calibration" else " (2nd step)")
+            name = f"{mt['duration_s']} s, block inputs {r['variant']}"
+            name += "" if role == "calibration" else " (2nd step)"
             rows.append(Row(name, path.name, None, [f"layout.duration={mt['duration_s']}s", *variant[r["variant"]]],
                             "train", role, r["peak_allocated_gib"], r["peak_reserved_gib"], r["offloaded_gib"],
                             r["step_s"]))

@@ -190,7 +190,8 @@ def test_auto_fit_replans_an_out_of_memory_first_step_and_trains_on(tmp_path, mo
     fail_at(monkeypatch, 0)  # the forward of step 1, block 0
     run = tmp_path / "run"
     code = main(["train", "configs/demo.toml", *[a for s in TRAIN for a in ("--set", s)], "--auto-fit",
-                 "--set", "train.steps=2", "--set", f"train.output_dir={run}", "--set", f"data.demo_dir={tmp_path / 'data'}"])
+                 "--set", "train.steps=2", "--set", f"train.output_dir={run}",
+                 "--set", f"data.demo_dir={tmp_path / 'data'}"])
     err = capsys.readouterr().err
     assert code == 0 and "Traceback" not in err, err
     said = [line for line in err.splitlines() if "--auto-fit" in line]
