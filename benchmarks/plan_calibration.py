@@ -13,8 +13,9 @@
 A setup is a config, a phase, a duration and `--set` overrides; `run` profiles it with `tttv profile --steps 2`
 (random init, no cap, the expandable allocator segments `tttv` sets by default) and records the peak allocated
 memory and the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan.count`) from each
-measured peak and keeps the activation per regime as a curve through the calibration durations of `SETUPS` (each
-memory technique's `calibration`, `tttvideo.memory.techniques`; `tttvideo.memory.plan.costs.Curve`), and step time
+measured peak and keeps the activation per regime as a curve (and the largest reserved-over-allocated share of its
+runs) through the calibration durations of `SETUPS` (each memory technique's `calibration`,
+`tttvideo.memory.techniques`; `tttvideo.memory.plan.costs.Curve`), and step time
 likewise; then it predicts every setup and prints the errors. `--also` takes the profiler runs of
 benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured twice).
 """
@@ -179,6 +180,7 @@ def cmd_fit(args) -> int:
     if not rows:
         raise SystemExit("no measured setup to fit")
     points: dict[str, dict[str, list]] = {"activation": {}, "time": {}}
+    reserved: dict[str, float] = {}  # the largest reserved-over-allocated share of each regime's calibration runs
     prepared = []
     for r in rows:
         cfg = _config(r)
@@ -190,13 +192,16 @@ def cmd_fit(args) -> int:
         if r.get("calibrate"):
             points["activation"].setdefault(activation_key(cfg, phase), []).append(
                 (tokens, r["peak_allocated"] - counted))
+            if r.get("peak_reserved"):
+                key = activation_key(cfg, phase)
+                reserved[key] = max(reserved.get(key, 0.0), r["peak_reserved"] / r["peak_allocated"] - 1)
             if r.get("step_seconds"):
                 points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1]))
     sources = ", ".join(str(x) for x in ([args.measured] if args.measured else []) + args.also)
     table = CostTable(args.gpu_kind or data["gpu_kind"] or "h100", data.get("device", ""), sources,
                       {k: Curve.fit(v) for k, v in points["activation"].items()},
                       {k: Curve.fit(v) for k, v in points["time"].items()},
-                      {int(k): v for k, v in (args.sp_efficiency or {}).items()})
+                      {int(k): v for k, v in (args.sp_efficiency or {}).items()}, reserved)
     save_costs(table, *([Path(args.costs_out)] if args.costs_out else []))
     print(f"wrote {len(table.activation)} activation and {len(table.time)} time regimes for {table.gpu}")
     print("\n| setup | duration | calibration? | measured peak GiB | predicted GiB | error | measured s | "

@@ -160,3 +160,44 @@ def test_sample_oom_names_the_denoise_step(tmp_path, monkeypatch, capsys):
                           "of 2"), msg
     assert "model.frozen_weights = 'fp8' (" in msg and "tttv profile CONFIG --phase sample" in msg
     assert "`tttv plan CONFIG --gpu-mem SIZE --phase sample`" in msg
+
+
+def test_auto_fit_replans_an_out_of_memory_first_step_and_trains_on(tmp_path, monkeypatch, capsys):
+    """--auto-fit: the first step of the chosen setup runs out of memory (faked in block 0's forward); the run says so
+    in one sentence naming the setup, the phase and the block, re-plans with the activations scaled by what the
+    failure showed, and trains to the end with a setup that needs less (its config saved with the run)."""
+    from tttvideo.layout import VideoLayout
+    from tttvideo.memory.plan import costs as costs_module
+    from tttvideo.memory.plan import planner
+    from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
+    from tttvideo.memory.plan.count import count
+
+    cfg = load_config("configs/demo.toml", TRAIN)
+    table = CostTable("h100")
+    per_token = {"block": (1e6, 1.0), "sub-block": (1e5, 2.0)}  # bytes and seconds per token
+    for cand in planner.candidates(cfg, "train"):
+        c = cand.apply(cfg)
+        policy = activation_key(c, "train").split("|")[4]
+        if policy in per_token and not c.checkpointing.offload_activations and c.checkpointing.nested_span < 2:
+            table.activation[activation_key(c, "train")] = Curve.fit([(1.0, per_token[policy][0])])
+            table.time[time_key(c, "train")] = Curve.fit([(1.0, 1e-3 * per_token[policy][1])])
+    tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens
+    base = count(cfg, "train").total
+    card = int(((base + 1.15e6 * tokens) * (1 + planner.FRAGMENTATION) + planner.CUDA_CONTEXT) / (1 - planner.MARGIN))
+    monkeypatch.setattr(planner, "this_gpu", lambda: ("NVIDIA H100 80GB HBM3", card))
+    monkeypatch.setattr(costs_module, "load_costs", lambda kind, *a: table)
+    monkeypatch.setattr(costs_module, "known_gpus", lambda *a: ["h100"])
+    fail_at(monkeypatch, 0)  # the forward of step 1, block 0
+    run = tmp_path / "run"
+    code = main(["train", "configs/demo.toml", *[a for s in TRAIN for a in ("--set", s)], "--auto-fit",
+                 "--set", "train.steps=2", "--set", f"train.output_dir={run}",
+                 "--set", f"data.demo_dir={tmp_path / 'data'}"])
+    err = capsys.readouterr().err
+    assert code == 0 and "Traceback" not in err, err
+    said = [line for line in err.splitlines() if "--auto-fit" in line]
+    assert len(said) == 1 and said[0].startswith("tttv train: --auto-fit: ckpt block, "), err
+    assert "ran out of GPU memory in the forward of step 1, in block 0 of 2" in said[0]
+    assert ": ckpt sub-block, " in said[0], said[0]
+    saved = load_config(run / "config.toml")
+    assert saved.checkpointing.mlp and saved.checkpointing.attention  # the re-planned setup trained
+    assert (run / "checkpoints" / "step-000002").is_dir()

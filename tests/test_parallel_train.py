@@ -194,7 +194,7 @@ def test_frozen_rank_and_killed_launcher_stop_with_a_sentence_and_resume(work, r
     processes starts from the newest published checkpoint; its launcher SIGKILLed mid-run, both ranks save, stop
     (rank 0 alone printing the SIGTERM line), let the run folder's lock go and print the launch's own torchrun
     command; the run, resumed from that checkpoint (on one process: the cheapest), ends as the uninterrupted one."""
-    from tttvideo.train.runlock import current_holder
+    from tttvideo.locks import current_holder
 
     out = work / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

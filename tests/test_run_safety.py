@@ -60,7 +60,7 @@ def dead_pid() -> int:
 
 # ---------------------------------------------------------------------------------------------------- the lock
 def test_lock_refuses_a_second_holder_naming_it(tmp_path, caplog):
-    from tttvideo.train.runlock import RunLock, current_holder
+    from tttvideo.locks import RunLock, current_holder
 
     with RunLock(tmp_path) as first:
         holder = current_holder(tmp_path)
@@ -78,7 +78,7 @@ def test_lock_refuses_a_second_holder_naming_it(tmp_path, caplog):
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over_with_a_message(tmp_path, caplog):
-    from tttvideo.train.runlock import RunLock
+    from tttvideo.locks import RunLock
 
     pid = dead_pid()
     (tmp_path / ".lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(),
@@ -111,7 +111,7 @@ def test_second_demo_keeps_the_first_run_and_reuses_the_demo_set(tmp_path, capsy
 def test_shared_demo_set_in_use_is_reused_and_never_rewritten(tmp_path, capsys):
     """While another run trains on the demo set (its shared lock), a run of the same settings reuses it and one of
     other settings is refused naming data.demo_dir, instead of rebuilding it under the first run."""
-    from tttvideo.train.runlock import DataLock
+    from tttvideo.locks import DataLock
 
     assert main(train_argv(tmp_path / "a", "train.steps=1")) == 0  # builds tmp_path/data
     reader = DataLock(tmp_path / "data")

@@ -106,7 +106,7 @@ def output_lock(paths: list[Path], out: str | Path, what: str = "--out"):
     """The lock of a command's outputs, not yet taken (use it in a `with`): the folder's own lock when `out` is a
     folder (several stories), or one lock per file beside it (`.<name>.lock`), so that commands writing other
     files of the same folder run side by side."""
-    from tttvideo.train.runlock import RunLock
+    from tttvideo.locks import RunLock
 
     advice = "wait for it to finish, or give another --out"
     out = Path(out)

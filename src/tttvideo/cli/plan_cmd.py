@@ -17,12 +17,18 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
         name,
         help="predict peak memory and step time of each setup and write the fastest that fits",
         description="Predict, on the CPU, the peak GPU memory (counted weights, gradients and optimizer state plus "
-        "activations from measured per-token costs) and the step time of every candidate setup for CONFIG, print "
-        "them best first, and write the fastest one that fits as a config file (--out) that `tttv train` / "
-        "`tttv sample` read.",
+        "activations: counted block by block for the stage configs' checkpointing, else from measured per-token "
+        "costs) and the step time of every candidate setup for CONFIG, print them best first, and write the fastest "
+        "one that fits as a config file (--out) that `tttv train` / `tttv sample` read.",
     )
     add_config_arguments(p)
-    p.add_argument("--gpu-mem", required=True, metavar="SIZE", help="memory of one GPU: 24GiB, 80GB, 24 (GiB)")
+    p.add_argument("--gpu-mem", default=None, metavar="SIZE",
+                   help="memory of one GPU: 24GiB, 80GB, 24 (GiB); default: this machine's first CUDA GPU (its CUDA "
+                        "context is counted apart); required without one")
+    p.add_argument("--margin", type=float, default=None, metavar="SHARE",
+                   help="share of the card the chosen setup leaves free (default 0.05)")
+    p.add_argument("--explain", action="store_true",
+                   help="print the counted parts of the chosen setup's peak (or of the first candidate's)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the launch (default 1)")
     p.add_argument("--phase", choices=("train", "sample"), default="train", help="what to plan (default train)")
     p.add_argument("--duration", default=None, help="video length to plan for (default: layout.duration)")
@@ -37,23 +43,28 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tttvideo.memory.plan.costs import load_costs
-    from tttvideo.memory.plan.planner import best, parse_size, plan, plan_toml
+    from tttvideo.memory.plan.planner import MARGIN, best, parse_size, plan, plan_toml
 
     if args.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {args.gpus}")
-    gpu_mem = parse_size(args.gpu_mem)
+    margin = MARGIN if args.margin is None else args.margin
+    if not 0 <= margin < 1:
+        raise UserError(f"--margin {args.margin} must be a share of the card from 0 to below 1, e.g. 0.05")
+    gpu_mem = parse_size(args.gpu_mem) if args.gpu_mem else this_gpu()
     cfg = config_from_args(args)
     extra = {}
     if args.duration:
         cfg.layout.duration = args.duration
         extra["layout.duration"] = args.duration
     costs = load_costs(args.gpu_kind, *([Path(args.costs)] if args.costs else []))
-    preds = plan(cfg, args.phase, gpu_mem, costs, args.gpus)
-    print_plan(preds, gpu_mem, args, costs.device or costs.gpu)
+    preds = plan(cfg, args.phase, gpu_mem, costs, args.gpus, margin)
+    print_plan(preds, gpu_mem, args, costs.device or costs.gpu, margin)
     chosen = best(preds)
+    if args.explain and preds:
+        print_parts(chosen or preds[0], gpu_mem, margin)
     if chosen is None:
-        print(f"tttv plan: nothing measured fits {args.gpu_mem} per GPU for this {args.phase} setup; use more "
-              f"GPUs (--gpus), a shorter --duration, or a larger card", file=sys.stderr)
+        print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU for this {args.phase} setup; "
+              "use more GPUs (--gpus), a shorter --duration, or a larger card", file=sys.stderr)
         return 1
     if args.out:
         out = Path(args.out)
@@ -65,7 +76,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str) -> None:
+def this_gpu() -> int:
+    """The memory of this machine's first CUDA GPU; a UserError without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("--gpu-mem is needed on a machine without a CUDA GPU: give the card's memory, e.g. "
+                        "--gpu-mem 80GB")
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def print_parts(pred, gpu_mem: int, margin: float) -> None:
+    """The counted parts of one prediction, largest phase first: what `--explain` prints."""
+    from tttvideo.memory.plan.planner import CUDA_CONTEXT, FRAGMENTATION, FRAGMENTATION_STREAMED, GIB, streams_weights
+
+    print(f"\n{pred.candidate.label}: where the memory goes ({pred.basis})")
+    c = pred.counted
+    if pred.breakdown is not None:
+        b = pred.breakdown
+        print(f"  peak at: {b.phase}")
+        for part in b.parts:
+            print(f"  {part.nbytes / GIB:8.2f} GiB  {part.where:<4}  {part.name}  [{part.how}]")
+    else:
+        for name, nbytes in (("weights (storage dtypes)", c.weights), ("gradients", c.gradients),
+                             ("optimizer state", c.optimizer)):
+            print(f"  {nbytes / GIB:8.2f} GiB  gpu   {name}  [counted]")
+        if pred.activation is not None:
+            print(f"  {pred.activation / GIB:8.2f} GiB  gpu   activations at {pred.tokens_per_gpu} tokens per GPU  "
+                  f"[{pred.basis}]")
+            frag = FRAGMENTATION_STREAMED if streams_weights(pred.config) else FRAGMENTATION
+            print(f"  {(pred.reserved - pred.peak) / GIB:8.2f} GiB  gpu   allocator: reserved over allocated "
+                  f"({frag:.0%})  [measured]")
+    print(f"  {c.trainable_params / 1e9:8.2f} B    trainable parameters  [counted]")
+    print(f"  {CUDA_CONTEXT / GIB:8.2f} GiB  gpu   CUDA context (outside PyTorch)  [measured]")
+    if pred.reserved is not None:
+        total = pred.reserved + CUDA_CONTEXT
+        print(f"  {total / GIB:8.2f} GiB  of a card of {gpu_mem / GIB:.1f} GiB with {margin:.0%} left free "
+              f"({gpu_mem * (1 - margin) / GIB:.1f} GiB): {'fits' if pred.fits else 'does not fit'}")
+
+
+def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str, margin: float = 0.0) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -74,21 +124,24 @@ def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str) -> No
     shown = preds if args.all else preds[:12]
     first = preds[0].config if preds else None
     title = (f"{args.phase} plan: {first.model.preset if first else ''}, {first.layout.duration if first else ''}, "
-             f"{args.gpus} GPU(s) of {gpu_mem / GIB:.1f} GiB (costs measured on {device})")
+             f"{args.gpus} GPU(s) of {gpu_mem / GIB:.1f} GiB, {margin:.0%} left free (costs measured on {device})")
     t = Table(title=title)
-    for col in ("#", "setup", "weights+grads+optim", "activations", "peak / GPU", "step s", "fits", "note"):
-        t.add_column(col, justify="left" if col in ("setup", "note", "fits") else "right",
-                     overflow="fold" if col in ("setup", "note") else None)
+    for col in ("#", "setup", "weights+grads+optim", "activations", "peak / GPU", "reserved", "host", "step s",
+                "fits", "activations from", "note"):
+        t.add_column(col, justify="left" if col in ("setup", "note", "fits", "activations from") else "right",
+                     overflow="fold" if col in ("setup", "note", "activations from") else None)
     for i, p in enumerate(shown, 1):
         fits = {True: "yes", False: "no", None: "?"}[p.fits]
         t.add_row(str(i), p.candidate.label, f"{p.counted.total / GIB:.1f} GiB",
                   "" if p.activation is None else f"{p.activation / GIB:.1f} GiB",
                   "" if p.peak is None else f"{p.peak / GIB:.1f} GiB",
-                  "" if p.step_s is None else f"{p.step_s:.2f}", fits, "; ".join(p.notes),
+                  "" if p.reserved is None else f"{p.reserved / GIB:.1f} GiB",
+                  f"{p.host / GIB:.1f} GiB" if p.host else "",
+                  "" if p.step_s is None else f"{p.step_s:.2f}", fits, p.basis, "; ".join(p.notes),
                   style=None if p.fits else ("yellow" if p.fits is False else "dim"))
     console = Console()
     if not console.is_terminal:
-        console = Console(width=180)
+        console = Console(width=220)
     console.print(t)
     if len(preds) > len(shown):
         console.print(f"({len(preds) - len(shown)} more candidates: --all lists them)")

@@ -70,25 +70,38 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tttvideo.errors import UserError
-    from tttvideo.parallel.launch import exit_on_rank, launch_rank
+    from tttvideo.memory.guard.oom import OutOfMemory
+    from tttvideo.parallel.launch import exit_on_rank, launch_rank, launch_world_size
     from tttvideo.parallel.watchdog import advise, finish, peer_failure
     from tttvideo.train.stop import TrainingStopped
     from tttvideo.train.trainer import Trainer
 
     console = Console()
     cfg = config_from_args(args)
+    fit = None
     if args.auto_fit:
-        from tttvideo.memory.plan.planner import auto_fit
+        from tttvideo.memory.plan.planner import auto_fit_plan
 
-        cfg = auto_fit(cfg, "train", args.config)
+        fit = auto_fit_plan(cfg, "train", args.config)
+        cfg = fit.config
     configured_dir = cfg.train.output_dir
     if_exists = next((value for flag, value in IF_EXISTS_FLAGS.items() if getattr(args, flag, False)), None)
     started: dict = {}  # the trainer, once built: a rank that loses a peer names its newest checkpoint
     advise(lambda: _after_lost_peer(args, configured_dir, started.get("trainer")))
     try:
-        trainer = started["trainer"] = Trainer(cfg, console=console, if_exists=if_exists,
-                                               trust_checkpoint=args.trust_checkpoint)
-        result = trainer.run()
+        while True:
+            trainer = started["trainer"] = Trainer(cfg, console=console, if_exists=if_exists,
+                                                   trust_checkpoint=args.trust_checkpoint)
+            try:
+                result = trainer.run()
+                break
+            except OutOfMemory as err:
+                if fit is None or getattr(trainer, "first_step", None) != trainer.step or launch_world_size() > 1:
+                    raise
+                fit, cfg, if_exists = replan(fit, err, trainer)
+            del trainer  # its model and optimizer go before the next setup's are built
+            started.pop("trainer", None)
+            _free_gpu_memory()
     except TrainingStopped as stop:
         finish()
         if launch_rank() == 0:
@@ -126,6 +139,35 @@ def run(args: argparse.Namespace) -> int:
     if pictures:
         console.print(f"look at what it learned: {' and '.join(str(p) for p in pictures)}")
     return 0
+
+
+def replan(fit, err, trainer):
+    """--auto-fit after an out-of-memory error in the first step: one sentence on stderr naming the setup, the phase
+    and the block, and the next setup, planned with the activations the failed one measured. The run goes on in the
+    same folder (nothing was saved by the failed step; an earlier checkpoint is resumed from)."""
+    from tttvideo.memory.plan.planner import GIB, replan_after_oom
+
+    failed = fit.chosen
+    fit, scale = replan_after_oom(fit, err.needed or fit.gpu_mem)
+    needed = f"needed more than {err.needed / GIB:.1f} GiB, " if err.needed else ""
+    print(f"tttv train: --auto-fit: {failed.candidate.label} ran out of GPU memory in the {err.where} ({needed}"
+          f"predicted {failed.reserved / GIB:.1f} GiB); re-planned with its activations measured {scale:.2f}x the "
+          f"prediction: {fit.chosen.candidate.label} (predicted {fit.chosen.reserved / GIB:.1f} GiB)",
+          file=sys.stderr, flush=True)
+    cfg = fit.config
+    cfg.train.output_dir = str(trainer.output_dir)
+    return fit, cfg, "resume"
+
+
+def _free_gpu_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _pictures(cfg, result, console) -> list:

@@ -1,8 +1,8 @@
 """The run folder and the demo set's folder: who may use them, what an earlier run in them is, and what happens
 to it (`train.if_exists`: refuse, resume, new, overwrite).
 
-Nothing in a run folder is written or deleted before the run holds its lock (`runlock.RunLock`); the demo set is
-shared by the runs that train on it and rewritten only under its exclusive lock (`runlock.DataLock`).
+Nothing in a run folder is written or deleted before the run holds its lock (`tttvideo.locks.RunLock`); the demo set is
+shared by the runs that train on it and rewritten only under its exclusive lock (`tttvideo.locks.DataLock`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tttvideo.config.schema import Config
 from tttvideo.data.cache import LatentCache
 from tttvideo.errors import UserError
 from tttvideo.outputs import check_writable_dir
-from tttvideo.train.runlock import DataLock, RunLock, current_holder
+from tttvideo.locks import DataLock, RunLock, current_holder
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -17,7 +17,7 @@ config's memory techniques (`tttvideo.train.step.build_train_step`), and a CUDA 
 the run with one sentence (`tttvideo.memory.guard.oom`): the phase and block it hit, the newest checkpoint, and the
 switches that would make room.
 
-Run safety: the run folder is locked for the whole run (`runlock`), an earlier run in it is resumed, kept or
+Run safety: the run folder is locked for the whole run (`tttvideo.locks`), an earlier run in it is resumed, kept or
 deleted only as `train.if_exists` (or --resume / --new / --overwrite) says, damaged checkpoints are passed over
 (`checkpoint.newest_intact_checkpoint`), SIGINT / SIGTERM finish the step and save before stopping, and
 metrics.jsonl and TensorBoard hold each step once, whatever was logged after the checkpoint a run resumes from.
@@ -323,6 +323,7 @@ class Trainer:
             self.console.print("train.sample_at_end / validate_every: multi-process runs make no videos yet; "
                                "sample from a checkpoint with tttv sample")
         total = self.train.steps
+        self.first_step = self.step  # an out-of-memory error here is one `tttv train --auto-fit` re-plans
         result = TrainResult(self.output_dir, self.step, math.nan, math.nan)
         if self.step >= total:
             self.console.print(f"nothing to do: the run is at step {self.step} of {total}")

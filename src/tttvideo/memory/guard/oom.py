@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,25 @@ GIB = 2**30
 
 
 class OutOfMemory(UserError):
-    """The GPU ran out of memory; the message says where and what to switch on."""
+    """The GPU ran out of memory; the message says where and what to switch on. `where`: the phase and block;
+    `needed`: bytes per GPU it needed at least (reserved at the peak plus the allocation that failed; None off
+    CUDA), what `tttv train --auto-fit` re-plans with."""
+
+    def __init__(self, message: str, where: str = "", needed: int | None = None):
+        super().__init__(message)
+        self.where, self.needed = where, needed
+
+
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) (GiB|MiB|KiB|B)")
+
+
+def needed_bytes(err: BaseException) -> int | None:
+    """What a CUDA out-of-memory error shows was needed: the peak reserved memory plus the allocation that failed."""
+    if not torch.cuda.is_available():
+        return None
+    m = _REQUEST.search(str(err))
+    request = int(float(m.group(1)) * {"GiB": GIB, "MiB": 2**20, "KiB": 2**10, "B": 1}[m.group(2)]) if m else 0
+    return torch.cuda.max_memory_reserved() + request
 
 
 class OomWatch:
@@ -128,7 +147,7 @@ def train_oom_error(err: BaseException, cfg: Config, model: nn.Module, watch: Oo
     kept = (f"the newest checkpoint is {newest_checkpoint} (resume from it with --resume)"
             if newest_checkpoint is not None else "no checkpoint was written yet")
     return OutOfMemory(f"out of GPU memory in the {watch.where()} ({_first_line(err)}); {kept}; "
-                       f"{_advice(cfg, train_savings(cfg, model, gpus), 'train')}")
+                       f"{_advice(cfg, train_savings(cfg, model, gpus), 'train')}", watch.where(), needed_bytes(err))
 
 
 class DenoiseWatch(OomWatch):

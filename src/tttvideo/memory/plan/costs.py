@@ -1,5 +1,6 @@
 """The measured half of the planner: activation memory and step time as functions of the tokens one GPU holds, per
-GPU kind.
+GPU kind, for the regimes the counted block model (`tttvideo.memory.plan.activations`, whose measured constants sit
+in the same table under "blocks") does not cover.
 
 Local attention works window by window and the TTT scan, the MLP and every projection token by token, so for a
 fixed setup a step's activation memory (its peak minus what `count` counts) and its time grow with the tokens
@@ -29,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tttvideo.config.schema import Config
-from tttvideo.memory.techniques import ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, GUIDANCE_PASSES
+from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, GUIDANCE_PASSES,
+                                        NESTED_CHECKPOINTING)
 
 COSTS_FILE = Path(__file__).with_name("costs.json")
 
@@ -69,6 +71,10 @@ class CostTable:
     time: dict[str, Curve] = field(default_factory=dict)
     # measured sequence-parallel efficiency per degree: step time on sp GPUs = one GPU's / (sp x efficiency)
     sp_efficiency: dict[int, float] = field(default_factory=dict)
+    # per activation regime: the largest measured reserved-over-allocated share of its calibration runs
+    reserved: dict[str, float] = field(default_factory=dict)
+    # the counted block model's measured constants (tttvideo.memory.plan.activations), None where not measured
+    blocks: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         def lines(d: dict[str, Curve]) -> dict[str, Any]:
@@ -76,7 +82,9 @@ class CostTable:
 
         return {"gpu": self.gpu, "device": self.device, "source": self.source,
                 "activation": lines(self.activation), "time": lines(self.time),
-                "sp_efficiency": {str(k): v for k, v in sorted(self.sp_efficiency.items())}}
+                "sp_efficiency": {str(k): v for k, v in sorted(self.sp_efficiency.items())},
+                "reserved": dict(sorted(self.reserved.items())),
+                **({"blocks": self.blocks} if self.blocks else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CostTable":
@@ -84,7 +92,8 @@ class CostTable:
             return {k: Curve(tuple((float(t), float(v)) for t, v in pts)) for k, pts in x.items()}
 
         return cls(d["gpu"], d.get("device", ""), d.get("source", ""), lines(d.get("activation", {})),
-                   lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()})
+                   lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()},
+                   {k: float(v) for k, v in d.get("reserved", {}).items()}, d.get("blocks"))
 
 
 def known_gpus(path: Path = COSTS_FILE) -> list[str]:
@@ -109,8 +118,13 @@ def load_costs(gpu: str, path: Path = COSTS_FILE) -> CostTable:
 
 
 def save_costs(table: CostTable, path: Path = COSTS_FILE) -> None:
+    """Write `table` as its GPU kind's entry; a table without block-model constants keeps those already there
+    (benchmarks/plan_calibration.py fits the curves, benchmarks/plan_accuracy.py --fit the block model)."""
     tables = json.loads(path.read_text()) if path.is_file() else {}
+    kept = tables.get(table.gpu, {}).get("blocks")
     tables[table.gpu] = table.to_dict()
+    if table.blocks is None and kept:
+        tables[table.gpu]["blocks"] = kept
     path.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
 
 
@@ -133,8 +147,9 @@ def long_range_tag(cfg: Config) -> str:
 def activation_key(cfg: Config, phase: str) -> str:
     if phase == "sample":
         return f"{cfg.model.preset}|{cfg.model.dtype}|sample|{sample_forward(cfg)}{long_range_tag(cfg)}"
+    nested = NESTED_CHECKPOINTING.regime_tag(cfg)
     return (f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{CHECKPOINTING.regime_tag(cfg)}|"
-            f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{long_range_tag(cfg)}")
+            f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{'|' + nested if nested else ''}{long_range_tag(cfg)}")
 
 
 def time_key(cfg: Config, phase: str) -> str:

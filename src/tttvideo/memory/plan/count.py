@@ -17,7 +17,8 @@ on a CPU) with the config's adapter and weight storage, and its tensors are summ
   is counted for the copies in flight.
 
 These are exact for the tensors they name (tests/test_planner.py checks them against a built model); what a step
-allocates beyond them is the activation model's job (`tttvideo.memory.plan.costs`).
+allocates beyond them is counted block by block (`tttvideo.memory.plan.activations`) or measured per token
+(`tttvideo.memory.plan.costs`).
 """
 
 from __future__ import annotations

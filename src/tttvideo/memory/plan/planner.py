@@ -12,17 +12,22 @@ that the techniques of `tttvideo.memory.techniques` offer):
   sequence parallelism.
 The adapter, the duration and the resolution are the user's experiment, not memory switches: they stay as given.
 
-Each candidate's peak = counted (weights, gradients, optimizer state: `count`) + activations (per-token costs
-measured on a GPU kind: `costs`); its step time = per-token time cost. It fits a card of M bytes when
-peak x (1 + margin) + CUDA_CONTEXT <= M: the allocator's reserved memory runs a few percent above what is
-allocated (FRAGMENTATION; more with weights streamed from host memory, whose per-layer copies come and go:
-FRAGMENTATION_STREAMED), and the CUDA context sits outside PyTorch's figures. The best candidate is the fastest
-that fits; a candidate whose regime was never measured is listed but never chosen.
+Each candidate's memory is a sum of counted parts. Weights, gradients and optimizer state are counted from the
+model built on the meta device (`count`). What a step allocates beyond them comes, for training with every block
+and sub-module checkpointed (the stage configs' policy, with the block inputs kept, nested or offloaded), from the
+counted block model (`tttvideo.memory.plan.activations`: saved inputs, the working set of the block that runs, the
+phase where the peak falls, host bytes, the allocator's reserved margin; its constants measured), and otherwise from
+the measured per-token curves of the setup's regime (`costs`), whose reserved memory runs FRAGMENTATION above what is
+allocated (more with weights streamed from host memory: FRAGMENTATION_STREAMED). A setup fits a card of M bytes when
+its reserved peak + CUDA_CONTEXT <= M x (1 - margin) (default MARGIN, `tttv plan --margin`). Each prediction says
+how it was made (`basis`): counted, interpolated between measured lengths, or extrapolated beyond them. The best
+candidate is the fastest that fits; a candidate whose regime was never measured is listed but never chosen.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -33,11 +38,12 @@ from typing import Any
 from tttvideo.config.schema import Config
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan.costs import CostTable, activation_key, time_key
+from tttvideo.memory.plan.activations import BlockConstants, Breakdown, fits_block_model, train_peak
+from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
 from tttvideo.memory.plan.count import Counted, count
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FP8_STREAMING,
-                                        FP8_WEIGHTS, GUIDANCE_PASSES, REGISTRY, SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL,
-                                        MemoryTechnique, Option)
+                                        FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
+                                        SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, MemoryTechnique, Option)
 
 GIB = 2**30
 FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (docs/memory.md: measured 2-8%)
@@ -45,6 +51,7 @@ FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (doc
 # above), where a resident one predicted at 44.78 GiB ran under 47.2 (5.4% above); docs/memory.md, plan check
 FRAGMENTATION_STREAMED = 0.10
 CUDA_CONTEXT = int(0.8 * GIB)  # measured 0.5-0.8 GiB outside PyTorch on H100 / H200 with torch 2.11
+MARGIN = 0.05  # the share of the card the chosen setup leaves free (`tttv plan --margin`)
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,10 @@ class Prediction:
     step_s: float | None
     fits: bool | None  # None: unknown (not measured)
     notes: list[str] = field(default_factory=list)
+    reserved: int | None = None  # the allocator's reserved peak (what must fit the card)
+    host: int = 0  # host bytes of what is offloaded
+    breakdown: Breakdown | None = None  # the counted parts (block model setups)
+    basis: str = ""  # how the activations were predicted: counted / interpolated / extrapolated / not measured
 
     @property
     def peak(self) -> int | None:
@@ -109,14 +120,18 @@ def _train_candidates(cfg: Config, gpus: int) -> list[Candidate]:
     storages = [(o.label, o, stream[0]) for o in fp8]
     storages += [("fp8 " + s.label, o, s) for o in fp8 if o.label == "fp8" for s in stream[1:]]
     out = []
-    for ck, offload, (stored, weights, streamed), optim, sp in itertools.product(
-            CHECKPOINTING.options(cfg, phase, gpus), ACTIVATION_OFFLOAD.options(cfg, phase, gpus), storages,
-            ADAMW_8BIT.options(cfg, phase, gpus), SEQUENCE_PARALLEL.options(cfg, phase, gpus)):
-        options = (ck, offload, weights, optim, streamed) + ((sp,) if gpus > 1 else ())
+    for ck, offload, nested, (stored, weights, streamed), optim, sp in itertools.product(
+            CHECKPOINTING.options(cfg, phase, gpus), ACTIVATION_OFFLOAD.options(cfg, phase, gpus),
+            NESTED_CHECKPOINTING.options(cfg, phase, gpus), storages, ADAMW_8BIT.options(cfg, phase, gpus),
+            SEQUENCE_PARALLEL.options(cfg, phase, gpus)):
+        options = (ck, offload, nested, weights, optim, streamed) + ((sp,) if gpus > 1 else ())
         c = Candidate("", options).apply(cfg)
         if c.checkpointing.offload_activations and c.checkpointing.keep:
             continue  # kept outputs stay on the GPU: offloading the rest is a regime nobody measured
-        label = f"ckpt {ck.label}{', ' + offload.label if offload.label else ''}, {stored} weights, {optim.label}"
+        if c.checkpointing.nested_span > 1 and (c.checkpointing.keep or c.checkpointing.offload_activations):
+            continue  # nesting spans of selective blocks, or nesting what is offloaded anyway: nothing to gain
+        extra = ", ".join(o.label for o in (offload, nested) if o.label)
+        label = f"ckpt {ck.label}{', ' + extra if extra else ''}, {stored} weights, {optim.label}"
         if gpus > 1:
             label += f", sp {c.parallel.sp} x fsdp {gpus // c.parallel.sp}"
         out.append(Candidate(label, options))
@@ -155,7 +170,10 @@ def _sample_candidates(cfg: Config, gpus: int) -> list[Candidate]:
 
 
 def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpus: int = 1,
-            gpu_mem: int | None = None) -> Prediction:
+            gpu_mem: int | None = None, margin: float = MARGIN, optimizer_state_live: bool = True) -> Prediction:
+    """The prediction of one candidate; `optimizer_state_live=False`: of a process's first step, whose optimizer
+    state appears only at its optimizer step (what a one-step benchmark measures; training's peak is a later
+    step's)."""
     c = candidate.apply(cfg)
     layout = VideoLayout.from_config(c.layout, c.ttt)
     batch = c.train.batch_size if phase == "train" else 1
@@ -163,17 +181,39 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     tokens = layout.total_tokens * batch // sp
     counted = count(c, phase, gpus)
     notes = []
-    act_cost = costs.activation.get(activation_key(c, phase))
-    activation = None if act_cost is None else max(0, int(act_cost(tokens)))
-    if act_cost is None:
-        notes.append("activation regime not measured")
-    time_cost = costs.time.get(time_key(c, phase))
+    blocks = BlockConstants.from_dict(costs.blocks) if costs.blocks else None
+    breakdown, reserved, host, time_factor = None, None, 0, 1.0
+    if phase == "train" and blocks is not None and fits_block_model(c, gpus):
+        breakdown = train_peak(c, counted, blocks, gpus, optimizer_state_live)
+        activation = breakdown.allocated - counted.total
+        reserved, host = breakdown.reserved, breakdown.host
+        if streams_weights(c):
+            reserved += int(breakdown.allocated * (FRAGMENTATION_STREAMED - FRAGMENTATION))
+        notes.extend(breakdown.notes)
+        if gpus > 1:
+            notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
+        basis = "counted (block model)"
+        # the block model's techniques scale the time of the step with the inputs kept
+        time_factor = blocks.time_factor(c)
+        time_cost = Curve(blocks.time_points) if blocks.time_points else None
+    else:
+        act_cost = costs.activation.get(activation_key(c, phase))
+        activation = None if act_cost is None else max(0, int(act_cost(tokens)))
+        basis = "not measured" if act_cost is None else _curve_basis(act_cost, tokens)
+        if act_cost is None:
+            notes.append("activation regime not measured")
+        else:
+            # the regime's measured reserve where its calibration recorded one, never below the defaults
+            default = FRAGMENTATION_STREAMED if streams_weights(c) else FRAGMENTATION
+            share = max(default, costs.reserved.get(activation_key(c, phase), 0.0))
+            reserved = int((counted.total + activation) * (1 + share))
+        time_cost = costs.time.get(time_key(c, phase))
     step_s = None
     # each half of the ranks runs one of the two guided passes: measured 2.01x on two H200s at 63 s
     # (benchmarks/results/sample_parallel_h200.json), so no loss is counted
     split = 2 if phase == "sample" and gpus > 1 and c.sample.split_guidance else 1
     if time_cost is not None:
-        one = time_cost(layout.total_tokens * batch) / split
+        one = time_cost(layout.total_tokens * batch) / split * time_factor
         if sp == 1:
             step_s = one
         elif sp in costs.sp_efficiency:
@@ -183,13 +223,20 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     else:
         notes.append("time not measured")
     fits = None
-    if activation is not None and gpu_mem is not None:
-        fits = fits_in(counted.total + activation, gpu_mem, streams_weights(c))
+    if reserved is not None and gpu_mem is not None:
+        fits = reserved + CUDA_CONTEXT <= gpu_mem * (1 - margin)
     if sp > 1:
         notes.append("sp: one-GPU per-token costs")
     if split > 1:
         notes.append("activations of a batch-2 guided forward: an upper bound (one pass a rank)")
-    return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes)
+    return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis)
+
+
+def _curve_basis(curve: Curve, tokens: int) -> str:
+    lo, hi = curve.points[0][0], curve.points[-1][0]
+    if len(curve.points) > 1 and lo <= tokens <= hi:
+        return "interpolated (measured curve)"
+    return "extrapolated (measured curve)" if tokens != lo else "measured"
 
 
 def streams_weights(cfg: Config) -> bool:
@@ -197,15 +244,18 @@ def streams_weights(cfg: Config) -> bool:
     return any(t.streams_weights and t.is_on(cfg) for t in REGISTRY)
 
 
-def fits_in(peak: int, gpu_mem: int, streamed: bool = False) -> bool:
-    margin = FRAGMENTATION_STREAMED if streamed else FRAGMENTATION
-    return peak * (1 + margin) + CUDA_CONTEXT <= gpu_mem
+def fits_in(peak: int, gpu_mem: int, streamed: bool = False, margin: float = 0.0) -> bool:
+    """Whether an allocated `peak` fits a card of `gpu_mem` bytes: its reserved memory (FRAGMENTATION above it) and
+    the CUDA context within the card less `margin` of it."""
+    fragmentation = FRAGMENTATION_STREAMED if streamed else FRAGMENTATION
+    return peak * (1 + fragmentation) + CUDA_CONTEXT <= gpu_mem * (1 - margin)
 
 
-def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1) -> list[Prediction]:
+def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
+         margin: float = MARGIN) -> list[Prediction]:
     """Every candidate's prediction, best first: those that fit by step time (unknown time last; of equal times the
     one with fewer `overheads`), then those that do not by peak, then the unmeasured."""
-    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem) for c in candidates(cfg, phase, gpus)]
+    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin) for c in candidates(cfg, phase, gpus)]
 
     def rank(p: Prediction) -> tuple:
         if p.fits:
@@ -290,24 +340,45 @@ def gpu_kind(name: str) -> str:
     return lowered.split()[-1] if lowered else ""
 
 
-def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | None = None) -> Config:
-    """`--auto-fit`: `cfg` with the switches of the fastest measured setup that fits this launch's GPUs (their
-    memory, or memory.max_gpu_gib when set); one sentence when none does."""
-    import logging
+@dataclass
+class AutoFit:
+    """What --auto-fit chose and what it chose among: the re-plan after an out-of-memory error starts from it."""
 
+    chosen: Prediction
+    preds: list[Prediction]
+    gpu_mem: int
+    gpus: int
+    phase: str
+    config_path: str | None
+
+    @property
+    def config(self) -> Config:
+        return self.chosen.config
+
+
+def this_gpu() -> tuple[str, int]:
+    """(name, total bytes) of this process's CUDA GPU; a UserError without one."""
     import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("--auto-fit plans for a CUDA GPU and this machine has none; drop --auto-fit (on a CPU the "
+                        "memory switches do not matter), or run `tttv plan` to see what a GPU would need")
+    return torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory
+
+
+def auto_fit_plan(cfg: Config, phase: str, config_path: str | None, duration: str | None = None) -> AutoFit:
+    """`--auto-fit`: the fastest measured setup that fits this launch's GPUs (their memory, or memory.max_gpu_gib
+    when set), with the predictions it was chosen from; one sentence when none fits."""
+    import logging
 
     from tttvideo.memory.plan.costs import known_gpus, load_costs
     from tttvideo.parallel.launch import launch_world_size
 
     log = logging.getLogger(__name__)
     gpus = launch_world_size()
-    if not torch.cuda.is_available():
-        raise UserError("--auto-fit plans for a CUDA GPU and this machine has none; drop --auto-fit (on a CPU the "
-                        "memory switches do not matter), or run `tttv plan` to see what a GPU would need")
-    name = torch.cuda.get_device_name()
+    name, total = this_gpu()
     cap = cfg.memory.max_gpu_gib
-    gpu_mem = int(cap * GIB) + CUDA_CONTEXT if cap > 0 else torch.cuda.get_device_properties(0).total_memory
+    gpu_mem = int(cap * GIB) + CUDA_CONTEXT if cap > 0 else total
     kind = gpu_kind(name)
     if kind not in known_gpus():
         log.warning("--auto-fit: no measured costs for %s; using the H100's", name)
@@ -322,4 +393,37 @@ def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | N
                         f"{gpu_mem / GIB:.0f}GiB --gpus {gpus} --phase {phase}` lists the candidates")
     log.info("--auto-fit: %s (predicted peak %.1f GiB per GPU%s)", chosen.candidate.label, chosen.peak / GIB,
              "" if chosen.step_s is None else f", {chosen.step_s:.2f} s per step")
-    return chosen.config
+    return AutoFit(chosen, preds, gpu_mem, gpus, phase, config_path)
+
+
+def auto_fit(cfg: Config, phase: str, config_path: str | None, duration: str | None = None) -> Config:
+    """`--auto-fit`: `cfg` with the switches of the fastest measured setup that fits this launch's GPUs."""
+    return auto_fit_plan(cfg, phase, config_path, duration).config
+
+
+def replan_after_oom(fit: AutoFit, needed: int) -> tuple[AutoFit, float]:
+    """The next setup after `fit.chosen` ran out of memory needing at least `needed` bytes per GPU (what was
+    reserved when it failed plus the allocation that failed): every candidate's activations (and reserved memory)
+    are scaled by what the failed one measured against its prediction (at least 1.1x), the failed setup is left
+    out, and the fastest that still fits is chosen. Returns it and the scale; a UserError when none fits."""
+    failed = fit.chosen
+    predicted = max(1, failed.reserved - failed.counted.total)
+    scale = max(1.1, (needed - failed.counted.total) / predicted)
+    margin = MARGIN
+    preds = []
+    for p in fit.preds:
+        if p is failed or p.candidate.label == failed.candidate.label or p.activation is None:
+            continue
+        activation = int(p.activation * scale)
+        reserved = p.counted.total + int((p.reserved - p.counted.total) * scale)
+        fits = reserved + CUDA_CONTEXT <= fit.gpu_mem * (1 - margin)
+        preds.append(dataclasses.replace(p, activation=activation, reserved=reserved, fits=fits,
+                                         notes=p.notes + [f"activations x{scale:.2f} after an out-of-memory error"]))
+    preds.sort(key=lambda p: (0, p.step_s if p.step_s is not None else float("inf"), overheads(p.config), p.peak)
+               if p.fits else (1, p.peak, 0, 0))
+    chosen = best(preds)
+    if chosen is None:
+        raise UserError(f"--auto-fit: {failed.candidate.label} ran out of memory and, with its activations measured "
+                        f"{scale:.2f}x the prediction, no other setup fits {fit.gpu_mem / GIB:.1f} GiB per GPU; "
+                        f"shorten layout.duration or use more GPUs")
+    return AutoFit(chosen, preds, fit.gpu_mem, fit.gpus, fit.phase, fit.config_path), scale

@@ -1,0 +1,252 @@
+"""A training step's GPU memory as a sum of counted parts, phase by phase, for the setups whose every block and
+every sub-module is checkpointed (the stage configs' policy), with their block inputs kept, nested or offloaded.
+
+What grows with the video is countable: every checkpointed block unit saves its input for backward (batch x
+tokens/sp x dim in the stream's dtype, plus a few bytes a token of other saved tensors: measured 296 B/token from
+the offloaded bytes at 9, 18 and 63 s), and the block that runs needs a working set. The working set is named part
+by part, each a function of the tokens one GPU holds, the heads, the head dim, the TTT mini-batch and scan group and
+sp (`working_set`):
+- the MLP's hidden activations: tokens x 4 dim in the stream's dtype;
+- fp32 upcasts of the stream (the norms and the gated residual add): tokens x dim x 4 bytes;
+- the TTT scan's checkpoints: the fast weights (two fp32 matrices of head_dim x 4 head_dim per head for TTT-MLP,
+  one head_dim x head_dim for TTT-Linear) once per scan group of mini-batches, for the forward and the reverse pass;
+- attention and the remaining stream-sized temporaries (q, k, v, the attention output, the gradients flowing back,
+  the adaLN-modulated inputs): a measured number of stream-sized tensors (`stream_copies`, fitted at 9 s).
+
+Where the peak falls depends on the policy, so each phase is counted and the largest wins (`train_peak`):
+the end of forward (every saved input, no gradients yet), each unit's backward recompute (the inputs still saved,
+the gradients of the blocks already done, the working set), and the optimizer step (weights, all gradients,
+the optimizer state). With nested checkpointing (spans of k units) forward keeps one input per span and a span's
+backward its k units' inputs: about n / k + k instead of n. With activation offload the inputs go to a host pool of
+exact-size buffers (as many as `checkpointing.offload_host_gib` holds; the rest stay on the GPU) and two are on the
+GPU at a time in backward (the one in use and the one prefetched).
+
+The allocator reserves more than it allocates: `reserved_fraction` of the peak, plus, with offload, a few
+stream-sized blocks that the side stream's copies keep from reuse (`offload_reserved_units`). Both constants are
+measured (costs.json's "blocks" table of a GPU kind, written from benchmarks/results by benchmarks/plan_accuracy.py's
+`--fit`); the structure carries the growth, so the 9-s calibration predicts 18 and 63 s (docs/memory.md, "Planner
+accuracy").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tttvideo.config.schema import Config
+from tttvideo.layout import VideoLayout
+from tttvideo.memory.plan.count import Counted
+
+GIB = 2**30
+
+# the setup the block model is measured for: every block and each of its four parts checkpointed, one block a unit
+BLOCK_MODEL_POLICY = "sub-block"
+MEASURED_ADAPTERS = ("qkvo",)
+MEASURED_PRESETS = ("cogvideox-5b",)
+
+
+@dataclass(frozen=True)
+class BlockConstants:
+    """The measured constants of the block model for one GPU kind (costs.json, "blocks")."""
+
+    stream_copies: float  # stream-sized tensors live in a block's backward recompute beyond the counted parts
+    saved_extra_per_token: float  # bytes a token a checkpointed unit saves beyond its input
+    reserved_fraction: float  # the allocator's reserved above allocated, as a fraction of the peak
+    offload_reserved_units: float  # with offload: extra reserved memory, in saved inputs
+    # step time against the same step with the inputs kept (one process, 9 s): nested recomputes each span once
+    # more; offload's copies hide behind compute
+    nested_time: float = 1.0
+    offload_time: float = 1.0
+    # measured (tokens, seconds) of the step with the inputs kept: the step time's curve (`costs.Curve`)
+    time_points: tuple[tuple[float, float], ...] = ()
+    source: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockConstants":
+        return cls(float(d["stream_copies"]), float(d["saved_extra_per_token"]), float(d["reserved_fraction"]),
+                   float(d["offload_reserved_units"]), float(d.get("nested_time", 1.0)),
+                   float(d.get("offload_time", 1.0)),
+                   tuple((float(t), float(v)) for t, v in d.get("time_points", ())), str(d.get("source", "")))
+
+    def to_dict(self) -> dict:
+        return {"stream_copies": self.stream_copies, "saved_extra_per_token": self.saved_extra_per_token,
+                "reserved_fraction": self.reserved_fraction, "offload_reserved_units": self.offload_reserved_units,
+                "nested_time": self.nested_time, "offload_time": self.offload_time,
+                "time_points": [list(p) for p in self.time_points], "source": self.source}
+
+    def time_factor(self, cfg: Config) -> float:
+        ck = cfg.checkpointing
+        return self.nested_time if ck.nested_span > 1 else self.offload_time if ck.offload_activations else 1.0
+
+
+@dataclass(frozen=True)
+class Part:
+    """One counted part: its name, bytes, where it lives and how it is known."""
+
+    name: str
+    nbytes: int
+    how: str  # "counted" (shapes and dtypes), "measured" (a constant from a run), "counted x measured"
+    where: str = "gpu"  # or "host"
+
+
+@dataclass
+class Breakdown:
+    """A setup's memory: the parts at the peak phase, the peak (allocated), the reserved estimate and host bytes."""
+
+    phase: str  # where the peak falls
+    parts: list[Part]
+    allocated: int
+    reserved: int
+    host: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def activation(self) -> int:
+        """What the step allocates beyond weights, gradients and optimizer state at the peak."""
+        return self.allocated - sum(p.nbytes for p in self.parts if p.name.startswith(
+            ("weights", "gradients", "optimizer")))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the counts need of the model and the video, per GPU."""
+
+    units: int  # checkpointed block units (blocks: group_size 1)
+    dim: int
+    heads: int
+    head_dim: int
+    act_bytes: int  # bytes of one stream element (the model's dtype)
+    tokens: int  # tokens one GPU holds (batch x total / sp)
+    mini_batch: int
+    scan_group: int
+    ttt_state_values: int  # fast-weight values per head (0: no TTT layer)
+
+    @classmethod
+    def of(cls, cfg: Config, gpus: int = 1) -> "Geometry":
+        from tttvideo.models import get_preset
+
+        spec = get_preset(cfg.model.preset)
+        layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+        sp = cfg.parallel.sp if gpus > 1 else 1
+        hd = spec.attention_head_dim
+        state = 0
+        if cfg.model.use_ttt and cfg.model.sequence_layer == "ttt":
+            state = 2 * hd * 4 * hd + 5 * hd if cfg.ttt.kind == "mlp" else hd * hd + hd
+        act = 4 if cfg.model.dtype == "fp32" else 2
+        return cls(spec.num_layers, spec.num_attention_heads * hd, spec.num_attention_heads, hd, act,
+                   layout.total_tokens * cfg.train.batch_size // sp, cfg.ttt.mini_batch_size,
+                   max(1, cfg.ttt.scan_checkpoint_group_size), state)
+
+    @property
+    def stream(self) -> int:
+        """Bytes of one stream-sized tensor (tokens x dim)."""
+        return self.tokens * self.dim * self.act_bytes
+
+
+def saved_input(g: Geometry, k: BlockConstants) -> int:
+    """Bytes a checkpointed unit saves for backward: its input and the other per-token tensors it saves."""
+    return g.stream + int(g.tokens * k.saved_extra_per_token)
+
+
+def working_set(g: Geometry, k: BlockConstants) -> list[Part]:
+    """The largest working set inside one block's backward recompute, part by part."""
+    checkpoints = math.ceil(g.tokens / (g.mini_batch * g.scan_group))
+    return [
+        Part(f"working set: MLP hidden (tokens x 4 dim x {g.act_bytes} B)", g.tokens * 4 * g.dim * g.act_bytes,
+             "counted"),
+        Part("working set: fp32 upcasts of the stream (tokens x dim x 4 B)", g.tokens * g.dim * 4, "counted"),
+        Part(f"working set: TTT scan checkpoints ({checkpoints} x {g.heads} heads x {g.ttt_state_values} fp32, "
+             "forward and reverse)", 2 * checkpoints * g.heads * g.ttt_state_values * 4, "counted"),
+        Part(f"working set: attention and other stream-sized temporaries ({k.stream_copies:.1f} x tokens x dim)",
+             int(k.stream_copies * g.stream), "counted x measured"),
+    ]
+
+
+def nested_span_of(cfg: Config) -> int:
+    return cfg.checkpointing.nested_span if cfg.checkpointing.nested_span > 1 else 1
+
+
+def offloaded_units(cfg: Config, g: Geometry, k: BlockConstants) -> int:
+    """How many saved inputs the host pool takes: all, or as many as checkpointing.offload_host_gib holds."""
+    if not cfg.checkpointing.offload_activations:
+        return 0
+    cap = cfg.checkpointing.offload_host_gib
+    if cap <= 0:
+        return g.units
+    return min(g.units, int(cap * GIB) // max(1, saved_input(g, k)))
+
+
+def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
+               optimizer_state_live: bool = True) -> Breakdown:
+    """The peak of a training step of `cfg` (block model policy) as counted parts; `optimizer_state_live=False`:
+    the first step of a process, whose optimizer state appears only at its optimizer step."""
+    g = Geometry.of(cfg, gpus)
+    s = saved_input(g, k)
+    ws = working_set(g, k)
+    ws_total = sum(p.nbytes for p in ws)
+    n = g.units
+    grad_per_unit = counted.gradients // max(1, n)
+    opt = counted.optimizer if optimizer_state_live else 0
+    span = nested_span_of(cfg)
+    off = offloaded_units(cfg, g, k)
+    # forward saves units in order; the pool takes the first `off` of them
+    spans = [(i, min(i + span, n)) for i in range(0, n, span)]
+
+    def on_gpu_inputs(unit: int) -> tuple[int, str]:
+        """Saved inputs on the GPU while `unit`'s backward runs."""
+        if off:
+            kept = max(0, unit + 1 - off)  # units at or below `unit` the pool had no room for
+            back = min(2, unit + 1, off)
+            return kept + back, f"{kept} kept on the GPU + {back} fetched back from the host"
+        j = next(j for j, (a, b) in enumerate(spans) if a <= unit < b)
+        return j + (unit - spans[j][0] + 1), ("span inputs + this span's unit inputs" if span > 1 else "inputs")
+
+    phases: list[tuple[str, int, list[Part]]] = []
+    base = [Part("weights (storage dtypes)", counted.weights, "counted")]
+    if opt:
+        base.append(Part("optimizer state", opt, "counted"))
+    fwd_inputs = (len(spans) if span > 1 else n) - (off if span == 1 else 0)
+    phases.append(("end of forward", 0, base + [Part(f"saved inputs: {fwd_inputs} x {s / GIB:.3f} GiB", fwd_inputs * s,
+                                                     "counted")] + ws))
+    for unit in range(n - 1, -1, -1):
+        live, what = on_gpu_inputs(unit)
+        grads = counted.gradients if unit == 0 else (n - unit) * grad_per_unit
+        phases.append((f"backward of block {unit}", 0, base + [
+            Part(f"gradients ({n - unit} of {n} blocks)", grads, "counted"),
+            Part(f"saved inputs: {live} x {s / GIB:.3f} GiB ({what})", live * s, "counted")] + ws))
+    optimizer_step = [Part("weights (storage dtypes)", counted.weights, "counted"),
+                      Part("gradients", counted.gradients, "counted"),
+                      Part("optimizer state", counted.optimizer, "counted")]
+    phases.append(("optimizer step", 0, optimizer_step))
+    phase, _, parts = max(phases, key=lambda p: sum(x.nbytes for x in p[2]))
+    allocated = sum(p.nbytes for p in parts)
+    reserved = int(allocated * (1 + k.reserved_fraction) + (k.offload_reserved_units * s if off else 0))
+    host = off * s
+    notes = []
+    if off:
+        parts = parts + [Part(f"host: {off} offloaded inputs x {s / GIB:.3f} GiB (exact-size pool)", host, "counted",
+                              "host")]
+        if off < n:
+            notes.append(f"host pool holds {off} of {n} block inputs; the rest stay on the GPU")
+    parts = parts + [Part(f"allocator: reserved over allocated ({k.reserved_fraction:.0%}"
+                          + (f" + {k.offload_reserved_units:g} inputs held by the side stream's copies" if off else "")
+                          + ")", reserved - allocated, "measured")]
+    return Breakdown(phase, parts, allocated, reserved, host, notes)
+
+
+def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
+    """Whether the block model counts this setup: the measured kind (CogVideoX-5B, qkvo adapter, weights stored and
+    computed in bf16, TTT-MLP, no sequence parallelism), every block and sub-module checkpointed, one block a unit,
+    no kept outputs, and nested checkpointing and offload not both on. With sp > 1 Ulysses' all-to-all buffers
+    raise the reserve far above one GPU's (a 63-s sp = 2 run reserved 1.28x what it allocated), so those setups
+    wait for a measurement. Other setups keep their measured per-token curves: the model's
+    constants, fitted on this kind, under-predict LoRA with fp8 weights (its 18-s profile by 20%) and over-predict
+    fp32 weights under autocast (by 18% at 9 s), benchmarks/results/plan_accuracy_h100.json."""
+    from tttvideo.memory.plan.costs import long_range_tag
+    from tttvideo.memory.techniques import checkpoint_policy
+
+    ck = cfg.checkpointing
+    return (cfg.model.preset in MEASURED_PRESETS and cfg.model.adapter in MEASURED_ADAPTERS
+            and cfg.model.dtype == "bf16" and not long_range_tag(cfg) and (gpus == 1 or cfg.parallel.sp == 1)
+            and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY
+            and not (ck.nested_span > 1 and ck.offload_activations))

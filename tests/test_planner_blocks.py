@@ -1,0 +1,131 @@
+"""The planner's counted block model (tttvideo.memory.plan.activations): saved block inputs per checkpointing policy
+(kept, nested spans, offloaded to a bounded host pool), the phase where the peak falls, and the committed constants
+against the held-out full-size measurements (benchmarks/results/model_step_long_h100.json); `tttv plan --explain`
+and `--margin`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tttvideo.cli import main
+from tttvideo.config.loader import load_config
+from tttvideo.memory.plan.activations import BlockConstants, Geometry, saved_input, train_peak, working_set
+from tttvideo.memory.plan.count import Counted
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+# the benchmarks' setup (benchmarks/plan_accuracy.py STEP_SETUP) without the weights: shapes only
+SETUP = ["model.preset=cogvideox-5b", "model.dtype=bf16", "model.adapter=qkvo", "ttt.kind=mlp",
+         "ttt.mini_batch_size=64", "ttt.scan_checkpoint_group_size=16", "checkpointing.block=true",
+         "checkpointing.attention=true", "checkpointing.forward_ttt=true", "checkpointing.reverse_ttt=true",
+         "checkpointing.mlp=true", "train.batch_size=1", "layout.text_tokens=0"]
+# no measured stream copies, no reserve: what is left is saved inputs, the counted working set and tensors
+BARE = BlockConstants(stream_copies=0.0, saved_extra_per_token=0.0, reserved_fraction=0.0, offload_reserved_units=0)
+NOTHING = Counted(weights=0, gradients=0, optimizer=0, trainable_params=0, block_weights=0)
+
+
+def cfg_at(duration: str, *extra: str):
+    return load_config(None, SETUP + [f"layout.duration={duration}", *extra])
+
+
+def test_saved_input_is_batch_tokens_over_sp_times_dim():
+    cfg = cfg_at("9s")
+    g = Geometry.of(cfg)
+    assert (g.units, g.dim, g.tokens) == (42, 3072, 51456)
+    assert saved_input(g, BARE) == 51456 * 3072 * 2
+    cfg.parallel.sp = 2
+    assert Geometry.of(cfg, gpus=2).tokens == 51456 // 2
+    cfg.train.batch_size = 3
+    assert Geometry.of(cfg, gpus=2).tokens == 3 * 51456 // 2
+
+
+@pytest.mark.parametrize("span", [2, 6, 7])
+def test_nested_spans_keep_n_over_k_plus_k_inputs(span):
+    """Bare of weights, the peak is the saved inputs and the working set of the block that runs: all 42 inputs
+    kept, or with spans of k the inputs of the spans before the last plus the last span's units."""
+    s = saved_input(Geometry.of(cfg_at("18s")), BARE)
+    ws = sum(p.nbytes for p in working_set(Geometry.of(cfg_at("18s")), BARE))
+    flat, nested = train_peak(cfg_at("18s"), NOTHING, BARE), train_peak(
+        cfg_at("18s", f"checkpointing.nested_span={span}"), NOTHING, BARE)
+    spans = -(-42 // span)
+    last = 42 - span * (spans - 1)
+    assert flat.allocated == 42 * s + ws
+    assert nested.allocated == (spans - 1 + last) * s + ws < flat.allocated
+
+
+def test_offload_holds_what_the_pool_takes_and_keeps_the_rest_on_the_gpu():
+    g = Geometry.of(cfg_at("18s"))
+    s = saved_input(g, BARE)
+    ws = sum(p.nbytes for p in working_set(g, BARE))
+    whole = train_peak(cfg_at("18s", "checkpointing.offload_activations=true"), NOTHING, BARE)
+    assert whole.host == 42 * s and whole.allocated == 2 * s + ws  # the one in use and the one fetched ahead
+    ten = (10 * s + s // 2) / GIB
+    part = train_peak(cfg_at("18s", "checkpointing.offload_activations=true",
+                             f"checkpointing.offload_host_gib={ten}"), NOTHING, BARE)
+    assert part.host == 10 * s and part.allocated == (32 + 2) * s + ws
+    assert any("10 of 42" in n for n in part.notes)
+
+
+def test_peak_phase_moves_to_the_optimizer_step_when_activations_are_small():
+    """A process's first step has no optimizer state in backward: with small activations its optimizer step, which
+    creates the state, is the peak; at 63 s a backward recompute is, and below the peak of a later step."""
+    big = Counted(weights=10 * GIB, gradients=6 * GIB, optimizer=6 * GIB, trainable_params=1, block_weights=1)
+    b = train_peak(cfg_at("3s", "checkpointing.offload_activations=true"), big, BARE, optimizer_state_live=False)
+    assert b.phase == "optimizer step" and b.allocated == 22 * GIB
+    first = train_peak(cfg_at("63s"), big, BARE, optimizer_state_live=False)
+    assert first.phase.startswith("backward") and first.allocated < train_peak(cfg_at("63s"), big, BARE).allocated
+
+
+def test_committed_constants_predict_the_held_out_63s_runs():
+    """The constants fitted at 9 s (and the 18-s offload row) predict the measured 63-s peaks within 10% reserved."""
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.count import count
+
+    k = BlockConstants.from_dict(load_costs("h100").blocks)
+    runs = json.loads((ROOT / "benchmarks/results/model_step_long_h100.json").read_text())["runs"]
+    for run in (r for r in runs if r["duration_s"] == 63):
+        extra = [f"{key}={json.dumps(v)}" for key, v in run["overrides"].items()]
+        cfg = cfg_at("63s", "train.optimizer=adamw8bit", *extra)
+        b = train_peak(cfg, count(cfg, "train"), k, optimizer_state_live=False)
+        assert abs(b.reserved / GIB / run["peak_reserved_gib"] - 1) < 0.10, (run["setup"], b.reserved / GIB)
+        if run.get("offloaded_gib"):
+            assert abs(b.host / GIB / run["offloaded_gib"] - 1) < 0.01
+
+
+def test_plan_explains_the_parts_and_keeps_the_margin(capsys):
+    """The 63-s one-GPU stage config: the planner's choice fits an 80 GB card with 5% free and --explain lists the
+    counted parts; a margin that leaves too little room leaves nothing that fits (exit 1)."""
+    config = "configs/cogvideox-5b/stage5-63s-1gpu.toml"
+    assert main(["plan", config, "--gpu-mem", "79.6GiB", "--explain"]) == 0
+    out = capsys.readouterr().out
+    for part in ("weights (storage dtypes)", "saved inputs", "working set: MLP hidden", "TTT scan checkpoints",
+                 "allocator: reserved over allocated", "CUDA context", "host: 42 offloaded inputs", "fits"):
+        assert part in out, part
+    assert main(["plan", config, "--gpu-mem", "79.6GiB", "--margin", "0.3"]) == 1
+    capsys.readouterr()
+
+
+def test_gpu_mem_is_required_without_a_gpu_and_margin_is_a_share(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is the default")
+    assert main(["plan", "configs/demo.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tttv plan: error: --gpu-mem is needed") and len(err.strip().splitlines()) == 1
+    assert main(["plan", "configs/demo.toml", "--gpu-mem", "24", "--margin", "1.5"]) == 2
+    assert "--margin" in capsys.readouterr().err
+
+
+def test_sequence_parallel_setups_are_not_counted_by_the_one_gpu_block_model():
+    from tttvideo.memory.plan.activations import fits_block_model
+
+    cfg = cfg_at("63s")
+    assert fits_block_model(cfg) and fits_block_model(cfg, gpus=2)  # sp 1: FSDP only
+    cfg.parallel.sp = 2
+    assert fits_block_model(cfg) and not fits_block_model(cfg, gpus=2)
+    cfg.model.adapter = "lora"
+    assert not fits_block_model(cfg)
