@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# --no-compile: pip would byte-compile every module of every wheel, two thirds of the demo's set-up CPU time (69 s
+# --no-compile: pip would byte-compile every module of every wheel, two thirds of the demo's set-up CPU time (66 s
 # -> 24 s); the demo's first run compiles what it imports instead. `make test` compiles everything afterwards, on
 # all cores, so that the suite's many Python processes never recompile (PYTHONDONTWRITEBYTECODE would make each do)
 PIP := $(PY) -m pip install -q --no-compile
