@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tttvideo.config.loader import load_config
 from tttvideo.data.cache import LatentCache
 from tttvideo.data.demo import (BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES, DemoVideo, Scene, build_demo_cache,
                                 render_video)
@@ -17,7 +18,9 @@ from tttvideo.data.demo_score import (CHANCE, CHANCE_OVERALL, latent_frames, par
                                       score_video_file, segment_bounds)
 from tttvideo.layout import VideoLayout
 
-LAYOUT = VideoLayout.create(6, 64, 96, text_tokens=24, mini_batch_size=16)  # the demo's layout
+# the layout `make demo` trains and samples at (8x8 latent frames): the score must be exact where it is used
+_DEMO = load_config("configs/demo.toml")
+LAYOUT = VideoLayout.from_config(_DEMO.layout, _DEMO.ttt)
 
 
 def two_scene_frames(first: Scene, second: Scene) -> np.ndarray:
