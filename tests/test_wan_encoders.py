@@ -9,6 +9,8 @@ import torch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+DEMO_WAN = "configs/wan2.1-1.3b/demo-tiny.toml"
+
 
 def tiny_wan_vae(folder):
     from diffusers import AutoencoderKLWan
@@ -80,3 +82,44 @@ def test_umt5_features_are_wans_pipeline_features(tmp_path):
     enc.release()
     with pytest.raises(Exception, match="gives 32-d features but the model takes 64-d"):
         make_text_encoder(cfg, 8, 64, torch.device("cpu"))
+
+
+def test_precompute_encodes_with_wans_vae_and_umt5(tmp_path):
+    """`tttv precompute` on a wan config: the stored posterior is AutoencoderKLWan's, normalised per channel (so
+    the cache's samples are the latents Wan works in), and the text is the masked umT5's, zero past the prompt."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.test_precompute import clip, write_mp4
+    from tttvideo.cli import main
+    from tttvideo.data.cache import LatentCache
+    from tttvideo.data.video import read_frames
+    from tttvideo.layout import VideoLayout
+
+    vae = tiny_wan_vae(tmp_path / "enc" / "vae")
+    tiny_umt5(tmp_path / "enc")
+    (tmp_path / "videos").mkdir()
+    write_mp4(tmp_path / "videos" / "a.mp4", clip(49, 32, 48, seed=1))
+    (tmp_path / "captions.jsonl").write_text(json.dumps({"video": "a.mp4", "captions": ["a red circle"]}) + "\n")
+    out = tmp_path / "cache"
+    assert main(["precompute", DEMO_WAN, "--videos", str(tmp_path / "videos"), "--captions",
+                 str(tmp_path / "captions.jsonl"), "--out", str(out), "--vae", str(tmp_path / "enc"), "--t5",
+                 str(tmp_path / "enc"), "--set", "layout.duration=3s", "--set", "layout.height=32", "--set",
+                 "layout.width=48", "--set", "layout.text_tokens=8", "--set", "ttt.mini_batch_size=16", "--set",
+                 "data.cache_dtype=fp32", "--set", "data.device=cpu"]) == 0
+    x = torch.from_numpy(read_frames(tmp_path / "videos" / "a.mp4")).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        dist = vae.encode(x).latent_dist
+    m = torch.tensor(vae.config.latents_mean).view(4, 1, 1, 1)
+    s = torch.tensor(vae.config.latents_std).view(4, 1, 1, 1)
+    stored = load_file(out / "latents" / "a.safetensors")
+    torch.testing.assert_close(stored["mean"], (dist.mean[0] - m) / s, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stored["logvar"].exp().sqrt(), dist.std[0] / s, rtol=1e-4, atol=1e-4)
+    [text_file] = (out / "text").iterdir()
+    text = load_file(text_file)["embedding"]
+    n = int((text.abs().sum(-1) > 0).sum())
+    assert 2 <= n < 8 and text[n:].abs().sum() == 0  # the prompt's tokens, then zeros
+    cache = LatentCache(out / "manifest.jsonl", VideoLayout.create(3, 32, 48, text_tokens=8, mini_batch_size=16,
+                                                                   text_in_stream=False), 4, 32)
+    assert [e.id for e in cache.entries] == ["a"]

@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--gpus must be at least 1, got {args.gpus}")
     gpu_mem = parse_size(args.gpu_mem)
     cfg = config_from_args(args)
+    from tttvideo.models.backbone import backbone_of
+
+    if backbone_of(cfg.model.preset).name != "cogvideox":  # its costs are measured on CogVideoX's blocks
+        raise UserError(f"the planner covers CogVideoX only so far; model.preset {cfg.model.preset!r} is not a "
+                        f"CogVideoX model, so write its memory settings by hand (configs/wan2.1-1.3b/ for Wan)")
     extra = {}
     if args.duration:
         cfg.layout.duration = args.duration
