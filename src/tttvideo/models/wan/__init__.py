@@ -31,9 +31,6 @@ def check_config(cfg: Config) -> None:
     if cfg.parallel.sp > 1:
         raise ConfigError(f"parallel.sp = {cfg.parallel.sp}: sequence parallelism is not wired for the Wan model "
                           f"yet; set parallel.sp = 1")
-    if cfg.memory.chunked_inference:
-        raise ConfigError("memory.chunked_inference: the Wan blocks have no chunked forward yet; set "
-                          "memory.chunked_inference = false")
 
 
 BACKBONE = register_backbone(BackboneSpec(

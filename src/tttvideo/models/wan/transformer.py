@@ -149,7 +149,10 @@ class WanTTT(Backbone):
     def _run_blocks(self, x: torch.Tensor, context: torch.Tensor, projection: torch.Tensor, layout: VideoLayout,
                     start: int, stop: int) -> torch.Tensor:
         for block in self.blocks[start:stop]:
-            x = block(x, context, projection, layout)
+            if block.inference_chunks is not None and not torch.is_grad_enabled():
+                x = block.chunked_forward(x, context, projection, layout, block.inference_chunks)
+            else:
+                x = block(x, context, projection, layout)
         return x
 
     def unpatchify(self, x: torch.Tensor, T: int, H: int, W: int) -> torch.Tensor:
