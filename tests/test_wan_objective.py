@@ -104,7 +104,7 @@ def test_solvers_of_the_other_objective_are_refused():
 def test_denoise_integrates_the_flow_to_its_end(solver):
     """The sampler's loop on a model whose velocity field is exact for one clean sample c, (x - c) / sigma at
     timestep 1000 sigma: every solver lands on c (Euler exactly, as (x - c) shrinks by sigma_next / sigma each step;
-    UniPC to the rounding of its integer timesteps). Guidance between two equal fields changes nothing."""
+    UniPC to the rounding of its integer timesteps, 3e-3 here). Guidance between two equal fields changes nothing."""
 
     from tttvideo.config.schema import SampleConfig
     from tttvideo.layout import VideoLayout
@@ -127,4 +127,4 @@ def test_denoise_integrates_the_flow_to_its_end(solver):
 
     cfg = SampleConfig(steps=8, solver=solver, cfg=3.0, cfg_schedule="constant")
     out = denoise(Exact(), layout, torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), cfg, torch.device("cpu"))
-    torch.testing.assert_close(out, c, rtol=0, atol=1e-5 if solver == "euler" else 2e-2)
+    torch.testing.assert_close(out, c, rtol=0, atol=1e-5 if solver == "euler" else 1e-2)
