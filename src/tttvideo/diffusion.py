@@ -1,4 +1,6 @@
-"""The ZeroSNR DDPM training schedule with v-prediction (CogVideoX's own), shared by training and sampling.
+"""The ZeroSNR DDPM training schedule with v-prediction (CogVideoX's own), shared by training and sampling, and what
+training and sampling ask of a flow-matching schedule instead (`FlowMatchingSchedule`; Wan's is
+`tttvideo.models.wan.diffusion.WanFlowMatching`).
 
 Betas run from 0.00085 to 0.012 linearly in sqrt ("scaled_linear") over 1000 steps and are then rescaled so the
 last timestep has exactly zero signal-to-noise ratio (Lin et al. 2023, Algorithm 1). The arithmetic mirrors
@@ -14,6 +16,7 @@ from nothing but the text, which is why ZeroSNR fixes the brightness bias of the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -103,3 +106,30 @@ def stratified_timesteps(batch: int, num_train_timesteps: int, generator: torch.
     u = torch.rand(batch, generator=generator, dtype=torch.float64)
     t = ((index + u) / num_strata * num_train_timesteps).floor().long()
     return t.clamp_(0, num_train_timesteps - 1)
+
+
+@runtime_checkable
+class FlowMatchingSchedule(Protocol):
+    """What the flow-matching loss (`train.loss`) and samplers (`sample.solvers`) ask of a schedule
+    (`models.wan.diffusion.WanFlowMatching` is one): noise levels sigma in [0, 1] (1 = pure noise), the noised
+    latents, the velocity target, the model's timestep of a level, and the sampling grids."""
+
+    num_train_timesteps: int
+
+    def sigmas_from_uniform(self, u: torch.Tensor) -> torch.Tensor: ...
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor: ...
+
+    def target(self, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor: ...
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor: ...
+
+    def euler_sigmas(self, steps: int) -> torch.Tensor: ...
+
+    def euler_step(self, x: torch.Tensor, velocity: torch.Tensor, sigma: float, sigma_next: float) -> torch.Tensor: ...
+
+    def diffusers_scheduler(self, solver: str = "unipc") -> Any: ...
+
+
+def is_flow_matching(schedule: Any) -> bool:
+    return isinstance(schedule, FlowMatchingSchedule)

@@ -53,17 +53,17 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"precompute needs --{flag} (or data.{key} in the config)")
     layout = layout_of(cfg)
     backbone = backbone_of(cfg.model.preset)
-    # data.precompute encodes with diffusers' AutoencoderKLCogVideoX and T5, the components CogVideoX names
-    if (backbone.vae, backbone.text_encoder) != ("cogvideox", "t5"):
-        raise ConfigError(f"precompute encodes with CogVideoX's VAE and T5, but model.preset {cfg.model.preset!r} is "
-                          f"a {backbone.name!r} model (VAE {backbone.vae!r}, text encoder {backbone.text_encoder!r}); "
-                          f"precompute with a cogvideox preset only")
+    # data.precompute encodes with the components CogVideoX and Wan name
+    if (backbone.vae, backbone.text_encoder) not in (("cogvideox", "t5"), ("wan", "umt5")):
+        raise ConfigError(f"precompute encodes with CogVideoX's VAE and T5 or Wan's VAE and umT5, but model.preset "
+                          f"{cfg.model.preset!r} is a {backbone.name!r} model (VAE {backbone.vae!r}, text encoder "
+                          f"{backbone.text_encoder!r}); precompute with a cogvideox or wan preset")
     check_writable_dir(data.cache_dir, "--out (data.cache_dir)")
     opts = PrecomputeOptions(
         videos=Path(data.videos), captions=Path(data.captions), out=Path(data.cache_dir),
         vae_path=Path(data.vae_path), text_encoder_path=Path(data.text_encoder_path), layout=layout,
         batch_size=data.precompute_batch_size, text_batch_size=data.text_batch_size, cache_dtype=data.cache_dtype,
-        device=data.device, vae_tiling=data.vae_tiling,
+        device=data.device, vae_tiling=data.vae_tiling, vae_kind=backbone.vae, text_encoder_kind=backbone.text_encoder,
     )
     console = Console()
     report = run_precompute(opts, console)

@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--cfg", type=float, help="guidance scale (end of the ramp; default 4)")
     p.add_argument("--cfg-schedule", choices=("ramp", "constant"), help="guidance ramp 1 -> cfg (default) or constant")
     p.add_argument("--seed", type=int, help="noise seed (same seed, same video)")
-    p.add_argument("--solver", choices=("ddim", "dpm++2m"), help="sampler (default ddim)")
+    p.add_argument("--solver", choices=("ddim", "dpm++2m", "unipc", "euler"),
+                   help="sampler: ddim (default) or dpm++2m for CogVideoX, unipc or euler for Wan")
     p.add_argument("--text-encoder", help="local T5 folder (default: the demo text encoder)")
     p.add_argument("--vae", help="local CogVideoX VAE folder (default: identity decode of demo latents)")
     p.add_argument("--device", help="'auto', 'cpu', 'cuda', ...")

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 
 # The allowed values of the choice fields: their annotations, and the loader's check (`choice`).
-Preset = Literal["tiny", "cogvideox-5b"]
+Preset = Literal["tiny", "cogvideox-5b", "wan-tiny", "wan2.1-t2v-1.3b"]
 WeightDtype = Literal["fp32", "bf16", "fp16"]
 Adapter = Literal["sft", "qkvo", "lora"]
 SequenceLayer = Literal["ttt", "none", "full-attention", "mamba2", "gated-deltanet"]
@@ -28,7 +28,7 @@ OnNonfinite = Literal["stop", "skip"]
 DemoTextEncoder = Literal["auto", "minilm", "table"]
 DemoKind = Literal["scenes", "long-range"]
 CacheDtype = Literal["bf16", "fp16", "fp32"]
-Solver = Literal["ddim", "dpm++2m"]
+Solver = Literal["ddim", "dpm++2m", "unipc", "euler"]
 CfgSchedule = Literal["constant", "ramp"]
 TextEncoderDevice = Literal["auto", "cpu"]
 
@@ -55,7 +55,8 @@ def listed(default_factory: Any, help: str = "", choices: tuple = (), lo: float 
 
 @dataclass
 class ModelConfig:
-    preset: Preset = choice("tiny", *get_args(Preset), help="backbone size")
+    preset: Preset = choice("tiny", *get_args(Preset), help="backbone and size: CogVideoX (tiny, cogvideox-5b) or "
+                                                            "Wan2.1-T2V (wan-tiny, wan2.1-t2v-1.3b; docs/wan.md)")
     pretrained_path: str = field(default="", metadata={"help": "diffusers transformer/ folder ('' = random init)"})
     dtype: WeightDtype = choice("fp32", *get_args(WeightDtype), help="parameter dtype at load")
     adapter: Adapter = choice("qkvo", *get_args(Adapter), help="what trains: sft = every weight; qkvo = attention "
@@ -250,8 +251,10 @@ class DataConfig:
 class SampleConfig:
     steps: int = bounded(50, 1, 1000, help="denoising steps (trailing spacing over the 1000 training steps)")
     seed: int = bounded(0, 0, help="initial noise (and DPM noise) seed; the same seed gives the same video")
-    solver: Solver = choice("ddim", *get_args(Solver), help="v-prediction DDIM (deterministic) or the stochastic "
-                                                            "DPM-Solver++(2M) CogVideoX and the original sample with")
+    solver: Solver = choice("ddim", *get_args(Solver), help="CogVideoX (v-prediction): DDIM (deterministic) or the "
+                                                            "stochastic DPM-Solver++(2M) CogVideoX and the original "
+                                                            "sample with; Wan (flow matching): UniPC (Wan's default) "
+                                                            "or Euler on Wan's shifted grid")
     cfg: float = bounded(4.0, 0.0, help="classifier-free guidance scale (the end value of a ramp)")
     cfg_schedule: CfgSchedule = choice("ramp", *get_args(CfgSchedule), help="constant at cfg, or ramp from cfg_start "
                                                                             "to cfg")

@@ -5,12 +5,15 @@ Phases, each resumable because every output file is written atomically and check
 1. check: every clip in the captions file is probed (frame rate, resolution, exact frame count) and its caption
    count compared with its segments; clips without captions, missing or unreadable files and mismatches go into
    the report and are skipped, never silently used.
-2. VAE: CogVideoX's AutoencoderKLCogVideoX (a local diffusers folder) encodes the clips in batches; the posterior
-   mean and logvar are stored. The VAE is then deleted before the text encoder is loaded, so the two never share
+2. VAE: the backbone's VAE (a local diffusers folder: CogVideoX's AutoencoderKLCogVideoX, Wan's AutoencoderKLWan)
+   encodes the clips in batches; the posterior mean and logvar are stored (Wan's already normalised per channel,
+   (z - latents_mean) / latents_std, with scaling 1, so that the cache's sampling gives the latents Wan's pipeline
+   works in). The VAE is then deleted before the text encoder is loaded, so the two never share
    the GPU.
 3. T5 (`tttvideo.text.t5`, a local transformers folder) encodes one prompt per segment, with the scene tokens,
    padded to the layout's text length exactly as CogVideoX's pipeline does (padding="max_length", no attention
-   mask into the encoder).
+   mask into the encoder); for Wan, umT5 (`tttvideo.text.umt5`) as Wan's pipeline does (cleaned prompt, attention
+   mask, zeros past the prompt).
 4. manifest.jsonl and report.json are written (atomically) from what is on disk.
 
 A latent file is reused when its metadata names the same source file (size, mtime) and VAE folder; a text file
@@ -38,6 +41,7 @@ from tttvideo.dtypes import torch_dtype
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
 from tttvideo.text.t5 import load_text_encoder, pipeline_component, t5_dtype
+from tttvideo.text.umt5 import clean_prompt, load_umt5
 
 VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm")
 
@@ -101,6 +105,8 @@ class PrecomputeOptions:
     cache_dtype: str = "bf16"
     device: str = "auto"
     vae_tiling: bool = False
+    vae_kind: str = "cogvideox"  # the backbone's (`BackboneSpec.vae`): "cogvideox" or "wan"
+    text_encoder_kind: str = "t5"  # the backbone's (`BackboneSpec.text_encoder`): "t5" or "umt5"
 
 
 def clip_id(rel: str) -> str:
@@ -170,14 +176,15 @@ def check_clips(opts: PrecomputeOptions, report: Report) -> list[Clip]:
 
 
 # ---------------------------------------------------------------------------------------------------- phase 2
-def load_vae(path: Path, device: torch.device, dtype: torch.dtype, tiling: bool):
-    from diffusers import AutoencoderKLCogVideoX
+def load_vae(path: Path, device: torch.device, dtype: torch.dtype, tiling: bool, kind: str = "cogvideox"):
+    import diffusers
 
+    cls = getattr(diffusers, "AutoencoderKLWan" if kind == "wan" else "AutoencoderKLCogVideoX")
     folder = pipeline_component(path, "vae")
     if not (folder / "config.json").is_file():
-        raise UserError(f"no VAE in {path}: expected a diffusers AutoencoderKLCogVideoX folder (config.json + weights) "
+        raise UserError(f"no VAE in {path}: expected a diffusers {cls.__name__} folder (config.json + weights) "
                         f"or a pipeline folder with vae/")
-    vae = AutoencoderKLCogVideoX.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+    vae = cls.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
     if tiling:
         vae.enable_tiling()
     return vae.to(device).eval(), folder
@@ -202,8 +209,13 @@ def encode_latents(opts: PrecomputeOptions, clips: list[Clip], report: Report,
             todo.append(clip)
     if not todo:
         return ready
-    vae, folder = load_vae(opts.vae_path, device, vae_dtype, opts.vae_tiling)
-    scaling = float(vae.config.scaling_factor)
+    vae, folder = load_vae(opts.vae_path, device, vae_dtype, opts.vae_tiling, opts.vae_kind)
+    wan = opts.vae_kind == "wan"
+    scaling = 1.0 if wan else float(vae.config.scaling_factor)
+    if wan:  # per-channel normalisation, folded into the stored posterior: ((mean - m) / s, logvar - 2 log s)
+        shape = (-1, 1, 1, 1)
+        norm_mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=device).view(shape)
+        norm_std = torch.tensor(vae.config.latents_std, dtype=torch.float32, device=device).view(shape)
     store = torch_dtype(opts.cache_dtype)
     for start in range(0, len(todo), opts.batch_size):
         batch, videos = [], []
@@ -221,7 +233,11 @@ def encode_latents(opts: PrecomputeOptions, clips: list[Clip], report: Report,
         x = torch.from_numpy(np.stack(videos)).to(device).permute(0, 4, 1, 2, 3).to(vae_dtype) / 127.5 - 1.0
         dist = vae.encode(x).latent_dist
         for i, clip in enumerate(batch):
-            save_latent(opts.out / clip.latent_rel, dist.mean[i].to(store).cpu(), dist.logvar[i].to(store).cpu(),
+            mean, logvar = dist.mean[i], dist.logvar[i]
+            if wan:
+                mean = (mean.float() - norm_mean) / norm_std
+                logvar = logvar.float() - 2 * norm_std.log()
+            save_latent(opts.out / clip.latent_rel, mean.to(store).cpu(), logvar.to(store).cpu(),
                         scaling, extra={"source": clip.source_tag(), "encoder": vae_tag})
             report.encoded_latents.append(clip.id)
             ready.append(clip)
@@ -252,15 +268,22 @@ def encode_texts(opts: PrecomputeOptions, clips: list[Clip], report: Report,
                 todo.append((clip, seg, prompt))
     if not todo:
         return
-    tokenizer, model = load_text_encoder(opts.text_encoder_path, device, t5_dtype(device))
+    umt5 = opts.text_encoder_kind == "umt5"
+    load = load_umt5 if umt5 else load_text_encoder
+    tokenizer, model = load(opts.text_encoder_path, device, t5_dtype(device))
     store = torch_dtype(opts.cache_dtype)
     for start in range(0, len(todo), opts.text_batch_size):
         batch = todo[start : start + opts.text_batch_size]
-        prompts = [p for _, _, p in batch]
+        prompts = [clean_prompt(p) if umt5 else p for _, _, p in batch]
         full = tokenizer(prompts, add_special_tokens=True)["input_ids"]
-        ids = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, add_special_tokens=True,
-                        return_tensors="pt")["input_ids"].to(device)
-        emb = model(ids)[0]
+        tokens = tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
+                           add_special_tokens=True, return_tensors="pt")
+        ids = tokens["input_ids"].to(device)
+        if umt5:  # Wan's pipeline: the mask into the encoder, zeros past the prompt
+            mask = tokens["attention_mask"].to(device)
+            emb = model(ids, mask).last_hidden_state * mask[..., None].to(model.dtype)
+        else:
+            emb = model(ids)[0]
         for i, (clip, seg, prompt) in enumerate(batch):
             tokens = len(full[i])
             if tokens > length:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tttvideo.diffusion import ZeroSNRSchedule
-from tttvideo.errors import UserError
+from tttvideo.errors import ConfigError, UserError
 from tttvideo.layout import LayoutParams, VideoLayout
 
 if TYPE_CHECKING:
@@ -79,17 +79,32 @@ class Backbone(nn.Module):
                 g.fill_(value)
 
 
+# what a backbone's model predicts -> the samplers (`sample.solver`) that step it
+PREDICTIONS: dict[str, tuple[str, ...]] = {
+    "v": ("ddim", "dpm++2m"),  # v-prediction on a DDPM schedule (ZeroSNR for CogVideoX)
+    "flow": ("unipc", "euler"),  # the flow-matching velocity noise - x0 (Wan; `models.wan.diffusion`)
+}
+
+
 @dataclass(frozen=True)
 class Objective:
-    """The diffusion objective a backbone was trained with. `prediction`: what the model outputs ("v" is what the
-    trainer and the samplers implement); `schedule`: the training noise schedule (the samplers step on it too)."""
+    """The diffusion objective a backbone was trained with. `prediction`: what the model outputs, "v" (with a
+    `ZeroSNRSchedule`-like `schedule`) or "flow" (with a flow-matching schedule such as
+    `models.wan.diffusion.WanFlowMatching`: noising, shifted noise levels, sampling grids); `schedule`: builds the
+    training schedule, which the samplers step on too (`train.loss`, `sample.solvers`)."""
 
     prediction: str = "v"
-    schedule: Callable[[], ZeroSNRSchedule] = ZeroSNRSchedule
+    schedule: Callable[[], Any] = ZeroSNRSchedule
 
     def __post_init__(self) -> None:
-        if self.prediction != "v":
-            raise ValueError(f"prediction {self.prediction!r}: the trainer and the samplers implement 'v' only")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"prediction {self.prediction!r}: the trainer and the samplers implement "
+                             f"{', '.join(map(repr, PREDICTIONS))}")
+
+    @property
+    def solvers(self) -> tuple[str, ...]:
+        """The values of `sample.solver` that step this objective's model."""
+        return PREDICTIONS[self.prediction]
 
 
 # the model's constructor: (preset, ttt settings, use_ttt, long-range layer kind) -> the module with its parameters
@@ -115,6 +130,8 @@ class BackboneSpec:
     - vae / text_encoder: the kinds of VAE its latents come from and of text encoder its text features come from,
       keys of `sample.decode.VAE_DECODERS` and `text.encoders.TEXT_ENCODERS` (the loaders live in the layers that
       load them); None: none can be loaded (a backbone trained on the demo set alone)
+    - check: raises a ConfigError (one sentence naming the key) for a setting of the config this backbone does not
+      support; `check_backbone_settings` runs it after the checks every backbone shares
     """
 
     name: str
@@ -127,6 +144,7 @@ class BackboneSpec:
     configure: Callable[[nn.Module, "ModelConfig"], None] = lambda model, cfg: None
     vae: str | None = None
     text_encoder: str | None = None
+    check: Callable[["Config"], None] = lambda cfg: None
 
     def __post_init__(self) -> None:
         if isinstance(self.build, type) and not issubclass(self.build, Backbone):
@@ -140,7 +158,7 @@ class BackboneSpec:
 
 _REGISTRY: dict[str, BackboneSpec] = {}
 # the backbones tttvideo ships; each module registers itself on import
-_BUILTIN = ("tttvideo.models.cogvideox",)
+_BUILTIN = ("tttvideo.models.cogvideox", "tttvideo.models.wan")
 
 
 def register_backbone(spec: BackboneSpec) -> BackboneSpec:
@@ -185,9 +203,24 @@ def get_preset(name: str) -> Any:
     return backbone_of(name).presets[name]
 
 
+def check_backbone_settings(cfg: "Config") -> BackboneSpec:
+    """The backbone of a config, after checking that the config's settings are ones it supports: a ConfigError (one
+    sentence naming the key and what to set) for a sampler of another objective (`sample.solver`) or for what the
+    backbone's own `check` refuses."""
+    spec = backbone_of(cfg.model.preset)
+    solvers = spec.objective.solvers
+    if cfg.sample.solver not in solvers:
+        raise ConfigError(f"sample.solver = {cfg.sample.solver!r} steps another objective than the "
+                          f"{spec.objective.prediction!r}-prediction of model.preset {cfg.model.preset!r} "
+                          f"({spec.name}); set sample.solver to one of {', '.join(map(repr, solvers))}")
+    spec.check(cfg)
+    return spec
+
+
 def layout_of(cfg: "Config", duration: str | int | None = None, phase: str = "train") -> VideoLayout:
     """The layout of a config (`[layout]`, `[ttt]`) for its backbone's layout parameters: `VideoLayout.from_config`
     with `BackboneSpec.layout`; `duration` (e.g. a story's) replaces layout.duration; `phase` ("train" or "sample")
-    picks the TTT mini-batch."""
+    picks the TTT mini-batch. The trainer, the sampler and precompute all start here, so the config's settings are
+    checked against the backbone here too (`check_backbone_settings`)."""
     return VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase=phase,
-                                   backbone=backbone_of(cfg.model.preset).layout)
+                                   backbone=check_backbone_settings(cfg).layout)

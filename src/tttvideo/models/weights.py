@@ -164,7 +164,8 @@ def check_same_model(path: str | Path, meta: dict[str, str], spec: Any, hint: st
     sizes than `spec` (a preset config), naming the fields that differ: the config's SHAPE_FIELDS when it names
     them, else every field."""
     saved = json.loads(meta["spec"])
-    ours = dataclasses.asdict(spec)
+    # through JSON as the saved one went, so that tuple fields (Wan's patch_size) compare as the lists they become
+    ours = json.loads(json.dumps(dataclasses.asdict(spec)))
     fields = getattr(spec, "SHAPE_FIELDS", tuple(ours))
     diff = [f"{k} {saved.get(k)!r} (model has {ours[k]!r})" for k in fields if saved.get(k) != ours[k]]
     if diff:

@@ -13,6 +13,12 @@ device then holds one batch of activations, the per-tile conv caches (a fixed si
 nothing else; `tests/test_sample_decode.py` checks that the concatenated stream equals `vae.decode` with and without
 tiling.
 
+`WanDecoder` wraps diffusers' `AutoencoderKLWan` (Wan2.1's VAE). Its decoder is causal in time too and diffusers
+already decodes one latent frame at a time with a feature cache; we make the same calls and hand each latent
+frame's pixel frames out as they come (1 for the first latent frame, 4 for each later one), so the device never
+holds the whole video. With tiling (when the frame is larger than a tile) it runs diffusers' `tiled_decode` on the
+whole clip instead, which holds every frame.
+
 `IdentityDecoder` is the demo's decoder (the demo set lives in latent space): nearest-neighbour expansion by the
 VAE's compression factors, first three channels as RGB, so the demo mp4 has the real frame count and resolution.
 """
@@ -64,16 +70,34 @@ class IdentityDecoder:
             yield chunk.clamp(-1, 1)
 
 
-def _vae_folder(path: str | Path) -> Path:
+def _vae_folder(path: str | Path, model: str = "CogVideoX") -> Path:
     """A VAE folder itself (config.json) or a diffusers pipeline folder with a vae/ subfolder."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"VAE folder {path} does not exist; give the CogVideoX vae/ folder (config.json + weights)")
+        raise UserError(f"VAE folder {path} does not exist; give the {model} vae/ folder (config.json + weights)")
     if (path / "vae" / "config.json").is_file():
         return path / "vae"
     if not (path / "config.json").is_file():
-        raise UserError(f"{path} has no config.json; give the CogVideoX vae/ folder or the pipeline folder above it")
+        raise UserError(f"{path} has no config.json; give the {model} vae/ folder or the pipeline folder above it")
     return path
+
+
+def _load_vae(cls, model: str, path: str | Path, device: torch.device | str, dtype: torch.dtype):
+    """diffusers VAE class `cls` from a folder, checked to be that class, in eval mode without gradients."""
+    import json
+
+    folder = _vae_folder(path, model)
+    try:
+        kind = json.loads((folder / "config.json").read_text()).get("_class_name", "")
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {folder / 'config.json'}: {err}") from None
+    if kind and kind != cls.__name__:
+        raise UserError(f"{folder} holds a {kind}, not the {cls.__name__} that {model} latents need")
+    try:
+        vae = cls.from_pretrained(str(folder), torch_dtype=dtype)
+    except (OSError, ValueError, EnvironmentError) as err:
+        raise UserError(f"cannot load the VAE from {folder}: {str(err).splitlines()[0]}") from None
+    return vae.to(device).eval().requires_grad_(False)
 
 
 class CogVideoXDecoder:
@@ -83,26 +107,14 @@ class CogVideoXDecoder:
         self.vae = vae
         self.tiling = tiling
         self.temporal = int(vae.config.temporal_compression_ratio)
+        self.spatial = 2 ** (len(vae.config.block_out_channels) - 1)
 
     @classmethod
     def from_folder(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                     tiling: bool = True) -> "CogVideoXDecoder":
-        import json
-
         from diffusers import AutoencoderKLCogVideoX
 
-        folder = _vae_folder(path)
-        try:
-            kind = json.loads((folder / "config.json").read_text()).get("_class_name", "")
-        except (OSError, ValueError) as err:
-            raise UserError(f"cannot read {folder / 'config.json'}: {err}") from None
-        if kind and kind != "AutoencoderKLCogVideoX":
-            raise UserError(f"{folder} holds a {kind}, not the AutoencoderKLCogVideoX that CogVideoX latents need")
-        try:
-            vae = AutoencoderKLCogVideoX.from_pretrained(str(folder), torch_dtype=dtype)
-        except (OSError, ValueError, EnvironmentError) as err:
-            raise UserError(f"cannot load the VAE from {folder}: {str(err).splitlines()[0]}") from None
-        vae.to(device).eval().requires_grad_(False)
+        vae = _load_vae(AutoencoderKLCogVideoX, "CogVideoX", path, device, dtype)
         return cls(vae, tiling=tiling)
 
     def num_frames(self, latent_frames: int) -> int:
@@ -169,8 +181,65 @@ class CogVideoXDecoder:
         return torch.cat(result_rows, dim=3)
 
 
+class WanDecoder:
+    """diffusers `AutoencoderKLWan`, one latent frame at a time with its causal feature cache (see the module doc).
+    Latents in the model's scale are (x - latents_mean) / latents_std per channel, as Wan's pipeline has them."""
+
+    def __init__(self, vae, tiling: bool = True):
+        self.vae = vae
+        self.tiling = tiling
+        self.temporal = 2 ** sum(vae.temperal_downsample)
+        self.spatial = int(vae.spatial_compression_ratio)
+
+    @classmethod
+    def from_folder(cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    tiling: bool = True) -> "WanDecoder":
+        from diffusers import AutoencoderKLWan
+
+        return cls(_load_vae(AutoencoderKLWan, "Wan2.1", path, device, dtype), tiling=tiling)
+
+    def num_frames(self, latent_frames: int) -> int:
+        return 1 + self.temporal * (latent_frames - 1)
+
+    def unscale(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, T, C, h, w] in the model's scale -> [B, C, T, h, w] in the VAE's, on its device and dtype."""
+        vae = self.vae
+        param = next(vae.parameters())
+        z = latents.permute(0, 2, 1, 3, 4).to(device=param.device, dtype=param.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
+        return z * std + mean
+
+    @torch.no_grad()
+    def frames(self, latents: torch.Tensor) -> Iterator[torch.Tensor]:
+        """latents [B, T, C, h, w] in the model's scale -> yields [B, 3, n, H, W] chunks in [-1, 1]."""
+        vae = self.vae
+        z = self.unscale(latents)
+        h, w = z.shape[-2:]
+        tile_h = vae.tile_sample_min_height // vae.spatial_compression_ratio
+        tile_w = vae.tile_sample_min_width // vae.spatial_compression_ratio
+        if self.tiling and (w > tile_w or h > tile_h):
+            yield vae.tiled_decode(z, return_dict=False)[0].clamp(-1, 1)
+            return
+        if vae.config.patch_size is not None:
+            raise UserError("this AutoencoderKLWan patchifies its frames (Wan2.2's VAE); tttvideo decodes Wan2.1's")
+        # diffusers' `AutoencoderKLWan._decode`, frame by frame with its feature cache, each frame handed out
+        vae.clear_cache()
+        try:
+            x = vae.post_quant_conv(z)
+            for i in range(x.shape[2]):
+                vae._conv_idx = [0]
+                out = vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                  **({"first_chunk": True} if i == 0 else {}))
+                yield out.clamp(-1, 1)
+        finally:
+            vae.clear_cache()
+
+
 # the VAEs a backbone can name (`BackboneSpec.vae`): kind -> (folder, device=, dtype=, tiling=) -> decoder
-VAE_DECODERS: dict[str, Callable[..., CogVideoXDecoder]] = {"cogvideox": CogVideoXDecoder.from_folder}
+VAE_DECODERS: dict[str, Callable[..., CogVideoXDecoder | WanDecoder]] = {"cogvideox": CogVideoXDecoder.from_folder,
+                                                                         "wan": WanDecoder.from_folder}
 
 
 def make_decoder(vae_path: str, device: torch.device, dtype: torch.dtype, tiling: bool, spatial: int = 8,
@@ -185,7 +254,7 @@ def make_decoder(vae_path: str, device: torch.device, dtype: torch.dtype, tiling
                         f"{f' ({kind!r})' if kind else ''}; leave sample.vae_path and data.vae_path empty for the "
                         f"identity decode")
     dec = VAE_DECODERS[kind](vae_path, device=device, dtype=dtype, tiling=tiling)
-    factor = 2 ** (len(dec.vae.config.block_out_channels) - 1)
+    factor = dec.spatial
     if factor != spatial or dec.temporal != temporal:
         raise UserError(
             f"the VAE in {vae_path} compresses {factor}x spatially and {dec.temporal}x in time, but the layout "

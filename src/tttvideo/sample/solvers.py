@@ -1,4 +1,7 @@
-"""v-prediction samplers on the ZeroSNR schedule, and classifier-free guidance schedules.
+"""Samplers of the two objectives (v-prediction on the ZeroSNR schedule, flow matching), and classifier-free
+guidance schedules. `make_solver` picks by `sample.solver` and refuses a solver of the other objective.
+
+v-prediction (CogVideoX):
 
 Both solvers walk CogVideoX's "trailing" timesteps (Lin et al. 2023, Table 2): n steps over 1000 training steps
 start at t = 999, where the ZeroSNR schedule has alpha_bar = 0 (pure noise, the model's v is -x0), and end by
@@ -19,6 +22,14 @@ which is off its own grid, while we always step to the next timestep of the grid
 
 Coefficients are computed in float64 (the ZeroSNR end points give log(0) = -inf and step sizes of +inf, whose limits
 are exact: e^-inf = 0) and applied in the latents' dtype.
+
+Flow matching (Wan; the schedule is `models.wan.diffusion.WanFlowMatching`, the model predicts the velocity
+noise - x0 at timestep 1000 sigma):
+
+- `FlowEulerSolver`: x_next = x + (sigma_next - sigma) v on diffusers' FlowMatchEulerDiscreteScheduler grid
+  (`euler_sigmas`, `euler_step`).
+- `FlowUniPCSolver`: diffusers' UniPCMultistepScheduler with Wan's settings (`diffusers_scheduler("unipc")`, flow
+  sigmas, shift 3, its integer timesteps): Wan's own sampler, run by diffusers itself.
 """
 
 from __future__ import annotations
@@ -29,9 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tttvideo.diffusion import ZeroSNRSchedule
+from tttvideo.diffusion import ZeroSNRSchedule, is_flow_matching
 
-SOLVERS = ("ddim", "dpm++2m")
+SOLVERS = ("ddim", "dpm++2m")  # v-prediction
+FLOW_SOLVERS = ("unipc", "euler")  # flow matching
 CFG_SCHEDULES = ("constant", "ramp")
 
 
@@ -121,12 +133,60 @@ class DPMSolver2M(Solver):
         return m1 * x - m2 * d + m_noise * noise.to(device=x.device, dtype=x.dtype)
 
 
-def make_solver(name: str, schedule: ZeroSNRSchedule, num_steps: int) -> Solver:
+class FlowEulerSolver:
+    """First-order flow-ODE steps on diffusers' Euler grid; `timesteps` are the model's (1000 sigma, floats)."""
+
+    stochastic = False
+
+    def __init__(self, schedule, num_steps: int):
+        if not 1 <= num_steps <= schedule.num_train_timesteps:
+            raise ValueError(f"steps must be in 1..{schedule.num_train_timesteps}, got {num_steps}")
+        self.schedule = schedule
+        self.sigmas = schedule.euler_sigmas(num_steps)
+        self.timesteps = (self.sigmas[:-1] * schedule.num_train_timesteps).tolist()
+
+    def step(self, i: int, x: torch.Tensor, v: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        return self.schedule.euler_step(x, v, float(self.sigmas[i]), float(self.sigmas[i + 1]))
+
+    def reset(self) -> None:
+        """Nothing to forget: the step is one-step."""
+
+
+class FlowUniPCSolver:
+    """diffusers' UniPC multistep scheduler with Wan's settings; `timesteps` are its (integers, 1000 sigma
+    truncated). One solver per video: the scheduler keeps the previous steps' predictions."""
+
+    stochastic = False
+
+    def __init__(self, schedule, num_steps: int):
+        if not 1 <= num_steps <= schedule.num_train_timesteps:
+            raise ValueError(f"steps must be in 1..{schedule.num_train_timesteps}, got {num_steps}")
+        self.schedule, self.num_steps = schedule, num_steps
+        self.reset()
+
+    def reset(self) -> None:
+        self.scheduler = self.schedule.diffusers_scheduler("unipc")
+        self.scheduler.set_timesteps(self.num_steps)
+        self.timesteps = [int(t) for t in self.scheduler.timesteps]
+
+    def step(self, i: int, x: torch.Tensor, v: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        return self.scheduler.step(v, self.scheduler.timesteps[i], x, return_dict=False)[0]
+
+
+def make_solver(name: str, schedule, num_steps: int) -> Solver | FlowEulerSolver | FlowUniPCSolver:
+    """The solver `name` on `schedule`: a v-prediction solver on a `ZeroSNRSchedule`, a flow solver on a
+    flow-matching schedule (`diffusion.is_flow_matching`)."""
+    if is_flow_matching(schedule):
+        if name == "unipc":
+            return FlowUniPCSolver(schedule, num_steps)
+        if name == "euler":
+            return FlowEulerSolver(schedule, num_steps)
+        raise ValueError(f"unknown solver {name!r} for a flow-matching model; use one of {', '.join(FLOW_SOLVERS)}")
     if name == "ddim":
         return DDIMSolver(schedule, num_steps)
     if name == "dpm++2m":
         return DPMSolver2M(schedule, num_steps)
-    raise ValueError(f"unknown solver {name!r}; use one of {', '.join(SOLVERS)}")
+    raise ValueError(f"unknown solver {name!r} for a v-prediction model; use one of {', '.join(SOLVERS)}")
 
 
 @dataclass(frozen=True)
@@ -155,5 +215,5 @@ class GuidanceSchedule:
 
 
 def guide(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
-    """CFG on the v-prediction, as CogVideoX does: v_u + s (v_c - v_u)."""
+    """CFG on the model's prediction, as CogVideoX (v) and Wan (flow velocity) do: v_u + s (v_c - v_u)."""
     return v_uncond + scale * (v_cond - v_uncond)

@@ -1,5 +1,6 @@
-"""The text encoder a sampler uses: the T5 the config names, else the demo encoder, with the conventions of the
-training cache they stand for (`tttvideo.text.t5`, `tttvideo.text.demo`).
+"""The text encoder a sampler uses: the one the model's backbone names (T5 for CogVideoX, umT5 for Wan) from the
+folder the config gives, else the demo encoder, with the conventions of the training cache they stand for
+(`tttvideo.text.t5`, `tttvideo.text.umt5`, `tttvideo.text.demo`).
 
 Every encoder returns CPU float32 features, and `release()` frees it, so the denoising loop never shares the GPU
 with T5.
@@ -16,6 +17,7 @@ from tttvideo.errors import UserError
 from tttvideo.models.backbone import backbone_of
 from tttvideo.text.demo import DemoSceneEncoder
 from tttvideo.text.t5 import T5SceneEncoder
+from tttvideo.text.umt5 import UMT5SceneEncoder
 
 
 class TextEncoder(Protocol):
@@ -36,11 +38,12 @@ class TextEncoder(Protocol):
 
 
 # the text encoders a backbone can name (`BackboneSpec.text_encoder`): kind -> (folder, text_tokens, device) -> encoder
-TEXT_ENCODERS: dict[str, Callable[[str, int, torch.device], TextEncoder]] = {"t5": T5SceneEncoder}
+TEXT_ENCODERS: dict[str, Callable[[str, int, torch.device], TextEncoder]] = {"t5": T5SceneEncoder,
+                                                                              "umt5": UMT5SceneEncoder}
 
 
 def make_text_encoder(cfg: Config, text_tokens: int, text_dim: int, device: torch.device) -> TextEncoder:
-    """The text encoder of the model's backbone (T5 for CogVideoX) from sample.text_encoder_path /
+    """The text encoder of the model's backbone (T5 for CogVideoX, umT5 for Wan) from sample.text_encoder_path /
     data.text_encoder_path, else the demo encoder."""
     # transformers' per-load progress bars would interleave with ours and turn one-sentence errors into many lines
     from transformers.utils import logging as hf_logging

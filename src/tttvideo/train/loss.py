@@ -1,8 +1,13 @@
-"""The training objective, as the original's: v-prediction MSE on the ZeroSNR DDPM schedule.
+"""The training objective of the model's backbone (`BackboneSpec.objective`), one micro-batch at a time.
 
-Per micro-batch: timesteps stratified over the optimizer step's whole effective batch, Gaussian noise, each
-sample's text zeroed with probability `text_dropout` (what classifier-free guidance samples against), x_t =
-add_noise(x0, eps, t), target v = velocity(x0, eps, t), loss = mean squared error of the model's v.
+- v-prediction on a DDPM schedule (CogVideoX's ZeroSNR one, as the original trains): integer timesteps stratified
+  over the optimizer step's whole effective batch, x_t = add_noise(x0, eps, t), target v = velocity(x0, eps, t).
+- flow matching (Wan, `models.wan.diffusion.WanFlowMatching`): a uniform draw stratified the same way, turned into a
+  noise level sigma by the schedule (shifted, or logit-normal then shifted), x_sigma = (1 - sigma) x0 + sigma eps,
+  model timestep 1000 sigma, target the velocity eps - x0.
+
+Both: Gaussian noise, each sample's text zeroed with probability `text_dropout` (what classifier-free guidance
+samples against), loss = mean squared error of the model's prediction in float32.
 """
 
 from __future__ import annotations
@@ -13,9 +18,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tttvideo.diffusion import ZeroSNRSchedule, stratified_timesteps
+from tttvideo.diffusion import FlowMatchingSchedule, ZeroSNRSchedule, is_flow_matching, stratified_timesteps
 from tttvideo.dtypes import torch_dtype
 from tttvideo.layout import VideoLayout
+
+
+def stratified_uniform(batch: int, generator: torch.Generator, first_stratum: int, num_strata: int) -> torch.Tensor:
+    """One float64 draw in [0, 1) per sample, sample i uniform in stratum first_stratum + i of `num_strata`: the
+    continuous counterpart of `stratified_timesteps` (the same random draws)."""
+    if not 0 <= first_stratum <= num_strata - batch:
+        raise ValueError(f"strata {first_stratum}..{first_stratum + batch - 1} do not fit in {num_strata}")
+    index = torch.arange(batch, dtype=torch.float64) + first_stratum
+    return (index + torch.rand(batch, generator=generator, dtype=torch.float64)) / num_strata
 
 
 class NoiseSource:
@@ -36,12 +50,16 @@ class NoiseSource:
             self.dev.set_state(state["dev"])
 
     def draw(self, x0: torch.Tensor, num_train_timesteps: int, first_stratum: int, num_strata: int,
-             text_dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What one micro-batch of latents `x0` draws, in this order: timesteps (stratified), which samples drop
-        their text, the noise (float32, on x0's device). A rank that skips another rank's micro-batch calls this
-        too and drops the result, so that the generators advance the same way on every rank."""
+             text_dropout: float, continuous: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What one micro-batch of latents `x0` draws, in this order: timesteps (stratified; with `continuous`,
+        float64 draws in [0, 1) instead, for flow matching), which samples drop their text, the noise (float32, on
+        x0's device). A rank that skips another rank's micro-batch calls this too and drops the result, so that the
+        generators advance the same way on every rank."""
         b = x0.shape[0]
-        t = stratified_timesteps(b, num_train_timesteps, self.cpu, first_stratum, num_strata)
+        if continuous:
+            t = stratified_uniform(b, self.cpu, first_stratum, num_strata)
+        else:
+            t = stratified_timesteps(b, num_train_timesteps, self.cpu, first_stratum, num_strata)
         dropped = torch.rand(b, generator=self.cpu) < text_dropout
         eps = torch.randn(x0.shape, generator=self.dev, device=x0.device, dtype=torch.float32)
         return t, dropped, eps
@@ -56,7 +74,11 @@ def autocast_context(device: torch.device, precision: str):
 def diffusion_loss(model: torch.nn.Module, batch: dict[str, Any], schedule: ZeroSNRSchedule, noise: NoiseSource,
                    layout: VideoLayout, text_dropout: float, first_stratum: int, num_strata: int,
                    precision: str = "fp32") -> tuple[torch.Tensor, dict[str, Any]]:
-    """Mean v-prediction loss of one micro-batch (float32) and what was drawn for it."""
+    """Mean loss of one micro-batch (float32) and what was drawn for it: v-prediction on a ZeroSNR-like schedule,
+    or flow matching when `schedule` is a `FlowMatchingSchedule`."""
+    if is_flow_matching(schedule):
+        return flow_matching_loss(model, batch, schedule, noise, layout, text_dropout, first_stratum, num_strata,
+                                  precision)
     x0 = batch["latents"]
     text = batch["text"]
     b = x0.shape[0]
@@ -72,3 +94,30 @@ def diffusion_loss(model: torch.nn.Module, batch: dict[str, Any], schedule: Zero
         pred = model(x_t, text, t_dev, layout)
     loss = F.mse_loss(pred.float(), target.float())
     return loss, {"timesteps": t, "text_dropped": dropped}
+
+
+def _drop_text(text: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    keep = (~dropped).to(device=text.device, dtype=text.dtype).view(dropped.shape[0], *([1] * (text.dim() - 1)))
+    return text * keep
+
+
+def flow_matching_loss(model: torch.nn.Module, batch: dict[str, Any], schedule: FlowMatchingSchedule,
+                       noise: NoiseSource, layout: VideoLayout, text_dropout: float, first_stratum: int,
+                       num_strata: int, precision: str = "fp32") -> tuple[torch.Tensor, dict[str, Any]]:
+    """Mean flow-matching loss of one micro-batch (float32) and what was drawn for it ("sigmas": the noise levels,
+    "timesteps": what the model was given, 1000 sigma)."""
+    x0 = batch["latents"]
+    text = batch["text"]
+    u, dropped, eps = noise.draw(x0, schedule.num_train_timesteps, first_stratum, num_strata, text_dropout,
+                                 continuous=True)
+    eps = eps.to(x0.dtype)
+    if dropped.any():
+        text = _drop_text(text, dropped)
+    sigma = schedule.sigmas_from_uniform(u.float()).to(x0.device)
+    x_t = schedule.add_noise(x0, eps, sigma)
+    target = schedule.target(x0, eps)
+    t = schedule.timestep(sigma)
+    with autocast_context(x0.device, precision):
+        pred = model(x_t, text, t, layout)
+    loss = F.mse_loss(pred.float(), target.float())
+    return loss, {"sigmas": sigma.cpu(), "timesteps": t.cpu(), "text_dropped": dropped}

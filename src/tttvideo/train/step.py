@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tttvideo.data.loader import to_device
-from tttvideo.diffusion import ZeroSNRSchedule
+from tttvideo.diffusion import FlowMatchingSchedule, ZeroSNRSchedule, is_flow_matching
 from tttvideo.layout import VideoLayout
 from tttvideo.models.activation_offload import host_pool_for, offload_activations
 from tttvideo.train.loss import NoiseSource, diffusion_loss
@@ -92,7 +92,7 @@ class DiffusionObjective:
     run's, every rank ends a step (and writes a checkpoint) with the same generator state, and the ranks of a
     sequence-parallel group (same `rank`) draw the same values. `sp` is passed to the model's forward."""
 
-    schedule: ZeroSNRSchedule
+    schedule: ZeroSNRSchedule | FlowMatchingSchedule  # the backbone's (`BackboneSpec.objective`)
     noise: NoiseSource
     layout: VideoLayout
     text_dropout: float
@@ -118,7 +118,7 @@ class DiffusionObjective:
         """Draw what the micro-batch `index` of the row (another rank's, of the shape of `latents`) draws, and drop
         it."""
         self.noise.draw(latents, self.schedule.num_train_timesteps, index * self.batch_size, self.global_batch,
-                        self.text_dropout)
+                        self.text_dropout, continuous=is_flow_matching(self.schedule))
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:

@@ -91,6 +91,16 @@ class WindowSelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         return self.to_out(merge_windows(out, flat, n, inv_count, L))
 
+    def window_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One window's tokens h [B, W, dim] (already normalised) -> its attention output [B, W, dim] BEFORE the
+        output projection (the chunked forward averages the shared frames first, as `forward` does)."""
+        q = project_heads(h, self.to_q, self.norm_q, self.num_heads)
+        k = project_heads(h, self.to_k, self.norm_k, self.num_heads)
+        v = project_heads(h, self.to_v, None, self.num_heads)
+        q, k, v = gather_windows(q, k, v, None, 1, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        return out.transpose(1, 2).flatten(2)
+
 
 class SegmentCrossAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, eps: float):
@@ -116,3 +126,13 @@ class SegmentCrossAttention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0,
                                              is_causal=False)
         return self.to_out(merge_windows(out, flat, n, inv_count, L))
+
+    def window_forward(self, h: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """One window's tokens h [B, W, dim] (already normalised) against its segment's embedded text [B, len, dim]
+        -> [B, W, dim] before the output projection."""
+        H = self.num_heads
+        q = project_heads(h, self.to_q, self.norm_q, H).transpose(1, 2)
+        k = project_heads(text, self.to_k, self.norm_k, H).transpose(1, 2)
+        v = project_heads(text, self.to_v, None, H).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        return out.transpose(1, 2).flatten(2)

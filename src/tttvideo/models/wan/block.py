@@ -11,6 +11,11 @@ The LayerNorms (no affine, eps 1e-6) and the modulation run in fp32 and the stre
 `WanTransformerBlock` does; with the TTT gates at 0 (or no TTT) and one segment the block is exactly that block.
 The TTT layer sees video tokens only: Wan's text is not in the residual stream but cross-attended, so the scan has
 no text chunks and the TTT layer's text gates touch no token.
+
+`chunked_forward` is the same block without gradients in bounded memory (`memory.chunked_inference`, as for
+CogVideoX: `tttvideo.models.chunked_inference`): both attentions one window at a time into one accumulator, the
+TTT passes' chunked form, the output projections, gated adds and the FFN (whose hidden layer is 5.8x the width)
+over token chunks, in place on the residual stream.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.models.cogvideox.block import MLP
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
-from tttvideo.models.wan.attention import SegmentCrossAttention, WindowSelfAttention
+from tttvideo.models.wan.attention import SegmentCrossAttention, WindowSelfAttention, window_gather, window_rope
 from tttvideo.models.wan.spec import WanSpec
 from tttvideo.sequence.build import sequence_layer
+from tttvideo.sequence.chunks import ChunkPlan, token_chunks
 
 
 class ModulationTable(nn.Module):
@@ -71,6 +77,8 @@ class WanBlock(nn.Module):
         self.checkpoint_attention = False
         self.checkpoint_mlp = False
         self.checkpoint_keep: tuple[str, ...] = ()
+        # bounded-memory forward without gradients (memory.chunked_inference, set by build_model); None: plain
+        self.inference_chunks: ChunkPlan | None = None
 
     def _self_attention(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                         layout: VideoLayout) -> torch.Tensor:
@@ -97,3 +105,47 @@ class WanBlock(nn.Module):
         x = (x.float() + a * gate).to(x.dtype)
         return maybe_checkpoint(self._cross_and_ffn, self.checkpoint_mlp, x, text, layout, c_shift, c_scale, c_gate,
                                 keep=self.checkpoint_keep)
+
+    @torch.no_grad()
+    def chunked_forward(self, x: torch.Tensor, text: torch.Tensor, projection: torch.Tensor, layout: VideoLayout,
+                        plan: ChunkPlan) -> torch.Tensor:
+        """`forward` without gradients in bounded memory; x [B, L, dim] is updated in place and returned. Equal to
+        `forward` up to the summation order inside the matmuls."""
+        shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(projection)
+        L = x.shape[1]
+        n = layout.num_segments
+        _, inv_count = window_gather(layout, x.device)
+        cos, sin = window_rope(layout, self.attn.head_dim, self.attn.rope_theta, x.device)
+        windows = [layout.window_index(i).to(x.device) for i in range(n)]
+
+        def merged(window_out) -> torch.Tensor:
+            """The windows' outputs summed per position, the shared frames averaged, projected by `to_out` later."""
+            acc = x.new_zeros(x.shape)
+            for i, idx in enumerate(windows):
+                acc.index_add_(1, idx, window_out(i, idx))
+            if n > 1:
+                acc.mul_(inv_count.to(acc.dtype))
+            return acc
+
+        a = merged(lambda i, idx: self.attn.window_forward(norm_modulate(x[:, idx], self.eps, shift, scale), cos,
+                                                           sin))
+        for s, e in token_chunks(0, L, plan.tokens):
+            a[:, s:e] = self.attn.to_out(a[:, s:e])
+        if self.ttt is not None:
+            self.ttt.chunked_forward_(a, layout, plan)
+        for s, e in token_chunks(0, L, plan.tokens):
+            x[:, s:e] = (x[:, s:e].float() + a[:, s:e] * gate).to(x.dtype)
+        del a
+
+        def cross_norm(h: torch.Tensor) -> torch.Tensor:
+            if self.cross_norm is None:
+                return h
+            return F.layer_norm(h.float(), (h.shape[-1],), self.cross_norm.weight.float(),
+                                self.cross_norm.bias.float(), self.eps).to(h.dtype)
+
+        c = merged(lambda i, idx: self.cross_attn.window_forward(cross_norm(x[:, idx]), text[:, i]))
+        for s, e in token_chunks(0, L, plan.tokens):
+            h = x[:, s:e] + self.cross_attn.to_out(c[:, s:e])
+            y = self.ffn(norm_modulate(h, self.eps, c_shift, c_scale))
+            x[:, s:e] = (h.float() + y.float() * c_gate).to(x.dtype)
+        return x

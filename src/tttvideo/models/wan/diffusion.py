@@ -47,6 +47,14 @@ class WanFlowMatching:
         return sigma * self.num_train_timesteps
 
     # ------------------------------------------------------------------ training
+    def sigmas_from_uniform(self, u: torch.Tensor) -> torch.Tensor:
+        """Noise levels for uniform draws u in [0, 1) (the trainer's, stratified over a batch): shifted u, or
+        for "logit-normal" the logit-normal quantile of u (sigmoid(mean + std Phi^-1(u))) shifted, so that a
+        stratified u gives a stratified logit-normal draw."""
+        if self.timestep_sampling == "logit-normal":
+            u = torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7)))
+        return self.shifted(u)
+
     def sample_sigmas(self, batch: int, generator: torch.Generator | None = None,
                       device: torch.device | str = "cpu") -> torch.Tensor:
         """Noise levels [batch] for a training step (fp32)."""

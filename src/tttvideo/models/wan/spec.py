@@ -44,6 +44,11 @@ class WanSpec:
         return self.num_attention_heads * self.attention_head_dim
 
     @property
+    def text_embed_dim(self) -> int:
+        """The width of the text features the model takes (`models.backbone.BackboneConfig`)."""
+        return self.text_dim
+
+    @property
     def ttt_heads(self) -> int:
         return self.dim // self.ttt_head_dim
 

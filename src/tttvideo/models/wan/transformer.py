@@ -9,7 +9,8 @@ video tokens only (`tttvideo.models.wan.layout`). The output is the flow-matchin
 [B, T, C, H, W].
 
 Numerically this is diffusers' `WanTransformer3DModel` (text-to-video) when there is one segment and the TTT gates
-are 0; `tests/test_wan_model.py` checks it. Sequence parallelism is not wired for this model yet.
+are 0; `tests/test_wan_model.py` checks it. Sequence parallelism is not wired for this model yet (the config check
+of the Wan backbone refuses `parallel.sp` > 1).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
+from tttvideo.models.backbone import Backbone
 from tttvideo.models.checkpointing import checkpointed, nested_spans
 from tttvideo.models.cogvideox.embeddings import TimestepEmbedding
 from tttvideo.models.wan.block import ModulationTable, WanBlock
@@ -42,7 +44,7 @@ class TextProjection(nn.Module):
         return self.linear2(F.gelu(self.linear1(text), approximate="tanh"))
 
 
-class WanTTT(nn.Module):
+class WanTTT(Backbone):
     def __init__(self, spec: WanSpec, ttt: TTTConfig | None = None, use_ttt: bool = True,
                  sequence_layer: str = "ttt"):
         """spec: backbone size; ttt: a TTTConfig (defaults when None); use_ttt=False: local attention only;
@@ -94,8 +96,11 @@ class WanTTT(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, latents: torch.Tensor, text: torch.Tensor | Sequence[torch.Tensor],
-                timestep: torch.Tensor | int | float, layout: VideoLayout | None = None) -> torch.Tensor:
-        """The velocity prediction [B, T, C, H, W] for `latents` [B, T, C, H, W]."""
+                timestep: torch.Tensor | int | float, layout: VideoLayout | None = None,
+                sp: object | None = None) -> torch.Tensor:
+        """The velocity prediction [B, T, C, H, W] for `latents` [B, T, C, H, W]; `sp` must be None (one process)."""
+        if sp is not None:
+            raise NotImplementedError("sequence parallelism is not wired for the Wan model")
         if latents.dim() != 5:
             raise LayoutError(f"latents must be [B, T, C, H, W], got shape {tuple(latents.shape)}")
         if not isinstance(text, torch.Tensor):
@@ -144,7 +149,10 @@ class WanTTT(nn.Module):
     def _run_blocks(self, x: torch.Tensor, context: torch.Tensor, projection: torch.Tensor, layout: VideoLayout,
                     start: int, stop: int) -> torch.Tensor:
         for block in self.blocks[start:stop]:
-            x = block(x, context, projection, layout)
+            if block.inference_chunks is not None and not torch.is_grad_enabled():
+                x = block.chunked_forward(x, context, projection, layout, block.inference_chunks)
+            else:
+                x = block(x, context, projection, layout)
         return x
 
     def unpatchify(self, x: torch.Tensor, T: int, H: int, W: int) -> torch.Tensor:
@@ -154,14 +162,3 @@ class WanTTT(nn.Module):
         B = x.shape[0]
         x = x.reshape(B, T, H // p, W // p, p, p, -1)
         return x.permute(0, 1, 6, 2, 4, 3, 5).reshape(B, T, -1, H, W)
-
-    # ------------------------------------------------------------------ helpers
-    def ttt_modules(self) -> list[nn.Module]:
-        return [b.ttt for b in self.blocks if b.ttt is not None]
-
-    @torch.no_grad()
-    def set_ttt_gates(self, value: float) -> None:
-        """Fill every gate of the long-range layers; 0 makes the model the pretrained backbone."""
-        for m in self.ttt_modules():
-            for g in m.gates():
-                g.fill_(value)
