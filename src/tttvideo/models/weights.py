@@ -76,6 +76,40 @@ def weight_files(folder: Path) -> list[Path]:
     raise UserError(f"{folder}: found {len(files)} .safetensors files and no {INDEX_NAME}; expected one file or an index")
 
 
+def load_mapped_weights(model: nn.Module, folder: Path, name_map: dict[str, str], expected: dict[str, torch.Tensor],
+                        device: torch.device, dtype: torch.dtype, label: str,
+                        ignored: tuple[str, ...] = ()) -> None:
+    """Assign the tensors of a diffusers folder's safetensors files to `model` (built on the meta device), renamed by
+    `name_map` (theirs -> ours), each checked against `expected` (ours -> the meta parameter); keys containing one
+    of `ignored` are skipped. Missing, unexpected and wrongly shaped tensors are one UserError naming them; the
+    parameters not in `expected` (the TTT layers) stay on meta for `materialize`."""
+    from safetensors import safe_open
+
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                ours = name_map.get(key)
+                if ours is None or ours not in expected:
+                    if not any(part in key for part in ignored):
+                        unexpected.append(key)
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(expected[ours].shape):
+                    wrong_shape.append(f"{key} {list(shape)} (model has {list(expected[ours].shape)})")
+                    continue
+                assign_tensor(model, ours, f.get_tensor(key).to(device=device, dtype=dtype))
+                loaded.add(ours)
+    inverse = {o: d for d, o in name_map.items()}
+    problems = [f"{what} {_names(v)}" for what, v in
+                (("missing", [inverse.get(n, n) for n in expected if n not in loaded]), ("unexpected", unexpected),
+                 ("wrong shape", wrong_shape)) if v]
+    if problems:
+        raise UserError(f"{folder} does not fit the {label!r} model: {'; '.join(problems)}")
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Allocate and initialise every parameter still on the meta device, one reset unit at a time (fp32 init, then

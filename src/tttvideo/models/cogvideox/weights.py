@@ -22,7 +22,7 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.cogvideox.presets import ModelSpec, describe_config
 from tttvideo.models.cogvideox.transformer import CogVideoXTTT
-from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, _names, assign_tensor, materialize, weight_files
+from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, load_mapped_weights, materialize
 
 DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
 
@@ -122,41 +122,10 @@ def from_pretrained(
     folder = find_transformer_folder(path)
     config = read_config(folder)
     spec = spec_for_folder(config, folder, spec)
-    files = weight_files(folder)
-
     with torch.device("meta"):
         model = CogVideoXTTT(spec, ttt, use_ttt, sequence_layer)
     expected = {n: p for n, p in model.named_parameters() if not is_ttt_parameter(n)}
-    name_map = diffusers_name_map(spec.num_layers)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    wrong_shape: list[str] = []
-    from safetensors import safe_open
-
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                ours = name_map.get(key)
-                if ours is None or ours not in expected:
-                    unexpected.append(key)
-                    continue
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(expected[ours].shape):
-                    wrong_shape.append(f"{key} {list(shape)} (model has {list(expected[ours].shape)})")
-                    continue
-                assign_tensor(model, ours, f.get_tensor(key).to(device=device, dtype=dtype))
-                loaded.add(ours)
-    inverse = {o: d for d, o in name_map.items()}
-    missing = [inverse.get(n, n) for n in expected if n not in loaded]
-    problems = []
-    if missing:
-        problems.append(f"missing {_names(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_names(unexpected)}")
-    if wrong_shape:
-        problems.append(f"wrong shape {_names(wrong_shape)}")
-    if problems:
-        raise UserError(f"{folder} does not fit the {spec.name!r} model: {'; '.join(problems)}")
+    load_mapped_weights(model, folder, diffusers_name_map(spec.num_layers), expected, device, dtype, spec.name)
     materialize(model, device, dtype)  # only the TTT parameters are still on meta
     return model
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.wan.spec import DIFFUSERS_CLASS, WanSpec
 from tttvideo.models.wan.transformer import WanTTT
-from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, assign_tensor, materialize, weight_files
+from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, load_mapped_weights, materialize
 
 # keys diffusers' own loader skips in Wan folders (an image-branch norm some conversions carry)
 IGNORED = ("norm_added_q",)
@@ -94,36 +94,10 @@ def from_pretrained_wan(path: str | Path, spec: WanSpec | None = None, ttt: TTTC
     dtype, device = torch_dtype(dtype), torch.device(device)
     folder = find_wan_folder(path)
     spec = read_wan_spec(folder, spec)
-    files = weight_files(folder)
     with torch.device("meta"):
         model = WanTTT(spec, ttt, use_ttt, sequence_layer)
     expected = {n: p for n, p in model.named_parameters() if not is_ttt_parameter(n)}
-    name_map = wan_name_map(spec.num_layers)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    wrong_shape: list[str] = []
-    from safetensors import safe_open
-
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                ours = name_map.get(key)
-                if ours is None or ours not in expected:
-                    if not any(part in key for part in IGNORED):
-                        unexpected.append(key)
-                    continue
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(expected[ours].shape):
-                    wrong_shape.append(f"{key} {list(shape)} (model has {list(expected[ours].shape)})")
-                    continue
-                assign_tensor(model, ours, f.get_tensor(key).to(device=device, dtype=dtype))
-                loaded.add(ours)
-    inverse = {o: d for d, o in name_map.items()}
-    problems = [f"{label} {_names(v)}" for label, v in
-                (("missing", [inverse.get(n, n) for n in expected if n not in loaded]), ("unexpected", unexpected),
-                 ("wrong shape", wrong_shape)) if v]
-    if problems:
-        raise UserError(f"{folder} does not fit the {spec.name!r} model: {'; '.join(problems)}")
+    load_mapped_weights(model, folder, wan_name_map(spec.num_layers), expected, device, dtype, spec.name, IGNORED)
     materialize(model, device, dtype)  # only the TTT layers are still on meta
     return model
 
@@ -139,9 +113,3 @@ def init_wan_model(spec: WanSpec, ttt: TTTConfig | None = None, use_ttt: bool = 
         return model.to(dtype)
     materialize(model, torch.device(device), dtype)
     return model
-
-
-def _names(names: Iterable[str], limit: int = 8) -> str:
-    names = list(names)
-    text = ", ".join(names[:limit])
-    return f"{text} (+{len(names) - limit} more)" if len(names) > limit else text
