@@ -24,6 +24,7 @@ from torch import nn
 from tttvideo.diffusion import ZeroSNRSchedule
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.layout import LayoutParams, VideoLayout
+from tttvideo.models.checkpointing import checkpointed, nested_spans
 
 if TYPE_CHECKING:
     from tttvideo.config.schema import Config, ModelConfig, TTTConfig
@@ -66,6 +67,36 @@ class Backbone(nn.Module):
         """The prediction [B, T, C, H, W] for latents [B, T, C, H, W], text embeddings [B, segments, tokens, dim]
         and the timestep; `sp`: this rank's part of a sequence-parallel group (every rank gets the same inputs)."""
         raise NotImplementedError
+
+    nested_span: int = 0  # checkpointing.nested_span, set with block_units
+
+    def run_blocks(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """The stream `x` through every block, `run_block(block, x, *args)` each, recomputed in backward as
+        `block_units` and `nested_span` say (models.checkpointing): each checkpointed unit keeps its input, and a
+        span of units nested in one more checkpoint keeps only the span's."""
+        for first, last in nested_spans(self.block_units, self.nested_span):
+            if last - first > 1 and torch.is_grad_enabled():
+                x = checkpointed(self._run_units, x, first, last, *args)
+            else:
+                x = self._run_units(x, first, last, *args)
+        return x
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """One block on the stream; a backbone overrides it for another way through a block (e.g. chunked)."""
+        return block(x, *args)
+
+    def _run_units(self, x: torch.Tensor, first: int, last: int, *args: Any) -> torch.Tensor:
+        for start, stop, ckpt in self.block_units[first:last]:
+            if ckpt and torch.is_grad_enabled():  # a unit's blocks share one policy
+                x = checkpointed(self._run_span, x, start, stop, *args, keep=self.blocks[start].checkpoint_keep)
+            else:
+                x = self._run_span(x, start, stop, *args)
+        return x
+
+    def _run_span(self, x: torch.Tensor, start: int, stop: int, *args: Any) -> torch.Tensor:
+        for block in self.blocks[start:stop]:
+            x = self.run_block(block, x, *args)
+        return x
 
     def ttt_modules(self) -> list[nn.Module]:
         return [b.ttt for b in self.blocks if b.ttt is not None]

@@ -24,7 +24,6 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
-from tttvideo.models.checkpointing import checkpointed, nested_spans
 from tttvideo.models.cogvideox.block import Block
 from tttvideo.models.cogvideox.embeddings import PatchEmbed, TimestepEmbedding
 from tttvideo.models.cogvideox.presets import ModelSpec
@@ -67,7 +66,6 @@ class CogVideoXTTT(Backbone):
         self.proj_out = nn.Linear(dim, spec.patch_size * spec.patch_size * spec.out_channels)
         # (start, stop, checkpointed) runs of blocks; set by models.checkpointing.apply_checkpointing
         self.block_units: list[tuple[int, int, bool]] = [(i, i + 1, False) for i in range(spec.num_layers)]
-        self.nested_span = 0  # checkpointing.nested_span, set with block_units
 
     def _check_inputs(self, latents: torch.Tensor, text: torch.Tensor, layout: VideoLayout) -> None:
         spec = self.spec
@@ -129,12 +127,7 @@ class CogVideoXTTT(Backbone):
         if sp is not None:
             x = sp.shard(x, layout)
 
-        for first, last in nested_spans(self.block_units, self.nested_span):
-            if last - first > 1 and torch.is_grad_enabled():
-                # nested checkpointing: forward keeps the span's input only; its recompute keeps each unit's
-                x = checkpointed(self._run_units, x, temb_act, layout, first, last, sp)
-            else:
-                x = self._run_units(x, temb_act, layout, first, last, sp)
+        x = self.run_blocks(x, temb_act, layout, sp)
 
         if sp is None:
             x = x[:, layout.total_text_tokens:]
@@ -144,23 +137,6 @@ class CogVideoXTTT(Backbone):
         if sp is not None:
             x = sp.unshard(x, layout)[:, layout.total_text_tokens:]
         return self.unpatchify(x, T, H, W)
-
-    def _run_units(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, first: int, last: int,
-                   sp: SequenceParallel | None = None) -> torch.Tensor:
-        for start, stop, ckpt in self.block_units[first:last]:
-            if ckpt and torch.is_grad_enabled():
-                # a unit's blocks share one policy (checkpointing.block_units)
-                x = checkpointed(self._run_blocks, x, temb_act, layout, start, stop, sp,
-                                 keep=self.blocks[start].checkpoint_keep)
-            else:
-                x = self._run_blocks(x, temb_act, layout, start, stop, sp)
-        return x
-
-    def _run_blocks(self, x: torch.Tensor, temb_act: torch.Tensor, layout: VideoLayout, start: int,
-                    stop: int, sp: SequenceParallel | None = None) -> torch.Tensor:
-        for block in self.blocks[start:stop]:
-            x = block(x, temb_act, layout, sp)
-        return x
 
     def unpatchify(self, x: torch.Tensor, T: int, H: int, W: int) -> torch.Tensor:
         """[B, T h w, C p p] -> [B, T, C, H, W], channel-major inside a patch as in diffusers."""

@@ -15,7 +15,7 @@ of the Wan backbone refuses `parallel.sp` > 1).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,6 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
-from tttvideo.models.checkpointing import checkpointed, nested_spans
 from tttvideo.models.cogvideox.embeddings import TimestepEmbedding
 from tttvideo.models.wan.block import ModulationTable, WanBlock
 from tttvideo.models.wan.layout import wan_layout_from_latents
@@ -64,10 +63,8 @@ class WanTTT(Backbone):
                                      for _ in range(spec.num_layers)])
         self.head_modulation = ModulationTable(2, dim)  # (shift, scale) offsets of the output norm
         self.proj_out = nn.Linear(dim, spec.out_channels * p[0] * p[1] * p[2])
-        # (start, stop, checkpointed) runs of blocks and the nested span, as CogVideoXTTT has them
-        # (set by tttvideo.models.checkpointing.apply_checkpointing)
+        # (start, stop, checkpointed) runs of blocks (set by tttvideo.models.checkpointing.apply_checkpointing)
         self.block_units: list[tuple[int, int, bool]] = [(i, i + 1, False) for i in range(spec.num_layers)]
-        self.nested_span = 0
 
     # ------------------------------------------------------------------ inputs
     def layout_for(self, latents: torch.Tensor) -> VideoLayout:
@@ -125,35 +122,17 @@ class WanTTT(Backbone):
         x = x.flatten(2).transpose(1, 2).contiguous()  # tokens in (frame, row, column) order
         layout.check_sequence_length(x.shape[1])
 
-        for first, last in nested_spans(self.block_units, self.nested_span):
-            if last - first > 1 and torch.is_grad_enabled():
-                x = checkpointed(self._run_units, x, context, projection, layout, first, last)
-            else:
-                x = self._run_units(x, context, projection, layout, first, last)
+        x = self.run_blocks(x, context, projection, layout)
 
         shift, scale = self.head_modulation(temb[:, None])
         h = F.layer_norm(x.float(), (x.shape[-1],), eps=self.spec.eps)
         x = self.proj_out(torch.addcmul(shift, h, 1 + scale).to(x.dtype))
         return self.unpatchify(x, T, H, W)
 
-    def _run_units(self, x: torch.Tensor, context: torch.Tensor, projection: torch.Tensor, layout: VideoLayout,
-                   first: int, last: int) -> torch.Tensor:
-        for start, stop, ckpt in self.block_units[first:last]:
-            if ckpt and torch.is_grad_enabled():
-                x = checkpointed(self._run_blocks, x, context, projection, layout, start, stop,
-                                 keep=self.blocks[start].checkpoint_keep)
-            else:
-                x = self._run_blocks(x, context, projection, layout, start, stop)
-        return x
-
-    def _run_blocks(self, x: torch.Tensor, context: torch.Tensor, projection: torch.Tensor, layout: VideoLayout,
-                    start: int, stop: int) -> torch.Tensor:
-        for block in self.blocks[start:stop]:
-            if block.inference_chunks is not None and not torch.is_grad_enabled():
-                x = block.chunked_forward(x, context, projection, layout, block.inference_chunks)
-            else:
-                x = block(x, context, projection, layout)
-        return x
+    def run_block(self, block: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        if block.inference_chunks is not None and not torch.is_grad_enabled():
+            return block.chunked_forward(x, *args, block.inference_chunks)
+        return block(x, *args)
 
     def unpatchify(self, x: torch.Tensor, T: int, H: int, W: int) -> torch.Tensor:
         """[B, T h w, p p C] -> [B, T, C, H, W]; inside a patch the channel is the fastest index, as in diffusers'
