@@ -200,7 +200,7 @@ def import_cycles(level: str) -> list[list[str]]:
     return strongly_connected(graph)
 
 
-# The cycles that remain, each with its reason (docs/design-imports.md says the same). Between units:
+# The cycles that remain, each with its reason (docs/design.md, "Import layers", says the same). Between units:
 EXPLAINED_UNIT_CYCLES = {
     ("sequence", "ttt"): "one layer, the long-range layers: sequence.build builds TTT's layer (ttt.layer), which is "
                          "a gated bidirectional layer of sequence.bidirectional like the baselines",
