@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tttvideo.diffusion import ZeroSNRSchedule
-from tttvideo.errors import ConfigError, UserError
+from tttvideo.errors import ConfigError, LayoutError, UserError
 from tttvideo.layout import LayoutParams, VideoLayout
 from tttvideo.models.checkpointing import checkpointed, nested_spans
 
@@ -69,6 +69,20 @@ class Backbone(nn.Module):
         raise NotImplementedError
 
     nested_span: int = 0  # checkpointing.nested_span, set with block_units
+
+    @staticmethod
+    def stacked_inputs(latents: torch.Tensor, text: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """Checks latents [B, T, C, H, W] and returns the text as [B, segments, tokens, dim] (one tensor per
+        segment, or [B, tokens, dim] for one segment, are stacked)."""
+        if latents.dim() != 5:
+            raise LayoutError(f"latents must be [B, T, C, H, W], got shape {tuple(latents.shape)}")
+        if not isinstance(text, torch.Tensor):
+            text = torch.stack(list(text), dim=1)
+        if text.dim() == 3:  # [B, len, dim]: one segment
+            text = text[:, None]
+        if text.dim() != 4:
+            raise LayoutError(f"text embeddings must be [B, segments, tokens, dim], got shape {tuple(text.shape)}")
+        return text
 
     def run_blocks(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         """The stream `x` through every block, `run_block(block, x, *args)` each, recomputed in backward as

@@ -101,14 +101,7 @@ class CogVideoXTTT(Backbone):
     ) -> torch.Tensor:
         """The prediction [B, T, C, H, W] for `latents`; `sp`: split the sequence over its ranks (each given the
         same inputs)."""
-        if latents.dim() != 5:
-            raise LayoutError(f"latents must be [B, T, C, H, W], got shape {tuple(latents.shape)}")
-        if not isinstance(text, torch.Tensor):
-            text = torch.stack(list(text), dim=1)
-        if text.dim() == 3:  # [B, len, dim]: one segment
-            text = text[:, None]
-        if text.dim() != 4:
-            raise LayoutError(f"text embeddings must be [B, segments, tokens, dim], got shape {tuple(text.shape)}")
+        text = self.stacked_inputs(latents, text)
         B, T, C, H, W = latents.shape
         if layout is None:
             layout = VideoLayout.from_latents(T, H, W, text.shape[2], self.spec.patch_size,

@@ -98,14 +98,7 @@ class WanTTT(Backbone):
         """The velocity prediction [B, T, C, H, W] for `latents` [B, T, C, H, W]; `sp` must be None (one process)."""
         if sp is not None:
             raise NotImplementedError("sequence parallelism is not wired for the Wan model")
-        if latents.dim() != 5:
-            raise LayoutError(f"latents must be [B, T, C, H, W], got shape {tuple(latents.shape)}")
-        if not isinstance(text, torch.Tensor):
-            text = torch.stack(list(text), dim=1)
-        if text.dim() == 3:  # [B, len, dim]: one segment
-            text = text[:, None]
-        if text.dim() != 4:
-            raise LayoutError(f"text embeddings must be [B, segments, tokens, dim], got shape {tuple(text.shape)}")
+        text = self.stacked_inputs(latents, text)
         B, T, C, H, W = latents.shape
         layout = self.layout_for(latents) if layout is None else layout
         self._check_inputs(latents, text, layout)
