@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             model_step.sync(device)
             times.append(time.perf_counter() - start)
         row = {"variant": name, "step_s": times[1], "warmup_s": times[0],
-               "peak_host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                "offloaded_gib": step.offloaded_bytes / 2**30}
         if device.type == "cuda":
             row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     base = next((r["step_s"] for r in rows if r["variant"] == "kept"), None)
     result = {"benchmark": "memory_techniques", "device": model_step.device_name(device), "torch": torch.__version__,
-              "python": platform.python_version(), "git_commit": args.commit, "preset": args.preset,
+              "python": platform.python_version(), "git_commit": args.commit, "gpus": 1, "use_ttt": True, "preset": args.preset,
               "duration_s": args.duration, "tokens": layout.total_tokens, "switches": SWITCHES, "results": rows}
     out = args.out or f"benchmarks/results/memory_techniques_{_gpu(result['device'])}.json"
     model_step.write_result(result, out)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
         print(f"{r['variant']:>12} {r['step_s']:>8.2f} {ratio:>8} {r.get('peak_allocated_gib', 0):>9.1f} "
-              f"{r.get('peak_reserved_gib', 0):>9.1f} {r['peak_host_rss_gib']:>8.1f}")
+              f"{r.get('peak_reserved_gib', 0):>9.1f} {r['peak_host_gib']:>8.1f}")
     return 0
 
 

@@ -288,7 +288,7 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
         if ranks.distributed:
             row["peak_allocated_gib_per_rank"], row["peak_reserved_gib_per_rank"] = allocated, reserved
     # the process's peak resident host memory so far (offloaded activations live there)
-    row["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    row["peak_host_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if train_step.offload:
         row["offloaded_gib"] = train_step.offloaded_bytes / 2**30
         row["offload_kept_on_gpu_gib"] = train_step.kept_bytes / 2**30
@@ -439,7 +439,7 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         print(f"{r['duration_s']:>3}s {r['tokens']:>7} {r['median_step_s']:>8.2f} "
               f"{r.get('peak_allocated_gib', 0):>9.1f} {r.get('peak_reserved_gib', 0):>9.1f} "
-              f"{r.get('peak_host_rss_gib', 0):>8.1f} {f['dense'] / 1e12:>9.1f} {f['attention'] / 1e12:>8.1f} "
+              f"{r.get('peak_host_gib', 0):>8.1f} {f['dense'] / 1e12:>9.1f} {f['attention'] / 1e12:>8.1f} "
               f"{f['ttt'] / 1e12:>8.1f} {r['achieved_tflops']:>8.1f} {mfu:>6}  {r['ttt_backend']}")
 
 

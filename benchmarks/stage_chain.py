@@ -214,7 +214,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
         return row
     steady = metrics[1:] or metrics  # the first step compiles
     row.update({
-        "s_per_microbatch": sorted(m["step_time"] for m in steady)[len(steady) // 2],
+        "median_step_s": sorted(m["step_time"] for m in steady)[len(steady) // 2],
         "first_step_s": metrics[0]["step_time"],
         "peak_allocated_gib": max(m["memory_gib"] for m in metrics),
         "peak_reserved_gib": max(m.get("memory_reserved_gib", 0.0) for m in metrics),
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     sample = run_sample(args, work, args.durations[-1]) if "error" not in rows[-1] else None
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
-              "preset": args.preset, "steps_per_stage": args.steps, "overrides": args.overrides, "stages": rows,
+              "gpus": 1, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps, "overrides": args.overrides, "stages": rows,
               "sample": sample}
     gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
     out = Path(args.out or REPO / "benchmarks" / "results" / f"stage_chain_{gpu}.json")
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         note = (f"kill -9 after step {r['killed_after_step']}, resumed, each step once: {r['resumed_steps_once']}"
                 if "killed_after_step" in r else "")
-        print(f"{r['duration_s']:>5}s {r['s_per_microbatch']:>13.2f} {r['peak_allocated_gib']:>9.1f} "
+        print(f"{r['duration_s']:>5}s {r['median_step_s']:>13.2f} {r['peak_allocated_gib']:>9.1f} "
               f"{r['peak_reserved_gib']:>9.1f} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
               f"{r['checkpoint_save_s'] or 0:>7.1f}  {note}")
     if sample is not None:

@@ -86,7 +86,7 @@ def measure(args, kind: str, duration: str, mini_batch: int, device: torch.devic
 
 def print_table(result: dict) -> None:
     print(f"\nTTT of one block in a guided sampling step (batch {result['batch']}, {result['dim']} wide, "
-          f"{result['heads']} heads, {result['dtype']}) on {result['device']}, commit {result['commit'][:10]}")
+          f"{result['heads']} heads, {result['dtype']}) on {result['device']}, commit {result['git_commit'][:10]}")
     print(f"{'kind':>6} {'duration':>8} {'tokens':>8} {'mini-batch':>10} {'block ms':>9} {'step s':>7} "
           f"{'x vs 64':>8}")
     rows = result["rows"]
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     result = {"benchmark": "ttt_sample_minibatch", "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else platform.processor() or "cpu", "torch": torch.__version__,
-              "python": platform.python_version(), "commit": git_commit() or "unknown (no .git on the device copy)",
+              "python": platform.python_version(), "git_commit": git_commit() or "unknown (no .git on the device copy)",
               "batch": args.batch, "dim": args.dim, "heads": args.heads, "dtype": str(dtype).split(".")[-1],
               "layers": args.layers, "rows": []}
     for kind in args.kinds:
