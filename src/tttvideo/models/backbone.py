@@ -84,6 +84,18 @@ class Backbone(nn.Module):
             raise LayoutError(f"text embeddings must be [B, segments, tokens, dim], got shape {tuple(text.shape)}")
         return text
 
+    def check_latents(self, latents: torch.Tensor, layout: VideoLayout) -> None:
+        """Latents [B, T, C, H, W] with the model's channels and the layout's latent frame grid."""
+        _, T, C, H, W = latents.shape
+        if C != self.spec.in_channels:
+            raise LayoutError(f"latents have {C} channels; the model takes {self.spec.in_channels} (shape [B, T, C, "
+                              f"H, W])")
+        expect = (layout.latent_frames, layout.latent_height, layout.latent_width)
+        if (T, H, W) != expect:
+            raise LayoutError(f"latents of {T} frames x {H}x{W} do not match the {layout.duration_s} s layout at "
+                              f"{layout.height}x{layout.width}, which has {expect[0]} latent frames of "
+                              f"{expect[1]}x{expect[2]}")
+
     def run_blocks(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         """The stream `x` through every block, `run_block(block, x, *args)` each, recomputed in backward as
         `block_units` and `nested_span` say (models.checkpointing): each checkpointed unit keeps its input, and a

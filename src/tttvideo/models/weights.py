@@ -66,14 +66,32 @@ def weight_files(folder: Path) -> list[Path]:
         files = sorted({folder / name for name in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise UserError(f"{folder}: the shard index names {', '.join(absent)}, which is not there (incomplete download?)")
+            raise UserError(f"{folder}: the shard index names {', '.join(absent)}, which is not there (incomplete "
+                            f"download?)")
         return files
     if (folder / WEIGHTS_NAME).is_file():
         return [folder / WEIGHTS_NAME]
     files = sorted(folder.glob("*.safetensors"))
     if len(files) == 1:
         return files
-    raise UserError(f"{folder}: found {len(files)} .safetensors files and no {INDEX_NAME}; expected one file or an index")
+    raise UserError(f"{folder}: found {len(files)} .safetensors files and no {INDEX_NAME}; expected one file or an "
+                    f"index")
+
+
+def find_diffusers_folder(path: str | Path, download: str, layout: str) -> Path:
+    """The folder holding a diffusers transformer's config.json and weights: `path` itself or its `transformer/`
+    subfolder. `download` names what model.pretrained_path should point at, `layout` whose folder layout is meant,
+    for the errors."""
+    path = Path(path).expanduser()
+    for folder in (path, path / "transformer"):
+        has_weights = (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))
+        if (folder / CONFIG_NAME).is_file() and has_weights:
+            return folder
+    if not path.exists():
+        raise UserError(f"model folder {path} does not exist; point model.pretrained_path at a {download} download")
+    raise UserError(f"{path} is not a diffusers transformer folder: expected config.json and "
+                    f"diffusion_pytorch_model*.safetensors in it or in its transformer/ subfolder (the layout of "
+                    f"{layout})")
 
 
 def load_mapped_weights(model: nn.Module, folder: Path, name_map: dict[str, str], expected: dict[str, torch.Tensor],

@@ -22,7 +22,7 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.cogvideox.presets import ModelSpec, describe_config
 from tttvideo.models.cogvideox.transformer import CogVideoXTTT
-from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, load_mapped_weights, materialize
+from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, find_diffusers_folder, load_mapped_weights, materialize
 
 DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
 
@@ -61,18 +61,7 @@ def diffusers_name_map(num_layers: int) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------- folders
 def find_transformer_folder(path: str | Path) -> Path:
     """The folder holding the transformer's config.json: `path` itself or its `transformer/` subfolder."""
-    path = Path(path).expanduser()
-    for folder in (path, path / "transformer"):
-        if (folder / CONFIG_NAME).is_file() and (
-            (folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))
-        ):
-            return folder
-    if not path.exists():
-        raise UserError(f"model folder {path} does not exist; point model.pretrained_path at a CogVideoX-5B download")
-    raise UserError(
-        f"{path} is not a diffusers transformer folder: expected config.json and diffusion_pytorch_model*.safetensors "
-        f"in it or in its transformer/ subfolder (the layout of a CogVideoX-5B download)"
-    )
+    return find_diffusers_folder(path, "CogVideoX-5B", "a CogVideoX-5B download")
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -74,14 +74,8 @@ class WanTTT(Backbone):
 
     def _check_inputs(self, latents: torch.Tensor, text: torch.Tensor, layout: VideoLayout) -> None:
         spec = self.spec
-        B, T, C, H, W = latents.shape
-        if C != spec.in_channels:
-            raise LayoutError(f"latents have {C} channels; the model takes {spec.in_channels} (shape [B, T, C, H, W])")
-        expect = (layout.latent_frames, layout.latent_height, layout.latent_width)
-        if (T, H, W) != expect:
-            raise LayoutError(f"latents of {T} frames x {H}x{W} do not match the {layout.duration_s} s layout at "
-                              f"{layout.height}x{layout.width}, which has {expect[0]} latent frames of "
-                              f"{expect[1]}x{expect[2]}")
+        self.check_latents(latents, layout)
+        B = latents.shape[0]
         if layout.total_text_tokens:
             raise LayoutError("Wan's layout has no text in the stream; build it with tttvideo.models.wan.layout")
         layout.check_text_embeddings(text.shape[1])

@@ -21,7 +21,7 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.wan.spec import DIFFUSERS_CLASS, WanSpec
 from tttvideo.models.wan.transformer import WanTTT
-from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, load_mapped_weights, materialize
+from tttvideo.models.weights import CONFIG_NAME, find_diffusers_folder, load_mapped_weights, materialize
 
 # keys diffusers' own loader skips in Wan folders (an image-branch norm some conversions carry)
 IGNORED = ("norm_added_q",)
@@ -52,16 +52,7 @@ def wan_name_map(num_layers: int) -> dict[str, str]:
 
 def find_wan_folder(path: str | Path) -> Path:
     """The folder holding the transformer's config.json: `path` itself or its `transformer/` subfolder."""
-    path = Path(path).expanduser()
-    for folder in (path, path / "transformer"):
-        if (folder / CONFIG_NAME).is_file() and ((folder / INDEX_NAME).is_file() or any(folder.glob("*.safetensors"))):
-            return folder
-    if not path.exists():
-        raise UserError(f"model folder {path} does not exist; point model.pretrained_path at a "
-                        f"Wan2.1-T2V-1.3B-Diffusers download")
-    raise UserError(f"{path} is not a diffusers transformer folder: expected config.json and "
-                    f"diffusion_pytorch_model*.safetensors in it or in its transformer/ subfolder (the layout of "
-                    f"Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
+    return find_diffusers_folder(path, "Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
 
 
 def read_wan_spec(folder: Path, spec: WanSpec | None) -> WanSpec:
