@@ -43,7 +43,9 @@ class HostPool:
         self.pin = pin and torch.cuda.is_available()
         self.allocated_bytes = 0
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._registered: list[int] = []
+        # every pinned buffer, held until the pool goes (after every handle lent one: they hold the pool), so that
+        # none is freed while still registered
+        self._pinned: list[torch.Tensor] = []
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         if self._free[nbytes]:
@@ -56,25 +58,17 @@ class HostPool:
             if int(err) != 0:  # not fatal: the copies are then synchronous
                 self.pin = False
             else:
-                self._registered.append(buf.data_ptr())
+                self._pinned.append(buf)
         self.allocated_bytes += nbytes
         return buf
 
     def give(self, buf: torch.Tensor) -> None:
         self._free[buf.numel()].append(buf)
 
-    def release(self) -> None:
-        """Unpin and drop every free buffer (those still lent out are dropped when given back and unreferenced)."""
-        for bufs in self._free.values():
-            for buf in bufs:
-                self._unregister(buf)
-                self.allocated_bytes -= buf.numel()
-        self._free.clear()
-
-    def _unregister(self, buf: torch.Tensor) -> None:
-        if buf.data_ptr() in self._registered:
+    def __del__(self) -> None:
+        for buf in self._pinned:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-            self._registered.remove(buf.data_ptr())
+        self._pinned.clear()
 
 
 class _Offloaded:
