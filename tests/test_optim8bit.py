@@ -138,3 +138,28 @@ def test_compiled_update_traces_bf16_fsdp2_state(tmp_path):
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_bf16_stochastic_round_keeps_updates_below_half_a_bf16_step(stochastic):
+    # weights of 1.0 in bf16 are 2^-7 apart; AdamW moves each by about lr = 1e-4 a step, far below half a step, so
+    # round-to-nearest drops every update while stochastic rounding moves the weights by lr a step on average
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    nn.init.ones_(model.weight)
+    train = TrainConfig(optimizer="adamw8bit", lr=1e-4, weight_decay=0.0, bf16_stochastic_round=stochastic)
+    opt = build_optimizer(model, train)
+    steps = 40
+    for _ in range(steps):
+        model.weight.grad = torch.ones_like(model.weight)
+        opt.step()
+    moved = 1.0 - model.weight.float().mean().item()
+    if stochastic:
+        assert moved == pytest.approx(steps * 1e-4, rel=0.2)
+    else:
+        assert moved == 0.0
+
+
+def test_bf16_stochastic_round_needs_the_8bit_optimizer():
+    with pytest.raises(ConfigError, match="train.bf16_stochastic_round needs train.optimizer = 'adamw8bit'"):
+        build_optimizer(tiny(), TrainConfig(optimizer="adamw", bf16_stochastic_round=True))

@@ -181,6 +181,10 @@ class TrainConfig:
                                                                       "needs pip install 'tttvideo[memory]'): 2 bytes "
                                                                       "of state per trainable parameter instead of 4 "
                                                                       "(bf16 parameters) or 8 (fp32)")
+    bf16_stochastic_round: bool = field(default=False, metadata={
+        "help": "with bf16 weights (model.dtype = 'bf16') and train.optimizer = 'adamw8bit': write each updated "
+                "weight back to bf16 by stochastic rounding (torchao), so an update smaller than half a bf16 step "
+                "(1/256 of the weight) moves it on average instead of vanishing; off: round to nearest"})
     grad_clip: float = bounded(0.1, 0.0, help="max global gradient norm; 0 = no clipping")
     # loss
     text_dropout: float = bounded(0.1, 0.0, 1.0, help="probability of zeroing a sample's text (for CFG)")

@@ -10,7 +10,9 @@ adapter (`model.adapter`) decides what trains.
 
 `train.optimizer` picks the update: "adamw" (torch.optim.AdamW, moments in the parameters' dtype) or "adamw8bit"
 (torchao's AdamW8bit: both moments as 8-bit codes with one fp32 scale per 256 values, ~2 bytes per trainable
-parameter instead of AdamW's 4 for bf16 or 8 for fp32 parameters; the update itself is computed in fp32). Tensors
+parameter instead of AdamW's 4 for bf16 or 8 for fp32 parameters; the update itself is computed in fp32). With bf16
+weights, `train.bf16_stochastic_round` writes that fp32 result back by stochastic rounding: at the recipe's lr 1e-5
+most updates are below half a bf16 step of their weight and round-to-nearest drops every one of them. Tensors
 under 4096 values, or not a multiple of 256, keep plain moments in the parameter's dtype (torchao's rule, after
 bitsandbytes).
 
@@ -84,7 +86,11 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimiz
         raise ValueError("no parameter requires grad: the adapter froze the whole model")
     betas = (train.adam_beta1, train.adam_beta2)
     if train.optimizer == "adamw8bit":
-        return adamw8bit_class()(groups, betas=betas, eps=train.adam_eps)
+        return adamw8bit_class()(groups, betas=betas, eps=train.adam_eps,
+                                 bf16_stochastic_round=train.bf16_stochastic_round)
+    if train.bf16_stochastic_round:
+        raise ConfigError("train.bf16_stochastic_round needs train.optimizer = 'adamw8bit' (torchao's update does "
+                          "the rounding); set it, or set train.bf16_stochastic_round = false")
     return torch.optim.AdamW(groups, betas=betas, eps=train.adam_eps)
 
 
@@ -151,7 +157,8 @@ def adamw8bit_class() -> type[torch.optim.Optimizer]:
                     state["step"] += 1
                     single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
                                       None, group["lr"], group["betas"][0], group["betas"][1],
-                                      group["weight_decay"], group["eps"], True, False)
+                                      group["weight_decay"], group["eps"], True,
+                                      self.bf16_stochastic_round and p.dtype is torch.bfloat16)
 
     return FloatLrAdamW8bit
 
