@@ -129,3 +129,22 @@ def test_sequence_parallel_setups_are_not_counted_by_the_one_gpu_block_model():
     assert fits_block_model(cfg) and not fits_block_model(cfg, gpus=2)
     cfg.model.adapter = "lora"
     assert not fits_block_model(cfg)
+
+
+def test_full_fine_tuning_is_counted_by_the_block_model_with_its_own_weights_state_and_a_note():
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import candidates, predict
+
+    preds = {}
+    for adapter in ("qkvo", "sft"):
+        cfg = cfg_at("3s", f"model.adapter={adapter}", "train.optimizer=adamw8bit")
+        cand = next(c for c in candidates(cfg, "train") if c.label == "ckpt sub-block, dtype weights, adamw8bit")
+        preds[adapter] = predict(cfg, "train", cand, load_costs("h100"), gpu_mem=80 * GIB)
+    qkvo, sft = preds["qkvo"], preds["sft"]
+    assert sft.basis == qkvo.basis == "counted (block model)"
+    # the same activations; more trainable parameters, so more gradients and optimizer state
+    assert sft.activation == pytest.approx(qkvo.activation, rel=0.05)
+    assert sft.counted.trainable_params > 2 * qkvo.counted.trainable_params
+    assert sft.reserved > qkvo.reserved
+    assert any("sft's activations counted the same" in n for n in sft.notes)
+    assert not any("counted the same" in n for n in qkvo.notes)

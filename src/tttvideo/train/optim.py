@@ -88,9 +88,10 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimiz
     if train.optimizer == "adamw8bit":
         return adamw8bit_class()(groups, betas=betas, eps=train.adam_eps,
                                  bf16_stochastic_round=train.bf16_stochastic_round)
-    if train.bf16_stochastic_round:
-        raise ConfigError("train.bf16_stochastic_round needs train.optimizer = 'adamw8bit' (torchao's update does "
-                          "the rounding); set it, or set train.bf16_stochastic_round = false")
+    if train.bf16_stochastic_round:  # the trainer refuses this before building the model; here for direct callers
+        from tttvideo.memory.techniques.registry import STOCHASTIC_ROUND_NEEDS_8BIT
+
+        raise ConfigError(STOCHASTIC_ROUND_NEEDS_8BIT)
     return torch.optim.AdamW(groups, betas=betas, eps=train.adam_eps)
 
 

@@ -42,6 +42,9 @@ GIB = 2**30
 # the setup the block model is measured for: every block and each of its four parts checkpointed, one block a unit
 BLOCK_MODEL_POLICY = "sub-block"
 MEASURED_ADAPTERS = ("qkvo",)
+# adapters whose activations are the measured ones': full fine-tuning saves the same block inputs and runs the same
+# working sets (its extra gradients and optimizer state are counted parts); LoRA adds low-rank activations
+BLOCK_MODEL_ADAPTERS = MEASURED_ADAPTERS + ("sft",)
 MEASURED_PRESETS = ("cogvideox-5b",)
 
 
@@ -235,7 +238,7 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
 
 
 def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
-    """Whether the block model counts this setup: the measured kind (CogVideoX-5B, qkvo adapter, weights stored and
+    """Whether the block model counts this setup: the measured kind (CogVideoX-5B, qkvo adapter or sft, weights stored and
     computed in bf16, TTT-MLP, no sequence parallelism), every block and sub-module checkpointed, one block a unit,
     no kept outputs, and nested checkpointing and offload not both on. With sp > 1 Ulysses' all-to-all buffers
     raise the reserve far above one GPU's (a 63-s sp = 2 run reserved 1.28x what it allocated), so those setups
@@ -246,7 +249,7 @@ def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
     from tttvideo.memory.techniques import checkpoint_policy
 
     ck = cfg.checkpointing
-    return (cfg.model.preset in MEASURED_PRESETS and cfg.model.adapter in MEASURED_ADAPTERS
+    return (cfg.model.preset in MEASURED_PRESETS and cfg.model.adapter in BLOCK_MODEL_ADAPTERS
             and cfg.model.dtype == "bf16" and not long_range_tag(cfg) and (gpus == 1 or cfg.parallel.sp == 1)
             and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY
             and not (ck.nested_span > 1 and ck.offload_activations))

@@ -38,7 +38,8 @@ from typing import Any
 from tttvideo.config.schema import Config
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan.activations import BlockConstants, Breakdown, fits_block_model, train_peak
+from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, BlockConstants, Breakdown, fits_block_model,
+                                              train_peak)
 from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
 from tttvideo.memory.plan.count import Counted, count
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FP8_STREAMING,
@@ -193,6 +194,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if gpus > 1:
             notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
         basis = "counted (block model)"
+        if c.model.adapter not in MEASURED_ADAPTERS:
+            notes.append(f"block model measured with qkvo; {c.model.adapter}'s activations counted the same")
         # the block model's techniques scale the time of the step with the inputs kept
         time_factor = blocks.time_factor(c)
         time_cost = Curve(blocks.time_points) if blocks.time_points else None

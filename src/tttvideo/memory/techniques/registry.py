@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tttvideo.config.schema import Config
+from tttvideo.errors import ConfigError
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.techniques.technique import (CalibrationSetup, Footprint, MemoryTechnique, ModelBytes, Option,
                                                   Phase, Saving)
@@ -264,15 +265,28 @@ def _optimizer_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
     return Footprint(optimizer=b.optimizer["adamw8bit"] - b.optimizer["adamw"]) if phase == "train" else Footprint()
 
 
+STOCHASTIC_ROUND_NEEDS_8BIT = ("train.bf16_stochastic_round needs train.optimizer = 'adamw8bit' (torchao's update "
+                               "does the rounding); set it, or set train.bf16_stochastic_round = false")
+
+
+def check_stochastic_round(cfg: Config, processes: int = 1) -> None:
+    if cfg.train.bf16_stochastic_round and cfg.train.optimizer != "adamw8bit":
+        raise ConfigError(STOCHASTIC_ROUND_NEEDS_8BIT)
+
+
 ADAMW_8BIT = MemoryTechnique(
     name="8-bit AdamW",
     phases=("train",),
     keys=("train.optimizer",),
     mechanism="tttvideo.train.optim.build_optimizer (torchao's AdamW8bit)",
     is_on=lambda cfg: cfg.train.optimizer == "adamw8bit",
+    # stochastic rounding is torchao's: with it on, only the 8-bit update is a candidate
     options=lambda cfg, phase, gpus: tuple(Option(n, _set_optimizer(n), ("train.optimizer",))
-                                           for n in ("adamw", "adamw8bit")) if phase == "train" else (),
+                                           for n in ("adamw", "adamw8bit")
+                                           if n == "adamw8bit" or not cfg.train.bf16_stochastic_round)
+    if phase == "train" else (),
     footprint=_optimizer_footprint,
+    check=check_stochastic_round,
     advice=lambda cfg, model, phase, gpus: [] if phase != "train" or cfg.train.optimizer == "adamw8bit" else [
         Saving("train.optimizer = 'adamw8bit'", "of optimizer state",
                -_optimizer_footprint(cfg, phase, ModelBytes.of(model)).optimizer)],
