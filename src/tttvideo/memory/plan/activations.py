@@ -79,7 +79,10 @@ class BlockConstants:
 
     def time_factor(self, cfg: Config) -> float:
         ck = cfg.checkpointing
-        return self.nested_time if ck.nested_span > 1 else self.offload_time if ck.offload_activations else 1.0
+        # the copies can only add work: a measured offload factor below 1 is one run's noise, and would rank
+        # offloading a short video (nothing to gain) above keeping its inputs
+        return self.nested_time if ck.nested_span > 1 else max(1.0, self.offload_time) if ck.offload_activations \
+            else 1.0
 
 
 @dataclass(frozen=True)

@@ -270,11 +270,12 @@ def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
     return sorted(preds, key=rank)
 
 
-def overheads(cfg: Config) -> tuple[int, int]:
+def overheads(cfg: Config) -> tuple[int, int, int]:
     """What the time fit leaves out, to order setups it predicts as fast: first how many switches round numbers
-    (fp8 weights, 8-bit optimizer state), then how many copy weights from host memory each step; fewer is better."""
+    (fp8 weights, 8-bit optimizer state), then how many copy weights from host memory each step, then how many hold
+    state in host memory; fewer is better."""
     on = [t for t in REGISTRY if t.is_on(cfg)]
-    return sum(t.lossy for t in on), sum(t.streams_weights for t in on)
+    return sum(t.lossy for t in on), sum(t.streams_weights for t in on), sum(t.uses_host for t in on)
 
 
 def best(preds: list[Prediction]) -> Prediction | None:

@@ -147,6 +147,7 @@ ACTIVATION_OFFLOAD = MemoryTechnique(
     if phase == "train" else (),
     regime="activation",
     regime_tag=lambda cfg: "offload" if cfg.checkpointing.offload_activations else "resident",
+    uses_host=True,
     advice=lambda cfg, model, phase, gpus: [] if cfg.checkpointing.offload_activations else [Saving(
         "checkpointing.offload_activations = true",
         "of saved activations to host memory (with block checkpointing: the block inputs)",

@@ -161,3 +161,4 @@ class MemoryTechnique:
     calibration: tuple[CalibrationSetup, ...] = ()
     lossy: bool = False  # it rounds numbers (fp8 weights, 8-bit optimizer state)
     streams_weights: bool = False  # it copies weights in from host memory layer by layer every step
+    uses_host: bool = False  # it keeps training state in host memory (pinned, out of other processes' reach)
