@@ -46,10 +46,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", default="cogvideox-5b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--durations", type=int, nargs="+", default=list(STAGES))
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per stage (one micro-batch each)")
+    ap.add_argument("--steps", type=int, default=2, help="optimizer steps per stage (one micro-batch each)")
+    ap.add_argument("--last-steps", type=int, default=3,
+                    help="optimizer steps of the last stage: it is killed in step 2 and resumed, so 3 gives one step "
+                         "of a process that neither compiles nor loads (its steady state)")
     ap.add_argument("--videos", type=int, default=2, help="clips in each stage's random latent cache")
     ap.add_argument("--sample-steps", type=int, default=2)
     ap.add_argument("--no-kill", action="store_true", help="skip the kill -9 and --resume of the last stage")
+    ap.add_argument("--keep-stages", action="store_true",
+                    help="keep every stage's checkpoints (by default a stage's go once the next one has started)")
     ap.add_argument("--make-cache-only", action="store_true", help="make the weights folder and caches, then stop")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
@@ -156,11 +161,16 @@ def tttv(*args: str) -> list[str]:
     return [sys.executable, "-m", "tttvideo", *args]
 
 
-def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: str,
+def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: str, every_step: bool,
                   *flags: str) -> list[str]:
+    # a full-size sft checkpoint is 27 GiB: the stages before the last save only their final step, the last one every
+    # step (the kill -9 needs a checkpoint before the step it interrupts)
+    steps = args.last_steps if every_step else args.steps
+    every, keep = (1, 2) if every_step else (steps, 1)
     sets = [f"model.preset={args.preset}", f"layout.duration={duration}s", f"data.manifest={manifest}",
-            f"train.output_dir={out}", f"train.steps={args.steps}", "train.grad_accum=1", "train.global_batch=1",
-            "train.batch_size=1", "train.checkpoint_every=1", "train.keep_checkpoints=2", "train.sample_at_end=false",
+            f"train.output_dir={out}", f"train.steps={steps}", "train.grad_accum=1", "train.global_batch=1",
+            "train.batch_size=1", f"train.checkpoint_every={every}", f"train.keep_checkpoints={keep}",
+            "train.sample_at_end=false",
             "train.validate_every=0", "train.tensorboard=false", "data.num_workers=0", f"train.device={args.device}",
             start, *args.overrides]
     return tttv("train", str(stage_config(duration, args.preset)), *flags, *sum((["--set", s] for s in sets), []))
@@ -179,7 +189,35 @@ def checkpoint_figures(folder: Path, log: Path) -> dict[str, Any]:
     return {"checkpoint_gib": size, "checkpoint_save_s": max(saves) if saves else None}
 
 
-def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, kill: bool) -> dict[str, Any]:
+def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
+    """What `tttv plan` predicts for the stage's setup as configured (the steady state: optimizer state live)."""
+    from tttvideo.memory.plan.costs import known_gpus, load_costs
+    from tttvideo.memory.plan.planner import Candidate, gpu_kind, predict
+
+    kind = gpu_kind(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
+    if kind not in known_gpus():
+        return {}
+    p = predict(resolved(duration, args), "train", Candidate("as configured", ()), load_costs(kind))
+    gib = 2**30
+    return {"predicted_allocated_gib": p.peak / gib if p.peak is not None else None,
+            "predicted_reserved_gib": p.reserved / gib if p.reserved is not None else None,
+            "predicted_host_gib": p.host / gib if p.host else 0.0, "predicted_step_s": p.step_s,
+            "predicted_basis": p.basis}
+
+
+def prune_when_started(child: "Watched", out: Path, previous: Path | None) -> Any:
+    """A wait condition that deletes the previous stage's checkpoints once this stage has run a step (its
+    `train.init_from` has been read by then), so the disk holds one stage's checkpoints at a time."""
+    def until() -> bool:
+        if previous is not None and read_metrics(out) and (previous / "checkpoints").is_dir():
+            shutil.rmtree(previous / "checkpoints")
+        return False
+
+    return until
+
+
+def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, kill: bool,
+              previous: Path | None = None) -> dict[str, Any]:
     out = work / f"stage-{duration}s"
     manifest = make_cache(args, work, duration)
     log = work / f"stage-{duration}s.log"
@@ -187,11 +225,14 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
     if out.exists():  # an earlier chain's run: gone before the new one starts, so its files are not mistaken for new
         shutil.rmtree(out)
     t0 = time.perf_counter()
-    child = Watched(train_command(args, duration, out, manifest, start), log)
-    row: dict[str, Any] = {"duration_s": duration, "config": stage_config(duration, args.preset).name}
+    child = Watched(train_command(args, duration, out, manifest, start, kill), log)
+    row: dict[str, Any] = {"duration_s": duration, "config": stage_config(duration, args.preset).name,
+                           **predicted(args, duration)}
+    prune = prune_when_started(child, out, None if args.keep_stages else previous)
     if kill:
         # kill -9 in mid-step: after the first checkpoint, while the second step runs
-        code = child.wait(until=lambda: len(read_metrics(out)) >= 1 and any((out / "checkpoints").glob("step-*")))
+        code = child.wait(until=lambda: prune() or (len(read_metrics(out)) >= 1
+                                                    and any((out / "checkpoints").glob("step-*"))))
         if code is None:
             time.sleep(read_metrics(out)[-1]["step_time"] / 2)
             if child.poll() is not None:
@@ -201,10 +242,10 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
             before = read_metrics(out)
             row["killed_after_step"] = len(before)
             print(f"killed (kill -9) in step {len(before) + 1}; resuming", flush=True)
-            child = Watched(train_command(args, duration, out, manifest, start, "--resume"), work /
+            child = Watched(train_command(args, duration, out, manifest, start, kill, "--resume"), work /
                             f"stage-{duration}s-resume.log")
             log = work / f"stage-{duration}s-resume.log"
-    code = child.wait()
+    code = child.wait(until=prune)
     row["wall_s"] = time.perf_counter() - t0
     row["exit_code"] = code
     metrics = read_metrics(out)
@@ -212,7 +253,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
     if code != 0 or not metrics:
         row["error"] = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["no log"]
         return row
-    steady = metrics[1:] or metrics  # the first step compiles
+    steady = metrics[-1:] if kill else metrics[1:] or metrics  # a process's first step compiles
     row.update({
         "median_step_s": sorted(m["step_time"] for m in steady)[len(steady) // 2],
         "first_step_s": metrics[0]["step_time"],
@@ -222,7 +263,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
         **checkpoint_figures(out, log),
     })
     if kill and "killed_after_step" in row:  # resumed: each step once, counting on from the checkpoint
-        row["resumed_steps_once"] = row["steps"] == list(range(1, args.steps + 1))
+        row["resumed_steps_once"] = row["steps"] == list(range(1, args.last_steps + 1))
     return row
 
 
@@ -261,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     start = f"model.pretrained_path={weights}"
     for i, duration in enumerate(args.durations):
         last = i == len(args.durations) - 1
-        row = run_stage(args, work, duration, start, kill=last and not args.no_kill)
+        previous = work / f"stage-{args.durations[i - 1]}s" if i else None
+        row = run_stage(args, work, duration, start, kill=last and not args.no_kill, previous=previous)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if "error" in row:
@@ -270,14 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     sample = run_sample(args, work, args.durations[-1]) if "error" not in rows[-1] else None
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
-              "gpus": 1, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps, "overrides": args.overrides, "stages": rows,
+              "gpus": 1, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps, "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": rows,
               "sample": sample}
     gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
     out = Path(args.out or REPO / "benchmarks" / "results" / f"stage_chain_{gpu}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{device}, torch {torch.__version__}, {args.preset}, {args.steps} steps per stage")
     print(f"{'stage':>6} {'s/micro-batch':>13} {'alloc GiB':>9} {'resv GiB':>9} {'host GiB':>8} {'ckpt GiB':>8} "
-          f"{'save s':>7}  notes")
+          f"{'save s':>7} {'plan resv':>9} {'plan s':>7}  notes")
     for r in rows:
         if "error" in r:
             print(f"{r['duration_s']:>5}s  failed (exit {r['exit_code']}): {r['error']}")
@@ -286,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "killed_after_step" in r else "")
         print(f"{r['duration_s']:>5}s {r['median_step_s']:>13.2f} {r['peak_allocated_gib']:>9.1f} "
               f"{r['peak_reserved_gib']:>9.1f} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
-              f"{r['checkpoint_save_s'] or 0:>7.1f}  {note}")
+              f"{r['checkpoint_save_s'] or 0:>7.1f} {r.get('predicted_reserved_gib') or 0:>9.1f} "
+              f"{r.get('predicted_step_s') or 0:>7.1f}  {note}")
     if sample is not None:
         print(f"sample {sample['duration_s']} s: exit {sample['exit_code']}, {sample['wall_s']:.0f} s"
               + (f": {sample['error']}" if "error" in sample else ""))
