@@ -193,3 +193,20 @@ def test_missing_mp4_writer_is_found_before_any_work(capsys, tmp_path, tiny_mode
     one_error_line(capsys, train_args(tmp_path / "run", "train.sample_at_end=true"), "imageio-ffmpeg",
                    "train.sample_at_end")
     assert not (tmp_path / "run" / "data").exists() and not (tmp_path / "o.mp4").exists()
+
+
+def test_latents_only_sampling_needs_no_mp4_writer(capsys, tmp_path, tiny_model_file, monkeypatch):
+    """`sample.write_video = false` writes latents, no mp4: a machine without imageio-ffmpeg samples (the full-size
+    stage chain's sample was refused on the GPU machine for a package it would not have used)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+    story = tmp_path / "story.json"
+    story.write_text('[{"text": "a red circle moves right"}]')
+    from tttvideo.cli import main
+
+    code = main(["sample", "--checkpoint", str(tiny_model_file), "--scenes", str(story), "--out",
+                 str(tmp_path / "o.mp4"), "--set", "sample.write_video=false", "--set", "sample.save_latents=true",
+                 "--set", "sample.steps=1"])
+    assert code == 0, capsys.readouterr().err
+    assert list(tmp_path.glob("o*.safetensors")) and not (tmp_path / "o.mp4").exists()

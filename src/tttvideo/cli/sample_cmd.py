@@ -119,9 +119,10 @@ def _checked_inputs(args: argparse.Namespace):
     stories = load_stories(args.scenes)  # scene errors before the config and model are even read
     for path in output_paths(stories, args.out):  # and an unwritable --out before hours of denoising
         check_writable_file(path, "--out")
-    check_mp4_writer()
     cfg_path = _config_file(args)
     cfg = load_config(cfg_path, _overrides(args))
+    if cfg.sample.write_video:  # latents only (sample.write_video = false) write no mp4
+        check_mp4_writer()
     _check_one_process(cfg, cfg_path)
     if args.auto_fit:
         from tttvideo.memory.plan.planner import auto_fit
