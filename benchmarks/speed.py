@@ -165,7 +165,10 @@ def train_case(args, device, duration: int, ttt: bool, extra=(), steps=None, war
     if failure:
         row["fast_path_failure"] = failure
     if yardstick and "median_step_s" in row:
-        row["yardstick"] = model_step.run_yardstick(cfg, model, layout, row, margs, device, deadline, ranks)
+        try:
+            row["yardstick"] = model_step.run_yardstick(cfg, model, layout, row, margs, device, deadline, ranks)
+        except ImportError as err:  # diffusers missing: the other figures still count
+            row["yardstick"] = {"error": f"diffusers not importable: {err}"}
     if profile_out is not None and "median_step_s" in row:
         step = model_step.make_step(cfg, model, device, layout, ranks)
         batch = model_step.random_batch(model, layout, torch_dtype(cfg.model.dtype), device)
@@ -299,8 +302,8 @@ def ttt_long_part(args, device, result: dict) -> None:
                                              "--dim", str(spec.num_attention_heads * spec.attention_head_dim),
                                              "--heads", str(spec.num_attention_heads),
                                              "--height", str(args.height), "--width", str(args.width),
-                                             "--text-tokens", str(args.text_tokens), "--layers", str(spec.num_layers), "--device", args.device,
-                                             "--reps", "3"])
+                                             "--text-tokens", str(args.text_tokens),
+                                             "--layers", str(spec.num_layers), "--device", args.device, "--reps", "3"])
     dtype = torch_dtype(args.dtype)
     mini_batch = load_config(None, args.overrides).ttt.sample_mini_batch()
     rows = {}
@@ -371,6 +374,8 @@ def print_tables(result: dict) -> None:
         if key in figs:
             print(f"{what:<72} {fmt(figs[key]):>10}{' (extrapolated)' if key in marked else ''}")
     for name, part in result["parts"].items():
+        if "error" in part:
+            print(f"  part {name} failed: {part['error']}")
         for k, how in part.get("extrapolated", {}).items():
             print(f"  {name} TTT {'on' if k == 'ttt' else 'off'}: {how}, the rest at the timed blocks' mean")
 
@@ -435,7 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in steps:
         if name in args.parts or (name == "sample" and sampled):
             t0 = time.perf_counter()
-            run()
+            try:
+                run()
+            except Exception as err:  # noqa: BLE001 - a part that fails must not cost the other parts' device time
+                failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
+                print(f"part {name} failed: {failed}", flush=True)
+                for part in (["sample3", "sample63"] if name == "sample" else [name]):
+                    if part in args.parts and part not in result["parts"]:
+                        result["parts"][part] = {"error": failed, "figures": {}, "git_commit": result["git_commit"]}
+                free(device)
             result.setdefault("part_s", {})[name] = time.perf_counter() - t0  # wall time, for planning GPU runs
             write(result, path)
     result["targets"] = target_rows(result)

@@ -75,3 +75,17 @@ def test_targets_table_from_figures():
     assert speed.parse_args([]).parts == list(speed.QUICK_PARTS)
     with pytest.raises(SystemExit):
         speed.parse_args(["--parts", "train,nope"])
+
+
+def test_a_failing_part_is_recorded_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    speed = load_benchmark("speed")
+
+    def fails(*args):
+        raise RuntimeError("kernel build failed")
+
+    monkeypatch.setattr(speed, "ttt_long_part", fails)
+    out = tmp_path / "speed_cpu.json"
+    assert speed.main([*SMOKE, "--parts", "ttt63", "--out", str(out)]) == 0
+    part = json.loads(out.read_text())["parts"]["ttt63"]
+    assert part["error"] == "RuntimeError: kernel build failed" and part["figures"] == {}
+    assert "part ttt63 failed: RuntimeError: kernel build failed" in capsys.readouterr().out
