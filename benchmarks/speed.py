@@ -1,10 +1,10 @@
 """Issue 36's speed targets, all measured in one process per GPU: a table of figure, measured, target, met.
 
-    PYTHONPATH=src python3 benchmarks/speed.py --quick --profile              # ~5 min of one H100 / H200
-    PYTHONPATH=src python3 benchmarks/speed.py --parts train,sample3,ttt63 --profile   # the full run, in three
-    PYTHONPATH=src python3 benchmarks/speed.py --parts sample63                        #   commands of under
-    PYTHONPATH=src python3 benchmarks/speed.py --parts train63                         #   10 min each
-    PYTHONPATH=src python3 benchmarks/speed.py --preset tiny --device cpu               # CPU smoke run (tests)
+    PYTHONPATH=src python3 benchmarks/speed.py --quick --profile   # ~5-7 min of one H100 / H200: 63 s from 2 blocks
+    PYTHONPATH=src python3 benchmarks/speed.py --parts sample63     # then the 63-s guided step over all 42 blocks
+    PYTHONPATH=src python3 benchmarks/speed.py --parts train63      # and the 63-s training step: the full run
+    PYTHONPATH=src python3 benchmarks/speed.py --preset tiny --device cpu --height 32 --width 48 --text-tokens 8 \
+        --long 6 --timed-blocks 1                                   # CPU smoke run (tests/test_speed_benchmark.py)
 
 (PYTHONPATH=src is not needed with the package installed.) Each part reuses the benchmark that owns it:
 - train: the trainer's training step (forward + backward, no optimizer step; `benchmarks/model_step.py`'s build,
@@ -21,10 +21,11 @@
   (TTT_KERNEL_GROUPS=serial, the schedule before): the A/B of that change in one process.
 - train63: the training step at the long duration, TTT on and off (activation offload to host memory, which is what
   fits one 80 GB card; one unwarmed step each: minutes per step).
---quick: the parts train, sample3, sample63 with --timed-blocks 2 and ttt63. --profile adds a torch.profiler
+The parts run by default: train, sample3, sample63, ttt63; --quick runs the long guided step over its first 2
+blocks (--timed-blocks 2) instead of all 42. --profile adds a torch.profiler
 breakdown (device time by kind of kernel: TTT scan, attention, matrix products, norms, copies, the rest; and the top
 operators; `tttvideo.memory.profile.trace`) of the short training step and of the long guided step (its timed
-blocks), written beside the JSON as speed_profile_<gpu>.json and .md.
+blocks, --profile-blocks), written beside the JSON as speed_profile_<gpu>.json and .md.
 
 The JSON (default benchmarks/results/speed_<gpu>.json, <gpu> from the device name: h100, h200, cpu) holds the
 device, torch, Triton, git commit, every figure and each part's raw rows. A part run again replaces its own entries
@@ -409,10 +410,15 @@ def write(result: dict, path: Path) -> None:
     profile = result.get("profile")
     put(path, json.dumps({k: v for k, v in result.items() if k != "profile"}, indent=1) + "\n")
     if profile:
-        stem = path.name.replace("speed_", "speed_profile_", 1) if path.name.startswith("speed_") else \
-            f"profile_{path.name}"
-        put(path.with_name(stem), json.dumps(profile, indent=1) + "\n")
-        put(path.with_name(stem).with_suffix(".md"), profile_markdown(profile))
+        put(profile_path(path).with_suffix(".json"), json.dumps(profile, indent=1) + "\n")
+        put(profile_path(path).with_suffix(".md"), profile_markdown(profile))
+
+
+def profile_path(path: Path) -> Path:
+    """speed_profile_<gpu> beside speed_<gpu>.json (without suffix)."""
+    name = path.stem
+    return path.with_name(name.replace("speed_", "speed_profile_", 1) if name.startswith("speed_") else
+                          f"profile_{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             result["parts"] = {k: v for k, v in old.get("parts", {}).items() if k not in args.parts}
     if args.profile:
         result["profile"] = {}
+        old = profile_path(path).with_suffix(".json")
+        if old.exists() and result["parts"]:  # the same device's earlier parts are kept: so is their profile
+            result["profile"] = json.loads(old.read_text())
     started = time.perf_counter()
     sampled = [w for w, p in (("short", "sample3"), ("long", "sample63")) if p in args.parts]
     steps = [("train", lambda: train_part(args, device, result)),
