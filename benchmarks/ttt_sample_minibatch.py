@@ -40,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=LAYERS_5B, help="blocks per step, for the per-step estimate")
     ap.add_argument("--height", type=int, default=480)
     ap.add_argument("--width", type=int, default=720)
+    ap.add_argument("--text-tokens", type=int, default=0, help="0: the original's length per duration")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results/ttt_sample_minibatch.json")
@@ -61,7 +62,7 @@ def timed(fn, device: torch.device, reps: int) -> float:
 def measure(args, kind: str, duration: str, mini_batch: int, device: torch.device, dtype: torch.dtype) -> dict:
     cfg = load_config(None, [f'ttt.kind="{kind}"', f"ttt.sample_mini_batch_size={mini_batch}",
                              f"layout.height={args.height}", f"layout.width={args.width}",
-                             "ttt.scan_checkpoint_group_size=0"])
+                             f"layout.text_tokens={args.text_tokens}", "ttt.scan_checkpoint_group_size=0"])
     layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
     torch.manual_seed(0)
     block = BidirectionalTTT(args.dim, args.heads, cfg.ttt).to(device, dtype).requires_grad_(False)

@@ -44,6 +44,10 @@ M64_CASES = [
     ("mlp", 2, 1, 16, 64, 7, 2),  # four groups, the last of one mini-batch: every scratch set rotates
     ("mlp", 1, 2, 32, 64, 5, 2),  # three groups, the last partial; two heads
 ]
+# the 32-bit limit lowered to one sample's elements (B = 2, H = 2, L = 64, D = 16) or to one head's, and the schedule
+ONE_SAMPLE, ONE_HEAD = 2 * 64 * 16, 64 * 16
+SPLIT_CASES = [("mlp", ONE_SAMPLE, "concurrent"), ("mlp", ONE_HEAD, "concurrent"), ("mlp", ONE_SAMPLE, "serial"),
+               ("linear", ONE_SAMPLE, "concurrent")]
 
 
 def _inputs(kind, B, H, D, m, n, seed):
@@ -173,19 +177,20 @@ def _interpreter_main() -> None:
             errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
         results.append({"case": list(c), "errors": errors, "fault": fault,
                         "warps": {k: sorted(v) for k, v in warps.items()}})
-    # a call past the kernels' 32-bit addressing runs over groups of heads (ops.by_head_groups): lower the limit
-    # so that this two-head case splits into two calls
+    # a call past the kernels' 32-bit addressing runs as several calls (ops.by_head_groups): lower the limit so
+    # that this two-sample, two-head case splits, by samples or by heads, or (TTT_KERNEL_GROUPS=serial) as before
     from tttvideo.ttt import triton_linear, triton_mlp
 
     calls = []
     for module, name in ((triton_mlp, "mlp_forward"), (triton_linear, "linear_forward")):
         def counted(*a, _fn=getattr(module, name), **kw):
-            calls.append(a[0].shape[1])  # heads of the call
+            calls.append(list(a[0].shape[:2]))  # samples and heads of the call
             return _fn(*a, **kw)
         setattr(module, name, counted)
-    ops.MAX_KERNEL_ELEMENTS = 2 * 64 * 16  # B x L x D of one head: one head per call
-    for kind in ("mlp", "linear"):
+    for kind, limit, schedule in SPLIT_CASES:
         calls.clear()
+        ops.MAX_KERNEL_ELEMENTS = limit
+        os.environ["TTT_KERNEL_GROUPS"] = schedule
         c = (kind, 2, 2, 16, 16, 4, 2)
         try:
             errors, fault = _errors(*c, seed + 99), None
@@ -257,16 +262,51 @@ def test_mlp_minibatch_64_small_head_dim(interpreter_results, index):
     assert not too_many, f"case {case}: kernels launched with more than 4 warps at M=64, D={case[3]}: {too_many}"
 
 
-@pytest.mark.parametrize("kind", ["mlp", "linear"])
-def test_call_past_32_bit_addressing_runs_by_head_groups(interpreter_results, kind):
-    """A scan whose q/k/v pass the kernels' 2^31-element limit (B = 2 at 63 s) runs as one kernel call per group of
-    heads (limit lowered to one head's elements here): two calls of one head, and the result is the reference's."""
+@pytest.mark.parametrize("index", range(len(SPLIT_CASES)), ids=[f"{c[0]}-{c[2]}-{c[1]}" for c in SPLIT_CASES])
+def test_call_past_32_bit_addressing_runs_in_parts(interpreter_results, index):
+    """A scan whose q/k/v pass the kernels' 2^31-element limit (B = 2 at 63 s) runs as one kernel call per part
+    (limit lowered here; B = 2, H = 2, 64 tokens of 16): one call per sample where a sample fits, one per sample and
+    head where it does not, and with TTT_KERNEL_GROUPS=serial the earlier cut (both samples, one head per call).
+    The output and every gradient are the reference's (relative error <= TOL)."""
     seed, results = interpreter_results
-    res = results[len(CASES) + len(M64_CASES) + (kind == "linear")]
+    kind, limit, schedule = SPLIT_CASES[index]
+    res = results[len(CASES) + len(M64_CASES) + index]
     assert res["fault"] is None, f"seed {seed}: {res['fault']}"
     bad = {k: v for k, v in res["errors"].items() if not v <= TOL}
-    assert res["errors"] and not bad, f"seed {seed}, {kind}: relative errors over {TOL}: {bad}"
-    assert res["calls"] == [1, 1], res["calls"]
+    names = NAMES if kind == "mlp" else NAMES[:-2]
+    assert set(res["errors"]) == set(names) and not bad, f"seed {seed}, {kind}: relative errors over {TOL}: {bad}"
+    expected = {(ONE_SAMPLE, "concurrent"): [[1, 2]] * 2, (ONE_HEAD, "concurrent"): [[1, 1]] * 4,
+                (ONE_SAMPLE, "serial"): [[2, 1]] * 2}[limit, schedule]
+    assert res["calls"] == expected, res["calls"]
+
+
+def test_kernel_parts_cut_63s_guided_scan_by_sample():
+    """The 63-s guided sampling scan (B = 2, 48 heads, 351,168 tokens of 64) runs as one call per sample, where the
+    earlier cut ran 47 heads then 1; every part is under the limit and together they cover each (sample, head) once."""
+    B, H, L, D = 2, 48, 351168, 64
+    parts = ops.kernel_parts(B, H, L, D, ops.MAX_KERNEL_ELEMENTS)
+    assert parts == [(slice(0, 1), slice(None)), (slice(1, 2), slice(None))]
+    assert [h.stop - h.start for _, h in ops.serial_head_groups(B, H, L, D, ops.MAX_KERNEL_ELEMENTS)] == [47, 1]
+    for B, H, limit in ((5, 7, 3 * 7 * 10), (3, 7, 3 * 10), (1, 48, 48 * 10 - 1), (4, 6, 6 * 10)):
+        parts = ops.kernel_parts(B, H, 10, 1, limit)
+        covered = torch.zeros(B, H, dtype=torch.int64)
+        for s, h in parts:
+            covered[s, h] += 1
+            assert covered[s, h].numel() * 10 <= limit, (B, H, limit, parts)
+        assert (covered == 1).all(), (B, H, limit, parts)
+        for axis in (0, 1):  # near-equal parts: their sample (head) counts differ by at most one
+            counts = {covered[s, h].shape[axis] for s, h in parts}
+            assert max(counts) - min(counts) <= 1, (B, H, limit, parts)
+    with pytest.raises(ValueError, match="one head"):
+        ops.kernel_parts(1, 2, 10, 4, 39)
+
+
+def test_parts_reassemble_in_sample_and_head_order():
+    """_assemble puts each part's output back at its samples and heads (parts cut by samples, then by heads)."""
+    x = torch.randn(3, 5, 4, 2)
+    for parts in (ops.kernel_parts(3, 5, 4, 2, 5 * 8), ops.kernel_parts(3, 5, 4, 2, 2 * 8),
+                  ops.serial_head_groups(3, 5, 4, 2, 3 * 8 * 2)):
+        assert torch.equal(ops._assemble(parts, [x[s, h] for s, h in parts]), x), parts
 
 
 def test_backward_schedule_refuses_a_dependency_not_issued():

@@ -69,6 +69,27 @@ if pytest is not None:
                                   checkpoint_group_size=16, backend="triton")
                 assert torch.equal(both[b:b + 1], one), f"sample {b}"
 
+    @pytest.mark.parametrize("kind", ["mlp", "linear"])
+    @pytest.mark.parametrize("limit_heads", [3, 1])
+    def test_parts_side_by_side_equal_one_call(kind, limit_heads, monkeypatch):
+        # the kernel calls of a scan past the limit run on CUDA streams of their own without gradients: with the
+        # limit lowered to 3 heads' (one sample: per-sample parts) or 1 head's elements (per sample and head), the
+        # output is the single call's, bit for bit, and so is that of the parts in sequence (TTT_KERNEL_GROUPS)
+        from tttvideo.ttt import ops
+        from tttvideo.ttt.testing import make_inputs
+
+        B, H, L, D, m = 2, 3, 64 * 12, 64, 16
+        ins = [t.detach() for t in make_inputs(kind, B, H, L, D, m, seed=1)]
+        scan = ops.ttt_mlp if kind == "mlp" else ops.ttt_linear
+        with torch.no_grad():
+            whole = scan(*ins, mini_batch_size=m, checkpoint_group_size=4, backend="triton")
+            monkeypatch.setattr(ops, "MAX_KERNEL_ELEMENTS", limit_heads * L * D)
+            for schedule in ("concurrent", "serial"):
+                monkeypatch.setenv("TTT_KERNEL_GROUPS", schedule)
+                parts = scan(*ins, mini_batch_size=m, checkpoint_group_size=4, backend="triton")
+                torch.cuda.synchronize()
+                assert torch.equal(parts, whole), schedule
+
 
 if __name__ == "__main__":
     for kind in ("mlp", "linear"):

@@ -26,7 +26,8 @@ KERNEL_HEAD_DIMS = (16, 32, 64)
 KERNEL_MINI_BATCHES = (16, 32, 64)
 KERNEL_MAX_HIDDEN = 256
 # The kernels address q/k/v, the output and their gradients ([B, H, L, D] each) with 32-bit offsets: a call of more
-# elements runs as several calls over groups of heads, whose scans are independent (B = 2 at 63 s is past it).
+# elements runs as several calls over samples or groups of heads, whose scans are independent (B = 2 at 63 s is past
+# it; `by_head_groups`).
 MAX_KERNEL_ELEMENTS = 2**31  # offsets up to 2^31 - 1
 
 # Why the kernels do not take eta_rows (one sentence, logged once or raised with backend "triton").
@@ -62,18 +63,98 @@ def ttt_linear(q, k, v, eta, norm_w, norm_b, w1, b1, mini_batch_size: int,
 
 
 def by_head_groups(scan, q, k, v, eta, *per_head):
-    """scan(q, k, v, eta, *per_head) over groups of heads of at most MAX_KERNEL_ELEMENTS elements of q each,
-    concatenated over heads (one call where the whole fits). per_head: the tensors indexed by head first (ttt_norm
-    weight and bias, the inner weights)."""
+    """scan(q, k, v, eta, *per_head) as kernel calls of at most MAX_KERNEL_ELEMENTS elements of q each (one call
+    where the whole fits), the results concatenated. per_head: the tensors indexed by head first (ttt_norm weight and
+    bias, the inner weights).
+
+    A call past the limit (B = 2 at 63 s: guided sampling's conditional and unconditional halves) is cut into parts
+    of equal size (`kernel_parts`: whole samples first, then equal groups of heads), and without gradients on a GPU
+    the parts run concurrently, each on a CUDA stream of its own (`_concurrent`). A kernel's time is that of one
+    (sample, head) stream's serial chain per wave of programs, whatever the number of streams up to a wave, so parts
+    run one after another cost a chain each: the 47 + 1 head groups this function used to run in sequence at 63 s
+    took two chains' time at the sampling mini-batch 16 (one program per stream: 94 programs on 132 SMs, then 2),
+    where the same 96 programs side by side take one (at mini-batch 64, two programs per stream: three against two).
+    TTT_KERNEL_GROUPS=serial restores that schedule (the A/B of benchmarks/speed.py's part ttt63)."""
     B, H, L, D = q.shape
-    heads = MAX_KERNEL_ELEMENTS // (B * L * D)
-    if heads >= H:
+    if B * H * L * D <= MAX_KERNEL_ELEMENTS:
         return scan(q, k, v, eta, *per_head)
+    if os.environ.get("TTT_KERNEL_GROUPS", "concurrent") == "serial":
+        parts = serial_head_groups(B, H, L, D, MAX_KERNEL_ELEMENTS)
+    else:
+        parts = kernel_parts(B, H, L, D, MAX_KERNEL_ELEMENTS)
+
+    def part(p):
+        s, h = p
+        return scan(q[s, h], k[s, h], v[s, h], eta[s, h], *(t[h] for t in per_head))
+
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, eta, *per_head))
+    concurrent = q.device.type == "cuda" and not grads and os.environ.get("TTT_KERNEL_GROUPS") != "serial"
+    outs = _concurrent(part, parts, q.device) if concurrent else [part(p) for p in parts]
+    return _assemble(parts, outs)
+
+
+def kernel_parts(B: int, H: int, L: int, D: int, limit: int) -> list[tuple[slice, slice]]:
+    """(samples, heads) of each kernel call of a [B, H, L, D] scan, at most `limit` elements each, in order (samples
+    outer, heads inner), the parts of equal size: whole samples where one sample fits, else each sample in equal
+    groups of heads (one head's L x D elements must fit)."""
+    per_sample = H * L * D
+    if per_sample <= limit:
+        n = -(-B // (limit // per_sample))  # calls over the samples, as few as fit
+        return [(slice(int(s[0]), int(s[-1]) + 1), slice(None)) for s in torch.arange(B).tensor_split(n)]
+    if L * D > limit:
+        raise ValueError(f"TTT scan of {L} tokens is over the kernels' 2^31-element limit for one head")
+    n = -(-H // (limit // (L * D)))  # groups of heads per sample
+    heads = [slice(int(h[0]), int(h[-1]) + 1) for h in torch.arange(H).tensor_split(n)]
+    return [(slice(b, b + 1), h) for b in range(B) for h in heads]
+
+
+def serial_head_groups(B: int, H: int, L: int, D: int, limit: int) -> list[tuple[slice, slice]]:
+    """The earlier cut: every sample in each call, heads in groups as large as fit (47 + 1 at 63 s, B = 2)."""
+    heads = limit // (B * L * D)
     if heads == 0:
         raise ValueError(f"TTT scan of {B} x {L} tokens is over the kernels' 2^31-element limit for one head; "
                          f"split the batch")
-    return torch.cat([scan(q[:, g], k[:, g], v[:, g], eta[:, g], *(t[g] for t in per_head))
-                      for g in (slice(h, h + heads) for h in range(0, H, heads))], dim=1)
+    return [(slice(None), slice(h, min(h + heads, H))) for h in range(0, H, heads)]
+
+
+def _assemble(parts: list[tuple[slice, slice]], outs: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' outputs back into one [B, H, ...] tensor: heads concatenated within a run of parts of the same
+    samples, then those runs over samples."""
+    rows: list[list[torch.Tensor]] = []
+    last = None
+    for (s, _), o in zip(parts, outs):
+        key = (s.start, s.stop)
+        if key != last:
+            rows.append([])
+            last = key
+        rows[-1].append(o)
+    cat = lambda ts, dim: ts[0] if len(ts) == 1 else torch.cat(ts, dim)  # noqa: E731
+    return cat([cat(r, 1) for r in rows], 0)
+
+
+_side_streams: dict = {}
+
+
+def _concurrent(run, parts: list, device: torch.device) -> list[torch.Tensor]:
+    """run(part) for every part, each on its own CUDA stream, all after the work already queued on the current
+    stream; the current stream waits for all of them. An output is made on its part's stream and used on the
+    current one, so it is recorded there (the allocator keeps its memory until the current stream's uses are done).
+    The kernels' cooperating programs cannot deadlock across launches: each launch hands out its roles to running
+    programs (triton_exchange), so at most one program per launch waits for a partner not yet started."""
+    entry = torch.cuda.current_stream(device)
+    streams = _side_streams.setdefault(device, [])
+    while len(streams) < len(parts):
+        streams.append(torch.cuda.Stream(device))
+    outs = []
+    for p, stream in zip(parts, streams):
+        stream.wait_stream(entry)
+        with torch.cuda.stream(stream):
+            out = run(p)
+        out.record_stream(entry)
+        outs.append(out)
+    for stream in streams[:len(parts)]:
+        entry.wait_stream(stream)
+    return outs
 
 
 def uncovered_reason(kind: str, q: torch.Tensor, hidden: int, mini_batch_size: int) -> str | None:
