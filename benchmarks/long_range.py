@@ -100,6 +100,12 @@ LOSS_WINDOW = 50  # steps per point of a run's loss curve
 # seconds; a solver step of a batch of held-out stories (one forward, guidance batched), in training steps
 PLAN_STARTUP_S = 25.0
 PLAN_SAMPLE_STEP = 1.0
+# a row's step time relative to the mean of the main rows' (--plan-step-s): the tiny model's 9-s steps on the H100
+# (none 0.72, full attention 0.60, TTT-Linear 0.80, TTT-MLP 1.12, Mamba 2 1.25, Gated DeltaNet 1.51; the last two
+# on the PyTorch recurrence); the reference learning-rate layout runs the PyTorch scan, one step per mini-batch
+# (not measured: assumed 3x the Triton scan's)
+PLAN_ROW_STEP = {"none": 0.72, "full-attention": 0.60, "ttt-linear": 0.80, "mamba2": 1.25, "gated-deltanet": 1.51,
+                 "ttt-mlp-eta-reference": 3.4, "ttt-linear-eta-reference": 2.4}
 def train_and_score(base: Path, variant: str, duration: str, seed: int, args, work: Path) -> dict:
     """One run: train, sample the held-out stories from its checkpoint, score them."""
     import torch
@@ -219,11 +225,15 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no run that would end after this many seconds from the start, at the measured rate "
                          "(the plan's estimate until a run has finished); 0 = no limit. A rerun continues")
-    ap.add_argument("--plan-step-s", type=float, default=0.12,
-                    help="the run plan's assumed seconds per training step with --jobs runs sharing the device "
-                         "(the tiny model's were 0.04-0.14 s with 6 jobs on an H100)")
+    ap.add_argument("--plan-step-s", type=float, default=0.13,
+                    help="the run plan's assumed mean seconds per training step of the main rows at 9 s with --jobs "
+                         "runs sharing the device (the tiny model's: 0.06 s with 6 jobs on an H100; the small "
+                         "model has twice its blocks, so twice its kernel launches)")
+    ap.add_argument("--plan", action="store_true", help="print the run plan and stop (nothing trains)")
     ap.add_argument("--no-report", action="store_true",
                     help="write the results file only, no table or plot (what --jobs passes to each run's process)")
+    ap.add_argument("--probe-checked", action="store_true",
+                    help="skip the probe's live check (what --jobs passes to each run's process: it checked it)")
     ap.add_argument("--report", action="store_true",
                     help="train nothing: rebuild the summary, table and plots of the --out file from its runs")
     args = ap.parse_args(argv)
@@ -256,18 +266,22 @@ def main(argv=None) -> int:
     done = {(r["variant"], r["duration"], r["seed"]) for r in runs}
     pending = plan_runs(variants, args.durations, args.seeds, ablations, args.ablation_durations,
                         args.ablation_seeds, done)
+    estimate = print_plan(pending, len(done), args, mine["steps"], load_config(args.config, args.overrides))
+    if args.plan:
+        return 0
     probes = held.get("probe", {})
     for duration in sorted({d for _, d, _ in pending} | set(args.durations.split(",")), key=lambda d: int(d[:-1])):
         cfg = load_config(args.config, [f"layout.duration={duration}"] + args.overrides)
         segments = num_segments(cfg)
         if segments < 2:
             ap.error(f"--durations {duration}: one 3-s segment has no later scene to score; use 6s or longer")
+        if args.probe_checked:
+            continue
         videos, _ = eval_stories(segments, args.eval_videos)
         probes[duration] = probe_check(cfg, videos)
         if probes[duration] != {"kept": 1.0, "forgotten": 0.0}:
             raise SystemExit(f"the probe is not live at {duration}: {probes[duration]} (want kept 1.0, forgotten "
                              f"0.0); fix tttvideo.data.demo_score before trusting any score")
-    estimate = print_plan(pending, len(done), args, mine["steps"], load_config(args.config, args.overrides))
     start, walls = time.perf_counter(), []
     for row in (run_parallel(pending, args, work, start, estimate, walls) if args.jobs > 1
                 else run_serial(pending, args, work, start, estimate, walls)):
@@ -307,39 +321,39 @@ def plan_runs(variants: list[str], durations: str, seeds: str, ablations: list[s
     return [run for run in plan if run not in done]
 
 
-def estimate_run_s(cfg, steps: int, step_s: float, eval_videos: int, eval_batch: int, segments: int) -> float:
+def estimate_run_s(cfg, steps: int, step_s: float, eval_videos: int, eval_batch: int, segments: int,
+                   row: str) -> float:
     """The run plan's seconds for one run: start-up, the training steps, the sampling (a solver step of a batch of
     stories priced as a training step); longer videos cost more per step in proportion to their segments beyond
-    the third (an 18-s step of the tiny model took 1.2-1.5x a 9-s one on the H100)."""
-    scale = 1.0 + 0.1 * max(0, segments - 3)
+    the third (an 18-s step of the tiny model took 1.1-1.5x a 9-s one on the H100)."""
+    scale = (1.0 + 0.1 * max(0, segments - 3)) * PLAN_ROW_STEP.get(row, 1.12)
     forwards = -(-eval_videos // eval_batch) * cfg.sample.steps
     return PLAN_STARTUP_S + scale * step_s * (steps + PLAN_SAMPLE_STEP * forwards)
 
 
 def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int, cfg) -> float:
-    """What will run and how long it should take, before anything trains; returns the estimate of one run (s)."""
+    """What will run and how long it should take, before anything trains; returns the mean estimate of a run (s)."""
     from tttvideo.config.loader import load_config
 
     if not pending:
         print(f"run plan: nothing to train ({held} runs held in {args.out})")
         return 0.0
-    per_run = {}
-    for _, duration, _ in pending:
-        if duration not in per_run:
-            segments = num_segments(load_config(args.config, [f"layout.duration={duration}"] + args.overrides))
-            per_run[duration] = estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos, args.eval_batch,
-                                               segments)
-    total = sum(per_run[d] for _, d, _ in pending) / max(1, args.jobs)
+    segments = {d: num_segments(load_config(args.config, [f"layout.duration={d}"] + args.overrides))
+                for d in {d for _, d, _ in pending}}
+    runs_s = [estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos, args.eval_batch, segments[d], v)
+              for v, d, _ in pending]
+    # the runs pack onto --jobs slots; the last to start sets the end (none waits for the longest)
+    total = max(sum(runs_s) / max(1, args.jobs), max(runs_s))
     by_row: dict[str, int] = {}
     for v, _, _ in pending:
         by_row[v] = by_row.get(v, 0) + 1
     print(f"run plan: {len(pending)} runs ({held} held already), {args.jobs} at once, {steps} steps of batch "
-          f"{cfg.train.batch_size} each, {args.eval_videos} stories of {cfg.sample.steps} denoising steps sampled; "
-          f"per run about " + ", ".join(f"{d} {s:.0f} s" for d, s in per_run.items()) +
-          f" at {args.plan_step_s} s per step: about {total:.0f} s ({total / 60:.1f} min) in all" +
+          f"{cfg.train.batch_size} each, {args.eval_videos} stories of {cfg.sample.steps} denoising steps sampled "
+          f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s at a mean step of "
+          f"{args.plan_step_s} s (--plan-step-s): about {total:.0f} s ({total / 60:.1f} min) in all" +
           (f"; --budget-s {args.budget_s:.0f} starts no run past it" if args.budget_s else ""), flush=True)
     print("  runs per row: " + ", ".join(f"{v} {n}" for v, n in by_row.items()), flush=True)
-    return sum(per_run.values()) / len(per_run)
+    return sum(runs_s) / len(runs_s)
 
 
 def fits_budget(args, start: float, estimate: float, walls: list[float]) -> bool:
@@ -361,7 +375,7 @@ def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | N
     if not rows:
         print(f"results: {out} (no runs)")
         return 0
-    groups = {"main table": list(VARIANTS), "ablations of TTT-MLP": ["ttt-mlp", "ttt-linear", *ABLATIONS]}
+    groups = {"main table": (list(VARIANTS), []), "ablations of TTT-MLP": (list(ABLATIONS), ["ttt-mlp", "ttt-linear"])}
     for png in (plot_accuracy(rows, chance, groups, out.with_suffix(".png")),
                 plot_losses(runs, out.with_name(out.stem + "-loss.png"))):
         if png:
@@ -456,7 +470,7 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: f
                    "--ablation-durations", duration, "--seeds", str(seed), "--ablation-seeds", str(seed),
                    "--steps", str(args.steps), "--eval-videos", str(args.eval_videos),
                    "--eval-batch", str(args.eval_batch),
-                   "--work", str(work), "--out", str(parts / f"{name}.json"), "--no-report"]
+                   "--work", str(work), "--out", str(parts / f"{name}.json"), "--no-report", "--probe-checked"]
             for o in args.overrides:
                 cmd += ["--set", o]
             cmd += threads

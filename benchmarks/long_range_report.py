@@ -78,12 +78,12 @@ def fmt_ci(mean: float, half: float) -> str:
 def table(rows: list[dict], chance: float, described: dict[str, str], failed: list[dict] | None = None) -> str:
     """The markdown table: one line per duration and row; `described` says what each row changes."""
     lines = [f"chance = {chance:.2f}; ± = half-width of the 95 % t-interval of the mean over seeds", "",
-             "| video | row | what it is | later scenes (mean ± 95% CI) | seeds | by scene distance +1, +2, ... | "
+             "| video | row | what it is | later scenes (mean ± 95% CI) | seeds | by scene distance +1, +2, ... (mean) | "
              "first scene (control) | final loss (change over the last window) | step (s) | peak GiB | "
              "layer params per block |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        by = ", ".join(fmt_ci(m, h) for m, h in zip(r["accuracy_by_distance"], r["accuracy_by_distance_ci95"]))
+        by = ", ".join(f"{m:.2f}" for m in r["accuracy_by_distance"])  # their intervals: the JSON and the plot
         peak = f"{r['peak_allocated'] / 2**30:.2f}" if r["peak_allocated"] else "-"
         change = f" ({r['loss_change_last'] * 100:+.1f} %)" if r.get("loss_change_last") is not None else ""
         per_block = r.get("layer_params_per_block")
@@ -113,26 +113,30 @@ def _pyplot():
     return plt
 
 
-def plot_accuracy(rows: list[dict], chance: float, groups: dict[str, list[str]], path: Path) -> Path | None:
+def plot_accuracy(rows: list[dict], chance: float, groups: dict[str, tuple[list[str], list[str]]],
+                  path: Path) -> Path | None:
     """Accuracy per scene distance with 95 % intervals: one panel per duration and group of rows (the main table,
-    the ablations) that has runs."""
+    the ablations), each group (its rows, the rows it is shown with) where a row of its own has runs; the
+    points of a distance side by side so that the intervals stay apart."""
     plt = _pyplot()
     if plt is None:
         return None
     durations = sorted({r["duration"] for r in rows}, key=lambda d: int(d.rstrip("s")))
-    panels = [(g, d, [r for r in rows if r["duration"] == d and r["variant"] in names])
-              for g, names in groups.items() for d in durations]
-    panels = [p for p in panels if p[2]]
+    panels = [(g, d, [r for r in rows if r["duration"] == d and r["variant"] in own + beside])
+              for g, (own, beside) in groups.items() for d in durations
+              if any(r["duration"] == d and r["variant"] in own for r in rows)]
     cols = len(durations)
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (group, duration, members) in zip(axes.flat, panels):
-        for r in members:
+        for k, r in enumerate(members):
             x = list(range(1, len(r["accuracy_by_distance"]) + 1))
+            dodge = 0.3 * (k - (len(members) - 1) / 2) / max(1, len(members))
             err = [0.0 if math.isnan(h) else h for h in r["accuracy_by_distance_ci95"]]
-            ax.errorbar(x, r["accuracy_by_distance"], yerr=err, marker="o", capsize=3, label=r["variant"])
+            ax.errorbar([i + dodge for i in x], r["accuracy_by_distance"], yerr=err, marker="o", capsize=2,
+                        label=r["variant"])
             ax.set_xticks(x)
         ax.axhline(chance, color="grey", linestyle="--", label="chance")
         ax.set(title=f"{duration}, {group}: first scene's colour kept", xlabel="scenes after the first (3 s each)",
