@@ -20,11 +20,14 @@ the run converged), the median step time, the peak GPU memory of training and th
 block (benchmarks/long_range_report.py).
 
 Device time: the ablations run at 9 s with seeds 0-2 only (--ablation-durations, --ablation-seeds), the main table at
-9 s and 18 s with seeds 0-4: 60 + 21 = 81 runs. Runs go seed by seed (main rows and ablations of a seed, then the
-next seed), so that a table cut short holds whole comparisons with fewer seeds. Before training it prints a run plan
-with an estimate of the wall time (--plan-step-s, the assumed seconds per training step with --jobs runs sharing the
-device); after each run, the measured rate and the time left. --budget-s starts no run that would, at the measured
-rate, end after that many seconds; a rerun continues from the results file.
+9 s and 18 s with seeds 0-4: 60 + 21 = 81 runs of 250 steps of batch 16 (the config). Runs go seed by seed (main
+rows and ablations of a seed, then the next seed), so that a table cut short holds whole comparisons with fewer
+seeds. Each run samples its 64 held-out stories 32 per forward (benchmarks/long_range_eval.py), not one by one. Before
+training it prints a run plan with an estimate of the wall time (--plan-step-s, the assumed mean seconds per
+training step with --jobs runs sharing the device; --plan prints it alone); after each run, the measured rate and
+the time left. --budget-s starts no run that would, at the measured rate, end after that many seconds; the same
+command again continues from the results file. 8 jobs: the tiny model's runs on the H100 were slower at 12 jobs than
+at 6 (the processes time-slice the GPU), and a batch-16 run of this model at 18 s may hold up to ~10 GB.
 
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
@@ -34,7 +37,7 @@ beside the JSON: accuracy by scene distance (<out>.png) and the loss curves (<ou
 them from a results file without training, and its table is the markdown docs/long_range.md shows.
 3-s videos have one scene, so nothing to carry: durations start at 6 s.
 
-    PYTHONPATH=src python3 benchmarks/long_range.py --jobs 12 --budget-s 540 \\
+    TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONPATH=src python3 benchmarks/long_range.py --jobs 8 --budget-s 520 \\
         --out benchmarks/results/long_range_d64_h100.json                                      # GPU
     PYTHONPATH=src python3 benchmarks/long_range.py --config configs/long-range.toml --durations 6s --seeds 0 \\
         --ablations none --steps 3 --eval-videos 2 --set sample.steps=2 --out /tmp/lr.json    # a CPU smoke run
@@ -225,10 +228,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no run that would end after this many seconds from the start, at the measured rate "
                          "(the plan's estimate until a run has finished); 0 = no limit. A rerun continues")
-    ap.add_argument("--plan-step-s", type=float, default=0.13,
+    ap.add_argument("--plan-step-s", type=float, default=0.2,
                     help="the run plan's assumed mean seconds per training step of the main rows at 9 s with --jobs "
-                         "runs sharing the device (the tiny model's: 0.06 s with 6 jobs on an H100; the small "
-                         "model has twice its blocks, so twice its kernel launches)")
+                         "runs sharing the device (the tiny model's: 0.06 s with 6 jobs on an H100, where 12 jobs "
+                         "were slower than 6; the small model has twice its blocks, so about twice its kernels)")
     ap.add_argument("--plan", action="store_true", help="print the run plan and stop (nothing trains)")
     ap.add_argument("--no-report", action="store_true",
                     help="write the results file only, no table or plot (what --jobs passes to each run's process)")
