@@ -226,8 +226,9 @@ def main(argv=None) -> int:
                     help="runs at once, each in its own process (the small models leave a GPU mostly idle; step "
                          "times are then measured side by side, recorded as concurrent_jobs)")
     ap.add_argument("--budget-s", type=float, default=0.0,
-                    help="start no run that would end after this many seconds from the start, at the measured rate "
-                         "(the plan's estimate until a run has finished); 0 = no limit. A rerun continues")
+                    help="start no run that would end after this many seconds from the start: its planned time "
+                         "scaled by how far the last finished runs were off their plan; 0 = no limit. The same "
+                         "command again continues")
     ap.add_argument("--plan-step-s", type=float, default=0.2,
                     help="the run plan's assumed mean seconds per training step of the main rows at 9 s with --jobs "
                          "runs sharing the device (the tiny model's: 0.06 s with 6 jobs on an H100, where 12 jobs "
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true",
                     help="train nothing: rebuild the summary, table and plots of the --out file from its runs")
     args = ap.parse_args(argv)
+    start = time.perf_counter()  # --budget-s counts from here: the probe check and the plan are in it
     if args.report:
         return rebuild_report(Path(args.out))
 
@@ -285,16 +287,16 @@ def main(argv=None) -> int:
         if probes[duration] != {"kept": 1.0, "forgotten": 0.0}:
             raise SystemExit(f"the probe is not live at {duration}: {probes[duration]} (want kept 1.0, forgotten "
                              f"0.0); fix tttvideo.data.demo_score before trusting any score")
-    start, walls = time.perf_counter(), []
-    for row in (run_parallel(pending, args, work, start, estimate, walls) if args.jobs > 1
-                else run_serial(pending, args, work, start, estimate, walls)):
+    ratios: list[float] = []  # each finished run's wall time over its planned time
+    for row in (run_parallel(pending, args, work, start, estimate, ratios) if args.jobs > 1
+                else run_serial(pending, args, work, start, estimate, ratios)):
         key = (row["variant"], row["duration"], row["seed"])
         if "error" in row:
             failed.append(row)
             print(f"{row['duration']} {row['variant']} seed {row['seed']}: FAILED: {row['error']}", flush=True)
         else:
             runs.append(row)
-            walls.append(row["wall_s"])
+            ratios.append(row["wall_s"] / estimate[key])
             print(f"{row['duration']} {row['variant']} seed {row['seed']}: accuracy {row['accuracy']:.2f} "
                   f"{[round(a, 2) for a in row['accuracy_by_distance']]}, loss {row['last_loss']:.4f} "
                   f"({row['wall_s']:.0f} s)", flush=True)
@@ -334,13 +336,13 @@ def estimate_run_s(cfg, steps: int, step_s: float, eval_videos: int, eval_batch:
     return PLAN_STARTUP_S + scale * step_s * (steps + PLAN_SAMPLE_STEP * forwards)
 
 
-def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int, cfg) -> float:
-    """What will run and how long it should take, before anything trains; returns the mean estimate of a run (s)."""
+def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int, cfg) -> dict:
+    """What will run and how long it should take, before anything trains; returns each run's estimate (s)."""
     from tttvideo.config.loader import load_config
 
     if not pending:
         print(f"run plan: nothing to train ({held} runs held in {args.out})")
-        return 0.0
+        return {}
     segments = {d: num_segments(load_config(args.config, [f"layout.duration={d}"] + args.overrides))
                 for d in {d for _, d, _ in pending}}
     runs_s = [estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos, args.eval_batch, segments[d], v)
@@ -356,15 +358,15 @@ def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int,
           f"{args.plan_step_s} s (--plan-step-s): about {total:.0f} s ({total / 60:.1f} min) in all" +
           (f"; --budget-s {args.budget_s:.0f} starts no run past it" if args.budget_s else ""), flush=True)
     print("  runs per row: " + ", ".join(f"{v} {n}" for v, n in by_row.items()), flush=True)
-    return sum(runs_s) / len(runs_s)
+    return dict(zip(pending, runs_s))
 
 
-def fits_budget(args, start: float, estimate: float, walls: list[float]) -> bool:
-    """Whether a run started now ends within --budget-s, at the runs' measured wall time (the plan's estimate
-    before any has finished)."""
+def fits_budget(args, start: float, planned: float, ratios: list[float]) -> bool:
+    """Whether a run planned to take `planned` seconds, started now, ends within --budget-s: its plan scaled by
+    the slowest of the last --jobs finished runs' wall time over their plan's (the plan alone before any)."""
     if not args.budget_s:
         return True
-    expected = max(walls[-args.jobs:]) if walls else estimate
+    expected = planned * (max(ratios[-args.jobs:]) if ratios else 1.0)
     return time.perf_counter() - start + expected <= args.budget_s
 
 
@@ -428,11 +430,11 @@ def held_settings(held: dict) -> dict:
             "steps": held["runs"][0]["steps"], "eval_videos": held.get("eval_videos")}
 
 
-def run_serial(pending: list[tuple[str, str, int]], args, work: Path, start: float, estimate: float,
-               walls: list[float]):
+def run_serial(pending: list[tuple[str, str, int]], args, work: Path, start: float, estimate: dict,
+               ratios: list[float]):
     """Each run in this process, one after the other; a run that raises is yielded as its error."""
     for variant, duration, seed in pending:
-        if not fits_budget(args, start, estimate, walls):
+        if not fits_budget(args, start, estimate[(variant, duration, seed)], ratios):
             print(f"--budget-s {args.budget_s:.0f}: {variant} {duration} seed {seed} and the runs after it not "
                   f"started; a rerun continues", flush=True)
             return
@@ -445,8 +447,8 @@ def run_serial(pending: list[tuple[str, str, int]], args, work: Path, start: flo
         yield {**row, "wall_s": time.perf_counter() - t0, "concurrent_jobs": 1}
 
 
-def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: float, estimate: float,
-                 walls: list[float]):
+def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: float, estimate: dict,
+                 ratios: list[float]):
     """Each run as `long_range.py` of that one run in a subprocess (its JSON and log in <work>/parts), at most
     `args.jobs` at once; yields each run's row as it finishes (a run that failed: its error and the end of its
     log)."""
@@ -461,7 +463,7 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: f
         threads = ["--set", f"train.cpu_threads={max(1, (os.cpu_count() or 1) // args.jobs)}"]
     while queue or active:
         while queue and len(active) < args.jobs:
-            if not fits_budget(args, start, estimate, walls):
+            if not fits_budget(args, start, estimate[queue[0]], ratios):
                 print(f"--budget-s {args.budget_s:.0f}: {len(queue)} run(s) not started; a rerun continues",
                       flush=True)
                 queue.clear()
