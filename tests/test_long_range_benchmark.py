@@ -134,6 +134,16 @@ def test_the_budget_starts_no_run_that_would_end_past_it(tmp_path, capsys):
     assert lr.main([*SMOKE[:8], "--eval-videos", "2", "--budget-s", "1", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     assert json.loads(out.read_text())["runs"] == []
     assert "--budget-s 1: ttt-mlp 6s seed 0 and the runs after it not started" in capsys.readouterr().out
+    # once runs have finished: a run's plan scaled by the slowest of the last --jobs runs' wall over plan
+    import argparse
+    import time
+
+    args = argparse.Namespace(budget_s=100.0, jobs=2)
+    now = time.perf_counter()
+    assert lr.fits_budget(args, now, 30.0, [])  # the plan alone: 30 s
+    assert lr.fits_budget(args, now, 30.0, [4.0, 1.0, 2.0])  # the last two ran at most 2x their plan: 60 s
+    assert not lr.fits_budget(args, now, 30.0, [1.0, 4.0])  # one ran 4x its plan: 120 s
+    assert lr.fits_budget(argparse.Namespace(budget_s=0.0, jobs=2), now, 1e9, [])  # 0: no budget
 
 
 def test_every_row_builds_at_the_paper_head_size():
