@@ -78,7 +78,8 @@ def fmt_ci(mean: float, half: float) -> str:
 def table(rows: list[dict], chance: float, described: dict[str, str], failed: list[dict] | None = None) -> str:
     """The markdown table: one line per duration and row; `described` says what each row changes."""
     lines = [f"chance = {chance:.2f}; ± = half-width of the 95 % t-interval of the mean over seeds", "",
-             "| video | row | what it is | later scenes (mean ± 95% CI) | seeds | by scene distance +1, +2, ... (mean) | "
+             "| video | row | what it is | later scenes (mean ± 95% CI) | seeds | "
+             "by scene distance +1, +2, ... (mean) | "
              "first scene (control) | final loss (change over the last window) | step (s) | peak GiB | "
              "layer params per block |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -165,10 +166,10 @@ def plot_losses(runs: list[dict], path: Path) -> Path | None:
             every = r["loss_curve"]["every"]
             ys = r["loss_curve"]["mean_loss"]
             i = names.index(r["variant"])
-            ax.plot([min(every * (k + 1), r["steps"]) for k in range(len(ys))], ys, color=colours(2 * i % 20 + i // 10 % 2),
-                    alpha=0.7, linewidth=1, marker="." if len(ys) < 3 else None,
-                    label=r["variant"] if r["seed"] == min(s["seed"] for s in runs if s["variant"] == r["variant"]
-                                                           and s["duration"] == duration) else None)
+            xs = [min(every * (k + 1), r["steps"]) for k in range(len(ys))]
+            first_seed = min(s["seed"] for s in runs if s["variant"] == r["variant"] and s["duration"] == duration)
+            ax.plot(xs, ys, color=colours(2 * i % 20 + i // 10 % 2), alpha=0.7, linewidth=1,
+                    marker="." if len(ys) < 3 else None, label=r["variant"] if r["seed"] == first_seed else None)
         ax.set(title=f"{duration}: training loss (mean per window, every seed)", xlabel="step",
                ylabel="loss", yscale="log")
         ax.legend(fontsize=7)

@@ -131,7 +131,8 @@ def test_the_budget_starts_no_run_that_would_end_past_it(tmp_path, capsys):
     out = tmp_path / "lr.json"
     lr.train_and_score = fake_run(set())
     # the plan's estimate of one run (start-up alone is lr.PLAN_STARTUP_S) is past a budget of 1 s
-    assert lr.main([*SMOKE[:8], "--eval-videos", "2", "--budget-s", "1", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    assert lr.main([*SMOKE[:8], "--eval-videos", "2", "--budget-s", "1", "--out", str(out),
+                    "--work", str(tmp_path / "work")]) == 0
     assert json.loads(out.read_text())["runs"] == []
     assert "--budget-s 1: ttt-mlp 6s seed 0 and the runs after it not started" in capsys.readouterr().out
     # once runs have finished: a run's plan scaled by the slowest of the last --jobs runs' wall over plan
