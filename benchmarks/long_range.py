@@ -1,26 +1,46 @@
 """Long-range consistency: does the layer beside local attention carry what the first scene said into later scenes?
 
-Each variant (the long-range layer: TTT-MLP, TTT-Linear, none, full attention, Mamba 2, Gated DeltaNet) is trained
-with the same data, steps and seeds (configs/long-range.toml: the tiny model on the long-range demo set, where only
-the first scene's caption names the shape's colour and every later 3-s segment cuts to a new scene in that colour),
-then samples a fixed set of held-out stories of the same kind. The probe (`tttvideo.data.demo_score.
-score_persistence`) reads the colour of the shape back from every later scene of every sampled video; chance is 1/6.
-Local attention sees only its own segment's caption, so without a long-range layer the colour of a later scene is a
-guess.
+Each row is trained with the same data, steps and seeds, then samples a fixed set of held-out stories of the same
+kind; the probe (`tttvideo.data.demo_score.score_persistence`) reads the colour of the shape back from every later
+scene of every sampled video (chance 1/6). The data: the long-range demo set, where only the first scene's caption
+names the shape's colour and every later 3-s segment cuts to a new scene in that colour. Local attention sees only
+its own segment's caption, so without a long-range layer the colour of a later scene is a guess.
 
-Per duration and variant: the accuracy per scene distance (+1 = the scene right after the first, ...) as mean and
-spread over the seeds, the overall accuracy, the control (how often the first scene, whose caption names the colour,
-shows it: a model that has not learned to follow its captions at all makes the other scores meaningless), the median
-training step time and the peak GPU memory of training.
+The rows: the main table, one per long-range layer (TTT-MLP, TTT-Linear, none, full attention, Mamba 2, Gated
+DeltaNet), and the ablations of TTT-MLP, each changing one setting of the ttt-mlp row (its inner base learning rate,
+mini-batch, gate init, an inner MLP with TTT-Linear's parameter count, the reference system's learning-rate layout;
+TTT-Linear with that layout beside it). The default config, configs/long-range-d64.toml, is the `small` model: 4
+blocks of 4 heads of 64, the paper's head size (configs/long-range.toml: the tiny model of the first results).
+
+Per duration and row: the accuracy per scene distance (+1 = the scene right after the first, ...) and overall as
+mean and 95 % t-interval over seeds, the control (how often the first scene, whose caption names the colour, shows
+it: a model that has not learned to follow its captions makes the other scores meaningless), the loss curve (mean
+loss per 50 steps, every run; the table gives its last window and the change from the one before, to show whether
+the run converged), the median step time, the peak GPU memory of training and the long-range layer's parameters per
+block (benchmarks/long_range_report.py).
+
+Device time: the ablations run at 9 s with seeds 0-2 only (--ablation-durations, --ablation-seeds), the main table at
+9 s and 18 s with seeds 0-4: 60 + 21 = 81 runs of 250 steps of batch 16 (the config). Runs go seed by seed (main
+rows and ablations of a seed, then the next seed), so that a table cut short holds whole comparisons with fewer
+seeds. Each run samples its 64 held-out stories 32 per forward (benchmarks/long_range_eval.py), not one by one. Before
+training it prints a run plan with an estimate of the wall time (--plan-step-s, the assumed mean seconds per
+training step with --jobs runs sharing the device; --plan prints it alone); after each run, the measured rate and
+the time left. --budget-s starts no run that would, at the measured rate, end after that many seconds; the same
+command again continues from the results file. 8 jobs: the tiny model's runs on the H100 were slower at 12 jobs than
+at 6 (the processes time-slice the GPU), and a batch-16 run of this model at 18 s may hold up to ~10 GB.
+
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
-run and a rerun skips the runs it holds (resume after a time limit; runs of other settings need another --out); a
-table is printed and a plot written beside the JSON (`--report` rebuilds both from a results file without training).
+run and a rerun skips the runs it holds (runs of other settings need another --out); a run that fails is recorded
+with its error (`failed`) and the others go on; a rerun tries it again. A table is printed and the plots are written
+beside the JSON: accuracy by scene distance (<out>.png) and the loss curves (<out>-loss.png); `--report` rebuilds
+them from a results file without training, and its table is the markdown docs/long_range.md shows.
 3-s videos have one scene, so nothing to carry: durations start at 6 s.
 
-    PYTHONPATH=src python3 benchmarks/long_range.py --jobs 6 --out benchmarks/results/long_range_h100.json  # GPU
-    PYTHONPATH=src python3 benchmarks/long_range.py --durations 6s --seeds 0 --steps 3 --eval-videos 2 \\
-        --set sample.steps=2 --out /tmp/lr.json                      # a CPU smoke run of the same code
+    TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONPATH=src python3 benchmarks/long_range.py --jobs 8 --budget-s 520 \\
+        --out benchmarks/results/long_range_d64_h100.json                                      # GPU
+    PYTHONPATH=src python3 benchmarks/long_range.py --config configs/long-range.toml --durations 6s --seeds 0 \\
+        --ablations none --steps 3 --eval-videos 2 --set sample.steps=2 --out /tmp/lr.json    # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -36,7 +56,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# the layer each variant puts after local attention; TTT-Linear takes the original's inner learning rate
+if str(ROOT) not in sys.path:  # run as a script: benchmarks.long_range_report from the repository
+    sys.path.insert(0, str(ROOT))
+# the main table: the layer each variant puts after local attention; TTT-Linear takes the original's inner rate
 VARIANTS = {
     "ttt-mlp": ["model.sequence_layer=ttt", "ttt.kind=mlp"],
     "ttt-linear": ["model.sequence_layer=ttt", "ttt.kind=linear", "ttt.base_lr=1.0"],
@@ -45,62 +67,66 @@ VARIANTS = {
     "mamba2": ["model.sequence_layer=mamba2"],
     "gated-deltanet": ["model.sequence_layer=gated-deltanet"],
 }
-EVAL_SEED = 9_000  # the held-out stories: another generator stream than any training set's
-
-
-def eval_stories(segments: int, count: int):
-    """`count` long-range stories of `segments` scenes, the same for every variant and seed."""
-    import numpy as np
-
-    from tttvideo.data.demo import long_range_video
-    from tttvideo.sample.scenes import Scene, Story
-
-    rng = np.random.Generator(np.random.PCG64(EVAL_SEED + segments))
-    videos = [long_range_video(rng, segments) for _ in range(count)]
-    # each story its own noise: with one seed for all, a model that knows nothing of the colour draws the same ones
-    # in every story, and every such variant scores the same
-    stories = [Story(name=f"eval-{i:03d}", source="benchmarks/long_range.py",
-                     scenes=[Scene(**scene) for scene in v.story()], seed=EVAL_SEED + i) for i, v in enumerate(videos)]
-    return videos, stories
-
-
-def probe_check(cfg, videos) -> dict:
-    """The probe on the held-out stories' own latents (kept) and on the same stories with every later scene in
-    another colour (forgotten): 1.0 and 0.0 when it reads what it should."""
-    import torch
-
-    from tttvideo.data.demo import forgotten_colour, render_video
-    from tttvideo.data.demo_score import latent_frames, score_persistence
-    from tttvideo.layout import VideoLayout
-    from tttvideo.models.backbone import get_preset
-
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
-    channels = get_preset(cfg.model.preset).in_channels
-    kept, lost = [], []
-    for v in videos:
-        captions = [s.caption for s in v.scenes]
-        for video, into in ((v, kept), (forgotten_colour(v), lost)):
-            frames = latent_frames(torch.from_numpy(render_video(video, layout, channels)).permute(1, 0, 2, 3))
-            into.append(score_persistence(frames, captions).accuracy)
-    return {"kept": statistics.mean(kept), "forgotten": statistics.mean(lost)}
-
-
+# the ablations: the ttt-mlp row (base_lr 0.1, mini-batch 64, gate init 0.1, inner MLP 4 x the head dim, per-token
+# learning rates) with one setting changed; "reference" learning rates run on the PyTorch scan ("auto" falls back to
+# it: the Triton kernels take per-token rates only)
+TTT_MLP = VARIANTS["ttt-mlp"]
+ABLATIONS = {
+    "ttt-mlp-lr0.01": [*TTT_MLP, "ttt.base_lr=0.01"],
+    "ttt-mlp-lr1": [*TTT_MLP, "ttt.base_lr=1.0"],
+    "ttt-mlp-mb16": [*TTT_MLP, "ttt.mini_batch_size=16", "ttt.sample_mini_batch_size=16"],
+    "ttt-mlp-gate1": [*TTT_MLP, "ttt.gate_init=1.0"],
+    # inner MLP D -> D/2 -> D: its inner weights hold H D^2 parameters, TTT-Linear's (plus H D/2 biases)
+    "ttt-mlp-linear-params": [*TTT_MLP, "ttt.mlp_hidden={half_head_dim}"],
+    "ttt-mlp-eta-reference": [*TTT_MLP, "ttt.eta_layout=reference"],
+    "ttt-linear-eta-reference": [*VARIANTS["ttt-linear"], "ttt.eta_layout=reference"],
+}
+ROWS = {**VARIANTS, **ABLATIONS}
+DESCRIBED = {
+    "ttt-mlp": "TTT-MLP (inner MLP D -> 4D -> D, base lr 0.1, mini-batch 64)",
+    "ttt-linear": "TTT-Linear (base lr 1.0)",
+    "none": "local attention only",
+    "full-attention": "attention over the whole video",
+    "mamba2": "Mamba 2",
+    "gated-deltanet": "Gated DeltaNet",
+    "ttt-mlp-lr0.01": "TTT-MLP, inner base lr 0.01",
+    "ttt-mlp-lr1": "TTT-MLP, inner base lr 1.0",
+    "ttt-mlp-mb16": "TTT-MLP, mini-batch 16 (train and sample)",
+    "ttt-mlp-gate1": "TTT-MLP, gate init 1.0 (tanh 0.76)",
+    "ttt-mlp-linear-params": "TTT-MLP, inner MLP D -> D/2 -> D: TTT-Linear's parameters",
+    "ttt-mlp-eta-reference": "TTT-MLP, the reference system's learning-rate layout",
+    "ttt-linear-eta-reference": "TTT-Linear, the reference system's learning-rate layout",
+}
+LOSS_WINDOW = 50  # steps per point of a run's loss curve
+# the run plan's costs besides the training steps: a run's process start, imports, data set and model build and
+# compile warm-up (the tiny model's runs on the H100 spent 10-30 s of their training time outside their steps), in
+# seconds; a solver step of a batch of held-out stories (one forward, guidance batched), in training steps
+PLAN_STARTUP_S = 25.0
+PLAN_SAMPLE_STEP = 1.0
+# a row's step time relative to the mean of the main rows' (--plan-step-s): the tiny model's 9-s steps on the H100
+# (none 0.72, full attention 0.60, TTT-Linear 0.80, TTT-MLP 1.12, Mamba 2 1.25, Gated DeltaNet 1.51; the last two
+# on the PyTorch recurrence); the reference learning-rate layout runs the PyTorch scan, one step per mini-batch
+# (not measured: assumed 3x the Triton scan's)
+PLAN_ROW_STEP = {"none": 0.72, "full-attention": 0.60, "ttt-linear": 0.80, "mamba2": 1.25, "gated-deltanet": 1.51,
+                 "ttt-mlp-eta-reference": 3.4, "ttt-linear-eta-reference": 2.4}
 def train_and_score(base: Path, variant: str, duration: str, seed: int, args, work: Path) -> dict:
     """One run: train, sample the held-out stories from its checkpoint, score them."""
     import torch
-    from rich.console import Console
     from safetensors.torch import load_file
 
+    from benchmarks.long_range_eval import eval_stories, sample_batched
     from tttvideo.api import train
     from tttvideo.config.loader import load_config
     from tttvideo.data.demo_score import latent_frames, score_persistence
+    from tttvideo.device import resolve_device
+    from tttvideo.models.backbone import get_preset
     from tttvideo.runs import find_model_file
-    from tttvideo.sample.pipeline import sample_stories
 
     out = work / duration / variant / f"seed{seed}"
-    overrides = VARIANTS[variant] + [f"layout.duration={duration}", f"train.seed={seed}",
-                                     f"train.output_dir={out}",
-                                     f"data.demo_dir={work / 'data' / f'{duration}-seed{seed}'}"]
+    spec = get_preset(load_config(base, args.overrides).model.preset)
+    overrides = row_overrides(variant, spec.attention_head_dim) + [
+        f"layout.duration={duration}", f"train.seed={seed}", f"train.output_dir={out}",
+        f"data.demo_dir={work / 'data' / f'{duration}-seed{seed}'}"]
     if args.steps:
         overrides.append(f"train.steps={args.steps}")
     overrides += args.overrides
@@ -110,14 +136,17 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
         torch.cuda.reset_peak_memory_stats()
     result = train(cfg, quiet=True)
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    step_s = step_times(result.output_dir)
+    metrics = read_metrics(result.output_dir)
+    step_s = [r["step_time"] for r in metrics if isinstance(r.get("step_time"), (int, float))]
     videos, stories = eval_stories(num_segments(cfg), args.eval_videos)
-    samples = sample_stories(cfg, stories, out / "eval", checkpoint=result.output_dir, console=Console(quiet=True),
-                             progress=False)
+    t0 = time.perf_counter()
+    samples = sample_batched(cfg, stories, result.output_dir, resolve_device(cfg.sample.device, "sample.device"),
+                             args.eval_batch)
+    sample_s = time.perf_counter() - t0
     distances: list[list[bool]] = []
     first: list[bool] = []  # the control: the first scene, whose caption names the colour
-    for video, sample in zip(videos, samples):
-        frames = latent_frames(load_file(str(sample.latents))["latents"][0])
+    for video, latents in zip(videos, samples):
+        frames = latent_frames(latents)
         score = score_persistence(frames, [s.caption for s in video.scenes])
         distances.append(score.by_distance())
         first.append(score.first.colour_ok)
@@ -125,8 +154,10 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
     params = sum(p.numel() for n, p in load_file(str(find_model_file(result.output_dir))).items() if ".ttt." in n)
     return {"variant": variant, "duration": duration, "seed": seed, "steps": result.steps_done,
             "first_loss": result.first_loss, "last_loss": result.last_loss, "train_s": result.seconds,
+            "sample_s": sample_s,
             "median_step_s": statistics.median(step_s) if step_s else result.seconds / max(result.steps_done, 1),
-            "peak_allocated": peak, "long_range_params": params, "accuracy_by_distance": per_distance,
+            "peak_allocated": peak, "long_range_params": params, "layer_params_per_block": params // spec.num_layers,
+            "loss_curve": loss_curve(metrics), "accuracy_by_distance": per_distance,
             "accuracy": statistics.mean(per_distance), "first_scene_colour": statistics.mean(map(float, first)),
             "eval_videos": len(samples), "recurrence": recurrence_kernels(variant, cfg.ttt.backend, cuda)}
 
@@ -152,108 +183,79 @@ def num_segments(cfg) -> int:
     return VideoLayout.from_config(cfg.layout, cfg.ttt).num_segments
 
 
-def step_times(run: Path) -> list[float]:
-    """Seconds per optimizer step from the run's metrics log (the trainer's `metrics.jsonl`), when it has them."""
+def row_overrides(variant: str, head_dim: int) -> list[str]:
+    """The config overrides of a row at a model of this head dim."""
+    return [o.format(half_head_dim=head_dim // 2) for o in ROWS[variant]]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """The rows of the run's metrics log (the trainer's `metrics.jsonl`: one per optimizer step), when it has one."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["step_time"] for r in rows if isinstance(r.get("step_time"), (int, float))]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(runs: list[dict]) -> list[dict]:
-    """Mean and spread (sample standard deviation) over seeds, per duration and variant."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in runs:
-        groups.setdefault((r["duration"], r["variant"]), []).append(r)
-    rows = []
-    for (duration, variant), rs in groups.items():
-        acc = [r["accuracy"] for r in rs]
-        by = list(zip(*(r["accuracy_by_distance"] for r in rs)))
-        peaks = [r["peak_allocated"] for r in rs if r["peak_allocated"] is not None]
-        rows.append({"duration": duration, "variant": variant, "seeds": sorted(r["seed"] for r in rs),
-                     "accuracy": statistics.mean(acc), "accuracy_sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
-                     "accuracy_by_distance": [statistics.mean(d) for d in by],
-                     "accuracy_by_distance_sd": [statistics.stdev(d) if len(d) > 1 else 0.0 for d in by],
-                     "first_scene_colour": statistics.mean(r.get("first_scene_colour", float("nan")) for r in rs),
-                     "median_step_s": statistics.median(r["median_step_s"] for r in rs),
-                     "peak_allocated": max(peaks) if peaks else None,
-                     "long_range_params": rs[0]["long_range_params"], "recurrence": rs[0].get("recurrence")})
-    return rows
-
-
-def table(rows: list[dict], chance: float) -> str:
-    lines = [f"chance = {chance:.2f}", "",
-             "| duration | layer | accuracy (mean +- sd over seeds) | by scene distance +1, +2, ... | first scene "
-             "(captioned) | step (s) | peak GiB | layer params |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        by = ", ".join(f"{a:.2f}" for a in r["accuracy_by_distance"])
-        peak = f"{r['peak_allocated'] / 2**30:.2f}" if r["peak_allocated"] else "-"
-        lines.append(f"| {r['duration']} | {r['variant']} | {r['accuracy']:.2f} +- {r['accuracy_sd']:.2f} "
-                     f"(seeds {r['seeds']}) | {by} | {r['first_scene_colour']:.2f} | {r['median_step_s']:.3f} | "
-                     f"{peak} | {r['long_range_params']:,} |")
-    notes = {r["variant"]: r["recurrence"] for r in rows if r.get("recurrence") not in (None, "fla")}
-    lines += [""] + [f"{variant}'s recurrence: {how}" for variant, how in notes.items()] if notes else []
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], chance: float, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'tttvideo[report]'): no plot", file=sys.stderr)
-        return None
-    durations = sorted({r["duration"] for r in rows}, key=lambda d: int(d.rstrip("s")))
-    fig, axes = plt.subplots(1, len(durations), figsize=(5 * len(durations), 4), squeeze=False)
-    for ax, duration in zip(axes[0], durations):
-        for r in (r for r in rows if r["duration"] == duration):
-            x = list(range(1, len(r["accuracy_by_distance"]) + 1))
-            ax.errorbar(x, r["accuracy_by_distance"], yerr=r["accuracy_by_distance_sd"], marker="o", capsize=3,
-                        label=r["variant"])
-            ax.set_xticks(x)
-        ax.axhline(chance, color="grey", linestyle="--", label="chance")
-        ax.set(title=f"{duration}: first scene's colour kept", xlabel="scenes after the first (3 s each)",
-               ylabel="accuracy", ylim=(-0.05, 1.05))
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+def loss_curve(metrics: list[dict], every: int = LOSS_WINDOW) -> dict:
+    """Mean loss per window of `every` steps (the last window may be shorter; runs shorter than one window: one
+    point)."""
+    losses = [r["loss"] for r in metrics if isinstance(r.get("loss"), (int, float))]
+    every = max(1, min(every, len(losses)))
+    return {"every": every, "mean_loss": [statistics.mean(losses[i:i + every]) for i in range(0, len(losses), every)]}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "long-range.toml"))
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated, of {', '.join(VARIANTS)}")
-    ap.add_argument("--durations", default="9s,18s", help="comma separated, 6 s and longer")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "long-range-d64.toml"))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"rows of the main table, comma separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--durations", default="9s,18s", help="of the main table, comma separated, 6 s and longer")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="of the main table")
+    ap.add_argument("--ablations", default=",".join(ABLATIONS),
+                    help=f"ablation rows, comma separated ('none': no ablation), of {', '.join(ABLATIONS)}")
+    ap.add_argument("--ablation-durations", default="9s")
+    ap.add_argument("--ablation-seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=0, help="training steps per run (0: the config's train.steps)")
     ap.add_argument("--eval-videos", type=int, default=64, help="held-out stories sampled per run")
+    ap.add_argument("--eval-batch", type=int, default=32,
+                    help="held-out stories sampled per forward (one model call per solver step for all of them)")
     ap.add_argument("--work", default="runs/long-range-benchmark", help="run folders")
     ap.add_argument("--out", default="benchmarks/results/long_range.json")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="runs at once, each in its own process (the tiny model leaves a GPU mostly idle; step "
+                    help="runs at once, each in its own process (the small models leave a GPU mostly idle; step "
                          "times are then measured side by side, recorded as concurrent_jobs)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="start no run that would end after this many seconds from the start: its planned time "
+                         "scaled by how far the last finished runs were off their plan; 0 = no limit. The same "
+                         "command again continues")
+    ap.add_argument("--plan-step-s", type=float, default=0.2,
+                    help="the run plan's assumed mean seconds per training step of the main rows at 9 s with --jobs "
+                         "runs sharing the device (the tiny model's: 0.06 s with 6 jobs on an H100, where 12 jobs "
+                         "were slower than 6; the small model has twice its blocks, so about twice its kernels)")
+    ap.add_argument("--plan", action="store_true", help="print the run plan and stop (nothing trains)")
     ap.add_argument("--no-report", action="store_true",
                     help="write the results file only, no table or plot (what --jobs passes to each run's process)")
+    ap.add_argument("--probe-checked", action="store_true",
+                    help="skip the probe's live check (what --jobs passes to each run's process: it checked it)")
     ap.add_argument("--report", action="store_true",
-                    help="train nothing: rebuild the summary, table and plot of the --out file from its runs")
+                    help="train nothing: rebuild the summary, table and plots of the --out file from its runs")
     args = ap.parse_args(argv)
+    start = time.perf_counter()  # --budget-s counts from here: the probe check and the plan are in it
     if args.report:
         return rebuild_report(Path(args.out))
 
     import torch
 
+    from benchmarks.long_range_eval import eval_stories, probe_check
     from tttvideo.config.loader import load_config
 
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    variants = [v for v in args.variants.split(",") if v]
+    ablations = [a for a in args.ablations.split(",") if a and a != "none"]
+    unknown = [v for v in variants if v not in VARIANTS] + [a for a in ablations if a not in ABLATIONS]
     if unknown:
-        ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        ap.error(f"unknown row(s) {unknown}; --variants of {', '.join(VARIANTS)}; --ablations of "
+                 f"{', '.join(ABLATIONS)} or none")
     if torch.cuda.is_available() and not any(o.startswith("train.cpu_threads=") for o in args.overrides):
         # the tiny model leaves the CPU launching kernels: on an H100 its step took 0.063 s with one CPU thread and
         # 0.26 s with PyTorch's default of one per core (alone, before any concurrent job)
@@ -265,59 +267,143 @@ def main(argv=None) -> int:
     if held.get("runs") and held_settings(held) != mine:
         raise SystemExit(f"{out} holds runs made with {held_settings(held)}, not {mine}; a rerun only adds to runs "
                          f"of the same settings: give another --out, or delete it to start over")
-    runs = held.get("runs", [])
+    runs, failed = held.get("runs", []), []  # a failed run is tried again
     done = {(r["variant"], r["duration"], r["seed"]) for r in runs}
+    pending = plan_runs(variants, args.durations, args.seeds, ablations, args.ablation_durations,
+                        args.ablation_seeds, done)
+    estimate = print_plan(pending, len(done), args, mine["steps"], load_config(args.config, args.overrides))
+    if args.plan:
+        return 0
     probes = held.get("probe", {})
-    for duration in args.durations.split(","):
+    for duration in sorted({d for _, d, _ in pending} | set(args.durations.split(",")), key=lambda d: int(d[:-1])):
         cfg = load_config(args.config, [f"layout.duration={duration}"] + args.overrides)
         segments = num_segments(cfg)
         if segments < 2:
             ap.error(f"--durations {duration}: one 3-s segment has no later scene to score; use 6s or longer")
+        if args.probe_checked:
+            continue
         videos, _ = eval_stories(segments, args.eval_videos)
         probes[duration] = probe_check(cfg, videos)
         if probes[duration] != {"kept": 1.0, "forgotten": 0.0}:
             raise SystemExit(f"the probe is not live at {duration}: {probes[duration]} (want kept 1.0, forgotten "
                              f"0.0); fix tttvideo.data.demo_score before trusting any score")
-    # seed by seed, every variant: a run cut short by a time limit leaves whole comparisons, not whole variants
-    pending = [(v, d, int(s)) for d in args.durations.split(",") for s in args.seeds.split(",") for v in variants
-               if (v, d, int(s)) not in done]
-    for row in (run_parallel(pending, args, work) if args.jobs > 1 else run_serial(pending, args, work)):
-        runs.append(row)
-        print(f"{row['duration']} {row['variant']} seed {row['seed']}: accuracy {row['accuracy']:.2f} "
-              f"{[round(a, 2) for a in row['accuracy_by_distance']]} ({row['wall_s']:.0f} s)", flush=True)
-        write(out, runs, probes, args, torch)
-    rows = summarize(runs)  # every run the file holds: one setting, so all comparable
-    write(out, runs, probes, args, torch, rows)
-    return 0 if args.no_report else report(out, rows)
+    ratios: list[float] = []  # each finished run's wall time over its planned time
+    for row in (run_parallel(pending, args, work, start, estimate, ratios) if args.jobs > 1
+                else run_serial(pending, args, work, start, estimate, ratios)):
+        key = (row["variant"], row["duration"], row["seed"])
+        if "error" in row:
+            failed.append(row)
+            print(f"{row['duration']} {row['variant']} seed {row['seed']}: FAILED: {row['error']}", flush=True)
+        else:
+            runs.append(row)
+            ratios.append(row["wall_s"] / estimate[key])
+            print(f"{row['duration']} {row['variant']} seed {row['seed']}: accuracy {row['accuracy']:.2f} "
+                  f"{[round(a, 2) for a in row['accuracy_by_distance']]}, loss {row['last_loss']:.4f} "
+                  f"({row['wall_s']:.0f} s)", flush=True)
+        finished = len(runs) - len(done) + len(failed)
+        left = len(pending) - finished
+        rate = (time.perf_counter() - start) / finished
+        print(f"  {finished}/{len(pending)} runs in {time.perf_counter() - start:.0f} s; {left} left, about "
+              f"{left * rate:.0f} s at this rate", flush=True)
+        write(out, runs, probes, args, torch, failed=failed)
+    rows = summarize(runs, list(ROWS))  # every run the file holds: one setting, so all comparable
+    write(out, runs, probes, args, torch, rows, failed)
+    return 0 if args.no_report else report(out, rows, runs, failed)
 
 
-def report(out: Path, rows: list[dict]) -> int:
-    """The table on stdout and the plot beside the results file."""
+def plan_runs(variants: list[str], durations: str, seeds: str, ablations: list[str], ablation_durations: str,
+              ablation_seeds: str, done: set) -> list[tuple[str, str, int]]:
+    """The runs to make, seed by seed (each seed's main rows at every duration, then its ablations): a table cut
+    short holds whole comparisons over fewer seeds, not some rows over every seed."""
+    main = {int(s) for s in seeds.split(",") if s}
+    abl = {int(s) for s in ablation_seeds.split(",") if s} if ablations else set()
+    plan = []
+    for seed in sorted(main | abl):
+        if seed in main:
+            plan += [(v, d, seed) for d in durations.split(",") for v in variants]
+        if seed in abl:
+            plan += [(a, d, seed) for d in ablation_durations.split(",") for a in ablations]
+    return [run for run in plan if run not in done]
+
+
+def estimate_run_s(cfg, steps: int, step_s: float, eval_videos: int, eval_batch: int, segments: int,
+                   row: str) -> float:
+    """The run plan's seconds for one run: start-up, the training steps, the sampling (a solver step of a batch of
+    stories priced as a training step); longer videos cost more per step in proportion to their segments beyond
+    the third (an 18-s step of the tiny model took 1.1-1.5x a 9-s one on the H100)."""
+    scale = (1.0 + 0.1 * max(0, segments - 3)) * PLAN_ROW_STEP.get(row, 1.12)
+    forwards = -(-eval_videos // eval_batch) * cfg.sample.steps
+    return PLAN_STARTUP_S + scale * step_s * (steps + PLAN_SAMPLE_STEP * forwards)
+
+
+def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int, cfg) -> dict:
+    """What will run and how long it should take, before anything trains; returns each run's estimate (s)."""
+    from tttvideo.config.loader import load_config
+
+    if not pending:
+        print(f"run plan: nothing to train ({held} runs held in {args.out})")
+        return {}
+    segments = {d: num_segments(load_config(args.config, [f"layout.duration={d}"] + args.overrides))
+                for d in {d for _, d, _ in pending}}
+    runs_s = [estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos, args.eval_batch, segments[d], v)
+              for v, d, _ in pending]
+    # the runs pack onto --jobs slots; the last to start sets the end (none waits for the longest)
+    total = max(sum(runs_s) / max(1, args.jobs), max(runs_s))
+    by_row: dict[str, int] = {}
+    for v, _, _ in pending:
+        by_row[v] = by_row.get(v, 0) + 1
+    print(f"run plan: {len(pending)} runs ({held} held already), {args.jobs} at once, {steps} steps of batch "
+          f"{cfg.train.batch_size} each, {args.eval_videos} stories of {cfg.sample.steps} denoising steps sampled "
+          f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s at a mean step of "
+          f"{args.plan_step_s} s (--plan-step-s): about {total:.0f} s ({total / 60:.1f} min) in all" +
+          (f"; --budget-s {args.budget_s:.0f} starts no run past it" if args.budget_s else ""), flush=True)
+    print("  runs per row: " + ", ".join(f"{v} {n}" for v, n in by_row.items()), flush=True)
+    return dict(zip(pending, runs_s))
+
+
+def fits_budget(args, start: float, planned: float, ratios: list[float]) -> bool:
+    """Whether a run planned to take `planned` seconds, started now, ends within --budget-s: its plan scaled by
+    the slowest of the last --jobs finished runs' wall time over their plan's (the plan alone before any)."""
+    if not args.budget_s:
+        return True
+    expected = planned * (max(ratios[-args.jobs:]) if ratios else 1.0)
+    return time.perf_counter() - start + expected <= args.budget_s
+
+
+def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | None = None) -> int:
+    """The table on stdout and the plots beside the results file."""
+    from benchmarks.long_range_report import plot_accuracy, plot_losses, table
     from tttvideo.data.demo_score import CHANCE
 
     chance = CHANCE["colour"]
-    print(table(rows, chance))
-    png = plot(rows, chance, out.with_suffix(".png"))
-    if png:
-        print(f"plot: {png}")
+    print(table(rows, chance, DESCRIBED, failed))
+    if not rows:
+        print(f"results: {out} (no runs)")
+        return 0
+    groups = {"main table": (list(VARIANTS), []), "ablations of TTT-MLP": (list(ABLATIONS), ["ttt-mlp", "ttt-linear"])}
+    for png in (plot_accuracy(rows, chance, groups, out.with_suffix(".png")),
+                plot_losses(runs, out.with_name(out.stem + "-loss.png"))):
+        if png:
+            print(f"plot: {png}")
     print(f"results: {out} ({sum(len(r['seeds']) for r in rows)} runs)")
     return 0
 
 
 def rebuild_report(out: Path) -> int:
-    """--report: the summary, table and plot of a results file again, from its runs (no training; the file's
+    """--report: the summary, table and plots of a results file again, from its runs (no training; the file's
     device, versions and settings stay as they are)."""
     if not out.is_file():
         raise SystemExit(f"--report: {out} does not exist; give the results file of a run with --out")
     held = json.loads(out.read_text())
-    rows = summarize(held.get("runs", []))
+    runs = held.get("runs", [])
+    rows = summarize(runs, list(ROWS))
     if not rows:
         raise SystemExit(f"--report: {out} holds no runs")
     held["summary"] = rows
     from tttvideo.data.cache import atomic_write_text
 
     atomic_write_text(out, json.dumps(held, indent=1))
-    return report(out, rows)
+    return report(out, rows, runs, held.get("failed"))
 
 
 def run_settings(args) -> dict:
@@ -344,16 +430,28 @@ def held_settings(held: dict) -> dict:
             "steps": held["runs"][0]["steps"], "eval_videos": held.get("eval_videos")}
 
 
-def run_serial(pending: list[tuple[str, str, int]], args, work: Path):
+def run_serial(pending: list[tuple[str, str, int]], args, work: Path, start: float, estimate: dict,
+               ratios: list[float]):
+    """Each run in this process, one after the other; a run that raises is yielded as its error."""
     for variant, duration, seed in pending:
+        if not fits_budget(args, start, estimate[(variant, duration, seed)], ratios):
+            print(f"--budget-s {args.budget_s:.0f}: {variant} {duration} seed {seed} and the runs after it not "
+                  f"started; a rerun continues", flush=True)
+            return
         t0 = time.perf_counter()
-        row = train_and_score(Path(args.config), variant, duration, seed, args, work)
+        try:
+            row = train_and_score(Path(args.config), variant, duration, seed, args, work)
+        except Exception as err:  # noqa: BLE001 - one run's failure is recorded; the table goes on
+            yield {"variant": variant, "duration": duration, "seed": seed, "error": f"{type(err).__name__}: {err}"}
+            continue
         yield {**row, "wall_s": time.perf_counter() - t0, "concurrent_jobs": 1}
 
 
-def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
+def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: float, estimate: dict,
+                 ratios: list[float]):
     """Each run as `long_range.py` of that one run in a subprocess (its JSON and log in <work>/parts), at most
-    `args.jobs` at once; yields each run's row as it finishes."""
+    `args.jobs` at once; yields each run's row as it finishes (a run that failed: its error and the end of its
+    log)."""
     import torch
 
     parts = work / "parts"
@@ -365,30 +463,47 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path):
         threads = ["--set", f"train.cpu_threads={max(1, (os.cpu_count() or 1) // args.jobs)}"]
     while queue or active:
         while queue and len(active) < args.jobs:
+            if not fits_budget(args, start, estimate[queue[0]], ratios):
+                print(f"--budget-s {args.budget_s:.0f}: {len(queue)} run(s) not started; a rerun continues",
+                      flush=True)
+                queue.clear()
+                break
             variant, duration, seed = queue.pop(0)
             name = f"{duration}-{variant}-seed{seed}"
-            cmd = [sys.executable, __file__, "--config", args.config, "--variants", variant, "--durations", duration,
-                   "--seeds", str(seed), "--steps", str(args.steps), "--eval-videos", str(args.eval_videos),
-                   "--work", str(work), "--out", str(parts / f"{name}.json"), "--no-report"]
+            cmd = [sys.executable, __file__, "--config", args.config, "--variants", variant if variant in VARIANTS
+                   else "", "--ablations", variant if variant in ABLATIONS else "none", "--durations", duration,
+                   "--ablation-durations", duration, "--seeds", str(seed), "--ablation-seeds", str(seed),
+                   "--steps", str(args.steps), "--eval-videos", str(args.eval_videos),
+                   "--eval-batch", str(args.eval_batch),
+                   "--work", str(work), "--out", str(parts / f"{name}.json"), "--no-report", "--probe-checked"]
             for o in args.overrides:
                 cmd += ["--set", o]
             cmd += threads
             (parts / f"{name}.json").unlink(missing_ok=True)  # scratch: an earlier part may have other settings
             log = open(parts / f"{name}.log", "w")
-            active[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+            active[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter(),
+                            (variant, duration, seed))
         time.sleep(1.0)
-        for name, (proc, log, t0) in list(active.items()):
+        for name, (proc, log, t0, (variant, duration, seed)) in list(active.items()):
             if proc.poll() is None:
                 continue
             log.close()
             del active[name]
-            if proc.returncode != 0:
-                raise SystemExit(f"run {name} failed (exit {proc.returncode}); its log: {parts / f'{name}.log'}")
-            (row,) = json.loads((parts / f"{name}.json").read_text())["runs"]
+            part = parts / f"{name}.json"
+            held = json.loads(part.read_text()) if part.is_file() else {}
+            if proc.returncode != 0 or not held.get("runs"):
+                errors = [f["error"] for f in held.get("failed", [])]
+                tail = (parts / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
+                yield {"variant": variant, "duration": duration, "seed": seed,
+                       "error": (errors[0] if errors else f"exit {proc.returncode}: " + " / ".join(tail)),
+                       "log": str(parts / f"{name}.log")}
+                continue
+            (row,) = held["runs"]
             yield {**row, "wall_s": time.perf_counter() - t0, "concurrent_jobs": args.jobs}
 
 
-def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None) -> dict:
+def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None,
+          failed: list[dict] | None = None) -> dict:
     from tttvideo.data.cache import atomic_write_text
 
     # GIT_COMMIT first: a copied work tree (a lent GPU machine's) may carry another checkout's .git
@@ -397,10 +512,16 @@ def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dic
     result = {"benchmark": "long_range", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
               else platform.processor() or "cpu", "torch": torch.__version__, "git_commit": commit,
               "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
-              "settings": run_settings(args),
-              "chance": 1 / 6, "probe": probes, "runs": runs, "summary": rows or summarize(runs)}
+              "settings": run_settings(args), "chance": 1 / 6, "probe": probes, "runs": runs,
+              "failed": failed or [], "summary": rows or summarize(runs, list(ROWS))}
     atomic_write_text(out, json.dumps(result, indent=1))
     return result
+
+
+def summarize(runs: list[dict], order: list[str]) -> list[dict]:
+    from benchmarks.long_range_report import summarize as by_row
+
+    return by_row(runs, order)
 
 
 if __name__ == "__main__":

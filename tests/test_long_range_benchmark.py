@@ -1,20 +1,27 @@
 """benchmarks/long_range.py end to end on CPU with the tiny model: every variant (TTT-MLP, TTT-Linear, none, full
 attention, Mamba 2, Gated DeltaNet; the last two on their plain PyTorch recurrence, since flash-linear-attention's
 kernels need CUDA) trains a few steps on the long-range set (in the benchmark's process, or two at a time in their
-own processes), samples held-out stories and is scored by the probe, which is checked live first; the JSON, the
-table and the plot come out, a rerun resumes instead of retraining, and a rerun of other settings is refused."""
+own processes), samples held-out stories and is scored by the probe, which is checked live first;
+the JSON, the table and the plots come out, a rerun resumes instead of retraining, and a rerun of other settings is
+refused. Then the table's bookkeeping with the training replaced (fast): a failed run is recorded and the others go
+on, a rerun tries it again, --budget-s starts no run past it, and the t-intervals; every row builds at the default
+config's size (on the meta device: no weights)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.benchmark_scripts import load_benchmark
 
-SMOKE = ["--durations", "6s", "--seeds", "0", "--steps", "2", "--eval-videos", "2", "--set", "sample.steps=2",
-         "--set", "train.cpu_threads=1", "--set", "data.demo_videos=4"]
+# the tiny model's config (the benchmark's default is the `small` model, seconds per step on a CPU)
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "long-range.toml")
+SMOKE = ["--config", TINY, "--durations", "6s", "--seeds", "0", "--ablations", "none",
+         "--steps", "2", "--eval-videos", "2", "--set", "sample.steps=2", "--set", "train.cpu_threads=1",
+         "--set", "data.demo_videos=4"]
 
 
 def benchmark():
@@ -33,16 +40,22 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
     assert result["probe"] == {"6s": {"kept": 1.0, "forgotten": 0.0}}  # the probe is live
     assert result["chance"] == pytest.approx(1 / 6)
     assert sorted(r["variant"] for r in result["runs"]) == sorted(lr.VARIANTS)
+    assert result["failed"] == []
     for r in result["runs"]:
         assert r["steps"] == 2 and r["eval_videos"] == 2 and r["median_step_s"] > 0
+        assert r["loss_curve"]["every"] == 2 and len(r["loss_curve"]["mean_loss"]) == 1  # 2 steps: one window
+        assert r["loss_curve"]["mean_loss"][0] == pytest.approx((r["first_loss"] + r["last_loss"]) / 2, rel=1e-6)
+        assert r["layer_params_per_block"] * 2 == r["long_range_params"]  # the tiny model's 2 blocks
         assert r["concurrent_jobs"] == (1 if r["variant"] in in_process else 2)
         assert len(r["accuracy_by_distance"]) == 1 and 0.0 <= r["accuracy"] <= 1.0  # 6 s: one later scene
         assert 0.0 <= r["first_scene_colour"] <= 1.0
         assert (r["long_range_params"] == 0) == (r["variant"] == "none")
     printed = capsys.readouterr().out
+    assert "run plan: 2 runs (4 held already), 2 at once" in printed
     assert all(f"| 6s | {v} |" in printed for v in lr.VARIANTS)
     if importlib.util.find_spec("matplotlib"):
         assert out.with_suffix(".png").stat().st_size > 0
+        assert out.with_name("lr-loss.png").stat().st_size > 0
     # the --jobs processes wrote their one-run files and nothing else
     assert sorted(p.suffix for p in (tmp_path / "work" / "parts").iterdir()) == [".json", ".json", ".log", ".log"]
     # a rerun holds every run already: it trains nothing and keeps the results
@@ -51,7 +64,7 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
     assert "seed 0: accuracy" not in capsys.readouterr().out
     # other settings are other runs: the same JSON refuses them instead of mixing them in
     with pytest.raises(SystemExit, match="holds runs made with"):
-        lr.main([*args[:5], "3", *args[6:]])
+        lr.main([*args, "--steps", "3"])
     assert "mamba2's recurrence: PyTorch reference" in printed
     # --report: the table and plot again from the file alone, every run in it, nothing trained
     out.with_suffix(".png").unlink(missing_ok=True)
@@ -68,3 +81,125 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
 def test_a_duration_without_a_later_scene_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         benchmark().main(["--durations", "3s", "--out", str(tmp_path / "x.json")])
+
+
+def fake_run(fail: set):
+    """train_and_score without training: a row whose accuracy is the seed's tenth; raises for runs in `fail`."""
+    def run(base, variant, duration, seed, args, work):
+        if (variant, seed) in fail:
+            raise RuntimeError(f"CUDA out of memory ({variant})")
+        return {"variant": variant, "duration": duration, "seed": seed, "steps": 4, "first_loss": 1.0,
+                "last_loss": 0.5, "train_s": 0.1, "median_step_s": 0.01, "peak_allocated": None,
+                "long_range_params": 8, "layer_params_per_block": 4,
+                "loss_curve": {"every": 2, "mean_loss": [0.8, 0.5]}, "accuracy_by_distance": [seed / 10],
+                "accuracy": seed / 10, "first_scene_colour": 1.0, "eval_videos": 2, "recurrence": None}
+    return run
+
+
+def test_a_failed_run_is_recorded_the_rest_go_on_and_a_rerun_tries_it_again(tmp_path, capsys):
+    lr = benchmark()
+    out = tmp_path / "lr.json"
+    args = [*SMOKE[:8], "--steps", "4", "--eval-videos", "2", "--variants", "ttt-mlp,none", "--seeds", "0,1,2",
+            "--ablations", "ttt-mlp-gate1", "--ablation-durations", "6s", "--ablation-seeds", "1",
+            "--out", str(out), "--work", str(tmp_path / "work")]
+    lr.train_and_score = fake_run({("none", 1)})
+    assert lr.main(args) == 0
+    result = json.loads(out.read_text())
+    # seed by seed: each seed's main rows, then its ablations
+    assert [(r["variant"], r["seed"]) for r in result["runs"]] == [
+        ("ttt-mlp", 0), ("none", 0), ("ttt-mlp", 1), ("ttt-mlp-gate1", 1), ("ttt-mlp", 2), ("none", 2)]
+    assert [(f["variant"], f["seed"], f["error"]) for f in result["failed"]] == [
+        ("none", 1, "RuntimeError: CUDA out of memory (none)")]
+    printed = capsys.readouterr().out
+    assert "6s none seed 1: FAILED: RuntimeError: CUDA out of memory (none)" in printed
+    assert "1 run(s) failed" in printed
+    # the t-interval over seeds 0.0, 0.1, 0.2: mean 0.1, sd 0.1, t(2) = 4.303
+    row = next(r for r in result["summary"] if r["variant"] == "ttt-mlp")
+    assert row["accuracy"] == pytest.approx(0.1) and row["accuracy_ci95"] == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    assert row["loss_curve"] == [0.8, 0.5] and row["loss_change_last"] == pytest.approx(0.5 / 0.8 - 1)
+    assert "| 6s | ttt-mlp | " in printed and "0.10 ± 0.25" in printed
+    # the rerun trains the failed run only
+    lr.train_and_score = fake_run(set())
+    assert lr.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["failed"] == [] and result["runs"][-1]["variant"] == "none" and len(result["runs"]) == 7
+    assert "run plan: 1 runs (6 held already)" in capsys.readouterr().out
+
+
+def test_the_budget_starts_no_run_that_would_end_past_it(tmp_path, capsys):
+    lr = benchmark()
+    out = tmp_path / "lr.json"
+    lr.train_and_score = fake_run(set())
+    # the plan's estimate of one run (start-up alone is lr.PLAN_STARTUP_S) is past a budget of 1 s
+    assert lr.main([*SMOKE[:8], "--eval-videos", "2", "--budget-s", "1", "--out", str(out),
+                    "--work", str(tmp_path / "work")]) == 0
+    assert json.loads(out.read_text())["runs"] == []
+    assert "--budget-s 1: ttt-mlp 6s seed 0 and the runs after it not started" in capsys.readouterr().out
+    # once runs have finished: a run's plan scaled by the slowest of the last --jobs runs' wall over plan
+    import argparse
+    import time
+
+    args = argparse.Namespace(budget_s=100.0, jobs=2)
+    now = time.perf_counter()
+    assert lr.fits_budget(args, now, 30.0, [])  # the plan alone: 30 s
+    assert lr.fits_budget(args, now, 30.0, [4.0, 1.0, 2.0])  # the last two ran at most 2x their plan: 60 s
+    assert not lr.fits_budget(args, now, 30.0, [1.0, 4.0])  # one ran 4x its plan: 120 s
+    assert lr.fits_budget(argparse.Namespace(budget_s=0.0, jobs=2), now, 1e9, [])  # 0: no budget
+
+
+def test_every_row_builds_at_the_paper_head_size():
+    """configs/long-range-d64.toml: the small preset, 4 blocks of 4 heads of 64; every row's layer builds there, and
+    the parameters per block differ as the inner models say (TTT-MLP D -> 4D -> D, TTT-Linear D x D, the ablation's
+    MLP D -> D/2 -> D, each with its biases)."""
+    from tttvideo.config.loader import load_config
+    from tttvideo.models.backbone import get_preset
+    from tttvideo.models.weights import init_model
+
+    lr = benchmark()
+    per_block = {}
+    for row in lr.ROWS:
+        base = load_config(lr.ROOT / "configs" / "long-range-d64.toml")
+        spec = get_preset(base.model.preset)
+        assert (spec.num_layers, spec.num_attention_heads, spec.attention_head_dim) == (4, 4, 64)
+        cfg = load_config(lr.ROOT / "configs" / "long-range-d64.toml", lr.row_overrides(row, 64))
+        layer = cfg.model.sequence_layer
+        model = init_model(spec, cfg.ttt, layer != "none", device="meta", sequence_layer=layer)
+        per_block[row] = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.0.ttt."))
+        # local attention and the long-range layer (TTT, full attention, Mamba 2's / Gated DeltaNet's heads)
+        heads = {type(m).__name__: m.head_dim for m in model.blocks[0].modules() if hasattr(m, "head_dim")}
+        assert set(heads.values()) == {64} and len(heads) == (1 if row == "none" else 2), (row, heads)
+    H, D = 4, 64
+    assert per_block["ttt-mlp"] - per_block["ttt-linear"] == H * (2 * 4 * D * D + 4 * D + D) - H * (D * D + D)
+    assert per_block["ttt-mlp-linear-params"] - per_block["ttt-linear"] == H * D // 2
+    assert per_block["none"] == 0 and min(v for k, v in per_block.items() if k != "none") > 0
+    assert per_block["ttt-mlp-lr1"] == per_block["ttt-mlp-eta-reference"] == per_block["ttt-mlp"]
+
+
+def test_stories_sampled_in_a_batch_equal_the_sampler_story_by_story():
+    """The benchmark samples its held-out stories several per forward; each equals `denoise` of that story alone
+    (its own seed's noise, its own text), fp32, to 1e-4 relative: a random tiny model with TTT-MLP, whose open
+    gates make every layer count, and text that differs between the stories."""
+    import dataclasses
+
+    import torch
+
+    from tttvideo.config.loader import load_config
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models.backbone import get_preset
+    from tttvideo.models.weights import init_model
+    from tttvideo.sample.guidance import denoise
+
+    ev = load_benchmark("long_range_eval")
+    cfg = load_config(TINY, ["layout.duration=6s", "layout.height=32", "layout.width=32", "layout.text_tokens=16",
+                             "ttt.gate_init=1.0", "sample.steps=2", "ttt.sample_mini_batch_size=16"])
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, phase="sample")
+    torch.manual_seed(0)
+    model = init_model(get_preset("tiny"), cfg.ttt, True).eval()
+    texts = [(torch.randn(layout.num_segments, 16, 64), torch.randn(layout.num_segments, 16, 64)) for _ in range(2)]
+    seeds = [11, 12]
+    batch = ev.denoise_batch(model, layout, [c for c, _ in texts], [u for _, u in texts], cfg.sample, seeds,
+                             torch.device("cpu"))
+    for i, ((cond, uncond), seed) in enumerate(zip(texts, seeds)):
+        alone = denoise(model, layout, cond, uncond, dataclasses.replace(cfg.sample, seed=seed), torch.device("cpu"))
+        torch.testing.assert_close(batch[i:i + 1], alone, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(batch[0], batch[1], atol=1e-2)  # the stories differ: no story was copied

@@ -55,3 +55,27 @@ def test_sampling_layouts_use_the_sampling_mini_batch_and_the_training_text_leng
 def test_unknown_phase_is_refused():
     with pytest.raises(ValueError, match="phase"):
         TTTConfig().mini_batch("eval")
+
+
+def test_mlp_hidden_sets_the_inner_mlp_width_and_linear_ignores_it():
+    """ttt.mlp_hidden: 0 = 4 x the head dim (the original); a value is the inner MLP's hidden size per head, and
+    the layer with it computes (forward and backward through its own W1 / W2)."""
+    import torch
+
+    from tttvideo.config.schema import TTTConfig
+    from tttvideo.layout import VideoLayout
+    from tttvideo.ttt.layer import BidirectionalTTT
+
+    assert TTTLayer(64, 2, TTTConfig(kind="mlp")).W1.shape == (2, 32, 128)
+    narrow = TTTLayer(64, 2, TTTConfig(kind="mlp", mlp_hidden=16))
+    assert (narrow.W1.shape, narrow.b1.shape, narrow.W2.shape) == ((2, 32, 16), (2, 16), (2, 16, 32))
+    assert TTTLayer(64, 2, TTTConfig(kind="linear", mlp_hidden=16)).W1.shape == (2, 32, 32)
+    cfg = load_config(None, ["ttt.kind=mlp", "ttt.mlp_hidden=16", "ttt.mini_batch_size=16",
+                             "layout.duration=3s", "layout.height=32", "layout.width=32", "layout.text_tokens=16"])
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    torch.manual_seed(0)
+    layer = BidirectionalTTT(64, 2, cfg.ttt)
+    x = torch.randn(1, layout.total_tokens, 64)
+    layer(x, layout).square().mean().backward()
+    inner = next(m for m in layer.modules() if isinstance(m, TTTLayer))
+    assert inner.W2.shape == (2, 16, 32) and inner.W2.grad is not None and inner.W2.grad.abs().sum() > 0

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 
 # The allowed values of the choice fields: their annotations, and the loader's check (`choice`).
-Preset = Literal["tiny", "cogvideox-5b", "wan-tiny", "wan2.1-t2v-1.3b"]
+Preset = Literal["tiny", "small", "cogvideox-5b", "wan-tiny", "wan2.1-t2v-1.3b"]
 WeightDtype = Literal["fp32", "bf16", "fp16"]
 Adapter = Literal["sft", "qkvo", "lora"]
 SequenceLayer = Literal["ttt", "none", "full-attention", "mamba2", "gated-deltanet"]
@@ -55,8 +55,9 @@ def listed(default_factory: Any, help: str = "", choices: tuple = (), lo: float 
 
 @dataclass
 class ModelConfig:
-    preset: Preset = choice("tiny", *get_args(Preset), help="backbone and size: CogVideoX (tiny, cogvideox-5b) or "
-                                                            "Wan2.1-T2V (wan-tiny, wan2.1-t2v-1.3b; docs/wan.md)")
+    preset: Preset = choice("tiny", *get_args(Preset), help="backbone and size: CogVideoX (tiny, small, "
+                                                            "cogvideox-5b) or Wan2.1-T2V (wan-tiny, wan2.1-t2v-1.3b; "
+                                                            "docs/wan.md)")
     pretrained_path: str = field(default="", metadata={"help": "diffusers transformer/ folder ('' = random init)"})
     dtype: WeightDtype = choice("fp32", *get_args(WeightDtype), help="parameter dtype at load")
     adapter: Adapter = choice("qkvo", *get_args(Adapter), help="what trains: sft = every weight; qkvo = attention "
@@ -132,6 +133,9 @@ class TTTConfig:
     scan_checkpoint_group_size: int = bounded(16, 0, help="mini-batches per scan checkpoint; 0 = no checkpointing")
     backend: TTTBackend = choice("auto", *get_args(TTTBackend), help="the scan and the glue before it: auto = Triton "
                                                                      "on CUDA, the reference elsewhere")
+    mlp_hidden: int = bounded(0, 0, 4096, help="TTT-MLP's inner hidden size per head; 0 = 4 x the head dim, as "
+                                                "the original (a power of two in [16, 256] keeps the Triton "
+                                                "kernels; TTT-Linear ignores it)")
     gate_init: float = bounded(0.1, help="initial value of the tanh gates")
     rope_theta: float = bounded(10000.0, 1.0)
     compile_glue: bool = field(default=True, metadata={

@@ -46,7 +46,8 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> Backbone:
     head_dim = spec.attention_head_dim
     layer = long_range_layer(cfg)
     if layer == "ttt":
-        check_backend_config(cfg.ttt, head_dim, inner_hidden(cfg.ttt.kind, head_dim), device)
+        check_backend_config(cfg.ttt, head_dim, (cfg.ttt.kind == "mlp" and cfg.ttt.mlp_hidden)
+                             or inner_hidden(cfg.ttt.kind, head_dim), device)
     dtype = torch_dtype(m.dtype)
     use_ttt = layer != "none"
     if m.pretrained_path:

@@ -99,7 +99,8 @@ class TTTLayer(nn.Module):
         self.ttt_norm_weight = nn.Parameter(torch.empty(H, D))
         self.ttt_norm_bias = nn.Parameter(torch.empty(H, D))
         self.post_norm = nn.LayerNorm(dim, eps=1e-6)
-        hidden = inner_hidden(self.kind, D, mlp_expansion)
+        hidden = config.mlp_hidden if self.kind == "mlp" and config.mlp_hidden else inner_hidden(self.kind, D,
+                                                                                                  mlp_expansion)
         self.W1 = nn.Parameter(torch.empty(H, D, hidden))
         self.b1 = nn.Parameter(torch.empty(H, hidden))
         if self.kind == "mlp":

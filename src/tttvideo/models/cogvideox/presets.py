@@ -1,4 +1,5 @@
-"""Backbone sizes: the `cogvideox-5b` preset (CogVideoX-5B's transformer) and a `tiny` one for CPU.
+"""Backbone sizes: the `cogvideox-5b` preset (CogVideoX-5B's transformer), a `tiny` one for CPU and
+`small` (4 blocks, heads of 64) for the long-range benchmark.
 
 A `ModelSpec` holds exactly the fields of diffusers' `CogVideoXTransformer3DModel` config.json that change what the
 transformer computes, so that a spec can be read from a downloaded `transformer/` folder and compared with a preset
@@ -177,6 +178,23 @@ PRESETS: dict[str, ModelSpec] = {
         sample_height=8,
         sample_frames=49,
         max_text_seq_length=8,
+    ),
+    # The long-range benchmark at the paper's head size (configs/long-range-d64.toml): 4 blocks of 4 heads of 64,
+    # so TTT-MLP's inner MLP is 64 -> 256 -> 64 as in the original; the demo's 64-d text features and 8x8 latents.
+    "small": ModelSpec(
+        name="small",
+        num_layers=4,
+        num_attention_heads=4,
+        attention_head_dim=64,
+        in_channels=16,
+        out_channels=16,
+        text_embed_dim=64,
+        time_embed_dim=256,
+        patch_size=2,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=49,
+        max_text_seq_length=24,
     ),
 }
 
