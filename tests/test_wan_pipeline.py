@@ -112,14 +112,6 @@ def test_chunked_inference_equals_the_plain_forward():
     assert plain.abs().mean() > 0.1
 
 
-def test_plan_refuses_wan_in_one_sentence(capsys):
-    from tttvideo.cli import main
-
-    assert main(["plan", DEMO, "--gpu-mem", "24GB"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the planner covers CogVideoX only so far" in err[0]
-
-
 @pytest.mark.parametrize("card", ["24gb", "80gb"])
 def test_stage_configs_chain_3_to_63_seconds(card):
     """configs/wan2.1-1.3b/: five stages per card that load, pass the Wan checks and the memory techniques' checks,
