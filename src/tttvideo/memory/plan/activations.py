@@ -1,15 +1,20 @@
 """A training step's GPU memory as a sum of counted parts, phase by phase, for the setups whose every block and
-every sub-module is checkpointed (the stage configs' policy), with their block inputs kept, nested or offloaded.
+every sub-module is checkpointed (the stage configs' policy), with their block inputs kept, nested or offloaded, and
+the MLP whole or over token chunks. The shapes come from the backbone's preset and layout (`Geometry.of`), so it
+serves every backbone; its constants were measured on CogVideoX-5B, and for another backbone (Wan) every part that
+uses one says it is extrapolated (`Geometry.how`).
 
 What grows with the video is countable: every checkpointed block unit saves its input for backward (batch x
 tokens/sp x dim in the stream's dtype, plus a few bytes a token of other saved tensors: measured 296 B/token from
 the offloaded bytes at 9, 18 and 63 s), and the block that runs needs a working set. The working set is named part
 by part, each a function of the tokens one GPU holds, the heads, the head dim, the TTT mini-batch and scan group and
 sp (`working_set`):
-- the MLP's hidden activations: tokens x 4 dim in the stream's dtype;
+- the MLP's hidden activations: tokens (or one chunk's, `checkpointing.ffn_chunk_tokens`) x the hidden width in the
+  stream's dtype;
 - fp32 upcasts of the stream (the norms and the gated residual add): tokens x dim x 4 bytes;
 - the TTT scan's checkpoints: the fast weights (two fp32 matrices of head_dim x 4 head_dim per head for TTT-MLP,
   one head_dim x head_dim for TTT-Linear) once per scan group of mini-batches, for the forward and the reverse pass;
+- with the text cross-attended (Wan), the keys and values of every segment's text;
 - attention and the remaining stream-sized temporaries (q, k, v, the attention output, the gradients flowing back,
   the adaLN-modulated inputs): a measured number of stream-sized tensors (`stream_copies`, fitted at 9 s).
 
