@@ -109,3 +109,19 @@ def test_token_chunked_is_the_function_without_gradients_and_when_one_chunk():
     y = token_chunked(mlp.dense, x, 3)
     assert y.grad_fn.name() == "CatBackward0"
     torch.testing.assert_close(y, mlp.dense(x), rtol=1e-6, atol=1e-7)
+
+
+def test_oom_advice_names_the_chunks_and_the_hidden_layer_they_free():
+    from tttvideo.config.loader import load_config
+    from tttvideo.memory.techniques import FFN_CHUNK_TOKENS, FFN_CHUNKS
+
+    # the tiny Wan at 480x832 and 63 s: 394,680 tokens a video, hidden width 128, bf16 autocast; every video of the
+    # micro-batch keeps one chunk
+    cfg = load_config("configs/wan2.1-1.3b/demo-tiny.toml", [
+        "layout.duration=63s", "layout.height=480", "layout.width=832", "train.precision=bf16"])
+    net, _ = wan()
+    (saving,) = FFN_CHUNKS.advice(cfg, net, "train", 1)
+    assert saving.switch == f"checkpointing.ffn_chunk_tokens = {FFN_CHUNK_TOKENS}"
+    assert saving.nbytes == cfg.train.batch_size * (394680 - FFN_CHUNK_TOKENS) * 128 * 2
+    cfg.checkpointing.ffn_chunk_tokens = 4096
+    assert FFN_CHUNKS.is_on(cfg) and FFN_CHUNKS.advice(cfg, net, "train", 1) == []
