@@ -1,10 +1,12 @@
-"""CogVideoX-5B + TTT-MLP on an emulated 24 GB (and 12 GB) card: the project's own commands under `memory.max_gpu_gib`,
-each in its own process, with one table at the end.
+"""A backbone + TTT-MLP on an emulated 24 GB (and 12 GB) card: the project's own commands under `memory.max_gpu_gib`,
+each in its own process, with one table at the end. `--backbone` picks the suite: CogVideoX-5B (the default) or
+Wan2.1-T2V-1.3B.
 
     PYTHONPATH=src python3 benchmarks/fit_24gb.py --parts sample train-profile train-run \\
         --out benchmarks/results/fit_24gb_h100.json
+    PYTHONPATH=src python3 benchmarks/fit_24gb.py --backbone wan --out benchmarks/results/fit_24gb_wan_h100.json
 
-Parts (each replaces its own key in --out, so the parts can run in separate calls):
+CogVideoX parts (each replaces its own key in --out, so the parts can run in separate calls):
 - `sample`: one guided 63-s denoising step (`tttv profile configs/cogvideox-5b/24gb-sample-63s.toml --phase sample
   --steps 2`, random init, two passes of batch 1) with the plain forward, uncapped, against `memory.chunked_inference`
   uncapped, capped at 24 GiB (fp8 frozen weights, blocks streamed from host memory) and capped at 12 GiB (the same
@@ -15,8 +17,20 @@ Parts (each replaces its own key in --out, so the parts can run in separate call
 - `train-run`: `tttv train configs/cogvideox-5b/24gb-9s.toml` for 20 steps on the built-in demo set's latents under
   the 24 GiB cap: loss, step time and memory per step from the run's metrics.jsonl.
 
-Every subprocess gets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (docs/memory.md says why). A 24 GB card is
-emulated: the cap is torch's per-process memory fraction, and the CUDA context (about 0.5-0.8 GiB) is outside it.
+Wan parts (random weights, the demo text encoder and the identity decode: nothing to download; one list of rows,
+`runs`, in --out, rewritten after every row):
+- `train-profile`: the training micro-batch of configs/wan2.1-1.3b/stage1-3s-24gb.toml, stage3-18s-24gb.toml and
+  stage5-63s-24gb.toml under their 23 GiB cap, one warm-up step and one timed (`--steps 2`);
+- `sample`: a 63-s guided denoising step of sample-63s-24gb.toml (chunked inference, two passes) under its 12 GiB cap,
+  one warm-up and one timed.
+
+Every row runs in its own process; a row that runs out of memory, fails or times out is recorded as that row's
+result and the next one runs. Each row has median_step_s (the steps after the first: the first compiles the
+kernels), peak_allocated_gib / peak_reserved_gib (the profiler's) and peak_host_gib (the process's peak resident set,
+from wait4). Every subprocess gets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (docs/memory.md says why). A 24 GB
+card is emulated: the cap is torch's per-process memory fraction, and the CUDA context (about 0.5-0.8 GiB) is
+outside it. A CPU rehearsal of the Wan suite: --set model.preset=wan-tiny --set layout.height=32 --set layout.width=32
+--set layout.text_tokens=16 --set train.device=cpu --set sample.device=cpu --set train.precision=fp32.
 """
 
 from __future__ import annotations
@@ -72,28 +86,65 @@ def tail(log: Path, lines: int = 3) -> str:
     return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-600:]
 
 
+def run_child(cmd: list[str], out_dir: Path, timeout: float) -> tuple[int | None, float, float]:
+    """`cmd` in its own process, its output in out_dir -> (exit code or None on timeout, seconds, its peak resident
+    set in GiB from wait4: the host memory of that process alone)."""
+    t0 = time.perf_counter()
+    with (out_dir / "stdout.log").open("w") as out, (out_dir / "stderr.log").open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
+        deadline = t0 + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                _, status, usage = os.wait4(proc.pid, 0)
+                code = None
+                break
+            time.sleep(0.5)
+        proc.returncode = code if code is not None else -9  # reaped here: Popen must not wait for it again
+    # ru_maxrss is in KiB on Linux
+    return code, time.perf_counter() - t0, usage.ru_maxrss / 2**20
+
+
 def profile(name: str, config: Path, phase: str, steps: int, overrides: list[str], work: Path,
             timeout: float) -> dict:
-    """One `tttv profile` run in its own process (`tttvideo.memory.studies.matrix.run_variant`) -> its status, peaks per
-    phase, totals, out-of-memory location and step times."""
-    from tttvideo.memory.studies.matrix import Matrix, Variant, child_command, run_variant
+    """One `tttv profile` run in its own process (the command of `tttvideo.memory.studies.matrix`) -> its status,
+    peaks per phase, totals, out-of-memory location, step times and the process's host peak."""
+    from tttvideo.memory.studies.matrix import Matrix, Variant, _row, _slug, child_command
 
     matrix = Matrix(Path(__file__), config, [], timeout_s=timeout)
     variant = Variant(name, NO_WEIGHTS + overrides + EXTRA, phase, steps)
-    r = run_variant(matrix, variant, work)
-    cmd = child_command(matrix, variant, Path(r.out_dir))
+    out_dir = work / _slug(name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").unlink(missing_ok=True)  # a stale summary must not pass for this run's
+    cmd = child_command(matrix, variant, out_dir)
+    code, seconds, host = run_child(cmd, out_dir, timeout)
+    r = _row(variant, code, seconds, out_dir, timeout)
     row = {"command": " ".join(cmd[1:]), "exit_code": r.exit_code, "process_s": round(r.seconds, 1),
-           "status": r.status}
+           "status": r.status, "peak_host_gib": round(host, 2)}
     s = r.summary
     if s is None:
         row["error"] = r.note
         return row
+    if r.status not in ("ok", "oom"):
+        row["error"] = r.note
     row["oom"] = s.get("oom")
     row["totals"] = {k: s.get("totals", {}).get(k) for k in ("peak_allocated", "peak_reserved", "driver_peak")}
+    row["peak_allocated_gib"] = _gib_or_none(row["totals"]["peak_allocated"])
+    row["peak_reserved_gib"] = _gib_or_none(row["totals"]["peak_reserved"])
     row["phases"] = [{k: p.get(k) for k in ("name", "occurrences", "activation_peak", "peak_allocated",
                                             "peak_reserved", "seconds")} for p in s.get("phases", [])]
     row["step_s"] = [round(t, 3) for t in s.get("step_seconds", [])]
+    timed = row["step_s"][1:] or row["step_s"]  # the first step compiles the kernels
+    row["median_step_s"] = round(statistics.median(timed), 3) if timed and r.status == "ok" else None
     return row
+
+
+def _gib_or_none(x) -> float | None:
+    return None if x is None else round(x / GIB, 2)
 
 
 def part_sample(args, work: Path) -> dict:
@@ -148,6 +199,55 @@ def part_train_run(args, work: Path) -> dict:
     if code != 0:
         result["error"] = tail(log)
     return result
+
+
+# ------------------------------------------------------------------------------------------------ Wan2.1-T2V-1.3B
+WAN_CONFIGS = ROOT / "configs" / "wan2.1-1.3b"
+# random weights, the demo text encoder and the identity decode: nothing to download (the memory is the transformer's)
+WAN_NO_ENCODERS = ["sample.vae_path=", "sample.text_encoder_path=", "data.vae_path=", "data.text_encoder_path="]
+# (row name, config, phase): one warm-up step and one timed in every row
+WAN_ROWS = {
+    "train-profile": [("train 3 s (stage1-3s-24gb.toml, cap 23 GiB)", "stage1-3s-24gb.toml", "train"),
+                      ("train 18 s (stage3-18s-24gb.toml, cap 23 GiB)", "stage3-18s-24gb.toml", "train"),
+                      ("train 63 s (stage5-63s-24gb.toml, cap 23 GiB)", "stage5-63s-24gb.toml", "train")],
+    "sample": [("sample 63 s, one guided step (sample-63s-24gb.toml, cap 12 GiB)", "sample-63s-24gb.toml", "sample")],
+}
+
+
+def wan_suite(args, work: Path, data: dict, save) -> None:
+    """Every row of the chosen Wan parts, each in its own process, `data["runs"]` rewritten (`save`) after each."""
+    from tttvideo.config.loader import load_config
+
+    runs = {r["name"]: r for r in data.get("runs", [])}  # rows of parts not run this time are kept
+    order = [name for part in WAN_ROWS for name, _, _ in WAN_ROWS[part]]
+    for part in args.parts:
+        for name, config, phase in WAN_ROWS[part]:
+            print(f"{part}: {name}", flush=True)
+            row = {"name": name, "config": f"configs/wan2.1-1.3b/{config}", "phase": phase}
+            cfg = load_config(WAN_CONFIGS / config, EXTRA)
+            row.update(preset=cfg.model.preset, duration=cfg.layout.duration, cap_gib=cfg.memory.max_gpu_gib)
+            row.update(profile(f"wan {name}", WAN_CONFIGS / config, phase, args.wan_steps, WAN_NO_ENCODERS, work,
+                               args.timeout))
+            runs[name] = row
+            data["runs"] = [runs[n] for n in order if n in runs]
+            save()
+
+
+def print_wan_table(data: dict) -> None:
+    preset = next((r["preset"] for r in data.get("runs", []) if r.get("preset")), "wan2.1-t2v-1.3b")
+    print(f"\n{preset} + TTT-MLP, random weights, on {data.get('device')} (torch {data.get('torch')}, commit "
+          f"{data.get('git_commit')}). A 24 GB card emulated: memory.max_gpu_gib caps PyTorch's allocator at the cap "
+          "below; the CUDA context (~0.5-0.8 GiB) comes on top, as on a real card.")
+    print("\n| row | cap GiB | status | s / step (median after warm-up) | peak alloc GiB | peak reserved GiB | "
+          "peak host GiB | note |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in data.get("runs", []):
+        note = (r.get("oom") or {}).get("location") or r.get("error", "")
+        if r.get("status") == "oom":
+            note = f"out of memory in {note}"
+        print(f"| {r['name']} | {r.get('cap_gib')} | {r.get('status')} | {r.get('median_step_s') or ''} | "
+              f"{r.get('peak_allocated_gib') or ''} | {r.get('peak_reserved_gib') or ''} | "
+              f"{r.get('peak_host_gib') or ''} | {note} |")
 
 
 def environment() -> dict:
@@ -206,34 +306,54 @@ def print_table(data: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["sample", "train-profile", "train-run"],
-                    choices=("sample", "train-profile", "train-run"))
-    ap.add_argument("--duration", default="63s", help="sampling duration (default 63s)")
-    ap.add_argument("--steps", type=int, default=20, help="train-run: optimizer steps")
+    ap.add_argument("--backbone", choices=("cogvideox", "wan"), default="cogvideox",
+                    help="the suite: CogVideoX-5B (configs/cogvideox-5b/) or Wan2.1-T2V-1.3B (configs/wan2.1-1.3b/)")
+    ap.add_argument("--parts", nargs="+", default=None, choices=("sample", "train-profile", "train-run"),
+                    help="default: sample train-profile train-run (cogvideox), train-profile sample (wan)")
+    ap.add_argument("--duration", default="63s", help="cogvideox sample: duration (default 63s)")
+    ap.add_argument("--steps", type=int, default=20, help="cogvideox train-run: optimizer steps")
+    ap.add_argument("--wan-steps", type=int, default=2, help="wan: steps per row, the first a warm-up (default 2)")
     ap.add_argument("--demo-videos", type=int, default=4, help="train-run: videos in the demo set")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per subprocess")
-    ap.add_argument("--work", default="runs/fit_24gb", help="folder for the reports and the run")
-    ap.add_argument("--out", default="benchmarks/results/fit_24gb.json")
-    ap.add_argument("--variants", default=None, help="sample: run only the variants whose name contains this text "
-                                                     "(the others keep their rows in --out)")
+    ap.add_argument("--work", default=None, help="folder for the reports and the run (default runs/fit_24gb, "
+                                                 "runs/fit_24gb_wan)")
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/fit_24gb.json, "
+                                                "fit_24gb_wan.json)")
+    ap.add_argument("--variants", default=None, help="cogvideox sample: run only the variants whose name contains "
+                                                     "this text (the others keep their rows in --out)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="config override for every run (e.g. model.preset=tiny to rehearse on a CPU)")
     args = ap.parse_args(argv)
+    wan = args.backbone == "wan"
+    suffix = "_wan" if wan else ""
+    args.parts = args.parts or (["train-profile", "sample"] if wan else ["sample", "train-profile", "train-run"])
+    if wan and "train-run" in args.parts:
+        ap.error("--backbone wan has the parts train-profile and sample")
     EXTRA[:] = args.overrides
     use_environment()
-    work = Path(args.work)
+    work = Path(args.work or f"runs/fit_24gb{suffix}")
     work.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
+    out = Path(args.out or f"benchmarks/results/fit_24gb{suffix}.json")
     data = json.loads(out.read_text()) if out.is_file() else {}
     args.previous = dict(data)
-    data.update({"benchmark": "fit_24gb", **environment()})
+    data.update({"benchmark": f"fit_24gb{suffix}", **environment()})
+
+    def save() -> None:  # atomically, after every part (every row for Wan): a later failure keeps what was measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, out)
+
+    if wan:
+        wan_suite(args, work, data, save)
+        print_wan_table(data)
+        return 0
     data.pop("sampling_63s", None)  # the earlier sampling figures, replaced by part "sample"
     for part in args.parts:
         key = {"train-run": "train_run_9s"}.get(part, part.replace("-", "_"))
         data[key] = {"sample": part_sample, "train-profile": part_train_profile, "train-run": part_train_run}[part](
             args, work)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data, indent=1))  # after every part: a later failure keeps what was measured
+        save()
     print_table(data)
     return 0
 

@@ -127,6 +127,22 @@ def test_no_import_goes_to_a_higher_layer():
     assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
 
 
+def test_no_backbone_imports_another():
+    """What two backbones share lives beside them in models/ (models.layers, attention, checkpointing...), so a
+    backbone's folder never reaches into another's."""
+    backbones = {p.parent.name for p in (SRC / "models").glob("*/__init__.py") if p.parent.name != "parallel"}
+    crossing = []
+    for module, path in all_modules().items():
+        parts = _dotted(module).split(".")
+        if len(parts) < 3 or parts[1] != "models" or parts[2] not in backbones:
+            continue
+        for line, target in imported_modules(path, module):
+            other = _dotted(target).split(".")
+            if len(other) > 2 and other[1] == "models" and other[2] in backbones and other[2] != parts[2]:
+                crossing.append(f"{_dotted(module)} line {line} imports {_dotted(target)}")
+    assert len(backbones) >= 2 and not crossing, crossing
+
+
 def test_the_walker_sees_relative_function_level_and_type_checking_imports(tmp_path):
     src = tmp_path / PACKAGE
     (src / "data").mkdir(parents=True)

@@ -52,11 +52,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--margin {args.margin} must be a share of the card from 0 to below 1, e.g. 0.05")
     gpu_mem = parse_size(args.gpu_mem) if args.gpu_mem else this_gpu()
     cfg = config_from_args(args)
-    from tttvideo.models.backbone import backbone_of
-
-    if backbone_of(cfg.model.preset).name != "cogvideox":  # its costs are measured on CogVideoX's blocks
-        raise UserError(f"the planner covers CogVideoX only so far; model.preset {cfg.model.preset!r} is not a "
-                        f"CogVideoX model, so write its memory settings by hand (configs/wan2.1-1.3b/ for Wan)")
     extra = {}
     if args.duration:
         cfg.layout.duration = args.duration

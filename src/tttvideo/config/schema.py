@@ -355,6 +355,12 @@ class CheckpointingConfig(CheckpointSwitches):
         "and, in backward, recompute each span of units from its saved input, unit by unit (each unit keeps its "
         "own input while its span's backward runs); about 2 x sqrt(units) inputs live at once instead of one per "
         "unit, for one more forward of those blocks (sqrt(42) ~ 6 for the 5B; 0 = off)"))
+    ffn_chunk_tokens: int = bounded(0, 0, help=(
+        "training: run each block's feed-forward MLP (for Wan with its adaLN and gated residual add) over chunks of "
+        "this many tokens, each chunk checkpointed on its own, so its hidden layer (tokens x 4 width for CogVideoX, x "
+        "5.8 for Wan, plus the GELU input saved for backward) exists for one chunk at a time in forward and backward; "
+        "same gradients, one more forward of the MLP. A size in tokens, so the bound does not grow with the video "
+        "(e.g. 32768); 0 = off (docs/memory.md)"))
     offload_activations: bool = field(default=False, metadata={
         "help": "training: move the tensors autograd saves for backward (1 MiB and larger; with block = true the "
                 "block inputs) to host memory in forward and back in backward, around each micro-batch; weights "

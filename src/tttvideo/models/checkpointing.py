@@ -19,6 +19,10 @@ most per byte kept: at 3 s its output is 0.11 GiB a layer for the 5B and its ker
 forward time. "matmul" keeps the backbone's products only (attention projections, MLP, adaLN): inside the long-range
 layer (`long_range_layer`) they are recomputed, since the TTT layer's eight projections per block and its scan's
 products would double what is kept (with them, the 5B's 3-s step does not fit 80 GB).
+
+`ffn_chunk_tokens` runs each block's feed-forward MLP (Wan: with its adaLN and gated residual add) over chunks of that
+many tokens in training, each chunk checkpointed on its own (`models.layers.token_chunked`): the MLP's hidden layer
+exists for one chunk at a time, in forward and in backward, for one more forward of the MLP.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from tttvideo.config.schema import CheckpointingConfig, CheckpointRule
 from tttvideo.errors import ConfigError
+from tttvideo.models.layers import MLP
 
 if TYPE_CHECKING:  # the transformer imports this module
     from tttvideo.models.backbone import Backbone
@@ -196,6 +201,9 @@ def apply_checkpointing(model: Backbone, cfg: CheckpointingConfig) -> list[Layer
             block.ttt.checkpoint_reverse = p.reverse_ttt
     model.block_units = block_units(policies)
     model.nested_span = cfg.nested_span
+    for m in model.blocks.modules():
+        if isinstance(m, MLP):
+            m.chunk_tokens = cfg.ffn_chunk_tokens
     return policies
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tttvideo.config.schema import Config
-from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, GUIDANCE_PASSES,
-                                        NESTED_CHECKPOINTING)
+from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
+                                        GUIDANCE_PASSES, NESTED_CHECKPOINTING)
 
 COSTS_FILE = Path(__file__).with_name("costs.json")
 
@@ -147,9 +147,9 @@ def long_range_tag(cfg: Config) -> str:
 def activation_key(cfg: Config, phase: str) -> str:
     if phase == "sample":
         return f"{cfg.model.preset}|{cfg.model.dtype}|sample|{sample_forward(cfg)}{long_range_tag(cfg)}"
-    nested = NESTED_CHECKPOINTING.regime_tag(cfg)
+    extra = "".join("|" + tag for tag in (NESTED_CHECKPOINTING.regime_tag(cfg), FFN_CHUNKS.regime_tag(cfg)) if tag)
     return (f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{CHECKPOINTING.regime_tag(cfg)}|"
-            f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{'|' + nested if nested else ''}{long_range_tag(cfg)}")
+            f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{extra}{long_range_tag(cfg)}")
 
 
 def time_key(cfg: Config, phase: str) -> str:

@@ -37,13 +37,13 @@ from typing import Any
 
 from tttvideo.config.schema import Config
 from tttvideo.errors import UserError
-from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, BlockConstants, Breakdown, fits_block_model,
-                                              train_peak)
+from tttvideo.models.backbone import backbone_of, layout_of
+from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
+                                              Geometry, fits_block_model, train_peak)
 from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
 from tttvideo.memory.plan.count import Counted, count
-from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FP8_STREAMING,
-                                        FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
+from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
+                                        FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
                                         SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, MemoryTechnique, Option)
 
 GIB = 2**30
@@ -94,6 +94,9 @@ class Prediction:
     host: int = 0  # host bytes of what is offloaded
     breakdown: Breakdown | None = None  # the counted parts (block model setups)
     basis: str = ""  # how the activations were predicted: counted / interpolated / extrapolated / not measured
+    # the step time against the same setup with the inputs kept (block model: recomputes, FFN chunks); ranks
+    # setups whose time is not predicted
+    relative_time: float = 1.0
 
     @property
     def peak(self) -> int | None:
@@ -121,17 +124,24 @@ def _train_candidates(cfg: Config, gpus: int) -> list[Candidate]:
     storages = [(o.label, o, stream[0]) for o in fp8]
     storages += [("fp8 " + s.label, o, s) for o in fp8 if o.label == "fp8" for s in stream[1:]]
     out = []
-    for ck, offload, nested, (stored, weights, streamed), optim, sp in itertools.product(
+    # the block model counts nested spans of offloaded inputs for backbones without measured curves (their host
+    # pool may hold the span inputs where it cannot hold every block's); CogVideoX's measured regimes have none
+    nest_offloaded = backbone_of(cfg.model.preset).name not in MEASURED_BACKBONES
+    for ck, offload, nested, ffn, (stored, weights, streamed), optim, sp in itertools.product(
             CHECKPOINTING.options(cfg, phase, gpus), ACTIVATION_OFFLOAD.options(cfg, phase, gpus),
-            NESTED_CHECKPOINTING.options(cfg, phase, gpus), storages, ADAMW_8BIT.options(cfg, phase, gpus),
-            SEQUENCE_PARALLEL.options(cfg, phase, gpus)):
-        options = (ck, offload, nested, weights, optim, streamed) + ((sp,) if gpus > 1 else ())
+            NESTED_CHECKPOINTING.options(cfg, phase, gpus), FFN_CHUNKS.options(cfg, phase, gpus), storages,
+            ADAMW_8BIT.options(cfg, phase, gpus), SEQUENCE_PARALLEL.options(cfg, phase, gpus)):
+        options = (ck, offload, nested, ffn, weights, optim, streamed) + ((sp,) if gpus > 1 else ())
         c = Candidate("", options).apply(cfg)
         if c.checkpointing.offload_activations and c.checkpointing.keep:
             continue  # kept outputs stay on the GPU: offloading the rest is a regime nobody measured
-        if c.checkpointing.nested_span > 1 and (c.checkpointing.keep or c.checkpointing.offload_activations):
+        if c.checkpointing.nested_span > 1 and (c.checkpointing.keep or (c.checkpointing.offload_activations
+                                                                         and not nest_offloaded)):
             continue  # nesting spans of selective blocks, or nesting what is offloaded anyway: nothing to gain
-        extra = ", ".join(o.label for o in (offload, nested) if o.label)
+        if c.checkpointing.ffn_chunk_tokens and (not fits_block_model(c, gpus)
+                                                 or Geometry.of(c, gpus).ffn_rows == Geometry.of(c, gpus).tokens):
+            continue  # only the block model counts the chunks (no chunked curve is measured); one chunk: no change
+        extra = ", ".join(o.label for o in (offload, nested, ffn) if o.label)
         label = f"ckpt {ck.label}{', ' + extra if extra else ''}, {stored} weights, {optim.label}"
         if gpus > 1:
             label += f", sp {c.parallel.sp} x fsdp {gpus // c.parallel.sp}"
@@ -176,7 +186,7 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     state appears only at its optimizer step (what a one-step benchmark measures; training's peak is a later
     step's)."""
     c = candidate.apply(cfg)
-    layout = VideoLayout.from_config(c.layout, c.ttt)
+    layout = layout_of(c)
     batch = c.train.batch_size if phase == "train" else 1
     sp = c.parallel.sp if gpus > 1 else 1
     tokens = layout.total_tokens * batch // sp
@@ -185,6 +195,7 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     blocks = BlockConstants.from_dict(costs.blocks) if costs.blocks else None
     breakdown, reserved, host, time_factor = None, None, 0, 1.0
     if phase == "train" and blocks is not None and fits_block_model(c, gpus):
+        geometry = Geometry.of(c, gpus)
         breakdown = train_peak(c, counted, blocks, gpus, optimizer_state_live)
         activation = breakdown.allocated - counted.total
         reserved, host = breakdown.reserved, breakdown.host
@@ -193,12 +204,19 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         notes.extend(breakdown.notes)
         if gpus > 1:
             notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
-        basis = "counted (block model)"
-        if c.model.adapter not in MEASURED_ADAPTERS:
+        basis = "counted (block model)" if geometry.measured else "counted (block model, extrapolated)"
+        if geometry.measured and c.model.adapter not in MEASURED_ADAPTERS:
             notes.append(f"block model measured with qkvo; {c.model.adapter}'s activations counted the same")
-        # the block model's techniques scale the time of the step with the inputs kept
-        time_factor = blocks.time_factor(c)
-        time_cost = Curve(blocks.time_points) if blocks.time_points else None
+        # the block model's techniques scale the time of the step with the inputs kept; the FFN chunks by an
+        # estimate from the shapes (one more forward of the MLP)
+        chunked = geometry.ffn_rows < geometry.tokens
+        time_factor = blocks.time_factor(c) * (geometry.ffn_chunk_time() if chunked else 1)
+        if chunked:
+            notes.append(f"FFN chunks: x{geometry.ffn_chunk_time():.3f} step time estimated from the shapes, "
+                         "not measured")
+        # its step time was measured on CogVideoX-5B only: another backbone's is not predicted (its setups are
+        # ranked by time_factor, the relative cost of their recomputes)
+        time_cost = Curve(blocks.time_points) if blocks.time_points and geometry.measured else None
     else:
         act_cost = costs.activation.get(activation_key(c, phase))
         activation = None if act_cost is None else max(0, int(act_cost(tokens)))
@@ -232,7 +250,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         notes.append("sp: one-GPU per-token costs")
     if split > 1:
         notes.append("activations of a batch-2 guided forward: an upper bound (one pass a rank)")
-    return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis)
+    return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
+                      time_factor)
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
@@ -262,10 +281,11 @@ def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
 
     def rank(p: Prediction) -> tuple:
         if p.fits:
-            return (0, p.step_s if p.step_s is not None else float("inf"), overheads(p.config), p.peak)
+            return (0, p.step_s if p.step_s is not None else float("inf"), p.relative_time, overheads(p.config),
+                    p.peak)
         if p.fits is False:
-            return (1, p.peak, 0, 0)
-        return (2, 0, 0, 0)
+            return (1, p.peak, 0, 0, 0)
+        return (2, 0, 0, 0, 0)
 
     return sorted(preds, key=rank)
 
@@ -423,8 +443,8 @@ def replan_after_oom(fit: AutoFit, needed: int) -> tuple[AutoFit, float]:
         fits = reserved + CUDA_CONTEXT <= fit.gpu_mem * (1 - margin)
         preds.append(dataclasses.replace(p, activation=activation, reserved=reserved, fits=fits,
                                          notes=p.notes + [f"activations x{scale:.2f} after an out-of-memory error"]))
-    preds.sort(key=lambda p: (0, p.step_s if p.step_s is not None else float("inf"), overheads(p.config), p.peak)
-               if p.fits else (1, p.peak, 0, 0))
+    preds.sort(key=lambda p: (0, p.step_s if p.step_s is not None else float("inf"), p.relative_time,
+                              overheads(p.config), p.peak) if p.fits else (1, p.peak, 0, 0, 0))
     chosen = best(preds)
     if chosen is None:
         raise UserError(f"--auto-fit: {failed.candidate.label} ran out of memory and, with its activations measured "

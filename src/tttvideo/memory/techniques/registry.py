@@ -2,8 +2,8 @@
 
 Training: activation checkpointing (whole blocks, keeping some outputs, or blocks and their four parts), nested
 checkpointing (one saved input per span of units), activation offload to host memory (an exact-size pool), fp8
-storage of the frozen weights, streaming those from host memory, 8-bit AdamW, and on several GPUs sequence
-parallelism. Sampling: fp8 storage, the chunked (bounded-memory) forward, the guidance's two
+storage of the frozen weights, streaming those from host memory, 8-bit AdamW, the MLP over token chunks, and on
+several GPUs sequence parallelism. Sampling: fp8 storage, the chunked (bounded-memory) forward, the guidance's two
 passes batched, in turn, or split over two groups of GPUs, blocks streamed from host memory, sequence parallelism.
 `REGISTRY` holds them in the order the OOM advice lists savings of equal size and the calibration runs its setups.
 """
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError
-from tttvideo.layout import VideoLayout
 from tttvideo.memory.techniques.technique import (CalibrationSetup, Footprint, MemoryTechnique, ModelBytes, Option,
                                                   Phase, Saving)
 
@@ -37,8 +36,9 @@ def block_input_bytes(cfg: Config, model: nn.Module, batch: int) -> int:
     import torch
 
     from tttvideo.dtypes import torch_dtype
+    from tttvideo.models.backbone import layout_of
 
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt)
+    layout = layout_of(cfg)
     dim = model.spec.dim if hasattr(model, "spec") else 0
     return batch * layout.total_tokens * dim * torch.tensor([], dtype=torch_dtype(cfg.model.dtype)).element_size()
 
@@ -511,9 +511,71 @@ NESTED_CHECKPOINTING = MemoryTechnique(
 )
 
 
+# ------------------------------------------------------------------------------------------- FFN over token chunks
+# the chunk the planner tries: the hidden layer of 32,768 tokens is 0.55 GiB for Wan2.1-1.3B (8960 wide) and
+# 0.75 GiB for CogVideoX-5B (12,288) in bf16, and a product of 32,768 rows keeps the GPU as busy as a longer one
+FFN_CHUNK_TOKENS = 32768
+
+
+def mlp_hidden(model: nn.Module) -> int:
+    """The hidden width of the model's feed-forward MLPs (0 without one)."""
+    from tttvideo.models.layers import MLP
+
+    return next((m.fc1.out_features for m in model.modules() if isinstance(m, MLP)), 0)
+
+
+def ffn_chunk_saving(cfg: Config, model: nn.Module, chunk: int) -> int:
+    """What running the MLP over chunks of `chunk` tokens frees in the block that runs: the hidden layer of every
+    other token of a micro-batch (once: what the planner's block model counts)."""
+    import torch
+
+    from tttvideo.dtypes import torch_dtype
+    from tttvideo.models.backbone import layout_of
+
+    rows = cfg.train.batch_size * layout_of(cfg).total_tokens
+    autocast = cfg.train.precision in ("bf16", "fp16")
+    act = 2 if autocast else torch.tensor([], dtype=torch_dtype(cfg.model.dtype)).element_size()
+    return max(0, rows - cfg.train.batch_size * chunk) * mlp_hidden(model) * act
+
+
+def _set_ffn_chunks(tokens: int):
+    def apply(cfg: Config) -> None:
+        cfg.checkpointing.ffn_chunk_tokens = tokens
+
+    return apply
+
+
+def _ffn_chunk_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
+    if phase != "train" or cfg.checkpointing.ffn_chunk_tokens > 0:
+        return []
+    saved = ffn_chunk_saving(cfg, model, FFN_CHUNK_TOKENS)
+    return [Saving(f"checkpointing.ffn_chunk_tokens = {FFN_CHUNK_TOKENS}",
+                   "of the MLP's hidden layer in the block that runs (one chunk's instead of the whole video's, for "
+                   "one more forward of the MLP)", saved)] if saved > 0 else []
+
+
+FFN_CHUNKS = MemoryTechnique(
+    name="FFN over token chunks",
+    phases=("train",),
+    keys=("checkpointing.ffn_chunk_tokens",),
+    mechanism="tttvideo.models.layers.token_chunked, on every block's MLP (apply_checkpointing sets its chunk)",
+    is_on=lambda cfg: cfg.checkpointing.ffn_chunk_tokens > 0,
+    options=lambda cfg, phase, gpus: (
+        Option("", _set_ffn_chunks(0), ("checkpointing.ffn_chunk_tokens",)),
+        Option(f"FFN chunks of {FFN_CHUNK_TOKENS}", _set_ffn_chunks(FFN_CHUNK_TOKENS),
+               ("checkpointing.ffn_chunk_tokens",)),
+    ) if phase == "train" else (),
+    # counted by the block model (tttvideo.memory.plan.activations): the MLP's hidden layer of one chunk instead of
+    # every token's; its measured curves are its own (none measured yet)
+    regime="activation",
+    regime_tag=lambda cfg: f"ffn{cfg.checkpointing.ffn_chunk_tokens}" if cfg.checkpointing.ffn_chunk_tokens > 0 else "",
+    advice=_ffn_chunk_advice,
+)
+
+
 REGISTRY: tuple[MemoryTechnique, ...] = (FP8_WEIGHTS, ADAMW_8BIT, FP8_STREAMING, CHECKPOINTING, ACTIVATION_OFFLOAD,
-                                         NESTED_CHECKPOINTING, SEQUENCE_PARALLEL, CHUNKED_INFERENCE, GUIDANCE_PASSES,
-                                         SAMPLE_BLOCK_OFFLOAD)
+                                         NESTED_CHECKPOINTING, FFN_CHUNKS, SEQUENCE_PARALLEL, CHUNKED_INFERENCE,
+                                         GUIDANCE_PASSES, SAMPLE_BLOCK_OFFLOAD)
 
 
 def check_techniques(cfg: Config, processes: int) -> None:

@@ -26,6 +26,7 @@ from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.models.attention import LocalAttention
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
+from tttvideo.models.layers import MLP
 from tttvideo.models.cogvideox.presets import ModelSpec
 from tttvideo.sequence.build import sequence_layer
 from tttvideo.sequence.chunks import ChunkPlan, modal_chunks
@@ -90,16 +91,6 @@ class AdaLNZero(nn.Module):
         """(video gate, text gate) [B, C] alone, for a caller that modulates elsewhere."""
         chunks = self.linear(temb_act).chunk(6, dim=1)
         return chunks[2], chunks[5]
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool = True):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden, bias=bias)
-        self.fc2 = nn.Linear(hidden, dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class Block(nn.Module):

@@ -25,8 +25,9 @@ from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
 from tttvideo.models.cogvideox.block import Block
-from tttvideo.models.cogvideox.embeddings import PatchEmbed, TimestepEmbedding
+from tttvideo.models.cogvideox.embeddings import PatchEmbed
 from tttvideo.models.cogvideox.presets import ModelSpec
+from tttvideo.models.layers import TimestepEmbedding
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the model needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel

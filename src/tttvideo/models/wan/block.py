@@ -26,8 +26,8 @@ from torch import nn
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
-from tttvideo.models.cogvideox.block import MLP
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
+from tttvideo.models.layers import MLP, token_chunked
 from tttvideo.models.wan.attention import SegmentCrossAttention, WindowSelfAttention, window_gather, window_rope
 from tttvideo.models.wan.spec import WanSpec
 from tttvideo.sequence.build import sequence_layer
@@ -89,7 +89,14 @@ class WanBlock(nn.Module):
         h = x if self.cross_norm is None else F.layer_norm(x.float(), (x.shape[-1],), self.cross_norm.weight.float(),
                                                           self.cross_norm.bias.float(), self.eps).to(x.dtype)
         x = x + self.cross_attn(h, text, layout)
-        y = self.ffn(norm_modulate(x, self.eps, shift, scale))
+        # checkpointing.ffn_chunk_tokens: the whole token-wise tail over chunks, so that neither the hidden layer nor
+        # the tail's fp32 copies of the stream exist for the whole video at once
+        return token_chunked(self._ffn_residual, x, self.ffn.chunk_tokens, shift, scale, gate)
+
+    def _ffn_residual(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                      gate: torch.Tensor) -> torch.Tensor:
+        """x + gate * FFN(LN(x) (1 + scale) + shift): token by token."""
+        y = self.ffn.dense(norm_modulate(x, self.eps, shift, scale))
         return (x.float() + y.float() * gate).to(x.dtype)
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, projection: torch.Tensor,

@@ -25,7 +25,7 @@ from tttvideo.config.schema import TTTConfig
 from tttvideo.errors import LayoutError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
-from tttvideo.models.cogvideox.embeddings import TimestepEmbedding
+from tttvideo.models.layers import TimestepEmbedding
 from tttvideo.models.wan.block import ModulationTable, WanBlock
 from tttvideo.models.wan.layout import wan_layout_from_latents
 from tttvideo.models.wan.spec import WanSpec
