@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tttvideo.layout import VideoLayout
+from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.memory.profile.trace import is_kernel, kernel_kind
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.fp8_storage import quantize_rows
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--skip", default="", help="comma list of attention,linear,forward to leave out")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for the forward")
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -253,11 +253,9 @@ def print_wan_table(data: dict) -> None:
 def environment() -> dict:
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip()
-    except OSError:
-        commit = ""
+    from tttvideo.memory.profile.profiler import git_commit
+
+    commit = git_commit()
     try:
         import triton
         triton_version = triton.__version__

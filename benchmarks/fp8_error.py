@@ -27,6 +27,7 @@ import torch
 
 from tttvideo.config.loader import load_config
 from tttvideo.layout import VideoLayout
+from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import build_model
 from tttvideo.models.fp8_storage import Fp8Linear, store_fp8
 
@@ -41,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--text-tokens", type=int, default=0, help="0: the original's length")
     ap.add_argument("--timestep", type=int, default=500)
     ap.add_argument("--seeds", type=int, default=2, help="input draws")
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default="benchmarks/results/fp8_error.json")
     return ap.parse_args()
 

@@ -505,10 +505,9 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: f
 def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None,
           failed: list[dict] | None = None) -> dict:
     from tttvideo.data.cache import atomic_write_text
+    from tttvideo.memory.profile.profiler import git_commit
 
-    # GIT_COMMIT first: a copied work tree (a lent GPU machine's) may carry another checkout's .git
-    commit = os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                            capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = git_commit()
     result = {"benchmark": "long_range", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
               else platform.processor() or "cpu", "torch": torch.__version__, "git_commit": commit,
               "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,

@@ -51,6 +51,7 @@ from tttvideo.config.schema import Config
 from tttvideo.dtypes import torch_dtype
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.guard.cap import apply_memory_cap
+from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import CogVideoXTTT, build_model, trainable_summary
 from tttvideo.models.backbone import get_preset
 from tttvideo.train.distributed import TrainRanks, rank_device
@@ -125,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="any other config key, applied last (as tttv's --set)")
     ap.add_argument("--budget-s", type=float, default=480, help="stop timing new steps after this many seconds")
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default="benchmarks/results/model_step.json")
     args = ap.parse_args(argv)
     if args.yardstick and int(os.environ.get("WORLD_SIZE", "1")) > 1:

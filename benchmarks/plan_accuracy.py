@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     costs = load_costs("h100")
     for row in rows:
         row.predicted = predict_row(row, costs)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    from tttvideo.memory.profile.profiler import git_commit
+
+    commit = git_commit()
     out = {"benchmark": "plan_accuracy", "gpu_kind": "h100", "device": "NVIDIA H100 80GB HBM3 (measurements)",
            "torch": "2.11.0+cu130 (measurements)", "git_commit": commit,
            "note": "predictions of tttv plan for measured setups; role: calibration rows fit a constant or a "

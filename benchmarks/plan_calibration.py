@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -92,8 +91,9 @@ def cmd_run(args) -> int:
 
 
 def _result(rows, args, torch) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    from tttvideo.memory.profile.profiler import git_commit
+
+    commit = git_commit()
     return {"benchmark": "plan_calibration", "gpu_kind": args.gpu_kind,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "git_commit": commit, "setups": rows}
@@ -240,9 +240,9 @@ def cmd_check(args) -> int:
     import torch
 
     from tttvideo.config.loader import load_config
-    from tttvideo.memory.studies.matrix import Matrix, Variant, run_variant
     from tttvideo.memory.plan.costs import load_costs
     from tttvideo.memory.plan.planner import CUDA_CONTEXT, best, overheads, plan, plan_toml
+    from tttvideo.memory.studies.matrix import Matrix, Variant, run_variant
 
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)

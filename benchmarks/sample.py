@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import torch
 from tttvideo.config.loader import load_config
 from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
+from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import build_model
 from tttvideo.sample.guidance import GuidedPrediction
 
@@ -214,13 +214,6 @@ def offload_check(model, args, cfg, device, dtype) -> dict:
             block.to(device)
 
 
-def git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def environment(device: torch.device) -> dict:

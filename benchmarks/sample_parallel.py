@@ -198,11 +198,9 @@ def table(rows: list[dict]) -> str:
 def environment(device: str) -> dict:
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip()
-    except OSError:
-        commit = ""
+    from tttvideo.memory.profile.profiler import git_commit
+
+    commit = git_commit()
     gpu = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else "cpu"
     return {"device": gpu, "gpus_on_host": torch.cuda.device_count() if device == "cuda" else 0,
             "torch": torch.__version__, "git_commit": os.environ.get("GIT_COMMIT", commit)}

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from tttvideo.memory.profile.profiler import git_commit
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = {3: "stage1-3s", 9: "stage2-9s", 18: "stage3-18s", 30: "stage4-30s", 63: "stage5-63s"}
 
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="keep every stage's checkpoints (by default a stage's go once the next one has started)")
     ap.add_argument("--make-cache-only", action="store_true", help="make the weights folder and caches, then stop")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default="")
     return ap.parse_args(argv)
 

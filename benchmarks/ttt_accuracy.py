@@ -19,7 +19,6 @@ Writes ttt_accuracy.json (device, versions, commit, every draw) to --out and pri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time

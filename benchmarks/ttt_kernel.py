@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from tttvideo.memory.profile.profiler import git_commit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, for the commit
 
 B, H, D = 1, 48, 64
@@ -295,14 +297,6 @@ def main():
     _table(res)
 
 
-def git_commit() -> str:
-    """$GIT_COMMIT where set (a device copy has no .git), else HEAD of the checkout this script is in, else ""."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
 
 
 def write_json(out: str, name: str, res: dict) -> None:

@@ -21,6 +21,7 @@ import platform
 from unittest import mock
 
 import torch
+
 try:  # python -m benchmarks.ttt_layer_glue
     from benchmarks.ttt_kernel import bench, git_commit
 except ImportError:  # python benchmarks/ttt_layer_glue.py: this script's folder is first on sys.path

@@ -21,6 +21,7 @@ open interval, so resetting for block 3 never loses the phase's peak. A disabled
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import subprocess
 import sys
@@ -371,7 +372,10 @@ class MemoryProfiler:
 
 
 def git_commit() -> str:
-    """The commit of the source tree, for results files; '' outside a git checkout."""
+    """The commit of the source tree, for results files: $GIT_COMMIT where set (a lent GPU machine's copy of the work
+    tree may carry a stale .git), else HEAD of this checkout, else ''."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
