@@ -45,12 +45,15 @@ from typing import Sequence
 
 import numpy as np
 
-from tttvideo.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES
+from tttvideo.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, KNOWN_SHAPES, SHAPES
 from tttvideo.data.video import read_frames, story_captions
 from tttvideo.text.demo import CAPTION_PATTERN, CAPTION_UNNAMED_PATTERN, demo_caption
 
 REGION_DISTANCE = 0.25
 FILL_THRESHOLD = 0.94
+# a region wider than tall is a bar, taller than wide a pillar: the threshold is symmetric, so a round blob (or noise)
+# is either with even odds
+ASPECT_THRESHOLD = 1.0
 CHANCE = {"colour": 1 / len(COLOURS), "background": 1 / len(BACKGROUNDS), "direction": 1 / len(DIRECTIONS),
           "shape": 1 / len(SHAPES)}
 CHANCE_OVERALL = sum(CHANCE.values()) / len(CHANCE)  # 0.2917
@@ -71,7 +74,7 @@ def without_scene_tokens(text: str) -> str:
 def parse_caption(text: str) -> CaptionParts:
     """The four attributes of a demo caption (scene tokens such as `<start_scene>` are ignored)."""
     m = CAPTION_PATTERN.search(without_scene_tokens(text))
-    if m is None or m["colour"] not in COLOURS or m["shape"] not in SHAPES or m["direction"] not in DIRECTIONS \
+    if m is None or m["colour"] not in COLOURS or m["shape"] not in KNOWN_SHAPES or m["direction"] not in DIRECTIONS \
             or m["background"] not in BACKGROUNDS:
         raise ValueError(f"not a demo caption: {text!r}")
     return CaptionParts(**m.groupdict())
@@ -109,6 +112,7 @@ class SceneScore:
     direction: str
     shape: str
     fill: float  # median fill ratio of the region's bounding box
+    aspect: float  # median width / height of the region's bounding box
     region: float  # mean fraction of the frame in the shape region
     background_ok: bool
     colour_ok: bool
@@ -228,7 +232,7 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
     region = dist > REGION_DISTANCE
     n, h, w = region.shape
     ys, xs = np.mgrid[0:h, 0:w].astype(np.float32)
-    centres, times, fills = [], [], []
+    centres, times, fills, aspects = [], [], [], []
     for i in range(n):
         m = region[i]
         if not m.any():
@@ -238,13 +242,18 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
         # soft fill: a pixel's coverage is its distance from the background relative to the region's strongest
         # pixel (anti-aliased edges count in part); the box's sides are the summed coverage of its rows / columns
         weight = np.where(m, np.clip(dist[i] / dist[i][m].max(), 0.0, 1.0), 0.0)
-        fills.append(float(weight.sum() / (weight.max(1).sum() * weight.max(0).sum())))
+        tall, wide = weight.max(1).sum(), weight.max(0).sum()
+        fills.append(float(weight.sum() / (tall * wide)))
+        aspects.append(float(wide / tall))
     colour = direction = shape = "none"
-    fill = float("nan")
+    fill = aspect = float("nan")
     if region.any():
         colour = _nearest(frames[region].mean(0), COLOURS)
-        fill = float(np.median(fills))
-        shape = "circle" if fill < FILL_THRESHOLD else "square"
+        fill, aspect = float(np.median(fills)), float(np.median(aspects))
+        if want.shape in SHAPES:  # the scenes set: bar or pillar
+            shape = "bar" if aspect > ASPECT_THRESHOLD else "pillar"
+        else:  # the long-range set: circle or square
+            shape = "circle" if fill < FILL_THRESHOLD else "square"
     if len(set(times)) >= 2:
         t = np.array(times, dtype=np.float32)
         c = np.array(centres, dtype=np.float32)
@@ -253,7 +262,7 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
         direction = max(along, key=along.get) if np.abs(slope).max() > 0 else "none"
     background = _nearest(bg, BACKGROUNDS)
     return SceneScore(caption=caption, frames=(0, n), background=background, colour=colour, direction=direction,
-                      shape=shape, fill=fill, region=float(region.mean()), background_ok=background == want.background,
+                      shape=shape, fill=fill, aspect=aspect, region=float(region.mean()), background_ok=background == want.background,
                       colour_ok=colour == want.colour, direction_ok=direction == want.direction,
                       shape_ok=shape == want.shape)
 
