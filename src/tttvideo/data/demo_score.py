@@ -13,11 +13,12 @@ background". A video generated from those captions can therefore be checked agai
    `COLOURS` is the captioned one (chance 1/6);
 4. **direction**: a least-squares line through the region's centroid over the scene's frames gives its
    displacement; right when the captioned direction has the largest component along it (chance 1/4);
-5. **shape**: the region's fill ratio of its bounding box (median over frames): a disc fills about pi/4 = 0.785 of
-   its box, a square all of it; below `FILL_THRESHOLD` the region is called a circle (chance 1/2). Coverage is soft,
-   so that anti-aliased edges at latent resolution count in part: a pixel counts by its distance from the background
-   relative to the region's strongest pixel, and the box's sides are the summed coverage of its rows and columns
-   (demo renders: circles 0.76-0.89, squares 1.0-1.06 at every size the demo has used).
+5. **shape**: from the region's bounding box, whose sides are its summed soft coverage of rows and columns (a pixel
+   counts by its distance from the background relative to the region's strongest pixel, so that anti-aliased edges
+   at latent resolution count in part). The scenes set's bar and pillar: the median width / height over frames
+   above `ASPECT_THRESHOLD` (1) is a bar, below a pillar (demo renders: bars 2.8, pillars 0.36). The long-range
+   set's circle and square: the median fill ratio of the box, a disc fills about pi/4 of it, a square all; below
+   `FILL_THRESHOLD` a circle (demo renders: circles 0.76-0.89, squares 1.0-1.06). Chance 1/2 either way.
 
 An empty region (nothing differs from the background) fails colour, direction and shape. Chance levels are those of
 a scorer that knows nothing about the video, with the demo set's uniform captions: overall (the mean of the four
