@@ -5,10 +5,11 @@ temporary directory and TensorBoard is off), then its end-of-run mp4 is scored a
 
 Asserted: the captioned colour (chance 1/6) and shape (bar or pillar, chance 1/2) are recognised in every scene,
 and the overall score (the mean of the colour, background, direction and shape accuracies, chance 0.29) is at least
-`BAR` (0.85): with two scenes, at most one of the eight checks may fail (today the direction of one scene; the
-demo before bars and pillars scored 0.75, both of its scenes called circles). About 100 s on one core of a 2-core
-machine (the demo trains with train.cpu_threads = 1), beside the rest of the suite (conftest.py starts it when
-collection ends)."""
+`BAR` (0.9): with two scenes every one of the eight checks must pass, the direction of motion included (the demo
+scores 1.0; before bars, pillars and DPM-Solver++ it scored 0.75, both scenes called circles and one moving the
+wrong way). The direction is the least robust of the four: over 20 sampled scenes the demo's model draws it in 70 %
+(docs/training.md, the CPU demo). About 100 s on one core of a 2-core machine (the demo trains with
+train.cpu_threads = 1), beside the rest of the suite (conftest.py starts it when collection ends)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.conftest import DEMO_RUN, start_demo_run
 from tttvideo.config.loader import load_config
 from tttvideo.data.demo_score import score_video_file
 
-BAR = 0.85
+BAR = 0.9
 
 
 @pytest.fixture(scope="module")
