@@ -78,3 +78,25 @@ def test_logit_normal_reaches_the_loss_and_the_trainer(tmp_path):
         load_config(None, ['train.timestep_sampling="normal"'])
     with pytest.raises(ConfigError, match="timestep_std"):
         load_config(None, ["train.timestep_std=0"])
+
+
+def test_the_trainer_draws_from_the_configured_density(tmp_path, monkeypatch):
+    """A 4-step run of the tiny model: with a logit-normal of mean 3 and std 0.1 every timestep the loss sees is
+    about 1000 sigmoid(3) = 953 (four uniform draws would all land in (920, 980) with probability 1e-6)."""
+    import tttvideo.train.step as step_mod
+    from tests.test_train_loop import tiny_config
+    from tttvideo.train.trainer import Trainer
+
+    seen: list[torch.Tensor] = []
+    real = step_mod.diffusion_loss
+
+    def loss(*args, **kwargs):
+        value, info = real(*args, **kwargs)
+        seen.append(info["timesteps"])
+        return value, info
+
+    monkeypatch.setattr(step_mod, "diffusion_loss", loss)
+    Trainer(tiny_config(tmp_path, 'train.timestep_sampling="logit-normal"', "train.timestep_mean=3.0",
+                        "train.timestep_std=0.1"), quiet=True).run()
+    t = torch.cat(seen)
+    assert len(t) == 4 and ((t > 920) & (t < 980)).all(), t

@@ -263,9 +263,9 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
         direction = max(along, key=along.get) if np.abs(slope).max() > 0 else "none"
     background = _nearest(bg, BACKGROUNDS)
     return SceneScore(caption=caption, frames=(0, n), background=background, colour=colour, direction=direction,
-                      shape=shape, fill=fill, aspect=aspect, region=float(region.mean()), background_ok=background == want.background,
-                      colour_ok=colour == want.colour, direction_ok=direction == want.direction,
-                      shape_ok=shape == want.shape)
+                      shape=shape, fill=fill, aspect=aspect, region=float(region.mean()),
+                      background_ok=background == want.background, colour_ok=colour == want.colour,
+                      direction_ok=direction == want.direction, shape_ok=shape == want.shape)
 
 
 def score_frames(frames: np.ndarray, captions: Sequence[str], pool: int = 1) -> DemoScore:
