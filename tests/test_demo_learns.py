@@ -3,11 +3,13 @@ runs it (the same model, data, steps, schedule and end-of-run sampler; only the 
 temporary directory and TensorBoard is off), then its end-of-run mp4 is scored against its own captions with
 `tttvideo.data.demo_score`.
 
-Asserted: the captioned colour is recognised in every scene (chance 1/6 each) and the overall score (the mean of
-the colour, background, direction and shape accuracies, chance 0.29) beats chance by at least `MARGIN`. A video with
-the right backgrounds and noise where the shapes should be scores about 0.49, so the margin cannot be met without
-the shapes. About 100 s on one core of a 2-core machine (the demo trains with train.cpu_threads = 1), beside the
-rest of the suite (conftest.py starts it when collection ends)."""
+Asserted: the captioned colour (chance 1/6) and shape (bar or pillar, chance 1/2) are recognised in every scene,
+and the overall score (the mean of the colour, background, direction and shape accuracies, chance 0.29) is at least
+`BAR` (0.9): with two scenes every one of the eight checks must pass, the direction of motion included (the demo
+scores 1.0; before bars, pillars and DPM-Solver++ it scored 0.75, both scenes called circles and one moving the
+wrong way). The direction is the least robust of the four: over 20 sampled scenes the demo's model draws it in 70 %
+(docs/training.md, the CPU demo). About 100 s on one core of a 2-core machine (the demo trains with
+train.cpu_threads = 1), beside the rest of the suite (conftest.py starts it when collection ends)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ import pytest
 
 from tests.conftest import DEMO_RUN, start_demo_run
 from tttvideo.config.loader import load_config
-from tttvideo.data.demo_score import CHANCE_OVERALL, score_video_file
+from tttvideo.data.demo_score import score_video_file
 
-MARGIN = 0.3
+BAR = 0.9
 
 
 @pytest.fixture(scope="module")
@@ -66,4 +68,5 @@ def test_default_demo_video_shows_its_captions(demo_run):
     print(report)
     assert len(score.scenes) >= 2, report  # the demo video has a scene cut
     assert all(s.colour_ok for s in score.scenes), report
-    assert score.overall >= CHANCE_OVERALL + MARGIN, report
+    assert all(s.shape_ok for s in score.scenes), report
+    assert score.overall >= BAR, report

@@ -1,5 +1,6 @@
 """The demo scorer is live: the demo set's own latents score 1.0 on every caption combination (also through the
-identity decode and an mp4), noise scores at chance, captions that name something else score 0."""
+identity decode and an mp4; the scenes set's bars and pillars and the long-range set's circles and squares), noise
+scores at chance, captions that name something else score 0."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 
 from tttvideo.config.loader import load_config
 from tttvideo.data.cache import LatentCache
-from tttvideo.data.demo import (BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES, DemoVideo, Scene, build_demo_cache,
-                                render_video)
+from tttvideo.data.demo import (BACKGROUNDS, COLOURS, DIRECTIONS, LONG_RANGE_SHAPES, SHAPES, DemoVideo, Scene,
+                                build_demo_cache, render_video)
 from tttvideo.data.demo_score import (CHANCE, CHANCE_OVERALL, latent_frames, parse_caption, score_frames,
                                       score_video_file, segment_bounds)
 from tttvideo.layout import VideoLayout
@@ -40,20 +41,32 @@ def test_chance_levels():
 
 
 def test_captions_and_segments():
-    p = parse_caption("<start_scene>a red circle moves left on a navy background<end_scene>")
-    assert (p.colour, p.shape, p.direction, p.background) == ("red", "circle", "left", "navy")
+    p = parse_caption("<start_scene>a red pillar moves left on a navy background<end_scene>")
+    assert (p.colour, p.shape, p.direction, p.background) == ("red", "pillar", "left", "navy")
+    assert parse_caption("a red circle moves left on a navy background").shape == "circle"  # the long-range set's
     with pytest.raises(ValueError):
-        parse_caption("a purple circle moves left on a navy background")
+        parse_caption("a purple bar moves left on a navy background")
+    with pytest.raises(ValueError):
+        parse_caption("a red triangle moves left on a navy background")
     assert segment_bounds(25, 2) == [(0, 13), (13, 25)]  # latent frames of 6 s
     assert segment_bounds(97, 2) == [(0, 49), (49, 97)]  # decoded frames of 6 s
     assert segment_bounds(37, 3) == [(0, 13), (13, 25), (25, 37)]
 
 
-def test_ground_truth_scores_perfect_on_every_combination():
-    """Every (shape, colour, background, direction) of the demo set, as the first and (other shape) second scene."""
-    for shape, colour, bg, direction in itertools.product(SHAPES, COLOURS, BACKGROUNDS, DIRECTIONS):
+def combinations(shapes, every_colour=True):
+    names = list(COLOURS)
+    for i, (shape, bg, direction) in enumerate(itertools.product(shapes, BACKGROUNDS, DIRECTIONS)):
+        for colour in names if every_colour else names[i % len(names) : i % len(names) + 1]:
+            yield shape, colour, bg, direction
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, LONG_RANGE_SHAPES])
+def test_ground_truth_scores_perfect_on_every_combination(shapes):
+    """Every (shape, colour, background, direction) of the demo set, as the first and (other shape) second scene;
+    the long-range set's circles and squares in every (shape, background, direction), the colours taking turns."""
+    for shape, colour, bg, direction in combinations(shapes, every_colour=shapes == SHAPES):
         first = Scene(shape, colour, bg, direction, 0.5)
-        second = Scene(other(SHAPES, shape), other(COLOURS, colour), other(BACKGROUNDS, bg),
+        second = Scene(other(shapes, shape), other(COLOURS, colour), other(BACKGROUNDS, bg),
                        other(DIRECTIONS, direction), 0.5)
         score = score_frames(two_scene_frames(first, second), [first.caption, second.caption])
         assert score.overall == 1.0, score.summary()
@@ -82,8 +95,8 @@ def test_ground_truth_cache_and_mp4_score_perfect(tmp_path):
 
 
 def test_a_continued_scene_is_one_scene():
-    scene = Scene("square", "yellow", "navy", "up", 0.5)
-    cut = Scene("circle", "green", "grey", "right", 0.5)
+    scene = Scene("pillar", "yellow", "navy", "up", 0.5)
+    cut = Scene("bar", "green", "grey", "right", 0.5)
     layout = VideoLayout.create(9, 64, 96, text_tokens=24, mini_batch_size=16)
     video = DemoVideo([scene, scene, cut], [False, False, True], [False, True, False])
     latent = torch.from_numpy(render_video(video, layout, 16)).permute(1, 0, 2, 3)
@@ -132,7 +145,7 @@ def test_noise_scores_at_chance(kind):
 
 def test_a_flat_frame_shows_no_shape():
     frames = np.zeros((25, 8, 12, 3), dtype=np.uint8)  # black, nothing on it
-    score = score_frames(frames, ["a red circle moves right on a black background"] * 2)
+    score = score_frames(frames, ["a red bar moves right on a black background"] * 2)
     (scene,) = score.scenes
     assert scene.background_ok and not (scene.colour_ok or scene.direction_ok or scene.shape_ok)
     assert score.overall == 0.25

@@ -25,6 +25,7 @@ Optimizer = Literal["adamw", "adamw8bit"]
 Precision = Literal["bf16", "fp16", "fp32"]
 IfExists = Literal["refuse", "resume", "new", "overwrite"]
 OnNonfinite = Literal["stop", "skip"]
+TimestepSampling = Literal["uniform", "logit-normal"]
 DemoTextEncoder = Literal["auto", "minilm", "table"]
 DemoKind = Literal["scenes", "long-range"]
 CacheDtype = Literal["bf16", "fp16", "fp32"]
@@ -192,6 +193,13 @@ class TrainConfig:
     grad_clip: float = bounded(0.1, 0.0, help="max global gradient norm; 0 = no clipping")
     # loss
     text_dropout: float = bounded(0.1, 0.0, 1.0, help="probability of zeroing a sample's text (for CFG)")
+    timestep_sampling: TimestepSampling = choice("uniform", *get_args(TimestepSampling), help=(
+        "how training draws noise levels, stratified over the optimizer step's batch either way: uniform over the "
+        "schedule (the original), or logit-normal: sigmoid(timestep_mean + timestep_std z), z standard normal, as "
+        "the fraction of the way from clean to pure noise (SD3's draw; a positive mean trains more at high noise, "
+        "where a video's layout is decided; Wan's shift applies on top)"))
+    timestep_mean: float = bounded(0.0, help="logit-normal location: 0 centres the draws half-way, > 0 toward noise")
+    timestep_std: float = bounded(1.0, 0.01, help="logit-normal scale: larger spreads the draws toward both ends")
     precision: Precision = choice("bf16", *get_args(Precision), help="autocast dtype; fp16 adds a gradient scaler")
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
     cpu_threads: int = bounded(0, 0, help="PyTorch CPU threads; 0 = its default (one per core). 1 is faster on a "

@@ -31,18 +31,27 @@ from tttvideo.layout import VideoLayout
 from tttvideo.text.demo import DemoTextEncoder, demo_caption
 from tttvideo.text.prompts import scene_prompt, transition_flags
 
-DEMO_VERSION = 3  # 3: shapes of radius 0.3 x the shorter side (was 0.2)
+DEMO_VERSION = 4  # 4: the scenes set draws bars and pillars (was circles and squares); 3: shape radius 0.3 (was 0.2)
 POINT_MASS_LOGVAR = -30.0
 
 COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.3, 1.0), "yellow": (0.95, 0.9, 0.1),
            "white": (0.95, 0.95, 0.95), "magenta": (0.9, 0.2, 0.9)}
 BACKGROUNDS = {"black": (0.0, 0.0, 0.0), "grey": (0.35, 0.35, 0.35), "navy": (0.0, 0.05, 0.3),
                "brown": (0.3, 0.15, 0.05)}
-SHAPES = ("circle", "square")
-# shape radius (half the square's side) as a fraction of the frame's shorter side: 2.4 latent pixels at the demo's
-# 8x8 (a disc covers 28 % of the frame, a square 36 %). With the demo's training, 0.2 (1.6 pixels) gave the captioned
-# colour in 64 % of the sampled scenes, 0.3 in 95 % (docs/training.md, the CPU demo)
+# The scenes set's two shapes differ in orientation, a difference that survives 8x8 latent frames and a small
+# model's blur: a bar lies across the frame, a pillar stands up (half-extents `BAR_HALF_EXTENTS`). A disc and a
+# square of the same size differ only in their corners, which no trained tiny model drew (docs/training.md)
+SHAPES = ("bar", "pillar")
+# the long-range set keeps the disc and the square it was made with: its probe reads the colour only
+LONG_RANGE_SHAPES = ("circle", "square")
+KNOWN_SHAPES = SHAPES + LONG_RANGE_SHAPES
+# disc radius (half the square's side) as a fraction of the frame's shorter side: 2.4 latent pixels at 8x8 (a disc
+# covers 28 % of the frame, a square 36 %). 0.2 (1.6 pixels) gave the captioned colour in 64 % of the sampled scenes
+# of the demo's training, 0.3 in 95 % (docs/training.md, the CPU demo)
 SHAPE_RADIUS = 0.3
+# a bar's half-extents (across, along its length) as fractions of the frame's shorter side: 1.5 x 2.8 latent pixels at
+# 8x8, a 3 x 5.6 block (26 % of the frame); along its length it still travels 2.4 pixels over a scene
+BAR_HALF_EXTENTS = (0.1875, 0.35)
 DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
 
 
@@ -60,8 +69,8 @@ class Scene:
         return demo_caption(self.colour if self.says_colour else None, self.shape, self.direction, self.background)
 
 
-def random_scene(rng: np.random.Generator) -> Scene:
-    return Scene(shape=str(rng.choice(SHAPES)), colour=str(rng.choice(list(COLOURS))),
+def random_scene(rng: np.random.Generator, shapes: tuple[str, ...] = SHAPES) -> Scene:
+    return Scene(shape=str(rng.choice(shapes)), colour=str(rng.choice(list(COLOURS))),
                  background=str(rng.choice(list(BACKGROUNDS))), direction=str(rng.choice(list(DIRECTIONS))),
                  offset=0.5)
 
@@ -69,23 +78,31 @@ def random_scene(rng: np.random.Generator) -> Scene:
 def render_scene(scene: Scene, frames: int, height: int, width: int, start: int, length: int) -> np.ndarray:
     """RGB frames [frames, 3, h, w] in [-1, 1]: frame `start + i` of a scene `length` frames long, so a scene that
     spans several segments moves on continuously. The shape crosses the frame once over the scene."""
-    radius = max(1.0, min(height, width) * SHAPE_RADIUS)
+    short = min(height, width)
+    radius = max(1.0, short * SHAPE_RADIUS)
+    # half-extents (rows, columns) of a bar or pillar
+    across, lengthwise = (max(1.0, short * f) for f in BAR_HALF_EXTENTS)
+    half_y, half_x = {"bar": (across, lengthwise), "pillar": (lengthwise, across)}.get(scene.shape, (radius, radius))
     dy, dx = DIRECTIONS[scene.direction]
     along = width if dx else height
+    reach = half_x if dx else half_y  # how far the shape reaches along its motion
     ys, xs = np.mgrid[0:height, 0:width].astype(np.float32) + 0.5
     out = np.empty((frames, 3, height, width), dtype=np.float32)
     bg = np.array(BACKGROUNDS[scene.background], dtype=np.float32)[:, None, None]
     fg = np.array(COLOURS[scene.colour], dtype=np.float32)[:, None, None]
     for i in range(frames):
         progress = (start + i) / max(1, length - 1)
-        travel = radius + progress * (along - 2 * radius)  # from one edge to the other
+        travel = reach + progress * (along - 2 * reach)  # from one edge to the other
         pos = travel if (dx > 0 or dy > 0) else along - travel
         cy, cx = (pos, scene.offset * width) if dy else (scene.offset * height, pos)
+        # one pixel of anti-aliasing at every edge: sub-pixel motion shows
         if scene.shape == "circle":
-            dist = np.sqrt((ys - cy) ** 2 + (xs - cx) ** 2)
+            mask = np.clip(radius - np.sqrt((ys - cy) ** 2 + (xs - cx) ** 2) + 0.5, 0.0, 1.0)
+        elif scene.shape == "square":
+            mask = np.clip(radius - np.maximum(np.abs(ys - cy), np.abs(xs - cx)) + 0.5, 0.0, 1.0)
         else:
-            dist = np.maximum(np.abs(ys - cy), np.abs(xs - cx))
-        mask = np.clip(radius - dist + 0.5, 0.0, 1.0)[None]  # one pixel of anti-aliasing: sub-pixel motion shows
+            mask = np.clip(half_y - np.abs(ys - cy) + 0.5, 0.0, 1.0) * np.clip(half_x - np.abs(xs - cx) + 0.5, 0.0, 1.0)
+        mask = mask[None]
         out[i] = (bg * (1 - mask) + fg * mask) * 2 - 1
     return out
 
@@ -125,12 +142,12 @@ def long_range_video(rng: np.random.Generator, segments: int) -> DemoVideo:
     """The long-range set's video: every segment a new scene (shape, direction and background drawn again), all in
     the colour the first scene's caption names; later captions leave the colour out, so only a model that carries
     the first scene across the cuts can draw it (`tttvideo.data.demo_score.score_persistence` reads it back)."""
-    first = random_scene(rng)
+    first = random_scene(rng, LONG_RANGE_SHAPES)
     scenes = [first]
     for _ in range(segments - 1):
-        new = replace(random_scene(rng), colour=first.colour, says_colour=False)
+        new = replace(random_scene(rng, LONG_RANGE_SHAPES), colour=first.colour, says_colour=False)
         while new.caption == scenes[-1].caption:  # a cut must change what the caption says
-            new = replace(random_scene(rng), colour=first.colour, says_colour=False)
+            new = replace(random_scene(rng, LONG_RANGE_SHAPES), colour=first.colour, says_colour=False)
         scenes.append(new)
     return DemoVideo(scenes, *transition_flags([False] + [True] * (segments - 1)))
 

@@ -13,11 +13,12 @@ background". A video generated from those captions can therefore be checked agai
    `COLOURS` is the captioned one (chance 1/6);
 4. **direction**: a least-squares line through the region's centroid over the scene's frames gives its
    displacement; right when the captioned direction has the largest component along it (chance 1/4);
-5. **shape**: the region's fill ratio of its bounding box (median over frames): a disc fills about pi/4 = 0.785 of
-   its box, a square all of it; below `FILL_THRESHOLD` the region is called a circle (chance 1/2). Coverage is soft,
-   so that anti-aliased edges at latent resolution count in part: a pixel counts by its distance from the background
-   relative to the region's strongest pixel, and the box's sides are the summed coverage of its rows and columns
-   (demo renders: circles 0.76-0.89, squares 1.0-1.06 at every size the demo has used).
+5. **shape**: from the region's bounding box, whose sides are its summed soft coverage of rows and columns (a pixel
+   counts by its distance from the background relative to the region's strongest pixel, so that anti-aliased edges
+   at latent resolution count in part). The scenes set's bar and pillar: the median width / height over frames
+   above `ASPECT_THRESHOLD` (1) is a bar, below a pillar (demo renders: bars 2.8, pillars 0.36). The long-range
+   set's circle and square: the median fill ratio of the box, a disc fills about pi/4 of it, a square all; below
+   `FILL_THRESHOLD` a circle (demo renders: circles 0.76-0.89, squares 1.0-1.06). Chance 1/2 either way.
 
 An empty region (nothing differs from the background) fails colour, direction and shape. Chance levels are those of
 a scorer that knows nothing about the video, with the demo set's uniform captions: overall (the mean of the four
@@ -45,12 +46,15 @@ from typing import Sequence
 
 import numpy as np
 
-from tttvideo.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, SHAPES
+from tttvideo.data.demo import BACKGROUNDS, COLOURS, DIRECTIONS, KNOWN_SHAPES, SHAPES
 from tttvideo.data.video import read_frames, story_captions
 from tttvideo.text.demo import CAPTION_PATTERN, CAPTION_UNNAMED_PATTERN, demo_caption
 
 REGION_DISTANCE = 0.25
 FILL_THRESHOLD = 0.94
+# a region wider than tall is a bar, taller than wide a pillar: the threshold is symmetric, so a round blob (or noise)
+# is either with even odds
+ASPECT_THRESHOLD = 1.0
 CHANCE = {"colour": 1 / len(COLOURS), "background": 1 / len(BACKGROUNDS), "direction": 1 / len(DIRECTIONS),
           "shape": 1 / len(SHAPES)}
 CHANCE_OVERALL = sum(CHANCE.values()) / len(CHANCE)  # 0.2917
@@ -71,7 +75,7 @@ def without_scene_tokens(text: str) -> str:
 def parse_caption(text: str) -> CaptionParts:
     """The four attributes of a demo caption (scene tokens such as `<start_scene>` are ignored)."""
     m = CAPTION_PATTERN.search(without_scene_tokens(text))
-    if m is None or m["colour"] not in COLOURS or m["shape"] not in SHAPES or m["direction"] not in DIRECTIONS \
+    if m is None or m["colour"] not in COLOURS or m["shape"] not in KNOWN_SHAPES or m["direction"] not in DIRECTIONS \
             or m["background"] not in BACKGROUNDS:
         raise ValueError(f"not a demo caption: {text!r}")
     return CaptionParts(**m.groupdict())
@@ -109,6 +113,7 @@ class SceneScore:
     direction: str
     shape: str
     fill: float  # median fill ratio of the region's bounding box
+    aspect: float  # median width / height of the region's bounding box
     region: float  # mean fraction of the frame in the shape region
     background_ok: bool
     colour_ok: bool
@@ -228,7 +233,7 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
     region = dist > REGION_DISTANCE
     n, h, w = region.shape
     ys, xs = np.mgrid[0:h, 0:w].astype(np.float32)
-    centres, times, fills = [], [], []
+    centres, times, fills, aspects = [], [], [], []
     for i in range(n):
         m = region[i]
         if not m.any():
@@ -238,13 +243,18 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
         # soft fill: a pixel's coverage is its distance from the background relative to the region's strongest
         # pixel (anti-aliased edges count in part); the box's sides are the summed coverage of its rows / columns
         weight = np.where(m, np.clip(dist[i] / dist[i][m].max(), 0.0, 1.0), 0.0)
-        fills.append(float(weight.sum() / (weight.max(1).sum() * weight.max(0).sum())))
+        tall, wide = weight.max(1).sum(), weight.max(0).sum()
+        fills.append(float(weight.sum() / (tall * wide)))
+        aspects.append(float(wide / tall))
     colour = direction = shape = "none"
-    fill = float("nan")
+    fill = aspect = float("nan")
     if region.any():
         colour = _nearest(frames[region].mean(0), COLOURS)
-        fill = float(np.median(fills))
-        shape = "circle" if fill < FILL_THRESHOLD else "square"
+        fill, aspect = float(np.median(fills)), float(np.median(aspects))
+        if want.shape in SHAPES:  # the scenes set: bar or pillar
+            shape = "bar" if aspect > ASPECT_THRESHOLD else "pillar"
+        else:  # the long-range set: circle or square
+            shape = "circle" if fill < FILL_THRESHOLD else "square"
     if len(set(times)) >= 2:
         t = np.array(times, dtype=np.float32)
         c = np.array(centres, dtype=np.float32)
@@ -253,9 +263,9 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
         direction = max(along, key=along.get) if np.abs(slope).max() > 0 else "none"
     background = _nearest(bg, BACKGROUNDS)
     return SceneScore(caption=caption, frames=(0, n), background=background, colour=colour, direction=direction,
-                      shape=shape, fill=fill, region=float(region.mean()), background_ok=background == want.background,
-                      colour_ok=colour == want.colour, direction_ok=direction == want.direction,
-                      shape_ok=shape == want.shape)
+                      shape=shape, fill=fill, aspect=aspect, region=float(region.mean()),
+                      background_ok=background == want.background, colour_ok=colour == want.colour,
+                      direction_ok=direction == want.direction, shape_ok=shape == want.shape)
 
 
 def score_frames(frames: np.ndarray, captions: Sequence[str], pool: int = 1) -> DemoScore:

@@ -6,6 +6,9 @@
   noise level sigma by the schedule (shifted, or logit-normal then shifted), x_sigma = (1 - sigma) x0 + sigma eps,
   model timestep 1000 sigma, target the velocity eps - x0.
 
+Where in the schedule the draws fall is `train.timestep_sampling` (`TimestepDensity`): uniform, or logit-normal
+through its quantile function, so a stratified uniform draw stays stratified.
+
 Both: Gaussian noise, each sample's text zeroed with probability `text_dropout` (what classifier-free guidance
 samples against), loss = mean squared error of the model's prediction in float32.
 """
@@ -13,6 +16,7 @@ samples against), loss = mean squared error of the model's prediction in float32
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,12 +36,38 @@ def stratified_uniform(batch: int, generator: torch.Generator, first_stratum: in
     return (index + torch.rand(batch, generator=generator, dtype=torch.float64)) / num_strata
 
 
-class NoiseSource:
-    """The random draws of training: timesteps and text dropout from a CPU generator, noise from one on the
-    training device (no host-to-device copy of the noise). Both states go into every checkpoint."""
+@dataclass(frozen=True)
+class TimestepDensity:
+    """Where training's noise levels fall, as a fraction of the way from clean (0) to pure noise (1): "uniform", or
+    "logit-normal" sigmoid(mean + std z) with z standard normal (`train.timestep_sampling`, `timestep_mean`,
+    `timestep_std`). Applied to the stratified uniform draws through its quantile function, so each stratum of
+    the batch keeps its share of the distribution."""
 
-    def __init__(self, seed: int, device: torch.device):
+    kind: str = "uniform"
+    mean: float = 0.0
+    std: float = 1.0
+
+    @classmethod
+    def from_config(cls, train: Any) -> "TimestepDensity":
+        return cls(train.timestep_sampling, float(train.timestep_mean), float(train.timestep_std))
+
+    def warp(self, u: torch.Tensor) -> torch.Tensor:
+        """Uniform draws in [0, 1) -> draws of this density in [0, 1) (float64 stays float64)."""
+        if self.kind == "uniform":
+            return u
+        if self.kind != "logit-normal":
+            raise ValueError(f"unknown timestep density {self.kind!r}")
+        z = torch.special.ndtri(u.clamp(1e-12, 1 - 1e-12))
+        return torch.sigmoid(self.mean + self.std * z).clamp(max=1 - 1e-12)
+
+
+class NoiseSource:
+    """The random draws of training: timesteps (spread by `density`) and text dropout from a CPU generator, noise
+    from one on the training device (no host-to-device copy of the noise). Both states go into every checkpoint."""
+
+    def __init__(self, seed: int, device: torch.device, density: TimestepDensity = TimestepDensity()):
         self.cpu = torch.Generator().manual_seed(seed)
+        self.density = density
         self.device = device
         self.dev = self.cpu if device.type == "cpu" else torch.Generator(device=device).manual_seed(seed + 1)
 
@@ -57,9 +87,12 @@ class NoiseSource:
         generators advance the same way on every rank."""
         b = x0.shape[0]
         if continuous:
-            t = stratified_uniform(b, self.cpu, first_stratum, num_strata)
-        else:
+            t = self.density.warp(stratified_uniform(b, self.cpu, first_stratum, num_strata))
+        elif self.density.kind == "uniform":
             t = stratified_timesteps(b, num_train_timesteps, self.cpu, first_stratum, num_strata)
+        else:  # the same random draws as stratified_timesteps, through the density's quantile function
+            u = self.density.warp(stratified_uniform(b, self.cpu, first_stratum, num_strata))
+            t = (u * num_train_timesteps).floor().long().clamp_(0, num_train_timesteps - 1)
         dropped = torch.rand(b, generator=self.cpu) < text_dropout
         eps = torch.randn(x0.shape, generator=self.dev, device=x0.device, dtype=torch.float32)
         return t, dropped, eps

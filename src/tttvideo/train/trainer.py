@@ -55,7 +55,7 @@ from tttvideo import runs
 from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped, uninterrupted
-from tttvideo.train.loss import NoiseSource
+from tttvideo.train.loss import NoiseSource, TimestepDensity
 from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
@@ -178,7 +178,7 @@ class Trainer:
             self.console.print(f"initialised from {path}")
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
-        self.noise = NoiseSource(self.train.seed, self.device)
+        self.noise = NoiseSource(self.train.seed, self.device, TimestepDensity.from_config(self.train))
         self.oom_watch = self.ranks.phases(OomWatch(self.model))  # under torchrun the watch sees the phases too
         self.train_step = build_train_step(self.cfg, self.model, self.device, self.layout, self.noise,
                                            global_batch=self.global_batch, grad_accum=self.grad_accum,
