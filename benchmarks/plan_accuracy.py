@@ -13,6 +13,9 @@ It reads the H100 results (no GPU needed):
   appears at its optimizer step; times include compilation, so they are not compared);
 - benchmarks/results/plan_calibration_h100.json and plan_check_h100.json: the per-token curves' setups (LoRA, fp32
   weights, block checkpointing, sampling), `tttv profile --steps 2`;
+- benchmarks/results/stage_chain_h100.json: the five stage configs as shipped, steady state, held out;
+- benchmarks/results/fit_24gb_wan_h100.json: Wan2.1-1.3B under a 23 GiB cap, held out (its constants are
+  CogVideoX-5B's, extrapolated);
 - one failure with no result file: 63 s, fp8 frozen weights, 8-bit AdamW, block inputs kept, out of memory under a
   79.2 GiB cap (issues 34 and 35): it must be predicted not to fit an 80 GB card.
 
@@ -90,6 +93,43 @@ def _step_rows() -> list[Row]:
         rows.append(Row(f"63 s, fp8 frozen, block inputs kept (OOM under {cap:g} GiB)", "issues 34/35 (no result file)",
                         None, ["layout.duration=63s", "model.frozen_weights=fp8"], "train", "held out",
                         first_step=True, oom_under=cap))
+    return rows
+
+
+def _chain_rows() -> list[Row]:
+    """The five-stage chain (benchmarks/stage_chain.py): each stage's config as shipped, the steady state (the last
+    step of a process: optimizer state live, no compilation); every row held out."""
+    path = RESULTS / "stage_chain_h100.json"
+    if not path.is_file():
+        return []
+    chain = json.loads(path.read_text())
+    rows = []
+    for r in chain["stages"]:
+        if "error" in r:
+            continue
+        rows.append(Row(f"chain {r['duration_s']} s, {r['config']}", path.name, f"configs/cogvideox-5b/{r['config']}",
+                        NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1"], "train",
+                        "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None, r["median_step_s"]))
+    return rows
+
+
+def _wan_rows() -> list[Row]:
+    """Wan2.1-1.3B under a 23 GiB cap (benchmarks/fit_24gb.py --backbone wan, `tttv profile --steps 2`): no
+    constant was fitted on Wan, so every row is held out; an out-of-memory row must be predicted not to fit its cap."""
+    path = RESULTS / "fit_24gb_wan_h100.json"
+    if not path.is_file():
+        return []
+    rows = []
+    for r in json.loads(path.read_text())["runs"]:
+        if r.get("phase") != "train" or r["status"] not in ("ok", "oom"):
+            continue
+        ok = r["status"] == "ok"
+        row = Row(f"wan {r['name']}", path.name, r["config"], NO_WEIGHTS + [f"layout.duration={r['duration']}"],
+                  "train", "held out", r["peak_allocated_gib"] if ok else None,
+                  r["peak_reserved_gib"] if ok else None, None, r.get("median_step_s"))
+        if not ok:
+            row.oom_under = r["cap_gib"]
+        rows.append(row)
     return rows
 
 
@@ -186,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the block model's constants first (costs.json)")
     ap.add_argument("--out", default=str(RESULTS / "plan_accuracy_h100.json"))
     args = ap.parse_args(argv)
-    rows = _step_rows() + _profile_rows()
+    rows = _step_rows() + _profile_rows() + _chain_rows() + _wan_rows()
     if args.fit:
         fit(rows)
     from tttvideo.memory.plan.costs import load_costs
