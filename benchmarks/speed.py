@@ -382,15 +382,13 @@ def print_tables(result: dict) -> None:
 
 
 def profile_markdown(profile: dict) -> str:
+    from tttvideo.memory.profile.trace import kind_table
+
     lines = ["# Where the time goes (benchmarks/speed.py --profile)", ""]
     for entry in profile.values():
         lines += [f"## {entry['what']}", ""]
         if entry.get("by_kind"):
-            total = sum(k["self_time_ms"] for k in entry["by_kind"])
-            lines += [f"device time by kind of kernel ({total:.1f} ms in all)", "", "| kind | ms | share |",
-                      "|---|---|---|"]
-            lines += [f"| {k['kind']} | {k['self_time_ms']:.1f} | {100 * k['share']:.1f} % |" for k in entry["by_kind"]]
-            lines.append("")
+            lines += kind_table(entry["by_kind"], "device time by kind of kernel")
         lines += [f"top operators by own {entry['clock']} time", "", "| operator | calls | ms |", "|---|---|---|"]
         lines += [f"| `{r['operator'][:90]}` | {r['calls']} | {r['self_time_ms']:.2f} |" for r in entry["by_time"]]
         lines.append("")

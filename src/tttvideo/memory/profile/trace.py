@@ -95,15 +95,19 @@ def top_operators(averages: Any, on_cuda: bool, top: int = TOP) -> dict[str, Any
     return {"clock": "device" if on_cuda else "cpu", "by_kind": kinds, "by_time": by_time, "by_memory": by_memory}
 
 
+def kind_table(by_kind: list[dict[str, Any]], title: str) -> list[str]:
+    """Markdown lines of the device time by kind of kernel, headed by `title` with the total."""
+    total = sum(k["self_time_ms"] for k in by_kind)
+    lines = [f"{title} ({total:.1f} ms in all)", "", "| kind | own time ms | share |", "|---|---|---|"]
+    lines += [f"| {k['kind']} | {k['self_time_ms']:.1f} | {100 * k['share']:.1f} % |" for k in by_kind]
+    return lines + [""]
+
+
 def write_top(top: dict[str, Any], out: Path) -> None:
     (out / "trace_top.json").write_text(json.dumps(top, indent=1))
     lines = ["# Top operators of the traced step", ""]
     if top.get("by_kind"):
-        total = sum(k["self_time_ms"] for k in top["by_kind"])
-        lines += [f"## Device time by kind of kernel ({total:.1f} ms in all)", "", "| kind | own time ms | share |",
-                  "|---|---|---|"]
-        lines += [f"| {k['kind']} | {k['self_time_ms']:.1f} | {100 * k['share']:.1f} % |" for k in top["by_kind"]]
-        lines.append("")
+        lines += kind_table(top["by_kind"], "## Device time by kind of kernel")
     for key, title, col in (("by_time", f"by own {top['clock']} time", "self_time_ms"),
                             ("by_memory", "by own memory (allocated minus freed inside)", "self_memory_bytes")):
         lines += [f"## {title}", "", "| operator | calls | own time ms | own memory MiB |", "|---|---|---|---|"]
