@@ -43,7 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# as `tttv` sets it: without it the 63-s guided step's profile, after the timed steps, failed for a 16 GiB block with
+# 19 GiB reserved and unused (fragmentation)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks this one reuses, run as a script or module
 import model_step  # noqa: E402
@@ -274,6 +278,7 @@ def sample_part(args, device, result: dict, durations: list[str]) -> None:
             "extrapolated": {k: f"{runs[k]['blocks_timed']} of {runs[k]['blocks_total']} blocks run"
                              for k in extrapolated}}
         if which == "long" and args.profile:
+            free(device)
             result.setdefault("profile", {})["sample_long"] = profile_guided(model, layout, args.profile_blocks,
                                                                              device, dtype)
     del model
