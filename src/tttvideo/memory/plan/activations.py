@@ -68,6 +68,11 @@ MEASURED_ON = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B"}
 # cost other FLOPs), so a backbone without time_points of its own has no predicted step time
 CARRIED = ("stream_copies", "saved_extra_per_token", "reserved_fraction", "offload_reserved_units",
            "first_step_offload_reserved_units", "nested_time", "offload_time")
+# what the plan's notes call them
+CONSTANT_NAMES = {"stream_copies": "stream copies", "saved_extra_per_token": "bytes saved beside each input",
+                  "reserved_fraction": "reserve", "offload_reserved_units": "offload reserve",
+                  "first_step_offload_reserved_units": "offload reserve", "nested_time": "time factors",
+                  "offload_time": "time factors"}
 
 
 @dataclass(frozen=True)
@@ -111,10 +116,6 @@ class BlockConstants:
             return dataclasses.replace(cls.from_dict(reference), backbone=backbone)
         own = table.get(backbone, {})
         merged = {**{k: v for k, v in reference.items() if k in CARRIED}, **own}
-        if "first_step_offload_reserved_units" not in own and "offload_reserved_units" in own:
-            merged["first_step_offload_reserved_units"] = reference.get("first_step_offload_reserved_units",
-                                                                        reference["offload_reserved_units"])
-        merged.setdefault("source", "")
         carried = frozenset(k for k in CARRIED if k not in own)
         return dataclasses.replace(cls.from_dict(merged), backbone=backbone, carried=carried)
 
@@ -364,9 +365,9 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
         if off < saved:
             notes.append(f"host pool holds {off} of {saved} saved block inputs; the rest stay on the GPU")
     if k.carried:
-        carried = ", ".join(sorted(k.carried))
-        notes.append(f"{g.backbone}: block model constants {carried} measured on "
-                     f"{MEASURED_ON[REFERENCE_BACKBONE]}, extrapolated")
+        carried = ", ".join(dict.fromkeys(CONSTANT_NAMES[c] for c in CARRIED if c in k.carried))
+        notes.append(f"{g.backbone}: block model's {carried} measured on {MEASURED_ON[REFERENCE_BACKBONE]}, "
+                     "extrapolated")
     which = "the first step's" if first_step_only else "later steps'"
     parts = parts + [Part(f"allocator: reserved over allocated ({k.reserved_fraction:.1%}"
                           + (f" + {units:.2g} inputs held by the side stream's copies, {which}" if off and units
