@@ -31,7 +31,8 @@ def test_a_backbone_gets_its_own_constants_and_the_references_for_the_rest():
     table = {"cogvideox": REFERENCE, "wan": {"stream_copies": 17.0, "time_points": [[20280.0, 3.7]]}}
     wan = BlockConstants.for_backbone(table, "wan")
     assert wan.stream_copies == 17.0 and wan.time_points == ((20280.0, 3.7),)
-    assert (wan.reserved_fraction, wan.offload_reserved_units, wan.first_step_offload_reserved_units) == (0.07, 0.5, 2.5)
+    carried = (wan.reserved_fraction, wan.offload_reserved_units, wan.first_step_offload_reserved_units)
+    assert carried == (0.07, 0.5, 2.5)
     assert "stream_copies" not in wan.carried and {"reserved_fraction", "saved_extra_per_token"} <= wan.carried
     assert wan.how("counted x measured", "stream_copies") == "counted x measured on Wan2.1-1.3B"
     assert wan.how("measured", "reserved_fraction") == "measured on CogVideoX-5B, extrapolated"
