@@ -107,17 +107,18 @@ def _chain_rows() -> list[Row]:
     """The five-stage chain (benchmarks/stage_chain.py): each stage's config as shipped, every row held out. Its
     time is a later step's (no compilation); its memory the process's peak (`tttv train` never resets torch's peak
     statistics), its first step included, as the planner predicts a training process."""
-    path = RESULTS / "stage_chain_h100.json"
-    if not path.is_file():
-        return []
-    chain = json.loads(path.read_text())
     rows = []
-    for r in chain["stages"]:
-        if "error" in r:
-            continue
-        rows.append(Row(f"chain {r['duration_s']} s, {r['config']}", path.name, f"configs/cogvideox-5b/{r['config']}",
-                        NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1"], "train",
-                        "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None, r["median_step_s"]))
+    for path in sorted(RESULTS.glob("stage_chain*_h100.json")):  # stage_chain.py --out ...: other setups, their --set
+        chain = json.loads(path.read_text())
+        sets = list(chain.get("overrides", []))
+        for r in chain["stages"]:
+            if "error" in r:
+                continue
+            name = f"chain {r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else "")
+            rows.append(Row(name, path.name, f"configs/cogvideox-5b/{r['config']}",
+                            NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets],
+                            "train", "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None,
+                            r["median_step_s"]))
     return rows
 
 
