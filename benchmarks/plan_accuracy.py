@@ -7,21 +7,25 @@ time, predicted by the planner for every measured setup (the same config) agains
 
 It reads the H100 results (no GPU needed):
 - benchmarks/results/memory_techniques_h100.json: 9 s, block inputs kept / nested / offloaded in one process, the
-  second step of each (optimizer state live, clean times); memory_techniques_<D>s_h100.json at other lengths, held
+  second step of each (optimizer state live, clean times; the reserved peak the variant's, its warm-up step
+  included, compiled before by the variant ahead of it); memory_techniques_<D>s_h100.json at other lengths, held
   out;
 - benchmarks/results/model_step_long_h100.json: 18 and 63 s, the first step of a fresh process (the optimizer state
-  appears at its optimizer step; times include compilation, so they are not compared);
+  appears at its optimizer step; times include compilation, so they are not compared), predicted as first steps;
 - benchmarks/results/plan_calibration_h100.json and plan_check_h100.json: the per-token curves' setups (LoRA, fp32
   weights, block checkpointing, sampling), `tttv profile --steps 2`;
-- benchmarks/results/stage_chain_h100.json: the five stage configs as shipped, steady state, held out;
-- benchmarks/results/fit_24gb_wan_h100.json: Wan2.1-1.3B under a 23 GiB cap, held out (its constants are
-  CogVideoX-5B's, extrapolated);
+- benchmarks/results/stage_chain_h100.json: the five stage configs as shipped, held out: a later step's time, the
+  process's memory peak (first step included), predicted as a training process;
+- benchmarks/results/fit_24gb_wan_h100.json: Wan2.1-1.3B under a 23 GiB cap, the process's peak of two steps;
 - one failure with no result file: 63 s, fp8 frozen weights, 8-bit AdamW, block inputs kept, out of memory under a
   79.2 GiB cap (issues 34 and 35): it must be predicted not to fit an 80 GB card.
 
-Each row says whether it calibrated a constant or is held out. The block model's constants (activations.py) come
-from the 9-s rows (stream copies, the saved bytes beyond the input, the reserved fraction, the time factors) and the
-18-s offload row (the reserved memory the offload's side-stream copies hold); every 63-s row is held out. Writes
+Each row says whether it calibrated a constant (and which) or is held out. CogVideoX-5B's block-model constants
+come from the 9-s rows (stream copies, the saved bytes beyond the input, the reserved fraction, the later steps'
+offload reserve, the time factors) and the 18-s first-step offload row (the first step's offload reserve); every
+other CogVideoX row is held out, the chain's included. Wan's own constants come from its two measured rows: the
+stream copies from both (the 3-s peak is mostly weights, gradients and optimizer state, too little activation to
+fix them alone), its step time from the 3-s row, the 18-s time held out; the rest is CogVideoX-5B's. Writes
 benchmarks/results/plan_accuracy_h100.json.
 """
 
@@ -61,6 +65,8 @@ class Row:
     step_s: float | None = None  # clean (steady-state) time only
     first_step: bool = False  # measured in a process's first step (no optimizer state before its optimizer step)
     oom_under: float | None = None  # GiB: ran out of memory under this cap
+    calibrates: str = ""  # the constants a calibration row fits
+    time_role: str = ""  # where its step time's role differs from its memory's
     predicted: dict = field(default_factory=dict)
 
 
@@ -86,7 +92,8 @@ def _step_rows() -> list[Row]:
         over = [f"layout.duration={r['duration_s']}s"] + [f"{k}={json.dumps(v)}" for k, v in r["overrides"].items()]
         role = "calibration" if r["duration_s"] == 18 and "offload" in r["setup"] else "held out"
         rows.append(Row(r["setup"], "model_step_long_h100.json", None, over, "train", role, r["peak_allocated_gib"],
-                        r["peak_reserved_gib"], r.get("offloaded_gib"), None, first_step=True))
+                        r["peak_reserved_gib"], r.get("offloaded_gib"), None, first_step=True,
+                        calibrates="first step's offload reserve" if role == "calibration" else ""))
     # failures with no result file (issues 34 and 35): 63 s with fp8 frozen weights and every block input kept ran out
     # of memory in forward under a 79.2 GiB cap, and under 137 GiB in the recompute of block 41, 8 GiB short
     for cap in (79.2, 137.0):
@@ -97,25 +104,29 @@ def _step_rows() -> list[Row]:
 
 
 def _chain_rows() -> list[Row]:
-    """The five-stage chain (benchmarks/stage_chain.py): each stage's config as shipped, the steady state (the last
-    step of a process: optimizer state live, no compilation); every row held out."""
-    path = RESULTS / "stage_chain_h100.json"
-    if not path.is_file():
-        return []
-    chain = json.loads(path.read_text())
+    """The five-stage chain (benchmarks/stage_chain.py): each stage's config as shipped, every row held out. Its
+    time is a later step's (no compilation); its memory the process's peak (`tttv train` never resets torch's peak
+    statistics), its first step included, as the planner predicts a training process."""
     rows = []
-    for r in chain["stages"]:
-        if "error" in r:
-            continue
-        rows.append(Row(f"chain {r['duration_s']} s, {r['config']}", path.name, f"configs/cogvideox-5b/{r['config']}",
-                        NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1"], "train",
-                        "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None, r["median_step_s"]))
+    for path in sorted(RESULTS.glob("stage_chain*_h100.json")):  # stage_chain.py --out ...: other setups, their --set
+        chain = json.loads(path.read_text())
+        sets = list(chain.get("overrides", []))
+        for r in chain["stages"]:
+            if "error" in r:
+                continue
+            name = f"chain {r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else "")
+            rows.append(Row(name, path.name, f"configs/cogvideox-5b/{r['config']}",
+                            NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets],
+                            "train", "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None,
+                            r["median_step_s"]))
     return rows
 
 
 def _wan_rows() -> list[Row]:
-    """Wan2.1-1.3B under a 23 GiB cap (benchmarks/fit_24gb.py --backbone wan, `tttv profile --steps 2`): no
-    constant was fitted on Wan, so every row is held out; an out-of-memory row must be predicted not to fit its cap."""
+    """Wan2.1-1.3B under a 23 GiB cap (benchmarks/fit_24gb.py --backbone wan, `tttv profile --steps 2`: the process's
+    peak). Wan's own constants come from these rows: its step time from the 3-s row (the 18-s time held out), its
+    stream copies from both (the 3-s peak is 87% weights, gradients and optimizer state, so its activations cannot
+    fix a constant alone); an out-of-memory row must be predicted not to fit its cap."""
     path = RESULTS / "fit_24gb_wan_h100.json"
     if not path.is_file():
         return []
@@ -124,9 +135,13 @@ def _wan_rows() -> list[Row]:
         if r.get("phase") != "train" or r["status"] not in ("ok", "oom"):
             continue
         ok = r["status"] == "ok"
+        short = ok and r["duration"] == "3s"
         row = Row(f"wan {r['name']}", path.name, r["config"], NO_WEIGHTS + [f"layout.duration={r['duration']}"],
-                  "train", "held out", r["peak_allocated_gib"] if ok else None,
-                  r["peak_reserved_gib"] if ok else None, None, r.get("median_step_s"))
+                  "train", "calibration" if ok else "held out", r["peak_allocated_gib"] if ok else None,
+                  r["peak_reserved_gib"] if ok else None, None, r.get("median_step_s"),
+                  calibrates=("Wan: stream copies (with the 18-s row), step time" if short
+                              else "Wan: stream copies (with the 3-s row)" if ok else ""),
+                  time_role="" if short or not ok else "held out")
         if not ok:
             row.oom_under = r["cap_gib"]
         rows.append(row)
@@ -135,12 +150,18 @@ def _wan_rows() -> list[Row]:
 
 def _profile_rows() -> list[Row]:
     rows = []
+    try:
+        from benchmarks.plan_calibration import setup_overrides
+    except ImportError:  # run as a script: this folder is on sys.path
+        from plan_calibration import setup_overrides
+
     cal = json.loads((RESULTS / "plan_calibration_h100.json").read_text())
     for r in cal["setups"]:
         if r["status"] != "ok":
             continue
         rows.append(Row(f"{r['name']} @ {r['duration']}", "plan_calibration_h100.json", r["config"],
-                        NO_WEIGHTS + [f"layout.duration={r['duration']}"] + r["overrides"], r["phase"],
+                        NO_WEIGHTS + setup_overrides(r) + [f"layout.duration={r['duration']}"] + r["overrides"],
+                        r["phase"],
                         "calibration" if r.get("calibrate") else "held out", r["peak_allocated"] / GIB,
                         r["peak_reserved"] / GIB, None, r["step_seconds"][-1] if r.get("step_seconds") else None))
     check = json.loads((RESULTS / "plan_check_h100.json").read_text())
@@ -169,8 +190,7 @@ def predict_row(row: Row, costs) -> dict:
     from tttvideo.memory.plan.planner import CUDA_CONTEXT, Candidate, predict
 
     cfg = config_of(row)
-    p = predict(cfg, row.phase, Candidate("as measured", ()), costs, 1, H100_CARD,
-                optimizer_state_live=not row.first_step)
+    p = predict(cfg, row.phase, Candidate("as measured", ()), costs, 1, H100_CARD, first_step_only=row.first_step)
     out = {"basis": p.basis, "allocated_gib": None if p.peak is None else p.peak / GIB,
            "reserved_gib": None if p.reserved is None else p.reserved / GIB, "host_gib": p.host / GIB,
            "step_s": p.step_s, "fits_80gb": p.fits,
@@ -186,39 +206,107 @@ def rel(pred: float | None, meas: float | None) -> float | None:
 
 
 def fit(rows: list[Row]) -> None:
-    """Refit the block model's constants from the calibration rows and write them into costs.json."""
-    from tttvideo.memory.plan.activations import BlockConstants, Geometry, train_peak
+    """Refit the block model's constants from the calibration rows and write them into costs.json: CogVideoX-5B's
+    from its 9-s rows and the 18-s first-step offload row, Wan's where its rows allow."""
     from tttvideo.memory.plan.costs import load_costs, save_costs
-    from tttvideo.memory.plan.count import count
+
+    table = load_costs("h100")
+    cog = fit_cogvideox(rows)
+    blocks = {"cogvideox": cog.to_dict()}
+    wan = fit_wan(rows, cog)
+    if wan:
+        blocks["wan"] = wan
+    table.blocks = blocks
+    save_costs(table)
+    print(f"fitted: {json.dumps(blocks, indent=1)}")
+
+
+class _Peaks:
+    """Allocated peaks of rows under trial constants, each row's config and counted parts made once."""
+
+    def __init__(self):
+        self.cache: dict[str, tuple] = {}
+
+    def __call__(self, row: Row, k) -> float:
+        from tttvideo.memory.plan.activations import train_peak
+        from tttvideo.memory.plan.count import count
+
+        if row.name not in self.cache:
+            cfg = config_of(row)
+            self.cache[row.name] = (cfg, count(cfg, "train"))
+        cfg, counted = self.cache[row.name]
+        return train_peak(cfg, counted, k, first_step_only=row.first_step).allocated
+
+    def saved_input(self, row: Row, k) -> float:
+        from tttvideo.memory.plan.activations import Geometry, saved_input
+
+        return saved_input(Geometry.of(config_of(row)), k)
+
+
+def fit_cogvideox(rows: list[Row]):
+    """Every constant from the 9-s rows (one process, second steps): the stream copies from the kept row's
+    allocated peak, the reserved fraction from the kept and nested rows, the bytes saved beyond each input from the
+    offloaded row's host bytes and the later steps' offload reserve from its reserved peak, the time factors from
+    the three times; the first step's offload reserve from the 18-s offload row (a process's first step)."""
+    from tttvideo.memory.plan.activations import BlockConstants, Geometry
 
     by = {r.name: r for r in rows}
     kept, nested, off = by["9 s, block inputs kept"], by["9 s, block inputs nested"], by["9 s, block inputs offloaded"]
+    off18 = by["18 s, offload_activations"]
+    alloc = _Peaks()
     g = Geometry.of(config_of(kept))
     extra = off.host * GIB / g.units / g.tokens - g.dim * g.act_bytes  # bytes a token saved beyond the input
-    k = BlockConstants(0.0, extra, 0.0, 0.0)
-
-    def alloc(row: Row, constants: BlockConstants) -> float:
-        cfg = config_of(row)
-        return train_peak(cfg, count(cfg, "train"), constants, optimizer_state_live=not row.first_step).allocated
-
-    a0 = alloc(kept, k)
+    a0 = alloc(kept, BlockConstants(0.0, extra, 0.0, 0.0))
     a1 = alloc(kept, BlockConstants(1.0, extra, 0.0, 0.0))
     copies = (kept.allocated * GIB - a0) / (a1 - a0)
     k = BlockConstants(copies, extra, 0.0, 0.0)
     fraction = sum(r.reserved * GIB / alloc(r, k) - 1 for r in (kept, nested)) / 2
-    off18 = by["18 s, offload_activations"]
-    k = BlockConstants(copies, extra, fraction, 0.0)
-    cfg18 = config_of(off18)
-    s18 = Geometry.of(cfg18).stream + Geometry.of(cfg18).tokens * extra
-    units = max(0.0, (off18.reserved * GIB - alloc(off18, k) * (1 + fraction)) / s18)
-    k = BlockConstants(copies, extra, fraction, units, nested.step_s / kept.step_s, off.step_s / kept.step_s,
-                       ((float(g.tokens), float(kept.step_s)),),
-                       "benchmarks/plan_accuracy.py --fit: memory_techniques_h100.json (9 s) and the 18-s offload row "
-                       "of model_step_long_h100.json")
-    table = load_costs("h100")
-    table.blocks = k.to_dict()
-    save_costs(table)
-    print(f"fitted: {k}")
+
+    def offload_units(row: Row) -> float:
+        """Reserved memory beyond the fraction, in saved inputs; none where the fraction holds it all."""
+        return max(0.0, (row.reserved * GIB - alloc(row, k) * (1 + fraction)) / alloc.saved_input(row, k))
+
+    return BlockConstants(copies, extra, fraction, offload_units(off), nested.step_s / kept.step_s,
+                          off.step_s / kept.step_s, ((float(g.tokens), float(kept.step_s)),),
+                          "benchmarks/plan_accuracy.py --fit: memory_techniques_h100.json (9 s; the later steps' "
+                          "offload reserve from its offloaded row) and the 18-s offload row of "
+                          "model_step_long_h100.json (the first step's offload reserve)",
+                          first_step_offload_reserved_units=offload_units(off18))
+
+
+def fit_wan(rows: list[Row], reference) -> dict:
+    """Wan's own constants: the stream copies that best fit the allocated peaks of its measured rows (least squares
+    of the relative errors), and its step time from the 3-s row (the step with the inputs kept: the measured time
+    over the setup's time factor, CogVideoX-5B's). Every other constant stays CogVideoX-5B's."""
+    import dataclasses
+
+    from tttvideo.memory.plan.activations import Geometry
+    from tttvideo.models.backbone import layout_of
+
+    ok = [r for r in rows if r.name.startswith("wan ") and r.role == "calibration" and r.allocated]
+    if not ok:
+        return {}
+    alloc = _Peaks()
+
+    def loss(copies: float) -> float:
+        k = dataclasses.replace(reference, stream_copies=copies)
+        return sum((alloc(r, k) / (r.allocated * GIB) - 1) ** 2 for r in ok)
+
+    lo, hi = 0.0, 60.0  # golden-section search: each row's peak grows with the copies, so the loss has one minimum
+    ratio = (5 ** 0.5 - 1) / 2
+    for _ in range(60):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        lo, hi = (lo, b) if loss(a) <= loss(b) else (a, hi)
+    copies = (lo + hi) / 2
+    timed = next(r for r in ok if "step time" in r.calibrates)
+    cfg = config_of(timed)
+    tokens = layout_of(cfg).total_tokens * cfg.train.batch_size
+    factor = dataclasses.replace(reference, stream_copies=copies).time_factor(cfg)
+    assert Geometry.of(cfg).backbone == "wan"
+    return {"stream_copies": copies, "time_points": [[float(tokens), timed.step_s / factor]],
+            "source": "benchmarks/plan_accuracy.py --fit: fit_24gb_wan_h100.json, the stream copies from the 3- and "
+                      "18-s rows together (no Wan row holds them out), the step time from the 3-s row (the 18-s "
+                      "time held out); the rest is CogVideoX-5B's"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             rel(p["step_s"], row.step_s)
         out["rows"].append({"setup": row.name, "source": row.source, "config": row.config or "benchmarks/model_step.py "
                             "setup", "overrides": row.overrides, "phase": row.phase, "role": row.role,
+                            **({"calibrates": row.calibrates} if row.calibrates else {}),
+                            **({"time_role": row.time_role} if row.time_role else {}),
                             "first_step": row.first_step, "measured": {"allocated_gib": row.allocated,
                             "reserved_gib": row.reserved, "host_gib": row.host, "step_s": row.step_s,
                             "oom_under_gib": row.oom_under}, "predicted": p,
@@ -265,13 +355,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{f(e_all, True):>6} {f(p['step_s']):>9} {f(row.step_s):>6} {f(e_t, True):>6} {fits}")
     held = [r for r in out["rows"] if r["role"] == "held out" and r["error"]["reserved"] is not None]
     worst = max(held, key=lambda r: abs(r["error"]["reserved"]), default=None)
+    counted = [r for r in held if r["predicted"]["basis"].startswith("counted")]
+    worst_counted = max(counted, key=lambda r: abs(r["error"]["reserved"]), default=None)
+    timed = [r for r in out["rows"] if (r.get("time_role") or r["role"]) == "held out" and r["error"]["step_s"]
+             is not None and r["predicted"]["basis"].startswith("counted")]
+    worst_time = max(timed, key=lambda r: abs(r["error"]["step_s"]), default=None)
     bad_fit = [r["setup"] for r in out["rows"] if r["measured"]["oom_under_gib"] and r["predicted"].get("fits_cap")]
     out["summary"] = {"held_out_rows": len(held),
                       "worst_held_out_reserved_error": worst and worst["error"]["reserved"],
                       "worst_held_out_setup": worst and worst["setup"],
+                      "worst_held_out_block_model_reserved_error": worst_counted and worst_counted["error"]["reserved"],
+                      "worst_held_out_block_model_setup": worst_counted and worst_counted["setup"],
+                      "worst_held_out_block_model_step_error": worst_time and worst_time["error"]["step_s"],
+                      "worst_held_out_block_model_step_setup": worst_time and worst_time["setup"],
                       "out_of_memory_predicted_to_fit": bad_fit}
     print(f"\nheld out: {len(held)} rows with a reserved peak; worst {worst and worst['error']['reserved']:+.1%} "
-          f"({worst and worst['setup']}); out-of-memory runs predicted to fit: {bad_fit or 'none'}")
+          f"({worst and worst['setup']}); block model: {len(counted)} rows, worst "
+          f"{worst_counted and worst_counted['error']['reserved']:+.1%} ({worst_counted and worst_counted['setup']}), "
+          f"step time worst {worst_time and worst_time['error']['step_s']:+.1%} ({worst_time and worst_time['setup']})"
+          f"; out-of-memory runs predicted to fit: {bad_fit or 'none'}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")

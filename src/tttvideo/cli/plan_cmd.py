@@ -88,7 +88,7 @@ def this_gpu() -> int:
 
 def print_parts(pred, gpu_mem: int, margin: float) -> None:
     """The counted parts of one prediction, largest phase first: what `--explain` prints."""
-    from tttvideo.memory.plan.planner import CUDA_CONTEXT, FRAGMENTATION, FRAGMENTATION_STREAMED, GIB, streams_weights
+    from tttvideo.memory.plan.planner import CUDA_CONTEXT, GIB
 
     print(f"\n{pred.candidate.label}: where the memory goes ({pred.basis})")
     c = pred.counted
@@ -104,9 +104,9 @@ def print_parts(pred, gpu_mem: int, margin: float) -> None:
         if pred.activation is not None:
             print(f"  {pred.activation / GIB:8.2f} GiB  gpu   activations at {pred.tokens_per_gpu} tokens per GPU  "
                   f"[{pred.basis}]")
-            frag = FRAGMENTATION_STREAMED if streams_weights(pred.config) else FRAGMENTATION
+            # the regime's measured share, at least the default (planner.predict)
             print(f"  {(pred.reserved - pred.peak) / GIB:8.2f} GiB  gpu   allocator: reserved over allocated "
-                  f"({frag:.0%})  [measured]")
+                  f"({pred.reserved / pred.peak - 1:.1%})  [measured]")
     print(f"  {c.trainable_params / 1e9:8.2f} B    trainable parameters  [counted]")
     print(f"  {CUDA_CONTEXT / GIB:8.2f} GiB  gpu   CUDA context (outside PyTorch)  [measured]")
     if pred.reserved is not None:

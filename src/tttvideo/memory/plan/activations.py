@@ -1,8 +1,8 @@
 """A training step's GPU memory as a sum of counted parts, phase by phase, for the setups whose every block and
 every sub-module is checkpointed (the stage configs' policy), with their block inputs kept, nested or offloaded, and
 the MLP whole or over token chunks. The shapes come from the backbone's preset and layout (`Geometry.of`), so it
-serves every backbone; its constants were measured on CogVideoX-5B, and for another backbone (Wan) every part that
-uses one says it is extrapolated (`Geometry.how`).
+serves every backbone; its constants were measured on CogVideoX-5B and, where its rows allow, on another backbone
+(Wan); a part that uses a constant carried over from CogVideoX-5B says it is extrapolated (`BlockConstants.how`).
 
 What grows with the video is countable: every checkpointed block unit saves its input for backward (batch x
 tokens/sp x dim in the stream's dtype, plus a few bytes a token of other saved tensors: measured 296 B/token from
@@ -27,14 +27,21 @@ exact-size buffers (as many as `checkpointing.offload_host_gib` holds; the rest 
 GPU at a time in backward (the one in use and the one prefetched).
 
 The allocator reserves more than it allocates: `reserved_fraction` of the peak, plus, with offload, a few
-stream-sized blocks that the side stream's copies keep from reuse (`offload_reserved_units`). Both constants are
-measured (costs.json's "blocks" table of a GPU kind, written from benchmarks/results by benchmarks/plan_accuracy.py's
-`--fit`); the structure carries the growth, so the 9-s calibration predicts 18 and 63 s (docs/memory.md, "Planner
-accuracy").
+stream-sized blocks that the side stream's copies keep from reuse. That offload reserve is larger in a process's
+first step (compilation and autotuning run beside the first copies: `first_step_offload_reserved_units`, measured
+2.5 inputs at 18 s) than in the steps after it (`offload_reserved_units`), while from the second step on the
+optimizer state is live in backward and raises the allocated peak. The allocator keeps what it reserved, so a
+training process peaks at the larger of the two (`train_peak`); a one-step benchmark at its first step alone.
+The constants are measured per GPU kind and per backbone (costs.json's "blocks" table, keyed by backbone, written
+from benchmarks/results by benchmarks/plan_accuracy.py's `--fit`): a backbone with measurements of its own gets
+those constants, and CogVideoX-5B's (`REFERENCE_BACKBONE`) for the rest, each part saying which
+(`BlockConstants.how`). The structure carries the growth, so the 9-s calibration predicts 18 and 63 s
+(docs/memory.md, "Planner accuracy").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -54,14 +61,28 @@ MEASURED_PRESETS = ("cogvideox-5b",)
 MEASURED_BACKBONES = ("cogvideox",)
 
 
+# the backbone whose constants every other backbone starts from, and how the parts name where a constant was measured
+REFERENCE_BACKBONE = "cogvideox"
+MEASURED_ON = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B"}
+# the constants a backbone's own table may replace; step time is never carried over (another backbone's blocks
+# cost other FLOPs), so a backbone without time_points of its own has no predicted step time
+CARRIED = ("stream_copies", "saved_extra_per_token", "reserved_fraction", "offload_reserved_units",
+           "first_step_offload_reserved_units", "nested_time", "offload_time")
+# what the plan's notes call them
+CONSTANT_NAMES = {"stream_copies": "stream copies", "saved_extra_per_token": "bytes saved beside each input",
+                  "reserved_fraction": "reserve", "offload_reserved_units": "offload reserve",
+                  "first_step_offload_reserved_units": "offload reserve", "nested_time": "time factors",
+                  "offload_time": "time factors"}
+
+
 @dataclass(frozen=True)
 class BlockConstants:
-    """The measured constants of the block model for one GPU kind (costs.json, "blocks")."""
+    """The measured constants of the block model for one GPU kind and backbone (costs.json, "blocks")."""
 
     stream_copies: float  # stream-sized tensors live in a block's backward recompute beyond the counted parts
     saved_extra_per_token: float  # bytes a token a checkpointed unit saves beyond its input
     reserved_fraction: float  # the allocator's reserved above allocated, as a fraction of the peak
-    offload_reserved_units: float  # with offload: extra reserved memory, in saved inputs
+    offload_reserved_units: float  # with offload, from a process's second step on: extra reserved, in saved inputs
     # step time against the same step with the inputs kept (one process, 9 s): nested recomputes each span once
     # more; offload's copies hide behind compute
     nested_time: float = 1.0
@@ -69,19 +90,55 @@ class BlockConstants:
     # measured (tokens, seconds) of the step with the inputs kept: the step time's curve (`costs.Curve`)
     time_points: tuple[tuple[float, float], ...] = ()
     source: str = ""
+    # with offload, in a process's first step (compiling beside the first copies): extra reserved, in saved inputs
+    first_step_offload_reserved_units: float = 0.0
+    backbone: str = REFERENCE_BACKBONE  # the backbone these constants serve
+    carried: frozenset[str] = frozenset()  # names of the constants carried over from REFERENCE_BACKBONE
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockConstants":
+        """One backbone's table; a table without the first step's offload reserve has the later steps' one."""
         return cls(float(d["stream_copies"]), float(d["saved_extra_per_token"]), float(d["reserved_fraction"]),
                    float(d["offload_reserved_units"]), float(d.get("nested_time", 1.0)),
                    float(d.get("offload_time", 1.0)),
-                   tuple((float(t), float(v)) for t, v in d.get("time_points", ())), str(d.get("source", "")))
+                   tuple((float(t), float(v)) for t, v in d.get("time_points", ())), str(d.get("source", "")),
+                   float(d.get("first_step_offload_reserved_units", d["offload_reserved_units"])))
+
+    @classmethod
+    def for_backbone(cls, table: dict, backbone: str) -> "BlockConstants":
+        """The constants of `backbone` from a GPU kind's "blocks" table keyed by backbone: its own where it has
+        them, REFERENCE_BACKBONE's for the rest (never its step time). A table of one backbone's constants (no
+        backbone keys) is REFERENCE_BACKBONE's."""
+        if "stream_copies" in table:
+            table = {REFERENCE_BACKBONE: table}
+        reference = table[REFERENCE_BACKBONE]
+        if backbone == REFERENCE_BACKBONE:
+            return dataclasses.replace(cls.from_dict(reference), backbone=backbone)
+        own = table.get(backbone, {})
+        merged = {**{k: v for k, v in reference.items() if k in CARRIED}, **own}
+        carried = frozenset(k for k in CARRIED if k not in own)
+        return dataclasses.replace(cls.from_dict(merged), backbone=backbone, carried=carried)
 
     def to_dict(self) -> dict:
         return {"stream_copies": self.stream_copies, "saved_extra_per_token": self.saved_extra_per_token,
                 "reserved_fraction": self.reserved_fraction, "offload_reserved_units": self.offload_reserved_units,
+                "first_step_offload_reserved_units": self.first_step_offload_reserved_units,
                 "nested_time": self.nested_time, "offload_time": self.offload_time,
                 "time_points": [list(p) for p in self.time_points], "source": self.source}
+
+    def how(self, what: str, *constants: str) -> str:
+        """A part's basis `what` ("measured", "counted x measured") from `constants`, naming the backbone they were
+        measured on when it is not the reference's, and saying when one is carried over from the reference."""
+        if any(c in self.carried for c in constants):
+            return what.replace("measured", f"measured on {MEASURED_ON[REFERENCE_BACKBONE]}, extrapolated")
+        if self.backbone == REFERENCE_BACKBONE:
+            return what
+        return what.replace("measured", f"measured on {MEASURED_ON.get(self.backbone, self.backbone)}")
+
+    @property
+    def extrapolated(self) -> bool:
+        """Whether any constant is carried over from another backbone."""
+        return bool(self.carried)
 
     def time_factor(self, cfg: Config) -> float:
         ck = cfg.checkpointing
@@ -108,9 +165,10 @@ class Breakdown:
     phase: str  # where the peak falls
     parts: list[Part]
     allocated: int
-    reserved: int
+    reserved: int  # what the allocator holds at the process's peak: the largest of its steps' reserves
     host: int
     notes: list[str] = field(default_factory=list)
+    first_step_reserved: int = 0  # a process's first step's reserve (compilation, first offload copies)
 
     @property
     def activation(self) -> int:
@@ -171,14 +229,9 @@ class Geometry:
 
     @property
     def measured(self) -> bool:
-        """Whether the block model's constants were measured on this backbone (else extrapolated to it)."""
+        """Whether this backbone has measured per-token curves (CogVideoX): the block model then serves only the
+        setup its constants were fitted on (`fits_block_model`)."""
         return self.backbone in MEASURED_BACKBONES
-
-    def how(self, what: str) -> str:
-        """A part's basis, saying where a constant measured on CogVideoX-5B is carried over to another backbone."""
-        if self.measured or "measured" not in what:
-            return what
-        return what.replace("measured", "measured on CogVideoX-5B, extrapolated")
 
     def ffn_chunk_time(self) -> float:
         """Step time with the MLP over token chunks against without: one more forward of the MLP in a step of about
@@ -211,7 +264,7 @@ def working_set(g: Geometry, k: BlockConstants) -> list[Part]:
         Part(f"working set: TTT scan checkpoints ({checkpoints} x {g.heads} heads x {g.ttt_state_values} fp32, "
              "forward and reverse)", 2 * checkpoints * g.heads * g.ttt_state_values * 4, "counted"),
         Part(f"working set: attention and other stream-sized temporaries ({k.stream_copies:.1f} x tokens x dim)",
-             int(k.stream_copies * g.stream), g.how("counted x measured")),
+             int(k.stream_copies * g.stream), k.how("counted x measured", "stream_copies")),
     ]
     if g.cross_text_tokens:
         parts.append(Part(f"working set: cross-attention keys and values of the text ({g.cross_text_tokens} tokens "
@@ -234,14 +287,12 @@ def offloaded_units(cfg: Config, g: Geometry, k: BlockConstants) -> int:
     return min(saved, int(cap * GIB) // max(1, saved_input(g, k)))
 
 
-def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
-               optimizer_state_live: bool = True) -> Breakdown:
-    """The peak of a training step of `cfg` (block model policy) as counted parts; `optimizer_state_live=False`:
-    the first step of a process, whose optimizer state appears only at its optimizer step."""
-    g = Geometry.of(cfg, gpus)
+def _step_peak(cfg: Config, counted: Counted, k: BlockConstants, g: Geometry, optimizer_state_live: bool
+               ) -> tuple[str, list[Part]]:
+    """The phase where one training step peaks and its parts; `optimizer_state_live=False`: a process's first step,
+    whose optimizer state appears only at its optimizer step."""
     s = saved_input(g, k)
     ws = working_set(g, k)
-    ws_total = sum(p.nbytes for p in ws)
     n = g.units
     grad_per_unit = counted.gradients // max(1, n)
     opt = counted.optimizer if optimizer_state_live else 0
@@ -262,39 +313,76 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
             return kept + back + within, f"{kept} kept on the GPU + {back} fetched back from the host{units}"
         return j + 1 + within, ("span inputs" + units if span > 1 else "inputs")
 
-    phases: list[tuple[str, int, list[Part]]] = []
+    phases: list[tuple[str, list[Part]]] = []
     base = [Part("weights (storage dtypes)", counted.weights, "counted")]
     if opt:
         base.append(Part("optimizer state", opt, "counted"))
     fwd_inputs = len(spans) - off
-    phases.append(("end of forward", 0, base + [Part(f"saved inputs: {fwd_inputs} x {s / GIB:.3f} GiB", fwd_inputs * s,
-                                                     "counted")] + ws))
+    phases.append(("end of forward", base + [Part(f"saved inputs: {fwd_inputs} x {s / GIB:.3f} GiB", fwd_inputs * s,
+                                                  "counted")] + ws))
     for unit in range(n - 1, -1, -1):
         live, what = on_gpu_inputs(unit)
         grads = counted.gradients if unit == 0 else (n - unit) * grad_per_unit
-        phases.append((f"backward of block {unit}", 0, base + [
+        phases.append((f"backward of block {unit}", base + [
             Part(f"gradients ({n - unit} of {n} blocks)", grads, "counted"),
             Part(f"saved inputs: {live} x {s / GIB:.3f} GiB ({what})", live * s, "counted")] + ws))
-    optimizer_step = [Part("weights (storage dtypes)", counted.weights, "counted"),
-                      Part("gradients", counted.gradients, "counted"),
-                      Part("optimizer state", counted.optimizer, "counted")]
-    phases.append(("optimizer step", 0, optimizer_step))
-    phase, _, parts = max(phases, key=lambda p: sum(x.nbytes for x in p[2]))
-    allocated = sum(p.nbytes for p in parts)
-    reserved = int(allocated * (1 + k.reserved_fraction) + (k.offload_reserved_units * s if off else 0))
+    phases.append(("optimizer step", [Part("weights (storage dtypes)", counted.weights, "counted"),
+                                      Part("gradients", counted.gradients, "counted"),
+                                      Part("optimizer state", counted.optimizer, "counted")]))
+    return max(phases, key=lambda p: sum(x.nbytes for x in p[1]))
+
+
+def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
+               first_step_only: bool = False) -> Breakdown:
+    """The peak of a training process of `cfg` (block model policy) as counted parts: its later steps' allocated
+    peak (the optimizer state live in backward) and the larger of the two reserves, the first step's (its offload
+    reserve is larger) and the later steps' (their allocated peak is). `first_step_only`: a process that runs one
+    step (what a one-step benchmark measures)."""
+    g = Geometry.of(cfg, gpus)
+    s = saved_input(g, k)
+    off = offloaded_units(cfg, g, k)
+    saved = -(-g.units // nested_span_of(cfg))
+
+    def reserve(allocated: int, units: float) -> int:
+        return int(allocated * (1 + k.reserved_fraction) + (units * s if off else 0))
+
+    first_phase, first_parts = _step_peak(cfg, counted, k, g, optimizer_state_live=False)
+    first_allocated = sum(p.nbytes for p in first_parts)
+    first_reserved = reserve(first_allocated, k.first_step_offload_reserved_units)
+    if first_step_only:
+        phase, parts, allocated, reserved, units = (first_phase, first_parts, first_allocated, first_reserved,
+                                                    k.first_step_offload_reserved_units)
+    else:
+        phase, parts = _step_peak(cfg, counted, k, g, optimizer_state_live=True)
+        allocated = sum(p.nbytes for p in parts)
+        units = k.offload_reserved_units
+        reserved = reserve(allocated, units)
     host = off * s
     notes = []
     if off:
         parts = parts + [Part(f"host: {off} offloaded inputs x {s / GIB:.3f} GiB (exact-size pool)", host, "counted",
                               "host")]
-        if off < len(spans):
-            notes.append(f"host pool holds {off} of {len(spans)} saved block inputs; the rest stay on the GPU")
-    if not g.measured:
-        notes.append(f"{g.backbone}: block model constants measured on CogVideoX-5B, extrapolated")
-    parts = parts + [Part(f"allocator: reserved over allocated ({k.reserved_fraction:.0%}"
-                          + (f" + {k.offload_reserved_units:g} inputs held by the side stream's copies" if off else "")
-                          + ")", reserved - allocated, g.how("measured"))]
-    return Breakdown(phase, parts, allocated, reserved, host, notes)
+        if off < saved:
+            notes.append(f"host pool holds {off} of {saved} saved block inputs; the rest stay on the GPU")
+    if k.carried:
+        carried = ", ".join(dict.fromkeys(CONSTANT_NAMES[c] for c in CARRIED if c in k.carried))
+        notes.append(f"{g.backbone}: block model's {carried} measured on {MEASURED_ON[REFERENCE_BACKBONE]}, "
+                     "extrapolated")
+    which = "the first step's" if first_step_only else "later steps'"
+    parts = parts + [Part(f"allocator: reserved over allocated ({k.reserved_fraction:.1%}"
+                          + (f" + {units:.2g} inputs held by the side stream's copies, {which}" if off and units
+                             else "")
+                          + ")", reserved - allocated,
+                          k.how("measured", "reserved_fraction", *(["offload_reserved_units"] if off else [])))]
+    if not first_step_only and first_reserved > reserved:
+        parts.append(Part(f"allocator: the first step's reserve above the later steps' ({first_allocated / GIB:.2f} "
+                          f"GiB allocated at its {first_phase}, + {k.reserved_fraction:.1%} + "
+                          f"{k.first_step_offload_reserved_units:.2g} inputs held by the first copies)",
+                          first_reserved - reserved, k.how("measured", "reserved_fraction",
+                                                                "first_step_offload_reserved_units")))
+        notes.append(f"the first step reserves the most: {first_reserved / GIB:.1f} GiB (the allocator keeps it)")
+        reserved = first_reserved
+    return Breakdown(phase, parts, allocated, reserved, host, notes, first_reserved)
 
 
 def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
@@ -307,9 +395,10 @@ def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
       fitted on this kind, under-predict LoRA with fp8 weights (its 18-s profile by 20%) and over-predict fp32
       weights under autocast (by 18% at 9 s), benchmarks/results/plan_accuracy_h100.json; or
     - another backbone (Wan), which has no measured curves at all: its parts are counted from its preset and layout
-      with the constants measured on CogVideoX-5B carried over, every adapter and weight dtype, and both nested
-      checkpointing and offload at once (each saved span input in the host pool, the running span's unit inputs
-      recomputed on the GPU). Its predictions say the constants are extrapolated.
+      with its own measured constants where it has them and CogVideoX-5B's carried over for the rest
+      (`BlockConstants.for_backbone`), every adapter and weight dtype, and both nested checkpointing and offload at
+      once (each saved span input in the host pool, the running span's unit inputs recomputed on the GPU). Its
+      predictions say which constants are extrapolated.
 
     With sp > 1 Ulysses' all-to-all buffers raise the reserve far above one GPU's (a 63-s sp = 2 run reserved 1.28x
     what it allocated), so those setups wait for a measurement."""

@@ -1,6 +1,6 @@
 """The measured half of the planner: activation memory and step time as functions of the tokens one GPU holds, per
 GPU kind, for the regimes the counted block model (`tttvideo.memory.plan.activations`, whose measured constants sit
-in the same table under "blocks") does not cover.
+in the same table under "blocks", one table a backbone) does not cover.
 
 Local attention works window by window and the TTT scan, the MLP and every projection token by token, so for a
 fixed setup a step's activation memory (its peak minus what `count` counts) and its time grow with the tokens
@@ -73,7 +73,8 @@ class CostTable:
     sp_efficiency: dict[int, float] = field(default_factory=dict)
     # per activation regime: the largest measured reserved-over-allocated share of its calibration runs
     reserved: dict[str, float] = field(default_factory=dict)
-    # the counted block model's measured constants (tttvideo.memory.plan.activations), None where not measured
+    # the counted block model's measured constants (tttvideo.memory.plan.activations), keyed by backbone
+    # ("cogvideox": every constant; another backbone: those measured on it), None where not measured
     blocks: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,7 +16,8 @@ Each candidate's memory is a sum of counted parts. Weights, gradients and optimi
 model built on the meta device (`count`). What a step allocates beyond them comes, for training with every block
 and sub-module checkpointed (the stage configs' policy, with the block inputs kept, nested or offloaded), from the
 counted block model (`tttvideo.memory.plan.activations`: saved inputs, the working set of the block that runs, the
-phase where the peak falls, host bytes, the allocator's reserved margin; its constants measured), and otherwise from
+phase where the peak falls, host bytes, the allocator's reserved margin, the largest of a process's first step and
+its later steps; its constants measured per backbone), and otherwise from
 the measured per-token curves of the setup's regime (`costs`), whose reserved memory runs FRAGMENTATION above what is
 allocated (more with weights streamed from host memory: FRAGMENTATION_STREAMED). A setup fits a card of M bytes when
 its reserved peak + CUDA_CONTEXT <= M x (1 - margin) (default MARGIN, `tttv plan --margin`). Each prediction says
@@ -39,7 +40,7 @@ from tttvideo.config.schema import Config
 from tttvideo.errors import UserError
 from tttvideo.models.backbone import backbone_of, layout_of
 from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
-                                              Geometry, fits_block_model, train_peak)
+                                              Geometry, Part, fits_block_model, train_peak)
 from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
 from tttvideo.memory.plan.count import Counted, count
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
@@ -181,10 +182,11 @@ def _sample_candidates(cfg: Config, gpus: int) -> list[Candidate]:
 
 
 def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpus: int = 1,
-            gpu_mem: int | None = None, margin: float = MARGIN, optimizer_state_live: bool = True) -> Prediction:
-    """The prediction of one candidate; `optimizer_state_live=False`: of a process's first step, whose optimizer
-    state appears only at its optimizer step (what a one-step benchmark measures; training's peak is a later
-    step's)."""
+            gpu_mem: int | None = None, margin: float = MARGIN, first_step_only: bool = False) -> Prediction:
+    """The prediction of one candidate: for training, of a process that runs several steps (the later steps'
+    allocated peak, the optimizer state live in backward, and the largest reserve of any step, the first one's
+    included: what must fit the card); `first_step_only`: of a process's first step alone (what a one-step
+    benchmark measures)."""
     c = candidate.apply(cfg)
     layout = layout_of(c)
     batch = c.train.batch_size if phase == "train" else 1
@@ -192,19 +194,23 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     tokens = layout.total_tokens * batch // sp
     counted = count(c, phase, gpus)
     notes = []
-    blocks = BlockConstants.from_dict(costs.blocks) if costs.blocks else None
     breakdown, reserved, host, time_factor = None, None, 0, 1.0
-    if phase == "train" and blocks is not None and fits_block_model(c, gpus):
+    if phase == "train" and costs.blocks and fits_block_model(c, gpus):
         geometry = Geometry.of(c, gpus)
-        breakdown = train_peak(c, counted, blocks, gpus, optimizer_state_live)
+        blocks = BlockConstants.for_backbone(costs.blocks, geometry.backbone)
+        breakdown = train_peak(c, counted, blocks, gpus, first_step_only)
         activation = breakdown.allocated - counted.total
         reserved, host = breakdown.reserved, breakdown.host
         if streams_weights(c):
-            reserved += int(breakdown.allocated * (FRAGMENTATION_STREAMED - FRAGMENTATION))
+            extra = int(breakdown.allocated * (FRAGMENTATION_STREAMED - FRAGMENTATION))
+            share = FRAGMENTATION_STREAMED - FRAGMENTATION
+            breakdown.parts.append(Part(f"allocator: weights streamed from host memory (+{share:.0%} of the peak)",
+                                        extra, "measured"))
+            reserved = breakdown.reserved = reserved + extra
         notes.extend(breakdown.notes)
         if gpus > 1:
             notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
-        basis = "counted (block model)" if geometry.measured else "counted (block model, extrapolated)"
+        basis = "counted (block model, extrapolated)" if blocks.extrapolated else "counted (block model)"
         if geometry.measured and c.model.adapter not in MEASURED_ADAPTERS:
             notes.append(f"block model measured with qkvo; {c.model.adapter}'s activations counted the same")
         # the block model's techniques scale the time of the step with the inputs kept; the FFN chunks by an
@@ -214,9 +220,9 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if chunked:
             notes.append(f"FFN chunks: x{geometry.ffn_chunk_time():.3f} step time estimated from the shapes, "
                          "not measured")
-        # its step time was measured on CogVideoX-5B only: another backbone's is not predicted (its setups are
+        # the step time of the backbone's own measured steps; a backbone without them has none (its setups are
         # ranked by time_factor, the relative cost of their recomputes)
-        time_cost = Curve(blocks.time_points) if blocks.time_points and geometry.measured else None
+        time_cost = Curve(blocks.time_points) if blocks.time_points else None
     else:
         act_cost = costs.activation.get(activation_key(c, phase))
         activation = None if act_cost is None else max(0, int(act_cost(tokens)))
