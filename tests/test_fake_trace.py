@@ -115,3 +115,25 @@ def test_cli_error_is_one_sentence(capsys):
     assert main(["configs/cogvideox-5b/24gb-3s.toml"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fake_trace: error:") and "Wan" in err
+
+
+def test_planner_takes_the_traced_working_sets():
+    """`tttv plan --trace`: the block model's backward phases carry the traced backward working set (the unit's
+    peak less its input, which the saved inputs count), the end of forward the traced forward one."""
+    from tttvideo.memory.plan.activations import BlockConstants, train_peak
+    from tttvideo.memory.plan.count import Counted
+    from tttvideo.memory.plan.traced import HOW, traced_working_sets
+
+    cfg = tiny("checkpointing.attention_by_window=true")
+    trace = trace_unit(cfg)
+    forward, backward = traced_working_sets(cfg)
+    assert sum(p.nbytes for p in forward) == trace.working_set("forward")[0] == trace.phases[0].peak - \
+        trace.input_bytes
+    assert sum(p.nbytes for p in backward) == trace.phases[1].peak - trace.input_bytes > 0
+    k = BlockConstants(stream_copies=9.5, saved_extra_per_token=296.0, reserved_fraction=0.07,
+                       offload_reserved_units=2.5)
+    nothing = Counted(weights=0, gradients=0, optimizer=0, trainable_params=0, block_weights=0)
+    b = train_peak(cfg, nothing, k, traced=(forward, backward))
+    traced = [p for p in b.parts if p.how == HOW]
+    assert traced == (forward if b.phase == "end of forward" else backward)
+    assert any("traced" in n for n in b.notes)

@@ -235,13 +235,17 @@ def offloaded_units(cfg: Config, g: Geometry, k: BlockConstants) -> int:
 
 
 def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
-               optimizer_state_live: bool = True) -> Breakdown:
+               optimizer_state_live: bool = True,
+               traced: tuple[list[Part], list[Part]] | None = None) -> Breakdown:
     """The peak of a training step of `cfg` (block model policy) as counted parts; `optimizer_state_live=False`:
-    the first step of a process, whose optimizer state appears only at its optimizer step."""
+    the first step of a process, whose optimizer state appears only at its optimizer step; `traced`: the (forward,
+    backward) working sets of the block that runs from a trace of it (`memory.plan.traced`) instead of the counted
+    `working_set`."""
     g = Geometry.of(cfg, gpus)
     s = saved_input(g, k)
-    ws = working_set(g, k)
-    ws_total = sum(p.nbytes for p in ws)
+    ws_forward = ws = working_set(g, k)
+    if traced is not None:
+        ws_forward, ws = traced
     n = g.units
     grad_per_unit = counted.gradients // max(1, n)
     opt = counted.optimizer if optimizer_state_live else 0
@@ -268,7 +272,7 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
         base.append(Part("optimizer state", opt, "counted"))
     fwd_inputs = len(spans) - off
     phases.append(("end of forward", 0, base + [Part(f"saved inputs: {fwd_inputs} x {s / GIB:.3f} GiB", fwd_inputs * s,
-                                                     "counted")] + ws))
+                                                     "counted")] + ws_forward))
     for unit in range(n - 1, -1, -1):
         live, what = on_gpu_inputs(unit)
         grads = counted.gradients if unit == 0 else (n - unit) * grad_per_unit
@@ -289,8 +293,11 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
                               "host")]
         if off < len(spans):
             notes.append(f"host pool holds {off} of {len(spans)} saved block inputs; the rest stay on the GPU")
+    if traced is not None:
+        notes.append("working sets traced on fake tensors (memory.studies.fake_trace), not measured")
     if not g.measured:
-        notes.append(f"{g.backbone}: block model constants measured on CogVideoX-5B, extrapolated")
+        notes.append(f"{g.backbone}: block model constants measured on CogVideoX-5B, extrapolated"
+                     + (" (the saved extra per token and the reserve)" if traced is not None else ""))
     parts = parts + [Part(f"allocator: reserved over allocated ({k.reserved_fraction:.0%}"
                           + (f" + {k.offload_reserved_units:g} inputs held by the side stream's copies" if off else "")
                           + ")", reserved - allocated, g.how("measured"))]

@@ -181,10 +181,12 @@ def _sample_candidates(cfg: Config, gpus: int) -> list[Candidate]:
 
 
 def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpus: int = 1,
-            gpu_mem: int | None = None, margin: float = MARGIN, optimizer_state_live: bool = True) -> Prediction:
+            gpu_mem: int | None = None, margin: float = MARGIN, optimizer_state_live: bool = True,
+            trace: bool = False) -> Prediction:
     """The prediction of one candidate; `optimizer_state_live=False`: of a process's first step, whose optimizer
     state appears only at its optimizer step (what a one-step benchmark measures; training's peak is a later
-    step's)."""
+    step's); `trace`: for a backbone whose blocks were not measured, the block model's working sets from a
+    fake-tensor trace of the candidate's block unit (`memory.plan.traced`) instead of CogVideoX's constants."""
     c = candidate.apply(cfg)
     layout = layout_of(c)
     batch = c.train.batch_size if phase == "train" else 1
@@ -196,7 +198,12 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     breakdown, reserved, host, time_factor = None, None, 0, 1.0
     if phase == "train" and blocks is not None and fits_block_model(c, gpus):
         geometry = Geometry.of(c, gpus)
-        breakdown = train_peak(c, counted, blocks, gpus, optimizer_state_live)
+        traced = None
+        if trace and not geometry.measured:
+            from tttvideo.memory.plan.traced import traced_working_sets
+
+            traced = traced_working_sets(c)
+        breakdown = train_peak(c, counted, blocks, gpus, optimizer_state_live, traced)
         activation = breakdown.allocated - counted.total
         reserved, host = breakdown.reserved, breakdown.host
         if streams_weights(c):
@@ -204,7 +211,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         notes.extend(breakdown.notes)
         if gpus > 1:
             notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
-        basis = "counted (block model)" if geometry.measured else "counted (block model, extrapolated)"
+        basis = ("counted (block model)" if geometry.measured else "counted (block model, traced)" if traced
+                 else "counted (block model, extrapolated)")
         if geometry.measured and c.model.adapter not in MEASURED_ADAPTERS:
             notes.append(f"block model measured with qkvo; {c.model.adapter}'s activations counted the same")
         # the block model's techniques scale the time of the step with the inputs kept; the FFN chunks by an
@@ -274,10 +282,10 @@ def fits_in(peak: int, gpu_mem: int, streamed: bool = False, margin: float = 0.0
 
 
 def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
-         margin: float = MARGIN) -> list[Prediction]:
+         margin: float = MARGIN, trace: bool = False) -> list[Prediction]:
     """Every candidate's prediction, best first: those that fit by step time (unknown time last; of equal times the
-    one with fewer `overheads`), then those that do not by peak, then the unmeasured."""
-    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin) for c in candidates(cfg, phase, gpus)]
+    one with fewer `overheads`), then those that do not by peak, then the unmeasured. `trace`: see `predict`."""
+    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin, trace=trace) for c in candidates(cfg, phase, gpus)]
 
     def rank(p: Prediction) -> tuple:
         if p.fits:

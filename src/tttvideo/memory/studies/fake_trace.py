@@ -40,6 +40,19 @@ class UnitTrace:
     dim: int
     blocks: tuple[int, int]  # [start, stop) of the unit
     phases: list[PhasePeak]
+    input_shape: tuple[int, ...] = ()  # the unit's input x (the planner counts it among the saved inputs)
+    input_bytes: int = 0
+
+    def working_set(self, phase: str) -> tuple[int, list[PeakPart]]:
+        """A phase's peak without the unit's input x: (bytes, parts), what the block that runs adds to the saved
+        inputs, weights, gradients and optimizer state (`memory.plan.activations.train_peak` with a trace)."""
+        ph = next(p for p in self.phases if p.phase == phase)
+        parts = list(ph.parts)
+        for i, p in enumerate(parts):
+            if p.site.endswith("_block_inputs") and p.shape == self.input_shape:
+                parts[i] = PeakPart(p.site, p.module, p.op, p.dtype, p.shape, p.count - 1, p.nbytes - self.input_bytes)
+                break
+        return ph.peak - self.input_bytes, [p for p in parts if p.nbytes > 0]
 
 
 def _block_inputs(model, cfg, layout, dtype: torch.dtype) -> tuple:
@@ -132,7 +145,8 @@ def trace_unit(cfg, unit: int = 0, fake: bool = True) -> UnitTrace:
                 live.reset_peak()
                 torch.autograd.backward(y, grad)
                 phases.append(PhasePeak("backward", live.peak, live.peak_parts()))
-    return UnitTrace(layout.total_tokens * cfg.train.batch_size, model.spec.dim, (start, stop), phases)
+    return UnitTrace(layout.total_tokens * cfg.train.batch_size, model.spec.dim, (start, stop), phases,
+                     tuple(x.shape), x.numel() * x.element_size())
 
 
 def format_trace(trace: UnitTrace, top: int = 15) -> str:

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _PACKAGE = str(Path(__file__).resolve().parents[2])  # .../src/tttvideo
-_HERE = str(Path(__file__).resolve().parent)
+_TOOLS = str(Path(__file__).resolve().parents[1])  # .../src/tttvideo/memory: the tools, not the model
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,15 @@ class PeakPart:
 
 
 def _site() -> tuple[str, bool]:
-    """(file.py:function:line of the innermost frame in tttvideo's source outside this folder, True), else (the
-    innermost frame's file.py:function, False)."""
+    """(file.py:function:line of the innermost frame in tttvideo's source outside the memory tools, True), else
+    (the innermost frame's file.py:function, False)."""
     frame = sys._getframe(2)
     first = None
     while frame is not None:
         name = frame.f_code.co_filename
         if first is None and "torch" not in name:
             first = frame
-        if name.startswith(_PACKAGE) and not name.startswith(_HERE):
+        if name.startswith(_PACKAGE) and not name.startswith(_TOOLS):
             return f"{Path(name).name}:{frame.f_code.co_name}:{frame.f_lineno}", True
         frame = frame.f_back
     return (f"{Path(first.f_code.co_filename).name}:{first.f_code.co_name}" if first is not None else "?"), False
