@@ -369,6 +369,12 @@ class CheckpointingConfig(CheckpointSwitches):
         "5.8 for Wan, plus the GELU input saved for backward) exists for one chunk at a time in forward and backward; "
         "same gradients, one more forward of the MLP. A size in tokens, so the bound does not grow with the video "
         "(e.g. 32768); 0 = off (docs/memory.md)"))
+    ttt_chunk_tokens: int = bounded(0, 0, help=(
+        "training: run each TTT layer's token-wise parts (the gather into scan order, the q/k/v projection, eta and "
+        "the scan-input glue; the post-norm, in fp32 under autocast, and the output projection) over chunks of "
+        "this many tokens, each chunk checkpointed on its own, so none of them exists for the whole video; the scan, "
+        "its inputs and output stay whole. Same gradients, one more forward of those parts. e.g. 32768; 0 = off "
+        "(docs/memory.md)"))
     attention_by_window: bool = field(default=False, metadata={
         "help": "training, Wan: run each block's self- and cross-attention one window (segment) at a time, each "
                 "window checkpointed on its own, so a window's adaLN input, q/k/v, their fp32 norms and RoPE and "

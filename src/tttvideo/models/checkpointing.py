@@ -24,6 +24,10 @@ products would double what is kept (with them, the 5B's 3-s step does not fit 80
 many tokens in training, each chunk checkpointed on its own (`models.layers.token_chunked`): the MLP's hidden layer
 exists for one chunk at a time, in forward and in backward, for one more forward of the MLP.
 
+`ttt_chunk_tokens` runs the TTT layer's token-wise parts in training (its gather into scan order, q/k/v projection,
+eta and scan-input glue; its post-norm and output projection) over chunks of that many tokens, each chunk
+checkpointed (`tttvideo.ttt.layer.TTTLayer._chunked`); the scan, its inputs and output stay whole.
+
 `attention_by_window` (Wan) runs a block's self- and cross-attention one window at a time, each window under its
 own checkpoint (`models.wan.block.WanBlock._by_window`): the whole-video q/k/v, their fp32 RMSNorms, the gathered
 windows and their fp32 RoPE are never made at once.
@@ -211,9 +215,13 @@ def apply_checkpointing(model: Backbone, cfg: CheckpointingConfig) -> list[Layer
             b.attention_by_window = True
     model.block_units = block_units(policies)
     model.nested_span = cfg.nested_span
+    from tttvideo.ttt.layer import TTTLayer
+
     for m in model.blocks.modules():
         if isinstance(m, MLP):
             m.chunk_tokens = cfg.ffn_chunk_tokens
+        elif isinstance(m, TTTLayer):
+            m.chunk_tokens = cfg.ttt_chunk_tokens
     return policies
 
 

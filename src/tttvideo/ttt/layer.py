@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
@@ -90,6 +91,9 @@ class TTTLayer(nn.Module):
         # backend and compile_glue may be switched on a built layer (benchmarks compare them)
         self.backend = config.backend
         self.compile_glue = config.compile_glue
+        # checkpointing.ttt_chunk_tokens (set by models.checkpointing.apply_checkpointing): training runs the
+        # projections, eta, the scan-input glue and the output path over chunks of this many tokens (`_chunked`)
+        self.chunk_tokens = 0
 
         H, D = num_heads, self.head_dim
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=True) for _ in range(4))
@@ -143,6 +147,9 @@ class TTTLayer(nn.Module):
         forward_order, reverse_order, cos, sin = layout_tensors(layout, self.head_dim, self.rope_theta, x.device)
         scan_order, residual_order = reverse_order if reverse else forward_order
 
+        if sp is None and 0 < self.chunk_tokens < L and torch.is_grad_enabled():
+            layout.check_sequence_length(L)
+            return self._chunked(x, layout, scan_order, residual_order, cos, sin)
         if sp is None:
             layout.check_sequence_length(L)
             # Everything runs in scan order: one gather of x replaces a gather of each of q, k, v and eta, and all
@@ -159,6 +166,49 @@ class TTTLayer(nn.Module):
                             residual_order)
         out = sp.to_sequence_shards(out, layout, head_axis=2).flatten(2)
         return self.wo(self.post_norm(out))
+
+    def _chunked(self, x: torch.Tensor, layout: VideoLayout, scan_order: torch.Tensor, residual_order: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`forward` in training with the token-wise parts over chunks of `chunk_tokens` tokens, each under its own
+        checkpoint: a chunk's gather into scan order, q/k/v projection, eta and scan-input glue write into the
+        scan's input buffers (q, k, v: [B, H, L + pad, D] each, and eta's), so neither the scan-order copy of the stream nor the
+        projection's [L, 3 C] output exists whole; after the scan, the post-norm (fp32 under autocast) and the
+        output projection run chunk by chunk. The scan itself, its inputs and output stay whole: it runs along the
+        sequence."""
+        B, L, C = x.shape
+        H, D = self.num_heads, self.head_dim
+        pad = layout.ttt_padding
+        # three buffers, not one [3, ...]: the gradient of each reaches the scan's without a stacked copy
+        inputs = [x.new_empty(B, H, L + pad, D) for _ in range(3)]
+        eta = torch.empty(B, H, L + pad, device=x.device, dtype=torch.float32)
+        if pad:
+            for t in inputs:
+                t[:, :, L:] = 0
+            eta[:, :, L:] = 0  # padded tokens: eta = 0, no update
+        for s, e in token_chunks(0, L, self.chunk_tokens):
+            qkv_s, eta_s = checkpoint(self._scan_inputs_rows, x, scan_order[s:e], cos[s:e], sin[s:e],
+                                      layout.mini_batch_size, use_reentrant=False)
+            for t, part in zip(inputs, qkv_s.unbind(0)):
+                t[:, :, s:e] = part
+            eta[:, :, s:e] = eta_s
+        out = self.scan(*inputs, eta, layout)[:, :, :L].transpose(1, 2)  # [B, L, H, D]
+        # split, not a slice per chunk: backward joins the chunks' gradients once instead of widening each to L
+        y = torch.cat([checkpoint(self._output_rows, rows, x.dtype, use_reentrant=False)
+                       for rows in out.split(self.chunk_tokens, dim=1)], dim=1)
+        return gather_tokens(y, residual_order)
+
+    def _scan_inputs_rows(self, x: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          mini_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scan inputs [3, B, H, n, D] and eta [B, H, n] of the n stream rows `index` (in scan order)."""
+        xs = gather_tokens(x, index)
+        qkv = prepare_scan_inputs(self._qkv(xs), cos, sin, self.ttt_norm_weight, self.ttt_norm_bias, 0, x.dtype,
+                                  self.backend, self.compile_glue)
+        return qkv, self.eta(xs, mini_batch_size).transpose(1, 2)
+
+    def _output_rows(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Post-norm and output projection of scan outputs [B, n, H, D] -> [B, n, C]."""
+        B, n = out.shape[:2]
+        return self.wo(self.post_norm(out.reshape(B, n, -1).to(dtype)))
 
     @torch.no_grad()
     def chunked_pass_(self, x: torch.Tensor, layout: VideoLayout, plan: ChunkPlan, reverse: bool,
