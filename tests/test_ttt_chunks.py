@@ -1,5 +1,6 @@
-"""checkpointing.ttt_chunk_tokens (the TTT layer's token-wise parts over token chunks in training): the same
-gradients as the whole-sequence layer, for the layer alone and inside both backbones' checkpointed steps.
+"""checkpointing.ttt_chunk_tokens and ttt_head_groups (the TTT layer's token-wise parts over token chunks and its
+scan over groups of heads, in training): the same gradients as the whole-sequence layer, for the layer alone and
+inside both backbones' checkpointed steps.
 
 The layer alone runs in float64 except its eta gate's sigmoid, which it computes in fp32 by design: chunking
 changes which rows a matrix product computes together, a last-bit change that the gate's fp32 rounding can turn
@@ -20,13 +21,13 @@ from tests.test_ffn_chunks import SUB_BLOCK, cogvideox, step, wan
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _layer_grads(chunk: int, backend: str = "reference") -> dict[str, torch.Tensor]:
+def _layer_grads(chunk: int, groups: int = 1, backend: str = "reference") -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     layer = TTTLayer(32, 2, TTTConfig(mini_batch_size=16, scan_checkpoint_group_size=2, backend=backend)).double()
     layout = wan_layout_from_latents(25, 4, 6, 2, 16)  # two segments, 150 tokens: padded to the mini-batch
     x = torch.randn(1, layout.total_tokens, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     x.requires_grad_()
-    layer.chunk_tokens = chunk
+    layer.chunk_tokens, layer.head_groups = chunk, groups
     for reverse in (False, True):
         y = layer(x, layout, reverse=reverse)
         (y * torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(2))).sum().backward()
@@ -36,8 +37,9 @@ def _layer_grads(chunk: int, backend: str = "reference") -> dict[str, torch.Tens
     return grads
 
 
-def test_layer_gradients_equal_the_whole_sequence_layer():
-    plain, chunked = _layer_grads(0), _layer_grads(7)
+@pytest.mark.parametrize("groups", [1, 2], ids=["all heads", "2 head groups"])
+def test_layer_gradients_equal_the_whole_sequence_layer(groups):
+    plain, chunked = _layer_grads(0), _layer_grads(7, groups)
     assert len(plain) > 10
     for name, g in plain.items():
         torch.testing.assert_close(chunked[name], g, rtol=1e-6, atol=2e-7 * float(g.abs().max()), msg=name)
@@ -46,7 +48,16 @@ def test_layer_gradients_equal_the_whole_sequence_layer():
 @pytest.mark.parametrize("build", [cogvideox, wan], ids=["cogvideox", "wan"])
 def test_model_gradients_equal_the_plain_step(build):
     plain, _, _ = step(build, CheckpointingConfig(**SUB_BLOCK), watch=False)
-    chunked, _, _ = step(build, CheckpointingConfig(**SUB_BLOCK, ttt_chunk_tokens=7), watch=False)
+    chunked, _, _ = step(build, CheckpointingConfig(**SUB_BLOCK, ttt_chunk_tokens=7, ttt_head_groups=2), watch=False)
     assert chunked.keys() == plain.keys()
     for name, g in plain.items():
         torch.testing.assert_close(chunked[name], g, rtol=1e-6, atol=1e-6 * float(g.abs().max()), msg=name)
+
+
+def test_head_groups_without_chunks_are_refused():
+    from tttvideo.errors import ConfigError
+    from tttvideo.models import apply_checkpointing
+
+    net, _ = wan()
+    with pytest.raises(ConfigError, match="checkpointing.ttt_chunk_tokens"):
+        apply_checkpointing(net, CheckpointingConfig(ttt_head_groups=2))

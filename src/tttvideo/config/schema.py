@@ -375,6 +375,11 @@ class CheckpointingConfig(CheckpointSwitches):
         "this many tokens, each chunk checkpointed on its own, so none of them exists for the whole video; the scan, "
         "its inputs and output stay whole. Same gradients, one more forward of those parts. e.g. 32768; 0 = off "
         "(docs/memory.md)"))
+    ttt_head_groups: int = bounded(1, 1, help=(
+        "training, with ttt_chunk_tokens: run each TTT layer's scan over this many groups of heads, each group (its "
+        "chunked projections, scan inputs, scan checkpoints and backward scratch) checkpointed on its own, so they "
+        "exist for one group at a time in backward; same gradients, one more forward of the scan. 1 = all heads "
+        "at once (docs/memory.md)"))
     attention_by_window: bool = field(default=False, metadata={
         "help": "training, Wan: run each block's self- and cross-attention one window (segment) at a time, each "
                 "window checkpointed on its own, so a window's adaLN input, q/k/v, their fp32 norms and RoPE and "

@@ -26,7 +26,8 @@ exists for one chunk at a time, in forward and in backward, for one more forward
 
 `ttt_chunk_tokens` runs the TTT layer's token-wise parts in training (its gather into scan order, q/k/v projection,
 eta and scan-input glue; its post-norm and output projection) over chunks of that many tokens, each chunk
-checkpointed (`tttvideo.ttt.layer.TTTLayer._chunked`); the scan, its inputs and output stay whole.
+checkpointed (`tttvideo.ttt.layer.TTTLayer._chunked`), and with `ttt_head_groups` the scan over groups of heads,
+each group checkpointed.
 
 `attention_by_window` (Wan) runs a block's self- and cross-attention one window at a time, each window under its
 own checkpoint (`models.wan.block.WanBlock._by_window`): the whole-video q/k/v, their fp32 RMSNorms, the gathered
@@ -217,11 +218,15 @@ def apply_checkpointing(model: Backbone, cfg: CheckpointingConfig) -> list[Layer
     model.nested_span = cfg.nested_span
     from tttvideo.ttt.layer import TTTLayer
 
+    if cfg.ttt_head_groups > 1 and cfg.ttt_chunk_tokens <= 0:
+        raise ConfigError(f"checkpointing.ttt_head_groups = {cfg.ttt_head_groups} groups the heads of the TTT "
+                          "layer's chunked training form; set checkpointing.ttt_chunk_tokens too (e.g. 32768), or "
+                          "ttt_head_groups = 1")
     for m in model.blocks.modules():
         if isinstance(m, MLP):
             m.chunk_tokens = cfg.ffn_chunk_tokens
         elif isinstance(m, TTTLayer):
-            m.chunk_tokens = cfg.ttt_chunk_tokens
+            m.chunk_tokens, m.head_groups = cfg.ttt_chunk_tokens, cfg.ttt_head_groups
     return policies
 
 

@@ -6,8 +6,8 @@ Builds the config's model under FakeTensorMode (shapes and dtypes, no storage: a
 makes the fake CPU tensors allocate as a CUDA step would (`gpu_stand_ins.cuda_like`: CUDA autocast's fp32
 operators, the fused attention kernels' buffers, the Triton TTT wrappers' buffers) and runs, under bf16 autocast as
 `train.precision` says, one checkpointed block unit of the model (`checkpointing` as configured: block, sub-module
-and FFN-chunk checkpointing) on stream-sized inputs: its forward, then its backward with the recompute. `LiveBytes`
-counts the bytes alive op by op; the table lists what was alive at each phase's peak, grouped by where it was
+and FFN-chunk checkpointing) on stream-sized inputs: its forward, then its backward with the recompute (its
+output, the next unit's input, is not counted in backward). `LiveBytes` counts the bytes alive op by op; the table lists what was alive at each phase's peak, grouped by where it was
 made. The inputs (the stream x, the text features, the time projection) are counted; weights are not (the planner
 counts them), nor are the other units' saved inputs, gradients and optimizer state, nor the allocator's
 fragmentation.
@@ -141,6 +141,8 @@ def trace_unit(cfg, unit: int = 0, fake: bool = True) -> UnitTrace:
                 x, text, projection = _block_inputs(model, cfg, layout, act)
                 y = model._run_units(x, unit, unit + 1, text, projection, layout)
                 phases.append(PhasePeak("forward", live.peak, live.peak_parts()))
+                # the unit's output is the next unit's input: the block model counts it among the saved inputs
+                live.forget(y)
                 grad = torch.empty_like(y)
                 live.reset_peak()
                 torch.autograd.backward(y, grad)

@@ -31,7 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _PACKAGE = str(Path(__file__).resolve().parents[2])  # .../src/tttvideo
-_TOOLS = str(Path(__file__).resolve().parents[1])  # .../src/tttvideo/memory: the tools, not the model
+# frames of these are the tools and commands that run the model, not the model: a site is never one of them
+_TOOLS = tuple(str(Path(__file__).resolve().parents[2] / name) for name in ("memory", "cli", "train", "api.py"))
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,10 @@ class LiveBytes(TorchDispatchMode):
         alloc = self._live.pop(key, None)
         if alloc is not None:
             self.current -= alloc.nbytes
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting `tensor`'s storage (bytes that something else accounts for)."""
+        self._release(tensor.untyped_storage()._cdata)
 
     def reset_peak(self) -> None:
         self.peak = self.current
