@@ -1,4 +1,4 @@
-"""The memory trace of a block unit on the CPU (tttvideo.memory.studies: live_bytes, gpu_stand_ins, fake_trace):
+"""The memory trace of a block unit on the CPU (tttvideo.memory.trace: live_bytes, gpu_stand_ins, fake_trace):
 live bytes equal a hand count, on real and on fake tensors; the fake trace of a Wan unit equals the same trace on
 real tensors; the CPU emulation of CUDA autocast gives a Wan block the dtypes CUDA autocast gives it, op by op."""
 
@@ -9,9 +9,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tttvideo.config.loader import load_config
-from tttvideo.memory.studies.fake_trace import format_trace, main, trace_unit
-from tttvideo.memory.studies.gpu_stand_ins import cuda_autocast_policy
-from tttvideo.memory.studies.live_bytes import LiveBytes
+from tttvideo.memory.trace.fake_trace import format_trace, main, trace_unit
+from tttvideo.memory.trace.gpu_stand_ins import cuda_autocast_policy
+from tttvideo.memory.trace.live_bytes import LiveBytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--trace", action="store_true",
                    help="training of a backbone whose blocks were not measured (Wan): take each setup's working sets "
                         "from a fake-tensor trace of its block unit at full size (python -m "
-                        "tttvideo.memory.studies.fake_trace; seconds a setup) instead of constants measured on "
+                        "tttvideo.memory.trace.fake_trace; seconds a setup) instead of constants measured on "
                         "CogVideoX-5B")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the launch (default 1)")
     p.add_argument("--phase", choices=("train", "sample"), default="train", help="what to plan (default train)")

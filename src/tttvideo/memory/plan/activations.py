@@ -294,7 +294,7 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
         if off < len(spans):
             notes.append(f"host pool holds {off} of {len(spans)} saved block inputs; the rest stay on the GPU")
     if traced is not None:
-        notes.append("working sets traced on fake tensors (memory.studies.fake_trace), not measured")
+        notes.append("working sets traced on fake tensors (memory.trace.fake_trace), not measured")
     if not g.measured:
         notes.append(f"{g.backbone}: block model constants measured on CogVideoX-5B, extrapolated"
                      + (" (the saved extra per token and the reserve)" if traced is not None else ""))

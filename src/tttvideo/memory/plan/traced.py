@@ -2,7 +2,7 @@
 (`tttv plan --trace`): `traced_working_sets(cfg)`.
 
 The counted working set (`activations.working_set`) carries constants measured on CogVideoX-5B's blocks; for a
-backbone without measured blocks (Wan) the trace of its own unit (`memory.studies.fake_trace`: its forward and its
+backbone without measured blocks (Wan) the trace of its own unit (`memory.trace.fake_trace`: its forward and its
 backward recompute at full size, on fake tensors that allocate as a CUDA step would) says what the block that runs
 holds. Forward and backward get their own working set: the unit's forward can peak above the saved inputs' end of
 forward (the 63-s Wan stage's did, in block 0). A trace takes seconds at 63 s, so traces are kept per setup, keyed
@@ -17,7 +17,7 @@ import copy
 from tttvideo.config.schema import CheckpointingConfig, Config, TrainConfig
 from tttvideo.memory.plan.activations import Part
 
-HOW = "traced (fake tensors, memory.studies.fake_trace)"
+HOW = "traced (fake tensors, memory.trace.fake_trace)"
 ROWS = 6  # the largest groups of a traced peak named one by one; the rest in one row
 
 _TRACES: dict[str, tuple[list[Part], list[Part]]] = {}
@@ -50,7 +50,7 @@ def traced_working_sets(cfg: Config) -> tuple[list[Part], list[Part]]:
     """(forward, backward) working-set parts of the block unit of `cfg` that peaks: unit 0's forward and backward
     (every unit of a model is the same), less the unit's input, which the block model counts among the saved
     inputs."""
-    from tttvideo.memory.studies.fake_trace import trace_unit
+    from tttvideo.memory.trace.fake_trace import trace_unit
 
     key = _key(cfg)
     if key not in _TRACES:

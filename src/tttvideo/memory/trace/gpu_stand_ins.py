@@ -1,7 +1,7 @@
 """What a CUDA training step would allocate, emulated on CPU tensors (real or fake): `cuda_like()`.
 
 Fake CUDA tensors cannot go through autograd on a CPU-only build of torch, so the memory trace
-(`memory.studies.fake_trace`) runs on fake CPU tensors and makes them allocate as CUDA's would:
+(`memory.trace.fake_trace`) runs on fake CPU tensors and makes them allocate as CUDA's would:
 
 - autocast: CPU autocast keeps layer_norm, rms_norm, group_norm, softmax and log_softmax in bf16 where CUDA
   autocast returns fp32 (CUDA's fp32 list); the AutocastCPU kernels of those operators are replaced, for the

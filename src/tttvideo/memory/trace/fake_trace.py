@@ -1,6 +1,6 @@
 """What holds the memory of one block unit's training forward and backward, at full size, on the CPU.
 
-    python -m tttvideo.memory.studies.fake_trace CONFIG [--set key=value ...] [--unit 0] [--top 15]
+    python -m tttvideo.memory.trace.fake_trace CONFIG [--set key=value ...] [--unit 0] [--top 15]
 
 Builds the config's model under FakeTensorMode (shapes and dtypes, no storage: a 63-s Wan block costs no memory),
 makes the fake CPU tensors allocate as a CUDA step would (`gpu_stand_ins.cuda_like`: CUDA autocast's fp32
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tttvideo.memory.studies.live_bytes import LiveBytes, PeakPart
+from tttvideo.memory.trace.live_bytes import LiveBytes, PeakPart
 
 GIB = 2**30
 
@@ -109,7 +109,7 @@ def trace_unit(cfg, unit: int = 0, fake: bool = True) -> UnitTrace:
     from tttvideo.config.loader import with_overrides
     from tttvideo.dtypes import torch_dtype
     from tttvideo.errors import ConfigError
-    from tttvideo.memory.studies.gpu_stand_ins import cuda_like
+    from tttvideo.memory.trace.gpu_stand_ins import cuda_like
     from tttvideo.models.backbone import backbone_of, layout_of
     from tttvideo.models.build import build_model
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from tttvideo.config.loader import load_config
     from tttvideo.errors import UserError
 
-    parser = argparse.ArgumentParser(prog="python -m tttvideo.memory.studies.fake_trace", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tttvideo.memory.trace.fake_trace", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
