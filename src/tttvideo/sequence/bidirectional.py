@@ -45,8 +45,6 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def gated(y: torch.Tensor, text_gate: torch.Tensor, video_gate: torch.Tensor, text_tokens: int) -> torch.Tensor:
     """tanh(gate) * y with the text gate on the first `text_tokens` tokens and the video gate on the rest."""
-    if text_tokens == 0:  # no text in the stream (Wan): no concatenated copy of the product
-        return torch.tanh(video_gate).to(y.dtype) * y
     return torch.cat([torch.tanh(text_gate).to(y.dtype) * y[:, :text_tokens],
                       torch.tanh(video_gate).to(y.dtype) * y[:, text_tokens:]], dim=1)
 
