@@ -29,6 +29,11 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
                    help="share of the card the chosen setup leaves free (default 0.05)")
     p.add_argument("--explain", action="store_true",
                    help="print the counted parts of the chosen setup's peak (or of the first candidate's)")
+    p.add_argument("--trace", action="store_true",
+                   help="training of a backbone whose blocks were not measured (Wan): take each setup's working sets "
+                        "from a fake-tensor trace of its block unit at full size (python -m "
+                        "tttvideo.memory.trace.fake_trace; seconds a setup) instead of constants measured on "
+                        "CogVideoX-5B")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the launch (default 1)")
     p.add_argument("--phase", choices=("train", "sample"), default="train", help="what to plan (default train)")
     p.add_argument("--duration", default=None, help="video length to plan for (default: layout.duration)")
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.layout.duration = args.duration
         extra["layout.duration"] = args.duration
     costs = load_costs(args.gpu_kind, *([Path(args.costs)] if args.costs else []))
-    preds = plan(cfg, args.phase, gpu_mem, costs, args.gpus, margin)
+    preds = plan(cfg, args.phase, gpu_mem, costs, args.gpus, margin, trace=args.trace)
     print_plan(preds, gpu_mem, args, costs.device or costs.gpu, margin)
     chosen = best(preds)
     if args.explain and preds:

@@ -369,6 +369,23 @@ class CheckpointingConfig(CheckpointSwitches):
         "5.8 for Wan, plus the GELU input saved for backward) exists for one chunk at a time in forward and backward; "
         "same gradients, one more forward of the MLP. A size in tokens, so the bound does not grow with the video "
         "(e.g. 32768); 0 = off (docs/memory.md)"))
+    ttt_chunk_tokens: int = bounded(0, 0, help=(
+        "training: run each TTT layer's token-wise parts (the gather into scan order, the q/k/v projection, eta and "
+        "the scan-input glue; the post-norm, in fp32 under autocast, and the output projection) over chunks of "
+        "this many tokens, each chunk checkpointed on its own, so none of them exists for the whole video; the scan, "
+        "its inputs and output stay whole. Same gradients, one more forward of those parts. e.g. 32768; 0 = off "
+        "(docs/memory.md)"))
+    ttt_head_groups: int = bounded(1, 1, help=(
+        "training, with ttt_chunk_tokens: run each TTT layer's scan over this many groups of heads, each group (its "
+        "chunked projections, scan inputs, scan checkpoints and backward scratch) checkpointed on its own, so they "
+        "exist for one group at a time in backward; same gradients, one more forward of the scan. 1 = all heads "
+        "at once (docs/memory.md)"))
+    attention_by_window: bool = field(default=False, metadata={
+        "help": "training, Wan: run each block's self- and cross-attention one window (segment) at a time, each "
+                "window checkpointed on its own, so a window's adaLN input, q/k/v, their fp32 norms and RoPE and "
+                "its attention output exist for one window at a time instead of for the whole video (at 63 s the "
+                "whole-video form makes ~20 stream-sized tensors at once); same gradients, one more forward of "
+                "the attentions (docs/memory.md)"})
     offload_activations: bool = field(default=False, metadata={
         "help": "training: move the tensors autograd saves for backward (1 MiB and larger; with block = true the "
                 "block inputs) to host memory in forward and back in backward, around each micro-batch; weights "

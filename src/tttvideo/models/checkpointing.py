@@ -23,6 +23,15 @@ products would double what is kept (with them, the 5B's 3-s step does not fit 80
 `ffn_chunk_tokens` runs each block's feed-forward MLP (Wan: with its adaLN and gated residual add) over chunks of that
 many tokens in training, each chunk checkpointed on its own (`models.layers.token_chunked`): the MLP's hidden layer
 exists for one chunk at a time, in forward and in backward, for one more forward of the MLP.
+
+`ttt_chunk_tokens` runs the TTT layer's token-wise parts in training (its gather into scan order, q/k/v projection,
+eta and scan-input glue; its post-norm and output projection) over chunks of that many tokens, each chunk
+checkpointed (`tttvideo.ttt.layer.TTTLayer._chunked`), and with `ttt_head_groups` the scan over groups of heads,
+each group checkpointed.
+
+`attention_by_window` (Wan) runs a block's self- and cross-attention one window at a time, each window under its
+own checkpoint (`models.wan.block.WanBlock._by_window`): the whole-video q/k/v, their fp32 RMSNorms, the gathered
+windows and their fp32 RoPE are never made at once.
 """
 
 from __future__ import annotations
@@ -199,11 +208,25 @@ def apply_checkpointing(model: Backbone, cfg: CheckpointingConfig) -> list[Layer
         if block.ttt is not None:
             block.ttt.checkpoint_forward = p.forward_ttt
             block.ttt.checkpoint_reverse = p.reverse_ttt
+    if cfg.attention_by_window:
+        if not all(hasattr(b, "attention_by_window") for b in model.blocks):
+            raise ConfigError("checkpointing.attention_by_window runs Wan's windowed attentions one window at a "
+                              "time; this model's blocks have no such form: set it to false")
+        for b in model.blocks:
+            b.attention_by_window = True
     model.block_units = block_units(policies)
     model.nested_span = cfg.nested_span
+    from tttvideo.ttt.layer import TTTLayer
+
+    if cfg.ttt_head_groups > 1 and cfg.ttt_chunk_tokens <= 0:
+        raise ConfigError(f"checkpointing.ttt_head_groups = {cfg.ttt_head_groups} groups the heads of the TTT "
+                          "layer's chunked training form; set checkpointing.ttt_chunk_tokens too (e.g. 32768), or "
+                          "ttt_head_groups = 1")
     for m in model.blocks.modules():
         if isinstance(m, MLP):
             m.chunk_tokens = cfg.ffn_chunk_tokens
+        elif isinstance(m, TTTLayer):
+            m.chunk_tokens, m.head_groups = cfg.ttt_chunk_tokens, cfg.ttt_head_groups
     return policies
 
 

@@ -64,8 +64,10 @@ def token_chunked(fn: Callable[..., torch.Tensor], x: torch.Tensor, chunk_tokens
     L = x.shape[1]
     if chunk_tokens <= 0 or chunk_tokens >= L or not torch.is_grad_enabled():
         return fn(x, *args)
-    return torch.cat([checkpoint(fn, x[:, s:min(s + chunk_tokens, L)], *args, use_reentrant=False)
-                      for s in range(0, L, chunk_tokens)], dim=1)
+    # split, not a slice per chunk: backward joins the chunks' gradients of x once (one [B, L, ...] tensor) instead
+    # of widening each chunk's to the whole x and summing
+    return torch.cat([checkpoint(fn, rows, *args, use_reentrant=False) for rows in x.split(chunk_tokens, dim=1)],
+                     dim=1)
 
 
 class MLP(nn.Module):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
@@ -67,6 +68,15 @@ def inner_hidden(kind: str, head_dim: int, mlp_expansion: int = MLP_EXPANSION) -
     return mlp_expansion * head_dim if kind == "mlp" else head_dim
 
 
+def head_groups(heads: int, groups: int) -> list[slice]:
+    """`heads` cut into `groups` contiguous groups (at most one per head) of sizes differing by at most one, as
+    torch.tensor_split cuts them."""
+    groups = max(1, min(groups, heads))
+    sizes = [heads // groups + (i < heads % groups) for i in range(groups)]
+    starts = [sum(sizes[:i]) for i in range(groups)]
+    return [slice(a, a + n) for a, n in zip(starts, sizes)]
+
+
 class TTTLayer(nn.Module):
     """One TTT pass over the whole sequence. Its settings come from a TTTConfig, except the mini-batch size, which
     belongs to the layout the layer is called with (the layout pads the sequence to it, and the inner learning rate
@@ -90,6 +100,11 @@ class TTTLayer(nn.Module):
         # backend and compile_glue may be switched on a built layer (benchmarks compare them)
         self.backend = config.backend
         self.compile_glue = config.compile_glue
+        # checkpointing.ttt_chunk_tokens and ttt_head_groups (set by models.checkpointing.apply_checkpointing):
+        # training runs the projections, eta, the scan-input glue and the output path over chunks of this many
+        # tokens, and the scan over this many groups of heads (`_chunked`)
+        self.chunk_tokens = 0
+        self.head_groups = 1
 
         H, D = num_heads, self.head_dim
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=True) for _ in range(4))
@@ -143,6 +158,9 @@ class TTTLayer(nn.Module):
         forward_order, reverse_order, cos, sin = layout_tensors(layout, self.head_dim, self.rope_theta, x.device)
         scan_order, residual_order = reverse_order if reverse else forward_order
 
+        if sp is None and 0 < self.chunk_tokens < L and torch.is_grad_enabled():
+            layout.check_sequence_length(L)
+            return self._chunked(x, layout, scan_order, residual_order, cos, sin)
         if sp is None:
             layout.check_sequence_length(L)
             # Everything runs in scan order: one gather of x replaces a gather of each of q, k, v and eta, and all
@@ -159,6 +177,65 @@ class TTTLayer(nn.Module):
                             residual_order)
         out = sp.to_sequence_shards(out, layout, head_axis=2).flatten(2)
         return self.wo(self.post_norm(out))
+
+    def _chunked(self, x: torch.Tensor, layout: VideoLayout, scan_order: torch.Tensor, residual_order: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`forward` in training with the token-wise parts over chunks of `chunk_tokens` tokens, each under its own
+        checkpoint, and the scan over `head_groups` groups of heads: per group of heads, a chunk's gather into scan
+        order, q/k/v projection, eta and scan-input glue write into the group's scan-input buffers (q, k, v:
+        [B, h, L + pad, D] each, and eta's), so neither the scan-order copy of the stream nor the projection's
+        output exists whole, and the group's scan runs on them. With several groups each group is checkpointed:
+        forward keeps its scan output only, backward recomputes one group's inputs, scan checkpoints and scratch at
+        a time (the scan is per head; only the post-norm mixes heads). Then the post-norm (fp32 under autocast) and
+        the output projection run chunk by chunk."""
+        B, L, C = x.shape
+        groups = head_groups(self.num_heads, self.head_groups)
+        if len(groups) == 1:
+            out = self._scan_heads(x, layout, scan_order, cos, sin, groups[0])
+        else:
+            out = torch.cat([checkpoint(self._scan_heads, x, layout, scan_order, cos, sin, heads, use_reentrant=False)
+                             for heads in groups], dim=1)
+        out = out[:, :, :L].transpose(1, 2)  # [B, L, H, D]
+        # split, not a slice per chunk: backward joins the chunks' gradients once instead of widening each to L
+        y = torch.cat([checkpoint(self._output_rows, rows, x.dtype, use_reentrant=False)
+                       for rows in out.split(self.chunk_tokens, dim=1)], dim=1)
+        return gather_tokens(y, residual_order)
+
+    def _scan_heads(self, x: torch.Tensor, layout: VideoLayout, scan_order: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, heads: slice) -> torch.Tensor:
+        """The scan output [B, h, L + pad, D] of `heads`, its inputs made chunk by chunk."""
+        B, L, _ = x.shape
+        h, D, pad = heads.stop - heads.start, self.head_dim, layout.ttt_padding
+        # three buffers, not one [3, ...]: the gradient of each reaches the scan's without a stacked copy
+        inputs = [x.new_empty(B, h, L + pad, D) for _ in range(3)]
+        eta = torch.empty(B, h, L + pad, device=x.device, dtype=torch.float32)
+        if pad:
+            for t in inputs:
+                t[:, :, L:] = 0
+            eta[:, :, L:] = 0  # padded tokens: eta = 0, no update
+        for s, e in token_chunks(0, L, self.chunk_tokens):
+            qkv_s, eta_s = checkpoint(self._scan_inputs_rows, x, scan_order[s:e], cos[s:e], sin[s:e],
+                                      layout.mini_batch_size, heads, use_reentrant=False)
+            for t, part in zip(inputs, qkv_s.unbind(0)):
+                t[:, :, s:e] = part
+            eta[:, :, s:e] = eta_s
+        return self.scan(*inputs, eta, layout, heads)
+
+    def _scan_inputs_rows(self, x: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          mini_batch_size: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scan inputs [3, B, h, n, D] and eta [B, h, n] of `heads` for the n stream rows `index` (in scan
+        order)."""
+        xs = gather_tokens(x, index)
+        w, b = self.qkv_projection(heads)
+        qkv = F.linear(xs, w, b).unflatten(-1, (3, heads.stop - heads.start, self.head_dim))
+        qkv = prepare_scan_inputs(qkv, cos, sin, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads], 0, x.dtype,
+                                  self.backend, self.compile_glue)
+        return qkv, self.eta(xs, mini_batch_size, heads).transpose(1, 2)
+
+    def _output_rows(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Post-norm and output projection of scan outputs [B, n, H, D] -> [B, n, C]."""
+        B, n = out.shape[:2]
+        return self.wo(self.post_norm(out.reshape(B, n, -1).to(dtype)))
 
     @torch.no_grad()
     def chunked_pass_(self, x: torch.Tensor, layout: VideoLayout, plan: ChunkPlan, reverse: bool,

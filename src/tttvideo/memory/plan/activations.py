@@ -287,12 +287,15 @@ def offloaded_units(cfg: Config, g: Geometry, k: BlockConstants) -> int:
     return min(saved, int(cap * GIB) // max(1, saved_input(g, k)))
 
 
-def _step_peak(cfg: Config, counted: Counted, k: BlockConstants, g: Geometry, optimizer_state_live: bool
-               ) -> tuple[str, list[Part]]:
+def _step_peak(cfg: Config, counted: Counted, k: BlockConstants, g: Geometry, optimizer_state_live: bool,
+               traced: tuple[list[Part], list[Part]] | None = None) -> tuple[str, list[Part]]:
     """The phase where one training step peaks and its parts; `optimizer_state_live=False`: a process's first step,
-    whose optimizer state appears only at its optimizer step."""
+    whose optimizer state appears only at its optimizer step; `traced`: the (forward, backward) working sets of the
+    block that runs from a trace of it (`memory.plan.traced`) instead of the counted `working_set`."""
     s = saved_input(g, k)
-    ws = working_set(g, k)
+    ws_forward = ws = working_set(g, k)
+    if traced is not None:
+        ws_forward, ws = traced
     n = g.units
     grad_per_unit = counted.gradients // max(1, n)
     opt = counted.optimizer if optimizer_state_live else 0
@@ -319,7 +322,7 @@ def _step_peak(cfg: Config, counted: Counted, k: BlockConstants, g: Geometry, op
         base.append(Part("optimizer state", opt, "counted"))
     fwd_inputs = len(spans) - off
     phases.append(("end of forward", base + [Part(f"saved inputs: {fwd_inputs} x {s / GIB:.3f} GiB", fwd_inputs * s,
-                                                  "counted")] + ws))
+                                                  "counted")] + ws_forward))
     for unit in range(n - 1, -1, -1):
         live, what = on_gpu_inputs(unit)
         grads = counted.gradients if unit == 0 else (n - unit) * grad_per_unit
@@ -333,11 +336,12 @@ def _step_peak(cfg: Config, counted: Counted, k: BlockConstants, g: Geometry, op
 
 
 def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
-               first_step_only: bool = False) -> Breakdown:
+               first_step_only: bool = False,
+               traced: tuple[list[Part], list[Part]] | None = None) -> Breakdown:
     """The peak of a training process of `cfg` (block model policy) as counted parts: its later steps' allocated
     peak (the optimizer state live in backward) and the larger of the two reserves, the first step's (its offload
     reserve is larger) and the later steps' (their allocated peak is). `first_step_only`: a process that runs one
-    step (what a one-step benchmark measures)."""
+    step (what a one-step benchmark measures); `traced`: the block's working sets from a trace (`_step_peak`)."""
     g = Geometry.of(cfg, gpus)
     s = saved_input(g, k)
     off = offloaded_units(cfg, g, k)
@@ -346,14 +350,14 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
     def reserve(allocated: int, units: float) -> int:
         return int(allocated * (1 + k.reserved_fraction) + (units * s if off else 0))
 
-    first_phase, first_parts = _step_peak(cfg, counted, k, g, optimizer_state_live=False)
+    first_phase, first_parts = _step_peak(cfg, counted, k, g, optimizer_state_live=False, traced=traced)
     first_allocated = sum(p.nbytes for p in first_parts)
     first_reserved = reserve(first_allocated, k.first_step_offload_reserved_units)
     if first_step_only:
         phase, parts, allocated, reserved, units = (first_phase, first_parts, first_allocated, first_reserved,
                                                     k.first_step_offload_reserved_units)
     else:
-        phase, parts = _step_peak(cfg, counted, k, g, optimizer_state_live=True)
+        phase, parts = _step_peak(cfg, counted, k, g, optimizer_state_live=True, traced=traced)
         allocated = sum(p.nbytes for p in parts)
         units = k.offload_reserved_units
         reserved = reserve(allocated, units)
@@ -364,6 +368,8 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
                               "host")]
         if off < saved:
             notes.append(f"host pool holds {off} of {saved} saved block inputs; the rest stay on the GPU")
+    if traced is not None:
+        notes.append("working sets traced on fake tensors (memory.trace.fake_trace), not measured")
     if k.carried:
         carried = ", ".join(dict.fromkeys(CONSTANT_NAMES[c] for c in CARRIED if c in k.carried))
         notes.append(f"{g.backbone}: block model's {carried} measured on {MEASURED_ON[REFERENCE_BACKBONE]}, "

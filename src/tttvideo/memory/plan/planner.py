@@ -182,11 +182,13 @@ def _sample_candidates(cfg: Config, gpus: int) -> list[Candidate]:
 
 
 def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpus: int = 1,
-            gpu_mem: int | None = None, margin: float = MARGIN, first_step_only: bool = False) -> Prediction:
+            gpu_mem: int | None = None, margin: float = MARGIN, first_step_only: bool = False,
+            trace: bool = False) -> Prediction:
     """The prediction of one candidate: for training, of a process that runs several steps (the later steps'
     allocated peak, the optimizer state live in backward, and the largest reserve of any step, the first one's
     included: what must fit the card); `first_step_only`: of a process's first step alone (what a one-step
-    benchmark measures)."""
+    benchmark measures); `trace`: for a backbone whose blocks were not measured, the block model's working sets
+    from a fake-tensor trace of the candidate's block unit (`memory.plan.traced`) instead of the counted ones."""
     c = candidate.apply(cfg)
     layout = layout_of(c)
     batch = c.train.batch_size if phase == "train" else 1
@@ -198,7 +200,12 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     if phase == "train" and costs.blocks and fits_block_model(c, gpus):
         geometry = Geometry.of(c, gpus)
         blocks = BlockConstants.for_backbone(costs.blocks, geometry.backbone)
-        breakdown = train_peak(c, counted, blocks, gpus, first_step_only)
+        traced = None
+        if trace and not geometry.measured:
+            from tttvideo.memory.plan.traced import traced_working_sets
+
+            traced = traced_working_sets(c)
+        breakdown = train_peak(c, counted, blocks, gpus, first_step_only, traced)
         activation = breakdown.allocated - counted.total
         reserved, host = breakdown.reserved, breakdown.host
         if streams_weights(c):
@@ -210,7 +217,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         notes.extend(breakdown.notes)
         if gpus > 1:
             notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
-        basis = "counted (block model, extrapolated)" if blocks.extrapolated else "counted (block model)"
+        basis = ("counted (block model, traced)" if traced else "counted (block model, extrapolated)"
+                 if blocks.extrapolated else "counted (block model)")
         if geometry.measured and c.model.adapter not in MEASURED_ADAPTERS:
             notes.append(f"block model measured with qkvo; {c.model.adapter}'s activations counted the same")
         # the block model's techniques scale the time of the step with the inputs kept; the FFN chunks by an
@@ -280,10 +288,10 @@ def fits_in(peak: int, gpu_mem: int, streamed: bool = False, margin: float = 0.0
 
 
 def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
-         margin: float = MARGIN) -> list[Prediction]:
+         margin: float = MARGIN, trace: bool = False) -> list[Prediction]:
     """Every candidate's prediction, best first: those that fit by step time (unknown time last; of equal times the
-    one with fewer `overheads`), then those that do not by peak, then the unmeasured."""
-    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin) for c in candidates(cfg, phase, gpus)]
+    one with fewer `overheads`), then those that do not by peak, then the unmeasured. `trace`: see `predict`."""
+    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin, trace=trace) for c in candidates(cfg, phase, gpus)]
 
     def rank(p: Prediction) -> tuple:
         if p.fits:

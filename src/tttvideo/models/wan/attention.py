@@ -56,6 +56,12 @@ def window_gather(layout: VideoLayout, device: torch.device) -> tuple[torch.Tens
 
 
 @lru_cache(maxsize=16)
+def window_indices(layout: VideoLayout, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per layout and device: each window's stream positions [W]."""
+    return tuple(layout.window_index(i).to(device) for i in range(layout.num_segments))
+
+
+@lru_cache(maxsize=16)
 def window_rope(layout: VideoLayout, head_dim: int, theta: float, device: torch.device):
     """The local RoPE cos/sin [W, D] of one window (frame positions restart at 0 in every window)."""
     cos, sin = wan_rope_cos_sin(layout.local_positions, head_dim, theta)

@@ -23,12 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
 from tttvideo.models.layers import MLP, token_chunked
-from tttvideo.models.wan.attention import SegmentCrossAttention, WindowSelfAttention, window_gather, window_rope
+from tttvideo.models.wan.attention import (SegmentCrossAttention, WindowSelfAttention, window_gather, window_indices,
+                                           window_rope)
 from tttvideo.models.wan.spec import WanSpec
 from tttvideo.sequence.build import sequence_layer
 from tttvideo.sequence.chunks import ChunkPlan, token_chunks
@@ -58,6 +60,20 @@ def norm_modulate(x: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch
     return torch.addcmul(shift, h, 1 + scale).to(x.dtype)
 
 
+# tokens per piece of `gated_add`: its fp32 temporaries exist for this many tokens at a time
+GATED_ADD_TOKENS = 32768
+
+
+def gated_add(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """(x + a * gate) in fp32, back in x's dtype, over pieces of GATED_ADD_TOKENS tokens when gradients are on: the
+    same values (elementwise), but the fp32 copies of x, of a * gate and of their sum (three fp32 streams, 6.8 GiB at
+    63 s) exist for one piece at a time. Nothing is recomputed: each piece saves only views of a and the gate."""
+    if not torch.is_grad_enabled() or x.shape[1] <= GATED_ADD_TOKENS:
+        return (x.float() + a * gate).to(x.dtype)
+    return torch.cat([(xs.float() + as_ * gate).to(x.dtype) for xs, as_ in
+                      zip(x.split(GATED_ADD_TOKENS, dim=1), a.split(GATED_ADD_TOKENS, dim=1))], dim=1)
+
+
 class WanBlock(nn.Module):
     def __init__(self, spec: WanSpec, ttt: TTTConfig | None, kind: str = "ttt"):
         """ttt: the TTT layer's settings, None for the attention-only block; kind: the long-range layer
@@ -77,18 +93,64 @@ class WanBlock(nn.Module):
         self.checkpoint_attention = False
         self.checkpoint_mlp = False
         self.checkpoint_keep: tuple[str, ...] = ()
+        # checkpointing.attention_by_window: both attentions one window at a time in training, each window
+        # checkpointed on its own (`_by_window`)
+        self.attention_by_window = False
         # bounded-memory forward without gradients (memory.chunked_inference, set by build_model); None: plain
         self.inference_chunks: ChunkPlan | None = None
 
+    def _windowed(self) -> bool:
+        return self.attention_by_window and torch.is_grad_enabled()
+
+    @staticmethod
+    def _by_window(window_fn, x: torch.Tensor, layout: VideoLayout, *args) -> torch.Tensor:
+        """The windows' outputs `window_fn(x, index, i, *args)` [B, W, C] (before the output projection) summed
+        into their stream positions and averaged over the windows sharing a frame, as `merge_windows` does for
+        the windows attended at once. Each window runs under its own checkpoint that saves only x (alive anyway)
+        and its index: what a window makes (its adaLN input, q/k/v, their fp32 norms and RoPE, the attention
+        output) exists for one window at a time, in forward and in the backward recompute."""
+        n = layout.num_segments
+        acc = None
+        batch = torch.arange(x.shape[0], device=x.device)[:, None]
+        for i, index in enumerate(window_indices(layout, x.device)):
+            out = checkpoint(window_fn, x, index, i, *args, use_reentrant=False)
+            if acc is None:
+                acc = out.new_zeros(x.shape[0], x.shape[1], out.shape[-1])
+            # index_put_, not index_add_: its backward keeps the index only, index_add_'s the window's output too
+            acc = acc.index_put_((batch, index[None, :]), out, accumulate=True)
+        if n > 1:
+            acc = acc * window_gather(layout, x.device)[1].to(acc.dtype)
+        return acc
+
+    def _self_attention_window(self, x: torch.Tensor, index: torch.Tensor, i: int, shift: torch.Tensor,
+                               scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.attn.window_forward(norm_modulate(x[:, index], self.eps, shift, scale), cos, sin)
+
+    def _cross_attention_window(self, x: torch.Tensor, index: torch.Tensor, i: int,
+                                text: torch.Tensor) -> torch.Tensor:
+        return self.cross_attn.window_forward(self._cross_norm(x[:, index]), text[:, i])
+
+    def _cross_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cross_norm is None:
+            return x
+        return F.layer_norm(x.float(), (x.shape[-1],), self.cross_norm.weight.float(), self.cross_norm.bias.float(),
+                            self.eps).to(x.dtype)
+
     def _self_attention(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                         layout: VideoLayout) -> torch.Tensor:
+        if self._windowed():
+            cos, sin = window_rope(layout, self.attn.head_dim, self.attn.rope_theta, x.device)
+            return self.attn.to_out(self._by_window(self._self_attention_window, x, layout, shift, scale, cos, sin))
         return self.attn(norm_modulate(x, self.eps, shift, scale), layout)
 
     def _cross_and_ffn(self, x: torch.Tensor, text: torch.Tensor, layout: VideoLayout, shift: torch.Tensor,
                        scale: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x if self.cross_norm is None else F.layer_norm(x.float(), (x.shape[-1],), self.cross_norm.weight.float(),
-                                                          self.cross_norm.bias.float(), self.eps).to(x.dtype)
-        x = x + self.cross_attn(h, text, layout)
+        if self._windowed():
+            if text.shape[1] != layout.num_segments:
+                layout.check_text_embeddings(text.shape[1])
+            x = x + self.cross_attn.to_out(self._by_window(self._cross_attention_window, x, layout, text))
+        else:
+            x = x + self.cross_attn(self._cross_norm(x), text, layout)
         # checkpointing.ffn_chunk_tokens: the whole token-wise tail over chunks, so that neither the hidden layer nor
         # the tail's fp32 copies of the stream exist for the whole video at once
         return token_chunked(self._ffn_residual, x, self.ffn.chunk_tokens, shift, scale, gate)
@@ -109,7 +171,7 @@ class WanBlock(nn.Module):
         if self.ttt is not None:
             with long_range_layer():
                 a = self.ttt(a, layout)
-        x = (x.float() + a * gate).to(x.dtype)
+        x = gated_add(x, a, gate)
         return maybe_checkpoint(self._cross_and_ffn, self.checkpoint_mlp, x, text, layout, c_shift, c_scale, c_gate,
                                 keep=self.checkpoint_keep)
 
