@@ -11,6 +11,11 @@ also draws the demo set) set, its folders under `--work` and TensorBoard off; `-
   own) at sampling seeds 1 and 2, as the end-of-run video is sampled, and each is scored (`score_frames` on the
   decoded frames, pooled by 8): 10 videos of 2 scenes.
 
+With `--set train.ema_decay=...` the trained run holds EMA weights, which its video and "20 scenes" sample with;
+the same 20 scenes are then sampled with the last-step weights too ("20 scenes, raw": `sample.use_ema = false`),
+so one training compares both, and the frames of the demo's own story from the raw weights go to
+raw-frames.png beside the run's frames.png.
+
 The CPU time of each training command (user + system of the child process) is recorded; on a shared machine it,
 not the wall time, is comparable between runs. Prints a table and writes JSON (`--out`).
 """
@@ -54,16 +59,20 @@ def train_seed(seed: int, work: Path, overrides: list[str], config: str) -> tupl
     return out, cpu, proc.stdout
 
 
-def twenty_scenes(run: Path, data: Path) -> dict:
+def twenty_scenes(run: Path, data: Path, overrides: tuple[str, ...] = (), first_png: Path | None = None) -> dict:
     from tttvideo.api import VideoPipeline
+    from tttvideo.train.figures import frame_strip
 
     stories = json.loads((data / "stories.json").read_text())
     jobs = [(story, 0) for story in stories] + [(stories[0], 1), (stories[0], 2)]
     scenes = []
-    with VideoPipeline.from_run(run) as pipe:
+    with VideoPipeline.from_run(run, overrides=overrides) as pipe:
         for story, sample_seed in jobs:
             video = pipe(story, seed=sample_seed)
-            scenes += score_frames(video.frames, [s["text"] for s in story], pool=8).scenes
+            captions = [s["text"] for s in story]
+            if first_png is not None and story is stories[0] and sample_seed == 0:
+                frame_strip(video.frames, captions, first_png)
+            scenes += score_frames(video.frames, captions, pool=8).scenes
     acc = {a: float(np.mean([getattr(s, f"{a}_ok") for s in scenes])) for a in ATTRIBUTES}
     return {"scenes": len(scenes), "accuracy": acc, "overall": float(np.mean(list(acc.values()))),
             "fill": [s.fill for s in scenes], "aspect": [s.aspect for s in scenes],
@@ -92,15 +101,23 @@ def main() -> None:
                "video": {"overall": own.overall, "accuracy": {a: own.accuracy(a) for a in ATTRIBUTES},
                          "scenes": [(s.caption, s.colour, s.shape, s.direction, s.background) for s in own.scenes]},
                "twenty": twenty_scenes(run, work / f"data-{seed}")}
+        if any((run / "checkpoints").glob("step-*/ema.safetensors")):
+            row["twenty_raw"] = twenty_scenes(run, work / f"data-{seed}", ("sample.use_ema=false",),
+                                              run / "raw-frames.png")
         row["wall_s"] = round(time.time() - t0, 1)
         rows.append(row)
-        print(f"seed {seed}: video {own.overall:.2f}, 20 scenes {row['twenty']['overall']:.2f}, "
+        raw = f" (raw weights {row['twenty_raw']['overall']:.2f})" if "twenty_raw" in row else ""
+        print(f"seed {seed}: video {own.overall:.2f}, 20 scenes {row['twenty']['overall']:.2f}{raw}, "
               f"training {cpu:.0f} s CPU", flush=True)
     print(f"\n{'train.seed':>10} | its video | 20 scenes: " + " / ".join(ATTRIBUTES) + " | overall | CPU s")
     for r in rows:
         acc = r["twenty"]["accuracy"]
         print(f"{r['seed']:>10} | {r['video']['overall']:.2f} | " + " / ".join(f"{acc[a]:.2f}" for a in ATTRIBUTES)
               + f" | {r['twenty']['overall']:.2f} | {r['train_cpu_s']:.0f}")
+        if "twenty_raw" in r:
+            acc = r["twenty_raw"]["accuracy"]
+            print(f"{'raw':>10} | {'':>9} | " + " / ".join(f"{acc[a]:.2f}" for a in ATTRIBUTES)
+                  + f" | {r['twenty_raw']['overall']:.2f} |")
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         record = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,

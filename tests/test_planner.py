@@ -105,6 +105,21 @@ def test_fsdp_shards_the_counted_parts():
     assert two.optimizer == one.optimizer // 2 and two.gradients == one.gradients // 2
 
 
+def test_ema_copy_is_counted_as_the_trainer_keeps_it():
+    """train.ema_decay > 0: the fp32 average of every trainable parameter (what tttvideo.train.ema holds) is counted
+    in the weights, for training only."""
+    from tttvideo.train.ema import WeightAverage
+
+    cfg = tiny("qkvo", "dtype", "adamw", "bf16")
+    off = count(cfg, "train")
+    cfg.train.ema_decay = 0.99
+    on = count(cfg, "train")
+    average = WeightAverage(build_model(cfg), 0.99)
+    assert on.ema == average.nbytes() == 4 * off.trainable_params > 0
+    assert on.weights == off.weights + on.ema and on.total == off.total + on.ema and off.ema == 0
+    assert count(cfg, "sample") == count(tiny("qkvo", "dtype", "adamw", "bf16"), "sample")
+
+
 def synthetic_costs(cfg: Config, phase: str) -> CostTable:
     """A cost for every regime the planner proposes: 1 KiB and 1 ms per token, more without offload."""
     table = CostTable("test")

@@ -228,3 +228,80 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
     Trainer(tiny_config(tmp_path, "train.steps=2"), quiet=True).run()
     with pytest.raises(UserError, match="global batch of 1, this config has 2; resuming would change the data order"):
         Trainer(tiny_config(tmp_path, "train.steps=4", "train.grad_accum=2"), resume=True, quiet=True).run()
+
+
+def test_weight_average_follows_its_formula_with_the_warm_up():
+    """e <- d e + (1 - d) p after every update, d = min(decay, (1 + n) / (10 + n)), in fp32 from bf16 weights; only
+    the trainable parameters are averaged, and swapping the average in and out restores the weights exactly."""
+    from tttvideo.train.ema import WeightAverage
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+    model[1].bias.requires_grad_(False)
+    for decay in (0.5, 0.99):
+        for p in model.parameters():
+            p.data.normal_()
+        average = WeightAverage(model, decay)
+        expected = {n: p.detach().double() for n, p in model.named_parameters() if p.requires_grad}
+        assert set(average.average) == set(expected) and all(t.dtype == torch.float32 for t in average.average.values())
+        for n in range(6):
+            for p in model.parameters():
+                p.data.add_(torch.randn_like(p))
+            d = min(decay, (1 + n) / (10 + n))
+            assert average.rate() == d
+            average.update()
+            expected = {k: d * e + (1 - d) * dict(model.named_parameters())[k].detach().double()
+                        for k, e in expected.items()}
+        for k, e in expected.items():
+            torch.testing.assert_close(average.average[k].double(), e, rtol=1e-6, atol=1e-6)
+        before = [p.detach().clone() for p in model.parameters()]
+        with average.swapped_in():
+            assert torch.equal(model[0].weight, average.average["0.weight"].to(torch.bfloat16))
+            assert not torch.equal(model[0].weight, before[0])
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_ema_checkpoints_sampling_and_init_from(tmp_path, monkeypatch, capsys):
+    """train.ema_decay: every checkpoint holds ema.safetensors (fp32, the trainable parameters, listed in the
+    manifest); the sampler loads it over the model file unless sample.use_ema = false; the next stage starts from it;
+    more than one process is refused before anything is built."""
+    from safetensors.torch import load_file
+
+    from tttvideo.models import build_model, load_checkpoint
+    from tttvideo.runs import read_manifest
+    from tttvideo.sample.model import load_model
+
+    cfg = tiny_config(tmp_path, "train.ema_decay=0.9", "train.steps=3", "train.checkpoint_every=3")
+    Trainer(cfg, quiet=True).run()
+    folder = tmp_path / "run/checkpoints/step-000003"
+    raw, ema = load_file(str(folder / ckpt.MODEL_FILE)), load_file(str(folder / ckpt.EMA_FILE))
+    model = build_model(cfg)
+    assert set(ema) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(t.dtype == torch.float32 for t in ema.values())
+    assert any(not torch.equal(raw[n], ema[n]) for n in ema)
+    assert ckpt.EMA_FILE in read_manifest(folder)["files"]
+    assert ckpt.load_state(folder)["ema"] == {"updates": 3, "decay": 0.9}
+
+    def sampled(*extra):
+        with load_model(tiny_config(tmp_path, *extra), folder, torch.device("cpu")) as loaded:
+            return {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
+
+    for n, p in sampled().items():
+        assert torch.equal(p, ema[n].to(p.dtype)), n
+    for n, p in sampled("sample.use_ema=false").items():
+        assert torch.equal(p, raw[n]), n
+
+    stage2 = tiny_config(tmp_path, f"train.output_dir={tmp_path / 'stage2'}", f"train.init_from={tmp_path / 'run'}",
+                         "train.steps=1", "train.lr=0", "train.lr_ssm=0")
+    Trainer(stage2, quiet=True).run()
+    b = build_model(stage2)
+    load_checkpoint(b, tmp_path / "stage2/checkpoints/step-000001/model.safetensors")
+    for n, p in b.named_parameters():
+        assert torch.equal(p, ema[n]), n  # lr 0: stage 2 holds stage 1's averaged weights
+
+    # under torchrun (WORLD_SIZE 2): one sentence before anything is built
+    from tests.cli_errors import one_error_line
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sets = [x for a in TINY + [f"train.output_dir={tmp_path / 'b'}", "train.ema_decay=0.9"] for x in ("--set", a)]
+    one_error_line(capsys, ["train", "configs/demo.toml", *sets], "train.ema_decay > 0 works with one process only")

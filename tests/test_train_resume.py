@@ -1,5 +1,6 @@
 """Exact resume: a run killed with SIGKILL after a checkpoint and resumed with --resume ends with parameters (and
-optimizer state) bitwise equal to an uninterrupted run, on CPU. Both runs are subprocesses of the real CLI."""
+optimizer state, and the EMA of the weights) bitwise equal to an uninterrupted run, on CPU. Both runs are
+subprocesses of the real CLI."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ ARGS = [
     "layout.duration=6s", "data.demo_videos=3", "data.demo_text_encoder=table", "train.batch_size=1",
     "train.grad_accum=2", f"train.steps={STEPS}", "train.checkpoint_every=3", "train.keep_checkpoints=5",
     "train.log_every=1", "train.sample_at_end=false", "train.tensorboard=false", "train.warmup_steps=2",
-    "train.text_dropout=0.5", "train.cpu_threads=1",
+    "train.text_dropout=0.5", "train.cpu_threads=1", "train.ema_decay=0.9",
 ]
 
 
@@ -62,6 +63,11 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs after resume (killed after step {done[-1]})"
+    # the EMA of the weights (train.ema_decay) continues exactly too
+    ea = load_file(str(full / f"checkpoints/step-{STEPS:06d}/ema.safetensors"))
+    eb = load_file(str(killed / f"checkpoints/step-{STEPS:06d}/ema.safetensors"))
+    assert ea.keys() == b.keys() and all(torch.equal(ea[n], eb[n]) for n in ea), "EMA differs after resume"
+    assert any(not torch.equal(ea[n], a[n]) for n in ea)  # it is an average, not a copy of the weights
     sa = load_state(full / f"checkpoints/step-{STEPS:06d}")
     sb = load_state(killed / f"checkpoints/step-{STEPS:06d}")
     for i, st in sa["optimizer"]["state"].items():

@@ -4,6 +4,8 @@ checkpoint path a user gives (run folder, checkpoint folder or model file) point
 
     <output_dir>/checkpoints/step-000500/
         model.safetensors   every parameter (tttvideo.models.save_checkpoint format; `init_from` reads it)
+        ema.safetensors     with train.ema_decay > 0: the fp32 moving average of the trainable parameters, in the
+                            model file's format (partial); sampling and `init_from` load it over model.safetensors
         state.safetensors   optimizer, LR scheduler, grad scaler, RNG states, counters (what resuming restores;
                             `tttvideo.train.statefile`; checkpoints of older versions hold state.pt instead)
         config.toml         the resolved config of the run
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
+EMA_FILE = "ema.safetensors"
 LEGACY_STATE_FILE = "state.pt"  # torch.save's pickle, written before state.safetensors; read as statefile says
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "manifest.json"
@@ -236,6 +239,16 @@ def find_model_file(path: str | Path) -> Path | None:
         return None
     intact = newest_intact_checkpoint(p, advice="point at another run or checkpoint")
     return intact / MODEL_FILE if intact is not None else None
+
+
+def ema_file_beside(model_file: Path) -> Path | None:
+    """The EMA weights of the checkpoint whose model file is `model_file` (ema.safetensors beside a
+    model.safetensors), checked against its manifest; None when there are none (EMA was off, or a bare model file)."""
+    ema = model_file.parent / EMA_FILE
+    if model_file.name != MODEL_FILE or not ema.is_file():
+        return None
+    _check_named(model_file.parent, EMA_FILE, ema)
+    return ema
 
 
 def _check_named(folder: Path, name: str, given: Path) -> None:

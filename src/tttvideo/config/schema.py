@@ -191,6 +191,11 @@ class TrainConfig:
                 "weight back to bf16 by stochastic rounding (torchao), so an update smaller than half a bf16 step "
                 "(1/256 of the weight) moves it on average instead of vanishing; off: round to nearest"})
     grad_clip: float = bounded(0.1, 0.0, help="max global gradient norm; 0 = no clipping")
+    ema_decay: float = bounded(0.0, 0.0, 0.99999, help=(
+        "exponential moving average of the trainable weights, kept in fp32 beside them and updated after every "
+        "optimizer step at min(ema_decay, (1 + n) / (10 + n)) after n updates (a warm-up, so early weights fade "
+        "out); saved as ema.safetensors in each checkpoint, sampled from by default (sample.use_ema) and started "
+        "from by train.init_from; 0 = off. One process only (not under torchrun)"))
     # loss
     text_dropout: float = bounded(0.1, 0.0, 1.0, help="probability of zeroing a sample's text (for CFG)")
     timestep_sampling: TimestepSampling = choice("uniform", *get_args(TimestepSampling), help=(
@@ -214,7 +219,8 @@ class TrainConfig:
                                                                      "checkpoints, metrics, TensorBoard logs and "
                                                                      "videos); --resume / --new / --overwrite set it")
     init_from: str = field(default="", metadata={"help": "checkpoint (file or run folder) of the previous stage to "
-                                                         "start from; optimizer and step start fresh"})
+                                                         "start from, with its EMA weights when it has them "
+                                                         "(ema.safetensors); optimizer and step start fresh"})
     # failures
     on_nonfinite: OnNonfinite = choice("stop", *get_args(OnNonfinite), help="NaN/Inf loss: stop naming the last good "
                                                                             "checkpoint, or skip the step")
@@ -276,6 +282,9 @@ class SampleConfig:
                                                                             "to cfg")
     cfg_start: float = bounded(1.0, 0.0, help="guidance at the first step of a ramp (the paper: 1 -> 4)")
     cfg_ramp_exp: float = bounded(1.0, 0.0, help="shape of the half-cosine ramp: 1 smooth, larger stays low longer")
+    use_ema: bool = field(default=True, metadata={"help": "sample with the EMA weights of a checkpoint that has "
+                                                          "them (ema.safetensors, train.ema_decay > 0); false: its "
+                                                          "last-step weights"})
     cfg_batched: bool = field(default=True, metadata={"help": "conditional and unconditional in one batch of 2 "
                                                               "(faster) instead of two passes (less memory)"})
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})

@@ -1,5 +1,6 @@
-"""The transformer as the sampler holds it: built from the config, a trained checkpoint on top, optionally with its
-blocks streamed from pinned CPU memory (`tttvideo.sample.offload`)."""
+"""The transformer as the sampler holds it: built from the config, a trained checkpoint on top (with the EMA weights
+beside its model file over it, when it has them and `sample.use_ema`), optionally with its blocks streamed from
+pinned CPU memory (`tttvideo.sample.offload`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
-from tttvideo.runs import is_full_checkpoint, resolve_checkpoint
+from tttvideo.runs import ema_file_beside, is_full_checkpoint, resolve_checkpoint
 from tttvideo.sample.offload import BlockOffloader
 from tttvideo.sample.scenes import Story
 
@@ -57,6 +58,10 @@ def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device,
     model = build_model(cfg, device=torch.device("cpu") if streamed else device)
     if model_file is not None:
         load_checkpoint(model, model_file)
+        ema_file = ema_file_beside(model_file) if cfg.sample.use_ema else None
+        if ema_file is not None:  # the moving average of the trainable weights (train.ema_decay) over them
+            load_checkpoint(model, ema_file)
+            log.info("sampling with the EMA weights of %s", ema_file.parent)
     model.eval().requires_grad_(False)
     if not offload:
         return LoadedModel(model)

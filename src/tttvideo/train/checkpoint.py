@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from tttvideo.errors import UserError
-from tttvideo.runs import (CONFIG_FILE, LEGACY_STATE_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MODEL_FILE, STATE_FILE,
-                           checkpoint_root, file_digest, find_model_file, latest_checkpoint, list_checkpoints,
-                           read_manifest, state_file)
+from tttvideo.runs import (CONFIG_FILE, EMA_FILE, LEGACY_STATE_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MODEL_FILE,
+                           STATE_FILE, checkpoint_root, file_digest, find_model_file, latest_checkpoint,
+                           list_checkpoints, read_manifest, state_file)
 from tttvideo.train.statefile import read_legacy_state, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_training_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, state: dict[str, Any],
                              config_text: str, keep: int, meta: dict[str, Any] | None = None,
-                             trained_duration_s: int | None = None) -> Path:
+                             trained_duration_s: int | None = None, ema: Any = None) -> Path:
     """Write checkpoint `step` atomically (its manifest last) and delete all but the newest `keep`; returns its
-    folder. `trained_duration_s` goes into the model file's metadata (`tttvideo.models.weights.trained_duration`)."""
-    return publish_checkpoint(output_dir, step, model, state, config_text, keep, meta or {}, trained_duration_s)
+    folder. `trained_duration_s` goes into the model file's metadata (`tttvideo.models.weights.trained_duration`);
+    `ema` (a `tttvideo.train.ema.WeightAverage`) is written as ema.safetensors beside the model file."""
+    return publish_checkpoint(output_dir, step, model, state, config_text, keep, meta or {}, trained_duration_s,
+                              ema=ema)
 
 
 def staging_folder(output_dir: str | Path, step: int) -> Path:
@@ -72,7 +74,7 @@ def _staging_path(output_dir: str | Path, step: int) -> Path:
 
 def publish_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, state: dict[str, Any],
                        config_text: str, keep: int, meta: dict[str, Any], trained_duration_s: int | None,
-                       tmp: Path | None = None) -> Path:
+                       tmp: Path | None = None, ema: Any = None) -> Path:
     """Complete a checkpoint in `tmp` (a `staging_folder`, which may already hold files, e.g. a multi-process run's
     dcp/ shards; None: a new one) with the model file, state.safetensors, config.toml and the manifest last, make it
     durable, rename it to step-NNNNNN (replacing a checkpoint of the same step: a resumed run's final save) and prune to the
@@ -84,6 +86,8 @@ def publish_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module
     try:
         tmp = staging_folder(output_dir, step) if tmp is None else tmp
         save_checkpoint(model, tmp / MODEL_FILE, trained_duration_s=trained_duration_s)
+        if ema is not None:
+            ema.save(tmp / EMA_FILE)
         write_state(state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
         write_manifest(tmp, step, meta)
@@ -216,7 +220,8 @@ def convert_legacy_state(folder: Path, state: dict[str, Any]) -> None:
 
 
 def resolve_init_from(path: str | Path) -> Path:
-    """`init_from` may name a model file, a checkpoint folder or a run folder (its newest checkpoint)."""
+    """`init_from` may name a model file, a checkpoint folder or a run folder (its newest checkpoint) -> the model
+    file (the trainer loads the EMA weights beside it over it, `runs.ema_file_beside`)."""
     try:
         found = find_model_file(path)
     except UserError as err:

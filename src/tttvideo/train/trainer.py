@@ -56,6 +56,7 @@ from tttvideo.train import checkpoint as ckpt
 from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped, uninterrupted
 from tttvideo.train.loss import NoiseSource, TimestepDensity
+from tttvideo.train.ema import WeightAverage
 from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
@@ -134,6 +135,9 @@ class Trainer:
             raise ConfigError("train.precision 'fp16' needs a GPU (the gradient scaler is CUDA only); use 'bf16' or "
                               "'fp32' on CPU")
         check_techniques(cfg, launch_world_size())
+        if self.train.ema_decay > 0 and launch_world_size() > 1:
+            raise ConfigError("train.ema_decay > 0 works with one process only (the EMA of FSDP-sharded weights is "
+                              "not implemented); set train.ema_decay = 0 under torchrun, or train with one process")
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
         # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
@@ -174,8 +178,12 @@ class Trainer:
         if self.train.init_from and self.resume_from is None:
             path = ckpt.resolve_init_from(self.train.init_from)
             load_checkpoint(self.model, path)
+            ema_file = runs.ema_file_beside(path)
+            if ema_file is not None:  # the previous stage's averaged weights are the ones it would sample with
+                load_checkpoint(self.model, ema_file)
             self.trained_duration_s = max(self.trained_duration_s, trained_duration(path) or 0)
-            self.console.print(f"initialised from {path}")
+            self.console.print(f"initialised from {path}" + (f" with its EMA weights ({ema_file.name})"
+                                                             if ema_file is not None else ""))
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
         self.noise = NoiseSource(self.train.seed, self.device, TimestepDensity.from_config(self.train))
@@ -185,6 +193,8 @@ class Trainer:
                                            ranks=self.ranks, scheduled=True, profiler=self.oom_watch)
         self.optimizer, self.scheduler = self.train_step.optimizer, self.train_step.scheduler
         self.scaler = self.train_step.scaler
+        # the average of the weights the optimizer updates, from those the run starts with
+        self.ema = WeightAverage(self.model, self.train.ema_decay) if self.train.ema_decay > 0 else None
         moved = self.train_step.prepared.get(FP8_STREAMING.name, 0)
         if moved:
             self.console.print(f"frozen fp8 weights streamed from pinned host memory: {moved / 2**30:.2f} GiB off "
@@ -239,6 +249,8 @@ class Trainer:
             "first_losses": self.first_losses,
             "global_batch": self.global_batch,
         }
+        if self.ema is not None:
+            state["ema"] = self.ema.state()
         if self.ranks.distributed:  # the sharded optimizer state goes into dcp/
             del state["optimizer"]
         return state
@@ -276,9 +288,24 @@ class Trainer:
         self.nonfinite_skips = state["nonfinite_skips"]
         self.first_losses = list(state["first_losses"])
         self.last_good = folder
+        if self.ema is not None:
+            self._restore_ema(folder, state)
         self.console.print(f"resumed from {folder} at step {self.step} (data position {state['data_position']})")
         if self.ranks.is_main:
             _warn_changed_schedule(folder, self.train, self.step)
+
+    def _restore_ema(self, folder: Path, state: dict[str, Any]) -> None:
+        ema_file = folder / ckpt.EMA_FILE
+        if "ema" in state and ema_file.is_file():
+            self.ema.load(ema_file, state["ema"])
+            if state["ema"]["decay"] != self.ema.decay:
+                log.warning("train.ema_decay is %g but %s averaged with %g; the average continues at %g",
+                            self.ema.decay, folder, state["ema"]["decay"], self.ema.decay)
+            return
+        # EMA switched on for a run that trained without it: the average starts from the resumed weights
+        log.warning("%s holds no EMA weights (train.ema_decay was 0); the average starts from its weights",
+                    folder)
+        self.ema = WeightAverage(self.model, self.train.ema_decay)
 
     @uninterrupted  # a second SIGTERM / SIGINT waits for the save to end
     def _save(self) -> Path:
@@ -292,7 +319,7 @@ class Trainer:
             return self.last_good
         path = ckpt.save_training_checkpoint(self.output_dir, self.step, self.model, self._state(),
                                              dump_toml(self.cfg), self.train.keep_checkpoints, meta,
-                                             trained_duration_s=self.trained_duration_s)
+                                             trained_duration_s=self.trained_duration_s, ema=self.ema)
         self.last_good = path
         return path
 
@@ -350,6 +377,8 @@ class Trainer:
                 loss, finite = done.loss, done.finite
                 if not finite:
                     self._handle_nonfinite(loss, monitor)
+                elif self.ema is not None:  # a skipped step left the weights as they were
+                    self.ema.update()
                 self.step += 1
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -419,9 +448,11 @@ class Trainer:
         out = self.output_dir / "samples" / f"{tag}.mp4"
         if monitor is not None:  # the sampler draws its own bar; ours pauses meanwhile
             monitor.progress.stop()
+        averaged = self.ema is not None and self.cfg.sample.use_ema
         try:
-            result = sample_stories(self.cfg, [story], out, model=self.model, console=self.console,
-                                    progress=not self.quiet)[0]
+            with self.ema.swapped_in() if averaged else contextlib.nullcontext():
+                result = sample_stories(self.cfg, [story], out, model=self.model, console=self.console,
+                                        progress=not self.quiet)[0]
         finally:
             if monitor is not None:
                 monitor.progress.start()

@@ -6,6 +6,8 @@ on a CPU) with the config's adapter and weight storage, and its tensors are summ
 - weights: every parameter and buffer (fp8 codes and their scales included) in its storage dtype; then each memory
   technique that is on changes them by its `footprint`: when sampling streams the blocks from host memory
   (`sample.offload_blocks`), only `prefetch_blocks + 1` blocks of them;
+- the EMA of the trainable parameters when `train.ema_decay` > 0 (training only): 4 bytes (fp32) per trainable
+  parameter, counted in `weights` (it lives beside them from the start of the run to its end) and shown as `ema`;
 - gradients: the trainable parameters, in their dtype (training only);
 - optimizer state: both moments of every trainable tensor as `tttvideo.memory.techniques.optimizer_state_bytes`
   counts them (AdamW's in the parameters' dtype; 8-bit AdamW's 8-bit codes and fp32 scales, as torchao stores them;
@@ -31,6 +33,9 @@ from tttvideo.memory.techniques import ModelBytes, techniques
 from tttvideo.memory.techniques.technique import Phase
 
 
+EMA_BYTES = 4  # per trainable parameter: the trainer keeps its moving average in fp32 (tttvideo.train.ema)
+
+
 @dataclass(frozen=True)
 class Counted:
     """Bytes per GPU of what is counted; `trainable_params` is a count, not bytes."""
@@ -40,6 +45,7 @@ class Counted:
     optimizer: int
     trainable_params: int
     block_weights: int  # one block's weights, unsharded (the unit that streams or is all-gathered)
+    ema: int = 0  # of `weights`: the fp32 moving average of the trainable parameters (train.ema_decay > 0)
 
     @property
     def total(self) -> int:
@@ -75,12 +81,13 @@ def count(cfg: Config, phase: Phase, gpus: int = 1) -> Counted:
                                            optimizer + change.optimizer)
     if phase == "sample":
         return Counted(weights, 0, 0, 0, b.block)
+    ema = EMA_BYTES * b.trainable if cfg.train.ema_decay > 0 else 0
     shard = fsdp_shard_degree(cfg, gpus)
     if shard > 1:
         # FSDP2 shards parameters; buffers (fp8 codes and scales among them) stay whole on every GPU
-        return Counted((weights - buffers) // shard + buffers + 2 * b.block, b.gradients // shard,
-                       optimizer // shard, b.trainable, b.block)
-    return Counted(weights, b.gradients, optimizer, b.trainable, b.block)
+        return Counted((weights - buffers + ema) // shard + buffers + 2 * b.block, b.gradients // shard,
+                       optimizer // shard, b.trainable, b.block, ema // shard)
+    return Counted(weights + ema, b.gradients, optimizer, b.trainable, b.block, ema)
 
 
 def fsdp_shard_degree(cfg: Config, gpus: int) -> int:
