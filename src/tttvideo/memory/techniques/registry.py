@@ -46,6 +46,16 @@ def block_input_bytes(cfg: Config, model: nn.Module, batch: int) -> int:
     return batch * layout.total_tokens * dim * torch.tensor([], dtype=torch_dtype(cfg.model.dtype)).element_size()
 
 
+def _setting(label: str, key: str, value: object) -> Option:
+    """The option that sets one config key ("section.name") to `value`."""
+    section, name = key.split(".")
+
+    def apply(cfg: Config) -> None:
+        setattr(getattr(cfg, section), name, value)
+
+    return Option(label, apply, (key,))
+
+
 def _all_block_inputs(cfg: Config, model: nn.Module) -> int:
     return block_input_bytes(cfg, model, cfg.train.batch_size) * len(getattr(model, "blocks", ()))
 
@@ -130,13 +140,6 @@ CHECKPOINTING = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- activation offload
-def _set_offload(on: bool):
-    def apply(cfg: Config) -> None:
-        cfg.checkpointing.offload_activations = on
-
-    return apply
-
-
 ACTIVATION_OFFLOAD = MemoryTechnique(
     name="activation offload",
     phases=("train",),
@@ -146,8 +149,8 @@ ACTIVATION_OFFLOAD = MemoryTechnique(
     mechanism="tttvideo.models.activation_offload.offload_activations with a HostPool (host_pool_for), around each "
               "micro-batch of tttvideo.train.step.TrainStep",
     is_on=lambda cfg: cfg.checkpointing.offload_activations,
-    options=lambda cfg, phase, gpus: (Option("", _set_offload(False), ("checkpointing.offload_activations",)),
-                                      Option("offload", _set_offload(True), ("checkpointing.offload_activations",)))
+    options=lambda cfg, phase, gpus: (_setting("", "checkpointing.offload_activations", False),
+                                      _setting("offload", "checkpointing.offload_activations", True))
     if phase == "train" else (),
     regime="activation",
     regime_tag=lambda cfg: "offload" if cfg.checkpointing.offload_activations else "resident",
@@ -167,13 +170,6 @@ ACTIVATION_OFFLOAD = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- fp8 frozen weights
-def _set_frozen(storage: str):
-    def apply(cfg: Config) -> None:
-        cfg.model.frozen_weights = storage
-
-    return apply
-
-
 def _fp8_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
     if cfg.model.frozen_weights == "fp8":
         return []
@@ -189,7 +185,7 @@ FP8_WEIGHTS = MemoryTechnique(
     mechanism="tttvideo.models.fp8_storage.store_fp8, in build_model",
     is_on=lambda cfg: cfg.model.frozen_weights == "fp8",
     # sft trains every weight: none is frozen
-    options=lambda cfg, phase, gpus: tuple(Option(s, _set_frozen(s), ("model.frozen_weights",))
+    options=lambda cfg, phase, gpus: tuple(_setting(s, "model.frozen_weights", s)
                                            for s in (("dtype",) if cfg.model.adapter == "sft" else ("dtype", "fp8"))),
     advice=_fp8_advice,
     lossy=True,
@@ -201,13 +197,6 @@ FP8_WEIGHTS = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- fp8 weight streaming
-def _set_stream(on: bool):
-    def apply(cfg: Config) -> None:
-        cfg.memory.stream_frozen_weights = on
-
-    return apply
-
-
 def _stream_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
     if phase != "train" or cfg.model.frozen_weights != "fp8":
         return Footprint()
@@ -242,8 +231,8 @@ FP8_STREAMING = MemoryTechnique(
     mechanism="tttvideo.models.fp8_storage.stream_fp8_weights, applied by tttvideo.train.step.build_train_step",
     is_on=lambda cfg: cfg.memory.stream_frozen_weights,
     # streaming runs in one process
-    options=lambda cfg, phase, gpus: (Option("", _set_stream(False), ("memory.stream_frozen_weights",)),) + (
-        (Option("streamed", _set_stream(True), ("memory.stream_frozen_weights",)),) if gpus == 1 else ())
+    options=lambda cfg, phase, gpus: (_setting("", "memory.stream_frozen_weights", False),) + (
+        (_setting("streamed", "memory.stream_frozen_weights", True),) if gpus == 1 else ())
     if phase == "train" else (),
     footprint=_stream_footprint,
     advice=_stream_advice,
@@ -259,13 +248,6 @@ FP8_STREAMING = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- 8-bit AdamW
-def _set_optimizer(name: str):
-    def apply(cfg: Config) -> None:
-        cfg.train.optimizer = name
-
-    return apply
-
-
 def _optimizer_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
     return Footprint(optimizer=b.optimizer["adamw8bit"] - b.optimizer["adamw"]) if phase == "train" else Footprint()
 
@@ -286,7 +268,7 @@ ADAMW_8BIT = MemoryTechnique(
     mechanism="tttvideo.train.optim.build_optimizer (torchao's AdamW8bit)",
     is_on=lambda cfg: cfg.train.optimizer == "adamw8bit",
     # stochastic rounding is torchao's: with it on, only the 8-bit update is a candidate
-    options=lambda cfg, phase, gpus: tuple(Option(n, _set_optimizer(n), ("train.optimizer",))
+    options=lambda cfg, phase, gpus: tuple(_setting(n, "train.optimizer", n)
                                            for n in ("adamw", "adamw8bit")
                                            if n == "adamw8bit" or not cfg.train.bf16_stochastic_round)
     if phase == "train" else (),
@@ -347,20 +329,6 @@ CHUNKED_INFERENCE = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- the guidance's passes
-def _set_batched(batched: bool):
-    def apply(cfg: Config) -> None:
-        cfg.sample.cfg_batched = batched
-
-    return apply
-
-
-def _set_split(split: bool):
-    def apply(cfg: Config) -> None:
-        cfg.sample.split_guidance = split
-
-    return apply
-
-
 GUIDANCE_PASSES = MemoryTechnique(
     name="guidance passes",
     phases=("sample",),
@@ -370,10 +338,10 @@ GUIDANCE_PASSES = MemoryTechnique(
     # one GPU: batched (the memory of batch 2) or two passes; several GPUs: split over two halves of them, each rank
     # running one pass (costed by the measured batched regime)
     options=lambda cfg, phase, gpus: (
-        Option("guidance batched", _set_batched(True), ("sample.cfg_batched",)),
-        Option("two passes", _set_batched(False), ("sample.cfg_batched",)),
-        *((Option("not split", _set_split(False), ("sample.split_guidance",)),
-           Option("guidance split", _set_split(True), ("sample.split_guidance",))) if gpus > 1 else ()),
+        _setting("guidance batched", "sample.cfg_batched", True),
+        _setting("two passes", "sample.cfg_batched", False),
+        *((_setting("not split", "sample.split_guidance", False),
+           _setting("guidance split", "sample.split_guidance", True)) if gpus > 1 else ()),
     ) if phase == "sample" else (),
     regime="activation",
     regime_tag=lambda cfg: "plain-b2" if cfg.sample.cfg_batched else "plain-b1",
@@ -387,13 +355,6 @@ GUIDANCE_PASSES = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- sample block offload
-def _set_offload_blocks(on: bool):
-    def apply(cfg: Config) -> None:
-        cfg.sample.offload_blocks = on
-
-    return apply
-
-
 def _offload_blocks_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
     if phase != "sample":
         return Footprint()
@@ -415,7 +376,7 @@ SAMPLE_BLOCK_OFFLOAD = MemoryTechnique(
     mechanism="tttvideo.sample.offload.offload_blocks, in tttvideo.sample.model.load_model",
     is_on=lambda cfg: cfg.sample.offload_blocks,
     # streaming runs one process
-    options=lambda cfg, phase, gpus: tuple(Option(label, _set_offload_blocks(on), ("sample.offload_blocks",))
+    options=lambda cfg, phase, gpus: tuple(_setting(label, "sample.offload_blocks", on)
                                            for label, on in (("resident", False), ("streamed", True))
                                            if gpus == 1 or not on) if phase == "sample" else (),
     footprint=_offload_blocks_footprint,
@@ -474,13 +435,6 @@ def nested_span_for(cfg: Config) -> int:
     return max(2, round(get_preset(cfg.model.preset).num_layers ** 0.5))
 
 
-def _set_nested(span: int):
-    def apply(cfg: Config) -> None:
-        cfg.checkpointing.nested_span = span
-
-    return apply
-
-
 def _nested_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
     if phase != "train" or not cfg.checkpointing.block or cfg.checkpointing.nested_span > 1:
         return []
@@ -504,8 +458,8 @@ NESTED_CHECKPOINTING = MemoryTechnique(
               "model.nested_span)",
     is_on=lambda cfg: cfg.checkpointing.nested_span > 1,
     options=lambda cfg, phase, gpus: (
-        Option("", _set_nested(0), ("checkpointing.nested_span",)),
-        Option(f"nested {nested_span_for(cfg)}", _set_nested(nested_span_for(cfg)), ("checkpointing.nested_span",)),
+        _setting("", "checkpointing.nested_span", 0),
+        _setting(f"nested {nested_span_for(cfg)}", "checkpointing.nested_span", nested_span_for(cfg)),
     ) if phase == "train" else (),
     # counted by the block model (tttvideo.memory.plan.activations): n / k + k saved inputs instead of n, and
     # one more forward of the blocks (measured 1.13x step time at 9 s on an H100)
@@ -542,13 +496,6 @@ def ffn_chunk_saving(cfg: Config, model: nn.Module, chunk: int) -> int:
     return max(0, rows - cfg.train.batch_size * chunk) * mlp_hidden(model) * act
 
 
-def _set_ffn_chunks(tokens: int):
-    def apply(cfg: Config) -> None:
-        cfg.checkpointing.ffn_chunk_tokens = tokens
-
-    return apply
-
-
 def _ffn_chunk_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
     if phase != "train" or cfg.checkpointing.ffn_chunk_tokens > 0:
         return []
@@ -565,9 +512,8 @@ FFN_CHUNKS = MemoryTechnique(
     mechanism="tttvideo.models.layers.token_chunked, on every block's MLP (apply_checkpointing sets its chunk)",
     is_on=lambda cfg: cfg.checkpointing.ffn_chunk_tokens > 0,
     options=lambda cfg, phase, gpus: (
-        Option("", _set_ffn_chunks(0), ("checkpointing.ffn_chunk_tokens",)),
-        Option(f"FFN chunks of {FFN_CHUNK_TOKENS}", _set_ffn_chunks(FFN_CHUNK_TOKENS),
-               ("checkpointing.ffn_chunk_tokens",)),
+        _setting("", "checkpointing.ffn_chunk_tokens", 0),
+        _setting(f"FFN chunks of {FFN_CHUNK_TOKENS}", "checkpointing.ffn_chunk_tokens", FFN_CHUNK_TOKENS),
     ) if phase == "train" else (),
     # counted by the block model (tttvideo.memory.plan.activations): the MLP's hidden layer of one chunk instead of
     # every token's; its measured curves are its own (none measured yet)
