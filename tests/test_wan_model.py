@@ -27,7 +27,8 @@ from tttvideo.config.schema import CheckpointingConfig, TTTConfig  # noqa: E402
 from tttvideo.errors import LayoutError, UserError  # noqa: E402
 from tttvideo.models.checkpointing import apply_checkpointing  # noqa: E402
 from tttvideo.models.wan import WanSpec, get_wan_preset  # noqa: E402
-from tttvideo.models.wan.weights import from_pretrained_wan, init_wan_model, wan_name_map  # noqa: E402
+from tttvideo.models.wan.weights import from_pretrained_wan, wan_name_map  # noqa: E402
+from tttvideo.models.weights import init_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +102,7 @@ def test_windows_equal_diffusers_on_each_window(tmp_path):
 
 def tiny_model(use_ttt: bool = True, gate: float = 0.1, seed: int = 0):
     torch.manual_seed(seed)
-    model = init_wan_model(get_wan_preset("wan-tiny"), TTT, use_ttt=use_ttt)
+    model = init_model(get_wan_preset("wan-tiny"), TTT, use_ttt=use_ttt)
     if use_ttt:
         model.set_ttt_gates(gate)
     return model
@@ -173,7 +174,7 @@ def test_full_size_preset_matches_diffusers_on_meta():
     spec = get_wan_preset("wan2.1-t2v-1.3b")
     with torch.device("meta"):
         ref = WanTransformer3DModel(**spec.to_diffusers_config())
-    ours = init_wan_model(spec, TTTConfig(), device="meta")
+    ours = init_model(spec, TTTConfig(), device="meta")
     theirs = dict(ref.named_parameters())
     mine = dict(ours.named_parameters())
     name_map = wan_name_map(spec.num_layers)

@@ -92,15 +92,3 @@ def from_pretrained_wan(path: str | Path, spec: WanSpec | None = None, ttt: TTTC
     materialize(model, device, dtype)  # only the TTT layers are still on meta
     return model
 
-
-def init_wan_model(spec: WanSpec, ttt: TTTConfig | None = None, use_ttt: bool = True,
-                   dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-                   sequence_layer: str = "ttt") -> WanTTT:
-    """A randomly initialised model built directly on `device` in `dtype` (on meta: the skeleton alone)."""
-    dtype = torch_dtype(dtype)
-    with torch.device("meta"):
-        model = WanTTT(spec, ttt, use_ttt, sequence_layer)
-    if torch.device(device).type == "meta":
-        return model.to(dtype)
-    materialize(model, torch.device(device), dtype)
-    return model
