@@ -217,6 +217,7 @@ WAN_ROWS = {
 def wan_suite(args, work: Path, data: dict, save) -> None:
     """Every row of the chosen Wan parts, each in its own process, `data["runs"]` rewritten (`save`) after each."""
     from tttvideo.config.loader import load_config
+    from tttvideo.models.backbone import layout_of
 
     runs = {r["name"]: r for r in data.get("runs", [])}  # rows of parts not run this time are kept
     order = [name for part in WAN_ROWS for name, _, _ in WAN_ROWS[part]]
@@ -225,7 +226,8 @@ def wan_suite(args, work: Path, data: dict, save) -> None:
             print(f"{part}: {name}", flush=True)
             row = {"name": name, "config": f"configs/wan2.1-1.3b/{config}", "phase": phase}
             cfg = load_config(WAN_CONFIGS / config, EXTRA)
-            row.update(preset=cfg.model.preset, duration=cfg.layout.duration, cap_gib=cfg.memory.max_gpu_gib)
+            row.update(preset=cfg.model.preset, duration_s=layout_of(cfg).duration_s, gpus=1,
+                       use_ttt=cfg.model.use_ttt, cap_gib=cfg.memory.max_gpu_gib)
             row.update(profile(f"wan {name}", WAN_CONFIGS / config, phase, args.wan_steps, WAN_NO_ENCODERS, work,
                                args.timeout))
             runs[name] = row

@@ -135,8 +135,8 @@ def _wan_rows() -> list[Row]:
         if r.get("phase") != "train" or r["status"] not in ("ok", "oom"):
             continue
         ok = r["status"] == "ok"
-        short = ok and r["duration"] == "3s"
-        row = Row(f"wan {r['name']}", path.name, r["config"], NO_WEIGHTS + [f"layout.duration={r['duration']}"],
+        short = ok and r["duration_s"] == 3
+        row = Row(f"wan {r['name']}", path.name, r["config"], NO_WEIGHTS + [f"layout.duration={r['duration_s']}s"],
                   "train", "calibration" if ok else "held out", r["peak_allocated_gib"] if ok else None,
                   r["peak_reserved_gib"] if ok else None, None, r.get("median_step_s"),
                   calibrates=("Wan: stream copies (with the 18-s row), step time" if short
