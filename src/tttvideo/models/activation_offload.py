@@ -29,8 +29,16 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 
 from tttvideo.errors import ConfigError
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """Where a parameter's or buffer's data lives; an FSDP2-sharded parameter (a DTensor, whose own storage cannot be
+    read) by its local shard's."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
 
 
 class HostPool:
@@ -106,7 +114,7 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - a context manage
         self.kept_bytes = 0
         self._kept: set[int] = set()
         if keep is not None:
-            self._kept = {t.untyped_storage().data_ptr() for t in (*keep.parameters(), *keep.buffers())}
+            self._kept = {_storage_ptr(t) for t in (*keep.parameters(), *keep.buffers())}
         self._stream: torch.cuda.Stream | None = None
         # in the order forward saved them (backward mostly wants them reversed); weak, so that a tensor autograd
         # drops unused gives its buffer back at once
@@ -119,7 +127,8 @@ class offload_activations(saved_tensors_hooks):  # noqa: N801 - a context manage
 
     def _stays(self, tensor: torch.Tensor) -> bool:
         # autograd hands a linear layer's weight over as a view (its transpose): look at the base too
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or tensor.is_sparse:
+        if (isinstance(tensor, (nn.Parameter, DTensor)) or isinstance(tensor._base, nn.Parameter)
+                or tensor.is_sparse):
             return True
         nbytes = tensor.numel() * tensor.element_size()
         return nbytes < self.min_bytes or tensor.untyped_storage().data_ptr() in self._kept
