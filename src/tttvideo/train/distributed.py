@@ -160,6 +160,16 @@ class TrainRanks:
             dist.all_reduce(t)
         return int(t[0]) == 0
 
+    def largest_floats(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the ranks, in one all-reduce (the memory peaks a step reports are the
+        largest of any rank's, not rank 0's alone)."""
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        with self.phase("all-reduce of the memory peaks"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.tolist()]
+
     def largest(self, value: int) -> int:
         if not self.distributed:
             return value

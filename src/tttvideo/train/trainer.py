@@ -388,6 +388,9 @@ class Trainer:
                     log_window.append(loss)
                     if len(self.first_losses) < self.train.log_every:
                         self.first_losses.append(loss)
+                # under torchrun, the largest of any rank's (rank 0 alone writes the metrics)
+                peak, reserved, host = self.ranks.largest_floats([memory_gib(self.device), reserved_gib(self.device),
+                                                                  host_gib()])
                 monitor.step(self.step, {
                     "loss": loss if finite else float("nan"),
                     "lr": lr_used[0],
@@ -395,9 +398,9 @@ class Trainer:
                     "grad_norm": done.grad_norm,
                     "step_time": dt,
                     "tokens_per_s": tokens_per_step / dt,
-                    "memory_gib": memory_gib(self.device),
-                    "memory_reserved_gib": reserved_gib(self.device),
-                    "host_gib": host_gib(),
+                    "memory_gib": peak,
+                    "memory_reserved_gib": reserved,
+                    "host_gib": host,
                 })
                 saved = self.step % self.train.checkpoint_every == 0 or self.step == total
                 if saved:
