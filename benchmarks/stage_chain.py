@@ -1,9 +1,14 @@
-"""The five training stages one after another, through the command line, on one GPU: random-weight CogVideoX-5B in
-diffusers' layout -> `tttv train` stage 1 (3 s) -> 2 (9 s) -> 3 (18 s) -> 4 (30 s) -> 5 (63 s), each stage starting
-from the previous stage's final checkpoint through `train.init_from`, a few optimizer steps each; in the last stage a
-`kill -9` in mid-step, then `--resume` from the last checkpoint; then `tttv sample` of a multi-scene story of the
-last stage's length from its checkpoint. Prints a table per stage: seconds per micro-batch, peak allocated and
-reserved GPU memory, peak host memory, checkpoint size and save time; writes benchmarks/results/stage_chain_<gpu>.json.
+"""The five training stages one after another, through the command line, on one GPU or under torchrun on several:
+random-weight CogVideoX-5B in diffusers' layout -> `tttv train` stage 1 (3 s) -> 2 (9 s) -> 3 (18 s) -> 4 (30 s) ->
+5 (63 s), each stage starting from the previous stage's final checkpoint through `train.init_from`, a few optimizer
+steps each; in one stage (--kill-at, default the last) a `kill -9` in mid-step (of rank 1's process under torchrun:
+the other ranks must stop by themselves), then `--resume` from the last checkpoint, and with --reshard-gpus M one
+more step resumed on M GPUs (a sharded checkpoint read by another world size); then `tttv sample` of a multi-scene
+story of the last stage's length from its checkpoint (with --gpus N > 1 also under torchrun with parallel.sp = N and
+with split guidance, each layout's latents compared with the one-process ones). Prints a table per stage: seconds per
+micro-batch, peak allocated and reserved GPU memory (the largest rank's), the GPUs' peak use as nvidia-smi reads it,
+peak host memory, checkpoint size and save time, and the planner's prediction; writes
+benchmarks/results/stage_chain_<gpu>.json (stage_chain_<N>gpu_<gpu>.json with --gpus N > 1).
 
 What it makes first, in --workdir, once (reused by later runs):
   weights/transformer/   a random-weight CogVideoXTransformer3DModel folder (models.cogvideox.weights.save_diffusers_folder)
@@ -11,18 +16,21 @@ What it makes first, in --workdir, once (reused by later runs):
                          same files `tttv precompute` writes, so `--make-cache-only` is the documented way to make one
 
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain              # the GPU run (full size)
+    PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 2 --kill-at 3 --reshard-gpus 1 \
+        --sample-steps 1                                                                   # two GPUs
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --make-cache-only --durations 63
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/c --preset tiny --device cpu \\
         --set layout.height=64 --set layout.width=96 --set layout.text_tokens=8 --set model.dtype=fp32 \\
         --set train.precision=fp32 --set model.adapter=qkvo --durations 3 6 --steps 2   # a CPU smoke run
 
-Every stage reads configs/cogvideox-5b/stage<N>-*-1gpu.toml, with the step count, accumulation, checkpoint interval,
-data and weights overridden on the command line (`--set` adds more overrides to every stage).
+Every stage reads configs/cogvideox-5b/stage<N>-*-<gpus>gpu.toml, with the step count, accumulation, checkpoint
+interval, data and weights overridden on the command line (`--set` adds more overrides to every stage).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -48,13 +56,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", default="cogvideox-5b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--durations", type=int, nargs="+", default=list(STAGES))
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="GPUs of each stage's launch (torchrun with more than one; stage<N>-*-<gpus>gpu.toml)")
+    ap.add_argument("--kill-at", type=int, default=0,
+                    help="the stage (its length in s) killed in mid-step and resumed (default: the last)")
+    ap.add_argument("--reshard-gpus", type=int, default=0,
+                    help="after the killed stage's resume, one more step resumed on this many GPUs (another world "
+                         "size reading the sharded checkpoint; 0: none)")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps per stage (one micro-batch each)")
     ap.add_argument("--last-steps", type=int, default=3,
-                    help="optimizer steps of the last stage: it is killed in step 2 and resumed, so 3 gives one step "
-                         "of a process that neither compiles nor loads (its steady state)")
+                    help="optimizer steps of the killed stage: it is killed in step 2 and resumed, so 3 gives one "
+                         "step of a process that neither compiles nor loads (its steady state)")
     ap.add_argument("--videos", type=int, default=2, help="clips in each stage's random latent cache")
     ap.add_argument("--sample-steps", type=int, default=2)
-    ap.add_argument("--no-kill", action="store_true", help="skip the kill -9 and --resume of the last stage")
+    ap.add_argument("--no-kill", action="store_true", help="skip the kill -9 and --resume")
     ap.add_argument("--keep-stages", action="store_true",
                     help="keep every stage's checkpoints (by default a stage's go once the next one has started)")
     ap.add_argument("--make-cache-only", action="store_true", help="make the weights folder and caches, then stop")
@@ -64,17 +79,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def stage_config(duration: int, preset: str) -> Path:
-    """The one-GPU config of the stage of `duration` seconds (a stage outside the recipe uses the 63-s one)."""
+def stage_config(duration: int, gpus: int = 1) -> Path:
+    """The `gpus`-GPU config of the stage of `duration` seconds (a stage outside the recipe uses the 63-s one)."""
     name = STAGES.get(duration, "stage5-63s")
-    return next((REPO / "configs" / "cogvideox-5b").glob(f"{name}-1gpu.toml"))
+    return REPO / "configs" / "cogvideox-5b" / f"{name}-{gpus}gpu.toml"
 
 
-def resolved(duration: int, args: argparse.Namespace) -> Any:
+def resolved(duration: int, args: argparse.Namespace, gpus: int = 1) -> Any:
     from tttvideo.config.loader import load_config
 
-    return load_config(stage_config(duration, args.preset), [f"model.preset={args.preset}",
-                                                             f"layout.duration={duration}s", *args.overrides])
+    return load_config(stage_config(duration, gpus), [f"model.preset={args.preset}", f"layout.duration={duration}s",
+                                                      *args.overrides])
+
+
+def data_parallel(duration: int, args: argparse.Namespace) -> int:
+    """How many videos one optimizer step of the stage takes at one micro-batch per rank: its global batch."""
+    return args.gpus // max(1, resolved(duration, args, args.gpus).parallel.sp)
 
 
 # ------------------------------------------------------------------------------------------ inputs, made once
@@ -131,22 +151,69 @@ def make_cache(args: argparse.Namespace, work: Path, duration: int) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- the stages
+def descendants(pid: int) -> list[int]:
+    """The process and every process under it (torchrun's agent and its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def proc_status(pid: int, key: str) -> float:
+    """A /proc/<pid>/status memory line (e.g. VmHWM) in GiB; 0 when the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def worker_of_rank(pid: int, rank: int) -> int | None:
+    """The pid of the torchrun worker with RANK = `rank` among the launch's processes."""
+    for p in descendants(pid):
+        try:
+            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return p
+    return None
+
+
+def gpu_used_gib() -> list[float]:
+    """Memory in use on each GPU as nvidia-smi reads it (every process's, CUDA contexts included); [] without it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [float(v) / 1024 for v in out.split()] if out.strip() else []
+
+
 class Watched:
-    """A `tttv` child process whose peak resident memory (VmHWM) is read while it runs."""
+    """A `tttv` launch (one process, or torchrun's agent and its workers) whose peak resident host memory (the sum
+    of its processes' VmHWM) and the GPUs' peak use (nvidia-smi, every few seconds) are read while it runs."""
 
     def __init__(self, cmd: list[str], log: Path):
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         self.host_peak = 0.0
+        self.gpu_peak: list[float] = []
+        self._smi_at = 0.0
 
     def poll(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    self.host_peak = max(self.host_peak, int(line.split()[1]) / 2**20)
-        except OSError:
-            pass
+        self.host_peak = max(self.host_peak, sum(proc_status(p, "VmHWM") for p in descendants(self.proc.pid)))
+        if time.monotonic() - self._smi_at > 2.0:
+            self._smi_at = time.monotonic()
+            used = gpu_used_gib()
+            self.gpu_peak = [max(a, b) for a, b in zip(used, self.gpu_peak)] if self.gpu_peak else used
         return self.proc.poll()
 
     def wait(self, until: Any = None) -> int | None:
@@ -159,23 +226,26 @@ class Watched:
         return code
 
 
-def tttv(*args: str) -> list[str]:
+def tttv(*args: str, gpus: int = 1) -> list[str]:
+    """The `tttv` command line, under torchrun on one host with `gpus` > 1 (NCCL's environment is inherited)."""
+    if gpus > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
+                "-m", "tttvideo", *args]
     return [sys.executable, "-m", "tttvideo", *args]
 
 
-def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: str, every_step: bool,
-                  *flags: str) -> list[str]:
-    # a full-size sft checkpoint is 27 GiB: the stages before the last save only their final step, the last one every
-    # step (the kill -9 needs a checkpoint before the step it interrupts)
-    steps = args.last_steps if every_step else args.steps
-    every, keep = (1, 2) if every_step else (steps, 1)
+def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: str, steps: int,
+                  every: int, gpus: int, *flags: str) -> list[str]:
+    # a full-size sft checkpoint is 27 GiB: the stages save only their final step, the killed one every step (the
+    # kill -9 needs a checkpoint before the step it interrupts); one micro-batch per rank and step
     sets = [f"model.preset={args.preset}", f"layout.duration={duration}s", f"data.manifest={manifest}",
-            f"train.output_dir={out}", f"train.steps={steps}", "train.grad_accum=1", "train.global_batch=1",
-            "train.batch_size=1", f"train.checkpoint_every={every}", f"train.keep_checkpoints={keep}",
-            "train.sample_at_end=false",
-            "train.validate_every=0", "train.tensorboard=false", "data.num_workers=0", f"train.device={args.device}",
-            start, *args.overrides]
-    return tttv("train", str(stage_config(duration, args.preset)), *flags, *sum((["--set", s] for s in sets), []))
+            f"train.output_dir={out}", f"train.steps={steps}", "train.grad_accum=0",
+            f"train.global_batch={data_parallel(duration, args)}", "train.batch_size=1",
+            f"train.checkpoint_every={every}", f"train.keep_checkpoints={2 if every < steps else 1}",
+            "train.sample_at_end=false", "train.validate_every=0", "train.tensorboard=false", "data.num_workers=0",
+            f"train.device={args.device}", start, *args.overrides]
+    return tttv("train", str(stage_config(duration, gpus)), *flags, *sum((["--set", s] for s in sets), []),
+                gpus=gpus)
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
@@ -199,7 +269,8 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
     kind = gpu_kind(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
     if kind not in known_gpus():
         return {}
-    p = predict(resolved(duration, args), "train", Candidate("as configured", ()), load_costs(kind))
+    p = predict(resolved(duration, args, args.gpus), "train", Candidate("as configured", ()), load_costs(kind),
+                gpus=args.gpus)
     gib = 2**30
     return {"predicted_allocated_gib": p.peak / gib if p.peak is not None else None,
             "predicted_reserved_gib": p.reserved / gib if p.reserved is not None else None,
@@ -218,35 +289,69 @@ def prune_when_started(child: "Watched", out: Path, previous: Path | None) -> An
     return until
 
 
+def kill_in_mid_step(args: argparse.Namespace, child: Watched, out: Path, prune: Any) -> dict[str, Any] | None:
+    """Wait for the first checkpoint, then kill -9 in the middle of the next step: the whole process (one GPU) or
+    rank 1's worker alone (torchrun: the other ranks must stop by themselves). None if the run ended first."""
+    code = child.wait(until=lambda: prune() or (len(read_metrics(out)) >= 1
+                                                and any((out / "checkpoints").glob("step-*"))))
+    if code is not None:
+        return None
+    time.sleep(read_metrics(out)[-1]["step_time"] / 2)
+    if child.poll() is not None:
+        return None
+    victim = worker_of_rank(child.proc.pid, 1) if args.gpus > 1 else None
+    done = len(read_metrics(out))
+    killed_at = time.perf_counter()
+    if victim is not None:
+        os.kill(victim, signal.SIGKILL)
+    else:
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    code = child.wait()
+    lines = Path(child.log.name).read_text(errors="replace").splitlines()
+    return {"killed_after_step": done, "killed": "rank 1" if victim is not None else "the process",
+            "launch_exit_s": time.perf_counter() - killed_at, "launch_exit_code": code,
+            # what the surviving ranks said (tttv's one sentence), and whether a Python traceback reached the log
+            "sentences": [line for line in lines if "tttv train: error:" in line][:4],
+            "tracebacks_in_log": sum("Traceback (most recent call last)" in line for line in lines)}
+
+
+def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], child: Watched) -> dict[str, Any]:
+    return {"median_step_s": sorted(m["step_time"] for m in steady)[len(steady) // 2],
+            "first_step_s": metrics[0]["step_time"],
+            "peak_allocated_gib": max(m["memory_gib"] for m in metrics),
+            "peak_reserved_gib": max(m.get("memory_reserved_gib", 0.0) for m in metrics),
+            "peak_host_gib": child.host_peak, "peak_gpu_used_gib": child.gpu_peak,
+            "losses": [m["loss"] for m in metrics]}
+
+
 def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, kill: bool,
               previous: Path | None = None) -> dict[str, Any]:
     out = work / f"stage-{duration}s"
     manifest = make_cache(args, work, duration)
     log = work / f"stage-{duration}s.log"
-    print(f"=== {duration} s: tttv train {stage_config(duration, args.preset).name}", flush=True)
+    config = stage_config(duration, args.gpus)
+    print(f"=== {duration} s: tttv train {config.name}" + (f" on {args.gpus} GPUs" if args.gpus > 1 else ""),
+          flush=True)
     if out.exists():  # an earlier chain's run: gone before the new one starts, so its files are not mistaken for new
         shutil.rmtree(out)
+    steps = args.last_steps if kill else args.steps
+    every = 1 if kill else steps
     t0 = time.perf_counter()
-    child = Watched(train_command(args, duration, out, manifest, start, kill), log)
-    row: dict[str, Any] = {"duration_s": duration, "config": stage_config(duration, args.preset).name,
-                           **predicted(args, duration)}
+    child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus), log)
+    row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus,
+                           "global_batch": data_parallel(duration, args), **predicted(args, duration)}
     prune = prune_when_started(child, out, None if args.keep_stages else previous)
+    watched = [child]
     if kill:
-        # kill -9 in mid-step: after the first checkpoint, while the second step runs
-        code = child.wait(until=lambda: prune() or (len(read_metrics(out)) >= 1
-                                                    and any((out / "checkpoints").glob("step-*"))))
-        if code is None:
-            time.sleep(read_metrics(out)[-1]["step_time"] / 2)
-            if child.poll() is not None:
-                raise SystemExit(f"stage {duration} s finished before the kill: use more --steps")
-            os.killpg(child.proc.pid, signal.SIGKILL)
-            child.wait()
-            before = read_metrics(out)
-            row["killed_after_step"] = len(before)
-            print(f"killed (kill -9) in step {len(before) + 1}; resuming", flush=True)
-            child = Watched(train_command(args, duration, out, manifest, start, kill, "--resume"), work /
-                            f"stage-{duration}s-resume.log")
-            log = work / f"stage-{duration}s-resume.log"
+        killed = kill_in_mid_step(args, child, out, prune)
+        if killed is None:
+            raise SystemExit(f"stage {duration} s finished before the kill: use more --last-steps")
+        row.update(killed)
+        print(f"killed (kill -9, {killed['killed']}) in step {killed['killed_after_step'] + 1}; the launch exited "
+              f"{killed['launch_exit_s']:.1f} s later; resuming", flush=True)
+        log = work / f"stage-{duration}s-resume.log"
+        child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus, "--resume"), log)
+        watched.append(child)
     code = child.wait(until=prune)
     row["wall_s"] = time.perf_counter() - t0
     row["exit_code"] = code
@@ -256,39 +361,91 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
         row["error"] = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["no log"]
         return row
     steady = metrics[-1:] if kill else metrics[1:] or metrics  # a process's first step compiles
-    row.update({
-        "median_step_s": sorted(m["step_time"] for m in steady)[len(steady) // 2],
-        "first_step_s": metrics[0]["step_time"],
-        "peak_allocated_gib": max(m["memory_gib"] for m in metrics),
-        "peak_reserved_gib": max(m.get("memory_reserved_gib", 0.0) for m in metrics),
-        "peak_host_gib": child.host_peak,
-        **checkpoint_figures(out, log),
-    })
+    row.update(stage_row(metrics, steady, child))
+    row["peak_host_gib"] = max(w.host_peak for w in watched)
+    row["peak_gpu_used_gib"] = [max(v) for v in zip(*(w.gpu_peak for w in watched if w.gpu_peak))]
+    row.update(checkpoint_figures(out, log))
     if kill and "killed_after_step" in row:  # resumed: each step once, counting on from the checkpoint
-        row["resumed_steps_once"] = row["steps"] == list(range(1, args.last_steps + 1))
+        row["resumed_steps_once"] = row["steps"] == list(range(1, steps + 1))
+    if kill and args.reshard_gpus:
+        row["reshard"] = reshard(args, work, duration, out, manifest, start, steps)
     return row
 
 
-def run_sample(args: argparse.Namespace, work: Path, duration: int) -> dict[str, Any]:
-    segments = duration // 3
-    story = work / f"story-{duration}s.json"
-    story.write_text(json.dumps([{"text": f"a red ball, scene {i}"}
-                                 for i in range(segments)]))
-    out = work / f"sample-{duration}s.mp4"
-    log = work / f"sample-{duration}s.log"
-    print(f"=== tttv sample {duration} s, {segments} scenes, {args.sample_steps} steps", flush=True)
-    t0 = time.perf_counter()
-    cmd = tttv("sample", "--checkpoint", str(work / f"stage-{duration}s"), "--scenes", str(story), "--out", str(out),
-               "--set", f"sample.steps={args.sample_steps}", "--set", "sample.write_video=false",
-               "--set", "sample.save_latents=true", "--set", f"sample.device={args.device}",
-               *sum((["--set", s] for s in args.overrides if s.startswith(("memory.", "sample."))), []))
+def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, manifest: Path, start: str,
+            steps: int) -> dict[str, Any]:
+    """One more step of the stage, resumed from its last checkpoint on --reshard-gpus GPUs (that count's config,
+    the same global batch): the sharded checkpoint read by another world size."""
+    gpus = args.reshard_gpus
+    log = work / f"stage-{duration}s-reshard.log"
+    print(f"=== {duration} s: --resume on {gpus} GPU(s), one more step", flush=True)
+    cmd = train_command(args, duration, out, manifest, start, steps + 1, steps + 1, gpus, "--resume")
+    if gpus == 1:  # the one-GPU config keeps the stage's parallel settings out
+        cmd += ["--set", "parallel.dp_shard=1", "--set", "parallel.sp=1"]
     child = Watched(cmd, log)
     code = child.wait()
-    row = {"duration_s": duration, "wall_s": time.perf_counter() - t0, "exit_code": code,
-           "peak_host_gib": child.host_peak}
+    metrics = read_metrics(out)
+    row: dict[str, Any] = {"gpus": gpus, "exit_code": code, "steps": [m["step"] for m in metrics]}
+    if code != 0 or len(metrics) != steps + 1:
+        row["error"] = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["no log"]
+        return row
+    row.update({"step_s": metrics[-1]["step_time"], "loss": metrics[-1]["loss"],
+                "resumed_steps_once": row["steps"] == list(range(1, steps + 2)),
+                "resumed_line": next((line for line in log.read_text().splitlines() if "resumed from" in line), "")})
+    return row
+
+
+
+
+def sample_layouts(gpus: int) -> list[tuple[str, int, list[str]]]:
+    """(name, processes, overrides) of each sampling layout: one process; with several GPUs also parallel.sp over
+    all of them and split guidance on two."""
+    if gpus == 1:
+        return [("1", 1, [])]
+    return [("1", 1, ["parallel.sp=1"]), (f"sp{gpus}", gpus, [f"parallel.sp={gpus}"]),
+            ("cfg2", 2, ["parallel.sp=1", "sample.split_guidance=true"])]
+
+
+def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str, gpus: int,
+               sets: list[str]) -> dict[str, Any]:
+    segments = duration // 3
+    story = work / f"story-{duration}s.json"
+    story.write_text(json.dumps([{"text": f"a red ball, scene {i}"} for i in range(segments)]))
+    suffix = "" if layout == "1" and args.gpus == 1 else f"-{layout}"
+    out = work / f"sample-{duration}s{suffix}.mp4"
+    log = work / f"sample-{duration}s{suffix}.log"
+    print(f"=== tttv sample {duration} s, {segments} scenes, {args.sample_steps} steps, layout {layout}", flush=True)
+    t0 = time.perf_counter()
+    sets = [f"sample.steps={args.sample_steps}", "sample.write_video=false", "sample.save_latents=true",
+            f"sample.device={args.device}", "parallel.dp_shard=-1", *sets,
+            *(s for s in args.overrides if s.startswith(("memory.", "sample.")))]
+    cmd = tttv("sample", "--checkpoint", str(work / f"stage-{duration}s"), "--scenes", str(story), "--out", str(out),
+               *sum((["--set", s] for s in sets), []), gpus=gpus)
+    child = Watched(cmd, log)
+    code = child.wait()
+    row = {"duration_s": duration, "layout": layout, "gpus": gpus, "wall_s": time.perf_counter() - t0,
+           "exit_code": code, "peak_host_gib": child.host_peak, "peak_gpu_used_gib": child.gpu_peak,
+           "latents": str(out.with_suffix(".latents.safetensors"))}
     if code != 0:
         row["error"] = log.read_text().strip().splitlines()[-1:]
     return row
+
+
+def compare_latents(rows: list[dict[str, Any]]) -> None:
+    """Each layout's final latents against the one-process layout's: largest difference, absolute and relative
+    to the largest latent."""
+    from safetensors.torch import load_file
+
+    ref_row = rows[0]
+    if ref_row["exit_code"] != 0:
+        return
+    ref = load_file(ref_row["latents"])["latents"]
+    for r in rows[1:]:
+        if r["exit_code"] == 0:
+            x = load_file(r["latents"])["latents"]
+            diff = (x - ref).abs().max().item()
+            r.update({"max_abs_diff_vs_1": diff, "max_rel_diff_vs_1": diff / ref.abs().max().item(),
+                      "mean_abs_diff_vs_1": (x - ref).abs().mean().item()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,42 +457,63 @@ def main(argv: list[str] | None = None) -> int:
         for d in args.durations:
             make_cache(args, work, d)
         return 0
-    rows = []
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
+    name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
+    result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
+              "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps,
+              "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": [], "samples": []}
+    rows, samples = result["stages"], result["samples"]
+    kill_at = args.kill_at or args.durations[-1]
     start = f"model.pretrained_path={weights}"
     for i, duration in enumerate(args.durations):
-        last = i == len(args.durations) - 1
         previous = work / f"stage-{args.durations[i - 1]}s" if i else None
-        row = run_stage(args, work, duration, start, kill=last and not args.no_kill, previous=previous)
+        row = run_stage(args, work, duration, start, kill=duration == kill_at and not args.no_kill,
+                        previous=previous)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")  # what has run so far, in case the machine goes
         if "error" in row:
             break
         start = f"train.init_from={work / f'stage-{duration}s'}"
-    sample = run_sample(args, work, args.durations[-1]) if "error" not in rows[-1] else None
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
-              "gpus": 1, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps, "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": rows,
-              "sample": sample}
-    gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"stage_chain_{gpu}.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{device}, torch {torch.__version__}, {args.preset}, {args.steps} steps per stage")
-    print(f"{'stage':>6} {'s/micro-batch':>13} {'alloc GiB':>9} {'resv GiB':>9} {'host GiB':>8} {'ckpt GiB':>8} "
-          f"{'save s':>7} {'plan resv':>9} {'plan s':>7}  notes")
-    for r in rows:
+    if "error" not in rows[-1]:
+        for layout, gpus, sets in sample_layouts(args.gpus):
+            samples.append(run_sample(args, work, args.durations[-1], layout, gpus, sets))
+            compare_latents(samples)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    ok = all("error" not in r and "error" not in r.get("reshard", {}) for r in rows)
+    return 0 if ok and samples and all(s["exit_code"] == 0 for s in samples) else 1
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{result['device']}, torch {result['torch']}, {result['gpus']} GPU(s), {result['preset']}, "
+          f"{result['steps_per_stage']} steps per stage")
+    print(f"{'stage':>6} {'s/step':>8} {'alloc GiB':>9} {'resv GiB':>9} {'smi GiB':>8} {'host GiB':>8} "
+          f"{'ckpt GiB':>8} {'save s':>7} {'plan resv':>9} {'plan s':>7}  notes")
+    for r in result["stages"]:
         if "error" in r:
             print(f"{r['duration_s']:>5}s  failed (exit {r['exit_code']}): {r['error']}")
             continue
-        note = (f"kill -9 after step {r['killed_after_step']}, resumed, each step once: {r['resumed_steps_once']}"
-                if "killed_after_step" in r else "")
-        print(f"{r['duration_s']:>5}s {r['median_step_s']:>13.2f} {r['peak_allocated_gib']:>9.1f} "
-              f"{r['peak_reserved_gib']:>9.1f} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
+        notes = []
+        if "killed_after_step" in r:
+            notes.append(f"kill -9 of {r['killed']} in step {r['killed_after_step'] + 1}: launch exited in "
+                         f"{r['launch_exit_s']:.0f} s, resumed, each step once: {r['resumed_steps_once']}")
+        if "reshard" in r:
+            rs = r["reshard"]
+            notes.append(f"resumed on {rs['gpus']} GPU(s): " + (f"failed: {rs['error']}" if "error" in rs else
+                                                                f"step {rs['steps'][-1]} {rs['step_s']:.1f} s"))
+        smi = max(r["peak_gpu_used_gib"]) if r["peak_gpu_used_gib"] else 0.0
+        print(f"{r['duration_s']:>5}s {r['median_step_s']:>8.2f} {r['peak_allocated_gib']:>9.1f} "
+              f"{r['peak_reserved_gib']:>9.1f} {smi:>8.1f} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
               f"{r['checkpoint_save_s'] or 0:>7.1f} {r.get('predicted_reserved_gib') or 0:>9.1f} "
-              f"{r.get('predicted_step_s') or 0:>7.1f}  {note}")
-    if sample is not None:
-        print(f"sample {sample['duration_s']} s: exit {sample['exit_code']}, {sample['wall_s']:.0f} s"
-              + (f": {sample['error']}" if "error" in sample else ""))
-    return 0 if all("error" not in r for r in rows) and sample and sample["exit_code"] == 0 else 1
+              f"{r.get('predicted_step_s') or 0:>7.1f}  {'; '.join(notes)}")
+    for s in result["samples"]:
+        diff = (f", latents vs one process: max |d| {s['max_abs_diff_vs_1']:.3g} ({s['max_rel_diff_vs_1']:.2%} "
+                f"of the largest)" if "max_abs_diff_vs_1" in s else "")
+        print(f"sample {s['duration_s']} s, layout {s['layout']} ({s['gpus']} GPU(s)): exit {s['exit_code']}, "
+              f"{s['wall_s']:.0f} s{diff}" + (f": {s['error']}" if "error" in s else ""))
 
 
 if __name__ == "__main__":
