@@ -235,6 +235,33 @@ def test_a_silent_peer_on_another_host_stops_the_rank_with_a_sentence(watch, cap
         r"nothing from it for \d s \(parallel.timeout_s = 0.5\); resume with: torchrun ... --resume", err.strip()), err
 
 
+def test_a_peer_killed_on_this_host_stops_the_rank_at_once(watch, capfd):
+    """NCCL's collectives wait for a dead peer instead of failing: on two GPUs, rank 1 killed (kill -9) left rank 0
+    in a collective until torchrun's SIGKILL 30 s later, without a word. A peer whose process ended on this host
+    is now said within a heartbeat or two, long before parallel.timeout_s."""
+    watch.timeout_s, watch.tick_s = 60.0, 0.1
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    as_peer(watch, 1, dead.pid, "backward", 2)
+    started = time.monotonic()
+    with watch.phase("forward", 0), watch.phase("checkpoint save", 1):  # waiting in a collective that never ends
+        err = fired(watch, capfd)
+    assert time.monotonic() - started < 5
+    assert err.strip() == (
+        f"tttv train: error: rank 1 stopped answering: its process (pid {dead.pid} on this host) has exited, last "
+        f"seen in 'backward' of step 2; this rank, in 'forward: checkpoint save' of step 2, saw that process end; "
+        f"resume with: torchrun ... --resume")
+
+
+def test_a_peer_that_finished_and_exited_is_not_a_lost_one(watch):
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    as_peer(watch, 1, finished.pid, "", 3)
+    PeerWatch(1, 2, 2.0, 4.0, "train", watch.store)._publish("hb", {"beat": 2, "done": True})
+    watch._listen(time.monotonic())
+    assert watch._ended_here() == []
+
+
 # ---------------------------------------------------------------------------------------------- one launch
 def test_ranks_with_different_configs_stop_with_one_sentence(tmp_path):
     """Rank 1 started with another train.lr and a parallel.sp that fails the checks on its own (a wrapper adds

@@ -6,6 +6,8 @@ the launch's key-value store (torchrun's agent hosts it, so it answers while any
 the others'. The main thread names its phases (`PeerWatch.phase`: "forward", "backward", "checkpoint save", ...).
 The thread stops the run when
 
+- a peer on this host has ended without finishing (SIGKILL, the OOM killer: at once, because NCCL's collectives
+  wait for a dead peer instead of failing),
 - a peer's heartbeat has not changed for `parallel.timeout_s` (a rank frozen by SIGSTOP or a debugger, a lost node:
   its threads are all stopped), or
 - this rank has been in one bounded phase longer than its budget: `parallel.timeout_s`, or
@@ -287,10 +289,24 @@ class PeerWatch:
                 self.fire(f"this rank waited {now - top[2]:.0f} s in {where(top[0], top[1])} "
                           f"({self._budget_key(top[3])})")
             silent = self._listen(now)
+            here = where(top[0], top[1]) if top else "start-up"
             if silent:
-                here = where(top[0], top[1]) if top else "start-up"
                 self.fire(f"this rank, in {here}, heard nothing from it for {now - silent[0].heard:.0f} s "
                           f"(parallel.timeout_s = {self.timeout_s:g})", silent)
+            ended = self._ended_here()
+            if ended:
+                self.fire(f"this rank, in {here}, saw that process end", ended)
+
+    def _ended_here(self) -> list[Peer]:
+        """The peers on this host whose process has ended without finishing its part (SIGKILL, the OOM killer, a
+        crash). Said at once: NCCL's collectives do not fail when a peer dies, they wait, so without this a rank
+        would wait parallel.timeout_s, and torchrun, which SIGTERMs the survivors at once, kills them 30 s later
+        without a word. A peer that finished publishes `done` before it exits: read again before deciding."""
+        gone = [p for p in self.peers.values() if not p.done and p.state() == "exited"]
+        if gone:
+            self._listen(time.monotonic())
+            gone = [p for p in gone if not p.done]
+        return gone
 
     def _budget_key(self, budget: float) -> str:
         key = "parallel.slow_timeout_s" if budget == self.slow_timeout_s else "parallel.timeout_s"
