@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--videos", type=int, default=2, help="clips in each stage's random latent cache")
     ap.add_argument("--sample-steps", type=int, default=2)
     ap.add_argument("--no-kill", action="store_true", help="skip the kill -9 and --resume")
+    ap.add_argument("--no-sample", action="store_true", help="skip `tttv sample` after the last stage")
     ap.add_argument("--keep-stages", action="store_true",
                     help="keep every stage's checkpoints (by default a stage's go once the next one has started)")
     ap.add_argument("--make-cache-only", action="store_true", help="make the weights folder and caches, then stop")
@@ -234,16 +235,17 @@ def tttv(*args: str, gpus: int = 1) -> list[str]:
     return [sys.executable, "-m", "tttvideo", *args]
 
 
-def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: str, steps: int,
+def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: list[str], steps: int,
                   every: int, gpus: int, *flags: str) -> list[str]:
-    # a full-size sft checkpoint is 27 GiB: the stages save only their final step, the killed one every step (the
-    # kill -9 needs a checkpoint before the step it interrupts); one micro-batch per rank and step
+    # a full-size sft checkpoint is 27 GiB on one GPU and more on two (the gathered model beside the DCP shards), and
+    # the disk of a two-GPU machine held about 110 GiB: the stages save only their final step, the killed one every
+    # step (the kill -9 needs a checkpoint before the step it interrupts), and one checkpoint is kept
     sets = [f"model.preset={args.preset}", f"layout.duration={duration}s", f"data.manifest={manifest}",
             f"train.output_dir={out}", f"train.steps={steps}", "train.grad_accum=0",
             f"train.global_batch={data_parallel(duration, args)}", "train.batch_size=1",
-            f"train.checkpoint_every={every}", f"train.keep_checkpoints={2 if every < steps else 1}",
+            f"train.checkpoint_every={every}", "train.keep_checkpoints=1",
             "train.sample_at_end=false", "train.validate_every=0", "train.tensorboard=false", "data.num_workers=0",
-            f"train.device={args.device}", start, *args.overrides]
+            f"train.device={args.device}", *start, *args.overrides]
     return tttv("train", str(stage_config(duration, gpus)), *flags, *sum((["--set", s] for s in sets), []),
                 gpus=gpus)
 
@@ -289,14 +291,17 @@ def prune_when_started(child: "Watched", out: Path, previous: Path | None) -> An
     return until
 
 
-def kill_in_mid_step(args: argparse.Namespace, child: Watched, out: Path, prune: Any) -> dict[str, Any] | None:
+def kill_in_mid_step(args: argparse.Namespace, child: Watched, out: Path, prune: Any,
+                     step_s: float | None) -> dict[str, Any] | None:
     """Wait for the first checkpoint, then kill -9 in the middle of the next step: the whole process (one GPU) or
-    rank 1's worker alone (torchrun: the other ranks must stop by themselves). None if the run ended first."""
+    rank 1's worker alone (torchrun: the other ranks must stop by themselves). None if the run ended first.
+    `step_s`: the planner's step time; the first step's own (compiling: 145 s against 8 s at 3 s on two GPUs)
+    would put the kill past the next step, inside its checkpoint save."""
     code = child.wait(until=lambda: prune() or (len(read_metrics(out)) >= 1
                                                 and any((out / "checkpoints").glob("step-*"))))
     if code is not None:
         return None
-    time.sleep(read_metrics(out)[-1]["step_time"] / 2)
+    time.sleep(min(read_metrics(out)[-1]["step_time"], step_s or 4.0) / 2)
     if child.poll() is not None:
         return None
     victim = worker_of_rank(child.proc.pid, 1) if args.gpus > 1 else None
@@ -324,7 +329,7 @@ def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], child
             "losses": [m["loss"] for m in metrics]}
 
 
-def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, kill: bool,
+def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[str], kill: bool,
               previous: Path | None = None) -> dict[str, Any]:
     out = work / f"stage-{duration}s"
     manifest = make_cache(args, work, duration)
@@ -343,7 +348,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
     prune = prune_when_started(child, out, None if args.keep_stages else previous)
     watched = [child]
     if kill:
-        killed = kill_in_mid_step(args, child, out, prune)
+        killed = kill_in_mid_step(args, child, out, prune, row.get("predicted_step_s"))
         if killed is None:
             raise SystemExit(f"stage {duration} s finished before the kill: use more --last-steps")
         row.update(killed)
@@ -372,7 +377,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: str, k
     return row
 
 
-def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, manifest: Path, start: str,
+def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, manifest: Path, start: list[str],
             steps: int) -> dict[str, Any]:
     """One more step of the stage, resumed from its last checkpoint on --reshard-gpus GPUs (that count's config,
     the same global batch): the sharded checkpoint read by another world size."""
@@ -466,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
               "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": [], "samples": []}
     rows, samples = result["stages"], result["samples"]
     kill_at = args.kill_at or args.durations[-1]
-    start = f"model.pretrained_path={weights}"
+    # the first stage starts from the base weights whatever its config's init_from says (the 63-s config names stage 4)
+    start = [f"model.pretrained_path={weights}", 'train.init_from=""']
     for i, duration in enumerate(args.durations):
         previous = work / f"stage-{args.durations[i - 1]}s" if i else None
         row = run_stage(args, work, duration, start, kill=duration == kill_at and not args.no_kill,
@@ -476,15 +482,15 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2) + "\n")  # what has run so far, in case the machine goes
         if "error" in row:
             break
-        start = f"train.init_from={work / f'stage-{duration}s'}"
-    if "error" not in rows[-1]:
+        start = [f"train.init_from={work / f'stage-{duration}s'}"]
+    if "error" not in rows[-1] and not args.no_sample:
         for layout, gpus, sets in sample_layouts(args.gpus):
             samples.append(run_sample(args, work, args.durations[-1], layout, gpus, sets))
             compare_latents(samples)
             out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
     ok = all("error" not in r and "error" not in r.get("reshard", {}) for r in rows)
-    return 0 if ok and samples and all(s["exit_code"] == 0 for s in samples) else 1
+    return 0 if ok and (args.no_sample or samples) and all(s["exit_code"] == 0 for s in samples) else 1
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -1,0 +1,41 @@
+"""benchmarks/stage_chain.py under torchrun (gloo, CPU), the tiny model through the two-GPU stage configs: the way the
+two-GPU chain is checked before it costs GPU time. A 3-s stage killed (kill -9 of rank 1) in mid-step, resumed on two
+processes and then on one (the DCP checkpoint read by another world size), a 6-s stage through the 63-s config
+(FSDP with offloaded block inputs), then the sample in one process, with sp = 2 and with split guidance."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
+    out = tmp_path / "chain.json"
+    cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(tmp_path / "work"), "--preset", "tiny",
+           "--device", "cpu", "--gpus", "2", "--durations", "3", "6", "--kill-at", "3", "--reshard-gpus", "1",
+           "--steps", "2", "--sample-steps", "1", "--out", str(out), "--set", "layout.height=64",
+           "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    killed, last = result["stages"]
+    assert [r["config"] for r in result["stages"]] == ["stage1-3s-2gpu.toml", "stage5-63s-2gpu.toml"]
+    assert killed["killed"] == "rank 1" and killed["launch_exit_s"] < 30
+    # the survivor said one sentence naming the dead rank
+    assert len(killed["sentences"]) == 1 and "rank 1 stopped answering: its process" in killed["sentences"][0]
+    assert killed["resumed_steps_once"] and killed["steps"] == [1, 2, 3]
+    assert killed["reshard"]["gpus"] == 1 and killed["reshard"]["resumed_steps_once"]
+    assert "resumed from" in killed["reshard"]["resumed_line"]
+    assert last["steps"] == [1, 2] and last["global_batch"] == 2
+    layouts = {s["layout"]: s for s in result["samples"]}
+    assert set(layouts) == {"1", "sp2", "cfg2"} and all(s["exit_code"] == 0 for s in layouts.values())
+    for name in ("sp2", "cfg2"):
+        assert layouts[name]["max_rel_diff_vs_1"] < 1e-3, layouts[name]
