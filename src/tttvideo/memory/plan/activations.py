@@ -67,12 +67,12 @@ MEASURED_ON = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B"}
 # the constants a backbone's own table may replace; step time is never carried over (another backbone's blocks
 # cost other FLOPs), so a backbone without time_points of its own has no predicted step time
 CARRIED = ("stream_copies", "saved_extra_per_token", "reserved_fraction", "offload_reserved_units",
-           "first_step_offload_reserved_units", "nested_time", "offload_time")
+           "first_step_offload_reserved_units", "nested_time", "offload_time", "sp_reserved_fraction")
 # what the plan's notes call them
 CONSTANT_NAMES = {"stream_copies": "stream copies", "saved_extra_per_token": "bytes saved beside each input",
                   "reserved_fraction": "reserve", "offload_reserved_units": "offload reserve",
                   "first_step_offload_reserved_units": "offload reserve", "nested_time": "time factors",
-                  "offload_time": "time factors"}
+                  "offload_time": "time factors", "sp_reserved_fraction": "sp reserve"}
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,10 @@ class BlockConstants:
     first_step_offload_reserved_units: float = 0.0
     backbone: str = REFERENCE_BACKBONE  # the backbone these constants serve
     carried: frozenset[str] = frozenset()  # names of the constants carried over from REFERENCE_BACKBONE
+    # with sequence parallelism (sp > 1): the reserved above allocated, as a fraction of the peak, in place of
+    # reserved_fraction (the all-to-all buffers of every exchange come and go in sizes the one-GPU step has not);
+    # 0: not measured, reserved_fraction
+    sp_reserved_fraction: float = 0.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockConstants":
@@ -102,7 +106,8 @@ class BlockConstants:
                    float(d["offload_reserved_units"]), float(d.get("nested_time", 1.0)),
                    float(d.get("offload_time", 1.0)),
                    tuple((float(t), float(v)) for t, v in d.get("time_points", ())), str(d.get("source", "")),
-                   float(d.get("first_step_offload_reserved_units", d["offload_reserved_units"])))
+                   float(d.get("first_step_offload_reserved_units", d["offload_reserved_units"])),
+                   sp_reserved_fraction=float(d.get("sp_reserved_fraction", 0.0)))
 
     @classmethod
     def for_backbone(cls, table: dict, backbone: str) -> "BlockConstants":
@@ -124,7 +129,8 @@ class BlockConstants:
                 "reserved_fraction": self.reserved_fraction, "offload_reserved_units": self.offload_reserved_units,
                 "first_step_offload_reserved_units": self.first_step_offload_reserved_units,
                 "nested_time": self.nested_time, "offload_time": self.offload_time,
-                "time_points": [list(p) for p in self.time_points], "source": self.source}
+                "time_points": [list(p) for p in self.time_points], "source": self.source,
+                "sp_reserved_fraction": self.sp_reserved_fraction}
 
     def how(self, what: str, *constants: str) -> str:
         """A part's basis `what` ("measured", "counted x measured") from `constants`, naming the backbone they were
@@ -346,9 +352,13 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
     s = saved_input(g, k)
     off = offloaded_units(cfg, g, k)
     saved = -(-g.units // nested_span_of(cfg))
+    sp = cfg.parallel.sp if gpus > 1 else 1
+    sp_reserve = sp > 1 and k.sp_reserved_fraction > 0
+    fraction = k.sp_reserved_fraction if sp_reserve else k.reserved_fraction
+    fraction_key = "sp_reserved_fraction" if sp_reserve else "reserved_fraction"
 
     def reserve(allocated: int, units: float) -> int:
-        return int(allocated * (1 + k.reserved_fraction) + (units * s if off else 0))
+        return int(allocated * (1 + fraction) + (units * s if off else 0))
 
     first_phase, first_parts = _step_peak(cfg, counted, k, g, optimizer_state_live=False, traced=traced)
     first_allocated = sum(p.nbytes for p in first_parts)
@@ -375,16 +385,17 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
         notes.append(f"{g.backbone}: block model's {carried} measured on {MEASURED_ON[REFERENCE_BACKBONE]}, "
                      "extrapolated")
     which = "the first step's" if first_step_only else "later steps'"
-    parts = parts + [Part(f"allocator: reserved over allocated ({k.reserved_fraction:.1%}"
+    parts = parts + [Part(f"allocator: reserved over allocated ({fraction:.1%}"
+                          + (f" with sp = {sp}" if sp_reserve else "")
                           + (f" + {units:.2g} inputs held by the side stream's copies, {which}" if off and units
                              else "")
                           + ")", reserved - allocated,
-                          k.how("measured", "reserved_fraction", *(["offload_reserved_units"] if off else [])))]
+                          k.how("measured", fraction_key, *(["offload_reserved_units"] if off else [])))]
     if not first_step_only and first_reserved > reserved:
         parts.append(Part(f"allocator: the first step's reserve above the later steps' ({first_allocated / GIB:.2f} "
-                          f"GiB allocated at its {first_phase}, + {k.reserved_fraction:.1%} + "
+                          f"GiB allocated at its {first_phase}, + {fraction:.1%} + "
                           f"{k.first_step_offload_reserved_units:.2g} inputs held by the first copies)",
-                          first_reserved - reserved, k.how("measured", "reserved_fraction",
+                          first_reserved - reserved, k.how("measured", fraction_key,
                                                                 "first_step_offload_reserved_units")))
         notes.append(f"the first step reserves the most: {first_reserved / GIB:.1f} GiB (the allocator keeps it)")
         reserved = first_reserved
@@ -393,7 +404,7 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
 
 def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
     """Whether the block model counts this setup: every block and sub-module checkpointed, one block a unit, no
-    kept outputs, the TTT-MLP layer (or none), no sequence parallelism across GPUs, and either
+    kept outputs, the TTT-MLP layer (or none), and either
 
     - the measured kind: CogVideoX-5B, qkvo adapter (or sft: the same activations, more counted
       gradients and state), weights stored and computed in bf16, nested checkpointing and
@@ -406,15 +417,16 @@ def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
       once (each saved span input in the host pool, the running span's unit inputs recomputed on the GPU). Its
       predictions say which constants are extrapolated.
 
-    With sp > 1 Ulysses' all-to-all buffers raise the reserve far above one GPU's (a 63-s sp = 2 run reserved 1.28x
-    what it allocated), so those setups wait for a measurement."""
+    With sequence parallelism the parts are counted at the tokens one GPU holds (tokens / sp; the all-to-all buffers
+    are stream-sized temporaries of the shard, inside the measured stream copies: the 63-s sp = 2 step allocated 75.9
+    GiB per GPU on two H200s, counted 75.2), and the reserve is the one measured with sp (that run reserved 1.28x
+    what it allocated, against 1.07x on one GPU: `BlockConstants.sp_reserved_fraction`)."""
     from tttvideo.memory.plan.costs import long_range_tag
     from tttvideo.memory.techniques import checkpoint_policy
     from tttvideo.models.backbone import backbone_of
 
     ck = cfg.checkpointing
-    common = (not long_range_tag(cfg) and (gpus == 1 or cfg.parallel.sp == 1)
-              and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY)
+    common = not long_range_tag(cfg) and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY
     if backbone_of(cfg.model.preset).name not in MEASURED_BACKBONES:
         return common
     return (common and cfg.model.preset in MEASURED_PRESETS and cfg.model.adapter in BLOCK_MODEL_ADAPTERS

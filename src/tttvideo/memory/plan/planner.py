@@ -98,6 +98,13 @@ class Prediction:
     # the step time against the same setup with the inputs kept (block model: recomputes, FFN chunks); ranks
     # setups whose time is not predicted
     relative_time: float = 1.0
+    # videos one step trains: one per data-parallel rank (FSDP's ranks each take their own; an sp group one between
+    # them), so that setups are ranked by time per video, not per step
+    videos: int = 1
+
+    @property
+    def seconds_per_video(self) -> float | None:
+        return None if self.step_s is None else self.step_s / self.videos
 
     @property
     def peak(self) -> int | None:
@@ -216,7 +223,9 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             reserved = breakdown.reserved = reserved + extra
         notes.extend(breakdown.notes)
         if gpus > 1:
-            notes.append("host memory per process; the reserve is one GPU's (FSDP's not measured)")
+            notes.append("host memory per process; " + (
+                f"the parts counted at tokens / {sp}, the reserve measured with sp (one 63-s run)" if sp > 1
+                else "the reserve is one GPU's (FSDP's not measured)"))
         basis = ("counted (block model, traced)" if traced else "counted (block model, extrapolated)"
                  if blocks.extrapolated else "counted (block model)")
         if geometry.measured and c.model.adapter not in MEASURED_ADAPTERS:
@@ -260,12 +269,15 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     fits = None
     if reserved is not None and gpu_mem is not None:
         fits = reserved + CUDA_CONTEXT <= gpu_mem * (1 - margin)
-    if sp > 1:
+    if sp > 1 and breakdown is None:
         notes.append("sp: one-GPU per-token costs")
     if split > 1:
         notes.append("activations of a batch-2 guided forward: an upper bound (one pass a rank)")
+    videos = max(1, gpus // sp) if phase == "train" else 1
+    if phase == "train" and gpus > 1 and step_s is not None:  # what the ranking compares (`rank`)
+        notes.append(f"{videos} video(s) a step: {step_s / videos:.2f} s per video")
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
-                      time_factor)
+                      time_factor, videos)
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
@@ -289,19 +301,21 @@ def fits_in(peak: int, gpu_mem: int, streamed: bool = False, margin: float = 0.0
 
 def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
          margin: float = MARGIN, trace: bool = False) -> list[Prediction]:
-    """Every candidate's prediction, best first: those that fit by step time (unknown time last; of equal times the
-    one with fewer `overheads`), then those that do not by peak, then the unmeasured. `trace`: see `predict`."""
+    """Every candidate's prediction, best first (`rank`). `trace`: see `predict`."""
     preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin, trace=trace) for c in candidates(cfg, phase, gpus)]
-
-    def rank(p: Prediction) -> tuple:
-        if p.fits:
-            return (0, p.step_s if p.step_s is not None else float("inf"), p.relative_time, overheads(p.config),
-                    p.peak)
-        if p.fits is False:
-            return (1, p.peak, 0, 0, 0)
-        return (2, 0, 0, 0, 0)
-
     return sorted(preds, key=rank)
+
+
+def rank(p: Prediction) -> tuple:
+    """The order of `plan`: those that fit by time per video (unknown time last; of equal times the one with fewer
+    `overheads`), then those that do not by peak, then the unmeasured."""
+    if p.fits:
+        per_video = p.seconds_per_video
+        return (0, per_video if per_video is not None else float("inf"), p.relative_time, overheads(p.config),
+                p.peak)
+    if p.fits is False:
+        return (1, p.peak, 0, 0, 0)
+    return (2, 0, 0, 0, 0)
 
 
 def overheads(cfg: Config) -> tuple[int, int, int]:
@@ -457,8 +471,7 @@ def replan_after_oom(fit: AutoFit, needed: int) -> tuple[AutoFit, float]:
         fits = reserved + CUDA_CONTEXT <= fit.gpu_mem * (1 - margin)
         preds.append(dataclasses.replace(p, activation=activation, reserved=reserved, fits=fits,
                                          notes=p.notes + [f"activations x{scale:.2f} after an out-of-memory error"]))
-    preds.sort(key=lambda p: (0, p.step_s if p.step_s is not None else float("inf"), p.relative_time,
-                              overheads(p.config), p.peak) if p.fits else (1, p.peak, 0, 0, 0))
+    preds.sort(key=rank)
     chosen = best(preds)
     if chosen is None:
         raise UserError(f"--auto-fit: {failed.candidate.label} ran out of memory and, with its activations measured "
