@@ -15,7 +15,8 @@ It reads the H100 results (no GPU needed):
 - benchmarks/results/plan_calibration_h100.json and plan_check_h100.json: the per-token curves' setups (LoRA, fp32
   weights, block checkpointing, sampling), `tttv profile --steps 2`;
 - benchmarks/results/stage_chain_h100.json: the five stage configs as shipped, held out: a later step's time, the
-  process's memory peak (first step included), predicted as a training process;
+  process's memory peak (first step included), predicted as a training process; stage_chain_2gpu_<gpu>.json the same
+  for the two-GPU configs (the largest rank's peak, predicted per GPU; an H200 chain's memory only);
 - benchmarks/results/fit_24gb_wan_h100.json: Wan2.1-1.3B under a 23 GiB cap, the process's peak of two steps;
 - one failure with no result file: 63 s, fp8 frozen weights, 8-bit AdamW, block inputs kept, out of memory under a
   79.2 GiB cap (issues 34 and 35): it must be predicted not to fit an 80 GB card.
@@ -69,6 +70,7 @@ class Row:
     calibrates: str = ""  # the constants a calibration row fits
     time_role: str = ""  # where its step time's role differs from its memory's
     predicted: dict = field(default_factory=dict)
+    gpus: int = 1  # the launch's GPUs (the memory figures are per GPU, the largest rank's)
 
 
 def _step_rows() -> list[Row]:
@@ -109,17 +111,23 @@ def _chain_rows() -> list[Row]:
     time is a later step's (no compilation); its memory the process's peak (`tttv train` never resets torch's peak
     statistics), its first step included, as the planner predicts a training process."""
     rows = []
-    for path in sorted(RESULTS.glob("stage_chain*_h100.json")):  # stage_chain.py --out ...: other setups, their --set
+    # stage_chain.py --out ...: other setups (their --set), and --gpus 2 (stage_chain_2gpu_<gpu>.json). An H200 chain
+    # holds memory rows only: the step times of the costs are an H100's
+    paths = sorted(RESULTS.glob("stage_chain*_h100.json")) + sorted(RESULTS.glob("stage_chain_*gpu_h200.json"))
+    for path in paths:
         chain = json.loads(path.read_text())
         sets = list(chain.get("overrides", []))
+        gpus = int(chain.get("gpus", 1))
+        h100 = path.name.endswith("_h100.json")
         for r in chain["stages"]:
             if "error" in r:
                 continue
-            name = f"chain {r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else "")
+            name = (f"chain {r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else "")
+                    + ("" if h100 else ", H200: memory only"))
             rows.append(Row(name, path.name, f"configs/cogvideox-5b/{r['config']}",
                             NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets],
                             "train", "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None,
-                            r["median_step_s"]))
+                            r["median_step_s"] if h100 else None, gpus=gpus))
     return rows
 
 
@@ -191,7 +199,8 @@ def predict_row(row: Row, costs) -> dict:
     from tttvideo.memory.plan.planner import CUDA_CONTEXT, Candidate, predict
 
     cfg = config_of(row)
-    p = predict(cfg, row.phase, Candidate("as measured", ()), costs, 1, H100_CARD, first_step_only=row.first_step)
+    p = predict(cfg, row.phase, Candidate("as measured", ()), costs, row.gpus, H100_CARD,
+                first_step_only=row.first_step)
     out = {"basis": p.basis, "allocated_gib": None if p.peak is None else p.peak / GIB,
            "reserved_gib": None if p.reserved is None else p.reserved / GIB, "host_gib": p.host / GIB,
            "step_s": p.step_s, "fits_80gb": p.fits,

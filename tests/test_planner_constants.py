@@ -105,3 +105,25 @@ def test_committed_wan_constants_are_its_own_where_measured_and_explain_says_so(
     out = capsys.readouterr().out
     assert "stream-sized temporaries" in out and "[counted x measured on Wan2.1-1.3B]" in out
     assert "[measured on CogVideoX-5B, extrapolated]" in out  # the allocator's reserve
+
+
+def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(tmp_path):
+    """benchmarks/plan_accuracy.py reads stage_chain_2gpu_<gpu>.json (benchmarks/stage_chain.py --gpus 2) as held-out
+    rows predicted on two GPUs (FSDP shards the weights and optimizer state), an H200 chain's without a step time."""
+    from tests.benchmark_scripts import load_benchmark
+    from tttvideo.memory.plan.costs import load_costs
+
+    accuracy = load_benchmark("plan_accuracy")
+    stage = {"duration_s": 3, "config": "stage1-3s-2gpu.toml", "gpus": 2, "median_step_s": 7.96,
+             "peak_allocated_gib": 24.3, "peak_reserved_gib": 26.0}
+    (tmp_path / "stage_chain_2gpu_h200.json").write_text(json.dumps({"gpus": 2, "overrides": [], "stages": [
+        stage, {"duration_s": 9, "config": "stage2-9s-2gpu.toml", "error": ["stopped"]}]}))
+    accuracy.RESULTS = tmp_path
+    [row] = accuracy._chain_rows()
+    assert row.gpus == 2 and row.step_s is None and row.name.endswith("H200: memory only")
+    two = accuracy.predict_row(row, load_costs("h100"))
+    one = accuracy.predict_row(accuracy.Row(row.name, row.source, "configs/cogvideox-5b/stage1-3s-1gpu.toml",
+                                            row.overrides, "train", "held out"), load_costs("h100"))
+    # sft: 7.2 B trainable parameters' gradients and 8-bit state are halved per GPU by FSDP
+    assert two["allocated_gib"] < one["allocated_gib"] - 10
+    assert two["allocated_gib"] == pytest.approx(22.9, abs=0.2)  # the header of stage1-3s-2gpu.toml
