@@ -151,6 +151,27 @@ def make_cache(args: argparse.Namespace, work: Path, duration: int) -> Path:
     return manifest
 
 
+def inputs_made_apart(args: argparse.Namespace, work: Path) -> Path:
+    """The weights folder and caches, made by a child process (this mode with --make-cache-only): building the
+    random 5B model on the GPU here would leave this process's CUDA context and cached blocks (14.6 GiB seen on two
+    H200s) on GPU 0 for the whole chain, beside rank 0."""
+    cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(work), "--make-cache-only",
+           "--preset", args.preset, "--device", args.device, "--videos", str(args.videos),
+           "--durations", *map(str, args.durations), *sum((["--set", s] for s in args.overrides), [])]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    return work / "weights"
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi (None without one), read without starting CUDA in this process."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
 # ------------------------------------------------------------------------------------------------- the stages
 def descendants(pid: int) -> list[int]:
     """The process and every process under it (torchrun's agent and its workers)."""
@@ -268,7 +289,7 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
     from tttvideo.memory.plan.costs import known_gpus, load_costs
     from tttvideo.memory.plan.planner import Candidate, gpu_kind, predict
 
-    kind = gpu_kind(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
+    kind = gpu_kind(gpu_name() or "H100")
     if kind not in known_gpus():
         return {}
     p = predict(resolved(duration, args, args.gpus), "train", Candidate("as configured", ()), load_costs(kind),
@@ -457,12 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    weights = make_weights(args, work)
     if args.make_cache_only:
+        make_weights(args, work)
         for d in args.durations:
             make_cache(args, work, d)
         return 0
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    weights = inputs_made_apart(args, work)
+    device = (gpu_name() or "cuda") if args.device.startswith("cuda") else platform.processor() or "cpu"
     gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
     name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
