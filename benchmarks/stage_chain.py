@@ -10,8 +10,10 @@ micro-batch, peak allocated and reserved GPU memory (the largest rank's), the GP
 peak host memory, checkpoint size and save time, and the planner's prediction; writes
 benchmarks/results/stage_chain_<gpu>.json (stage_chain_<N>gpu_<gpu>.json with --gpus N > 1).
 
-What it makes first, in --workdir, once (reused by later runs):
-  weights/transformer/   a random-weight CogVideoXTransformer3DModel folder (models.cogvideox.weights.save_diffusers_folder)
+What it makes first, in --workdir, once (reused by later runs), in a child process (so that this one never holds
+GPU memory beside the stages):
+  weights/transformer/   a random-weight CogVideoXTransformer3DModel folder
+                         (models.cogvideox.weights.save_diffusers_folder)
   cache-<D>s/            a latent cache of --videos random clips of each stage's shapes (data.cache's format); the
                          same files `tttv precompute` writes, so `--make-cache-only` is the documented way to make one
 
