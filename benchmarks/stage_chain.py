@@ -155,8 +155,8 @@ def make_cache(args: argparse.Namespace, work: Path, duration: int) -> Path:
 
 def inputs_made_apart(args: argparse.Namespace, work: Path) -> Path:
     """The weights folder and caches, made by a child process (this mode with --make-cache-only): building the
-    random 5B model on the GPU here would leave this process's CUDA context and cached blocks (14.6 GiB seen on two
-    H200s) on GPU 0 for the whole chain, beside rank 0."""
+    random 5B model on the GPU here would leave this process's CUDA context and the allocator's cached blocks (the
+    model's 10.5 GB) on GPU 0 for the whole chain, beside rank 0."""
     cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(work), "--make-cache-only",
            "--preset", args.preset, "--device", args.device, "--videos", str(args.videos),
            "--durations", *map(str, args.durations), *sum((["--set", s] for s in args.overrides), [])]
