@@ -205,7 +205,7 @@ def worker_of_rank(pid: int, rank: int) -> int | None:
             env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+        if f"RANK={rank}".encode() in env:
             return p
     return None
 
@@ -343,12 +343,14 @@ def kill_in_mid_step(args: argparse.Namespace, child: Watched, out: Path, prune:
             "tracebacks_in_log": sum("Traceback (most recent call last)" in line for line in lines)}
 
 
-def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], child: Watched) -> dict[str, Any]:
+def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], watched: list[Watched]) -> dict[str, Any]:
+    """A finished stage's figures: its metrics', and the host and GPU peaks of every launch it took."""
     return {"median_step_s": sorted(m["step_time"] for m in steady)[len(steady) // 2],
             "first_step_s": metrics[0]["step_time"],
             "peak_allocated_gib": max(m["memory_gib"] for m in metrics),
             "peak_reserved_gib": max(m.get("memory_reserved_gib", 0.0) for m in metrics),
-            "peak_host_gib": child.host_peak, "peak_gpu_used_gib": child.gpu_peak,
+            "peak_host_gib": max(w.host_peak for w in watched),
+            "peak_gpu_used_gib": [max(v) for v in zip(*(w.gpu_peak for w in watched if w.gpu_peak))],
             "losses": [m["loss"] for m in metrics]}
 
 
@@ -389,9 +391,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
         row["error"] = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["no log"]
         return row
     steady = metrics[-1:] if kill else metrics[1:] or metrics  # a process's first step compiles
-    row.update(stage_row(metrics, steady, child))
-    row["peak_host_gib"] = max(w.host_peak for w in watched)
-    row["peak_gpu_used_gib"] = [max(v) for v in zip(*(w.gpu_peak for w in watched if w.gpu_peak))]
+    row.update(stage_row(metrics, steady, watched))
     row.update(checkpoint_figures(out, log))
     if kill and "killed_after_step" in row:  # resumed: each step once, counting on from the checkpoint
         row["resumed_steps_once"] = row["steps"] == list(range(1, steps + 1))
@@ -407,10 +407,7 @@ def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, mani
     gpus = args.reshard_gpus
     log = work / f"stage-{duration}s-reshard.log"
     print(f"=== {duration} s: --resume on {gpus} GPU(s), one more step", flush=True)
-    cmd = train_command(args, duration, out, manifest, start, steps + 1, steps + 1, gpus, "--resume")
-    if gpus == 1:  # the one-GPU config keeps the stage's parallel settings out
-        cmd += ["--set", "parallel.dp_shard=1", "--set", "parallel.sp=1"]
-    child = Watched(cmd, log)
+    child = Watched(train_command(args, duration, out, manifest, start, steps + 1, steps + 1, gpus, "--resume"), log)
     code = child.wait()
     metrics = read_metrics(out)
     row: dict[str, Any] = {"gpus": gpus, "exit_code": code, "steps": [m["step"] for m in metrics]}
@@ -421,8 +418,6 @@ def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, mani
                 "resumed_steps_once": row["steps"] == list(range(1, steps + 2)),
                 "resumed_line": next((line for line in log.read_text().splitlines() if "resumed from" in line), "")})
     return row
-
-
 
 
 def sample_layouts(gpus: int) -> list[tuple[str, int, list[str]]]:
