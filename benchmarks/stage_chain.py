@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -110,6 +111,9 @@ def make_weights(args: argparse.Namespace, work: Path) -> Path:
         return folder.parent
     cfg = resolved(args.durations[0], args)
     cfg.model.pretrained_path = ""
+    # the folder holds the plain backbone, whatever the first stage stores its frozen weights as (the one-GPU 63-s
+    # config's fp8 storage renames them)
+    cfg.model.frozen_weights = "dtype"
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = build_model(cfg, torch.device(args.device))
@@ -286,21 +290,38 @@ def checkpoint_figures(folder: Path, log: Path) -> dict[str, Any]:
     return {"checkpoint_gib": size, "checkpoint_save_s": max(saves) if saves else None}
 
 
+def failure(log: Path) -> list[str]:
+    """What a failed launch said: tttv's own error sentences (every rank's under torchrun), else the last exception
+    a rank raised, else the log's last line that is not one of torchrun's rules."""
+    if not log.is_file():
+        return ["no log"]
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("tttv ") and "error" in line]
+    raised = [line for line in lines if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception): ", line)
+              and "ChildFailedError" not in line]
+    return said[-4:] or raised[-1:] or [line for line in lines if line.strip("=-")][-1:] or ["empty log"]
+
+
 def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
-    """What `tttv plan` predicts for the stage's setup as configured (the steady state: optimizer state live)."""
+    """What `tttv plan` predicts for the stage's setup as configured (the steady state: optimizer state live). A GPU
+    kind without measured costs is predicted from the H100's: its memory (the same kernels allocate the same bytes),
+    not its step time."""
     from tttvideo.memory.plan.costs import known_gpus, load_costs
     from tttvideo.memory.plan.planner import Candidate, gpu_kind, predict
 
     kind = gpu_kind(gpu_name() or "H100")
-    if kind not in known_gpus():
+    measured = kind in known_gpus()
+    if not measured and "h100" not in known_gpus():
         return {}
-    p = predict(resolved(duration, args, args.gpus), "train", Candidate("as configured", ()), load_costs(kind),
-                gpus=args.gpus)
+    p = predict(resolved(duration, args, args.gpus), "train", Candidate("as configured", ()),
+                load_costs(kind if measured else "h100"), gpus=args.gpus)
     gib = 2**30
     return {"predicted_allocated_gib": p.peak / gib if p.peak is not None else None,
             "predicted_reserved_gib": p.reserved / gib if p.reserved is not None else None,
-            "predicted_host_gib": p.host / gib if p.host else 0.0, "predicted_step_s": p.step_s,
-            "predicted_basis": p.basis}
+            # the launch's processes together, as peak_host_gib sums them
+            "predicted_host_gib": p.host_total * args.gpus / gib,
+            "predicted_step_s": p.step_s if measured else None,
+            "predicted_basis": p.basis + ("" if measured else f" (H100 costs; no {kind} step time)")}
 
 
 def prune_when_started(child: "Watched", out: Path, previous: Path | None) -> Any:
@@ -388,7 +409,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     metrics = read_metrics(out)
     row["steps"] = [m["step"] for m in metrics]
     if code != 0 or not metrics:
-        row["error"] = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["no log"]
+        row["error"] = failure(log)
         return row
     steady = metrics[-1:] if kill else metrics[1:] or metrics  # a process's first step compiles
     row.update(stage_row(metrics, steady, watched))
@@ -412,7 +433,7 @@ def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, mani
     metrics = read_metrics(out)
     row: dict[str, Any] = {"gpus": gpus, "exit_code": code, "steps": [m["step"] for m in metrics]}
     if code != 0 or len(metrics) != steps + 1:
-        row["error"] = log.read_text().strip().splitlines()[-1:] if log.is_file() else ["no log"]
+        row["error"] = failure(log)
         return row
     row.update({"step_s": metrics[-1]["step_time"], "loss": metrics[-1]["loss"],
                 "resumed_steps_once": row["steps"] == list(range(1, steps + 2)),
@@ -450,7 +471,11 @@ def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str,
            "exit_code": code, "peak_host_gib": child.host_peak, "peak_gpu_used_gib": child.gpu_peak,
            "latents": str(out.with_suffix(".latents.safetensors"))}
     if code != 0:
-        row["error"] = log.read_text().strip().splitlines()[-1:]
+        row["error"] = failure(log)
+    denoise = [line.split("denoise ", 1)[1].split(" s", 1)[0] for line in log.read_text(errors="replace").splitlines()
+               if "frames (" in line and "denoise " in line]
+    if denoise:  # the sampler's own time, without loading and compiling
+        row["denoise_s"] = float(denoise[-1])
     return row
 
 
@@ -468,7 +493,27 @@ def compare_latents(rows: list[dict[str, Any]]) -> None:
             x = load_file(r["latents"])["latents"]
             diff = (x - ref).abs().max().item()
             r.update({"max_abs_diff_vs_1": diff, "max_rel_diff_vs_1": diff / ref.abs().max().item(),
-                      "mean_abs_diff_vs_1": (x - ref).abs().mean().item()})
+                      "mean_abs_diff_vs_1": (x - ref).abs().mean().item(),
+                      "rms_rel_diff_vs_1": ((x - ref).float().norm() / ref.float().norm()).item()})
+
+
+def merged(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """`result` with the rows of `out`'s earlier run on the same machine kind that this run did not redo: a chain
+    too long for one lease of the machine runs in parts (e.g. --durations 3 9 18, then 30 63) into one file. Each
+    row names the commit and overrides it ran at."""
+    try:
+        old = json.loads(out.read_text()) if out.is_file() else {}
+    except ValueError:
+        old = {}
+    same = all(old.get(k) == result[k] for k in ("benchmark", "device", "gpus", "preset"))
+    if not same:
+        return result
+    run = {k: old.get(k) for k in ("git_commit", "overrides")}
+    redone = {r["duration_s"] for r in result["stages"]}
+    resampled = {(s["duration_s"], s["layout"]) for s in result["samples"]}
+    stages = [{**run, **r} for r in old.get("stages", []) if r["duration_s"] not in redone] + result["stages"]
+    samples = [{**run, **s} for s in old.get("samples", []) if (s["duration_s"], s["layout"]) not in resampled]
+    return {**result, "stages": sorted(stages, key=lambda r: r["duration_s"]), "samples": samples + result["samples"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
               "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps,
               "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": [], "samples": []}
     rows, samples = result["stages"], result["samples"]
+    run = {"git_commit": args.commit, "overrides": args.overrides}
+
+    def save() -> None:  # after each stage and sample, in case the machine goes
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(merged(out, result), indent=2) + "\n")
+
     kill_at = args.kill_at or args.durations[-1]
     # the first stage starts from the base weights whatever its config's init_from says (the 63-s config names stage 4)
     start = [f"model.pretrained_path={weights}", 'train.init_from=""']
@@ -496,18 +547,18 @@ def main(argv: list[str] | None = None) -> int:
         previous = work / f"stage-{args.durations[i - 1]}s" if i else None
         row = run_stage(args, work, duration, start, kill=duration == kill_at and not args.no_kill,
                         previous=previous)
-        rows.append(row)
+        rows.append({**run, **row})
         print(json.dumps(row), flush=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")  # what has run so far, in case the machine goes
+        save()
         if "error" in row:
             break
         start = [f"train.init_from={work / f'stage-{duration}s'}"]
     if "error" not in rows[-1] and not args.no_sample:
         for layout, gpus, sets in sample_layouts(args.gpus):
-            samples.append(run_sample(args, work, args.durations[-1], layout, gpus, sets))
+            samples.append({**run, **run_sample(args, work, args.durations[-1], layout, gpus, sets)})
             compare_latents(samples)
-            out.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
+            save()
+    print_table(merged(out, result))
     ok = all("error" not in r and "error" not in r.get("reshard", {}) for r in rows)
     return 0 if ok and (args.no_sample or samples) and all(s["exit_code"] == 0 for s in samples) else 1
 
@@ -516,7 +567,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['device']}, torch {result['torch']}, {result['gpus']} GPU(s), {result['preset']}, "
           f"{result['steps_per_stage']} steps per stage")
     print(f"{'stage':>6} {'s/step':>8} {'alloc GiB':>9} {'resv GiB':>9} {'smi GiB':>8} {'host GiB':>8} "
-          f"{'ckpt GiB':>8} {'save s':>7} {'plan resv':>9} {'plan s':>7}  notes")
+          f"{'ckpt GiB':>8} {'save s':>7} {'plan resv':>9} {'plan host':>9} {'plan s':>7}  notes")
     for r in result["stages"]:
         if "error" in r:
             print(f"{r['duration_s']:>5}s  failed (exit {r['exit_code']}): {r['error']}")
@@ -533,12 +584,13 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{r['duration_s']:>5}s {r['median_step_s']:>8.2f} {r['peak_allocated_gib']:>9.1f} "
               f"{r['peak_reserved_gib']:>9.1f} {smi:>8.1f} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
               f"{r['checkpoint_save_s'] or 0:>7.1f} {r.get('predicted_reserved_gib') or 0:>9.1f} "
-              f"{r.get('predicted_step_s') or 0:>7.1f}  {'; '.join(notes)}")
+              f"{r.get('predicted_host_gib') or 0:>9.1f} {r.get('predicted_step_s') or 0:>7.1f}  {'; '.join(notes)}")
     for s in result["samples"]:
         diff = (f", latents vs one process: max |d| {s['max_abs_diff_vs_1']:.3g} ({s['max_rel_diff_vs_1']:.2%} "
                 f"of the largest)" if "max_abs_diff_vs_1" in s else "")
+        denoise = f" (denoising {s['denoise_s']:.1f} s)" if "denoise_s" in s else ""
         print(f"sample {s['duration_s']} s, layout {s['layout']} ({s['gpus']} GPU(s)): exit {s['exit_code']}, "
-              f"{s['wall_s']:.0f} s{diff}" + (f": {s['error']}" if "error" in s else ""))
+              f"{s['wall_s']:.0f} s{denoise}{diff}" + (f": {s['error']}" if "error" in s else ""))
 
 
 if __name__ == "__main__":

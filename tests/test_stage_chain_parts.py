@@ -1,0 +1,71 @@
+"""benchmarks/stage_chain.py's parts that decide what a run records: the weights folder it makes whatever stage comes
+first, the sentence it keeps from a failed launch, and the merging of a chain run in parts into one results file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import stage_chain
+
+
+def test_weights_folder_holds_every_layer_when_the_first_stage_stores_fp8(tmp_path):
+    # the one-GPU 63-s config stores the frozen weights as fp8 codes: a folder written from that model lacked the
+    # frozen layers (norm1.linear, ff, the time embedding, ...), which `tttv train` refused on loading
+    from tttvideo.models.cogvideox.weights import INDEX_NAME
+
+    args = stage_chain.parse_args(["--workdir", str(tmp_path), "--preset", "tiny", "--device", "cpu",
+                                   "--durations", "63"])
+    folder = stage_chain.make_weights(args, tmp_path) / "transformer"
+    names = set(json.loads((folder / INDEX_NAME).read_text())["weight_map"])
+    assert "transformer_blocks.0.norm1.linear.weight" in names and "time_embedding.linear_1.weight" in names
+    assert "transformer_blocks.0.ff.net.0.proj.weight" in names
+
+
+def test_fp8_stored_model_is_not_written_as_a_diffusers_folder(tmp_path):
+    from tttvideo.config.loader import load_config
+    from tttvideo.models import build_model
+    from tttvideo.models.cogvideox.weights import save_diffusers_folder
+
+    cfg = load_config(stage_chain.stage_config(63), ["model.preset=tiny"])
+    cfg.model.pretrained_path = ""
+    assert cfg.model.frozen_weights == "fp8"
+    with pytest.raises(ValueError, match="frozen_weights = 'dtype'"):
+        save_diffusers_folder(build_model(cfg, torch.device("cpu")), tmp_path / "transformer")
+    assert not (tmp_path / "transformer").exists()
+
+
+def test_failure_keeps_tttvs_sentences_not_torchruns_rules(tmp_path):
+    log = tmp_path / "stage.log"
+    log.write_text("W1127 warning\ntttv train: error on rank 1: /w does not fit the model\nTraceback (most recent)\n"
+                   "ChildFailedError:\n============================================================\n")
+    assert stage_chain.failure(log) == ["tttv train: error on rank 1: /w does not fit the model"]
+    log.write_text("tttv train: warning: took over a stale lock\n[rank0]:   File x.py\n[rank0]: safetensors."
+                   "_safetensors_rust.SafetensorError: Error while serializing: I/O error\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\n")
+    assert stage_chain.failure(log) == ["[rank0]: safetensors._safetensors_rust.SafetensorError: Error while "
+                                        "serializing: I/O error"]
+    log.write_text("something broke\n------\n=====\n")
+    assert stage_chain.failure(log) == ["something broke"]
+    assert stage_chain.failure(tmp_path / "none.log") == ["no log"]
+
+
+def test_a_chain_run_in_parts_merges_into_one_file(tmp_path):
+    out = tmp_path / "chain.json"
+    head = {"benchmark": "stage_chain", "device": "NVIDIA H200", "gpus": 2, "preset": "cogvideox-5b"}
+    first = {**head, "git_commit": "aaa", "overrides": [],
+             "stages": [{"duration_s": 3, "median_step_s": 8.0}, {"duration_s": 63, "error": ["out of memory"]}],
+             "samples": []}
+    out.write_text(json.dumps(first))
+    second = {**head, "git_commit": "bbb", "overrides": ["x=1"],
+              "stages": [{"duration_s": 63, "median_step_s": 131.7, "git_commit": "bbb"}],
+              "samples": [{"duration_s": 63, "layout": "1", "git_commit": "bbb"}]}
+    merged = stage_chain.merged(out, second)
+    assert [(r["duration_s"], r["git_commit"]) for r in merged["stages"]] == [(3, "aaa"), (63, "bbb")]
+    assert merged["stages"][0]["overrides"] == [] and merged["git_commit"] == "bbb"
+    assert merged["samples"] == second["samples"]
+    # another machine's file is replaced, not merged
+    other = {**second, "device": "NVIDIA H100 80GB HBM3"}
+    assert stage_chain.merged(out, other)["stages"] == second["stages"]
