@@ -162,6 +162,19 @@ def test_asking_for_more_host_memory_than_there_is(monkeypatch):
     assert activation_offload.host_pool_for(0).capacity_bytes == int(8 * 2**30 * 0.9)
 
 
+def test_the_ranks_of_one_machine_share_its_host_memory(monkeypatch):
+    # two torchrun ranks of a machine each took 90 % of what was available for their pools, together 180 %
+    from tttvideo.errors import ConfigError
+    from tttvideo.models import activation_offload
+
+    monkeypatch.setattr(activation_offload, "available_host_bytes", lambda: 8 * 2**30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert activation_offload.host_pool_for(0).capacity_bytes == int(8 * 2**30 * 0.9 / 2)
+    assert activation_offload.host_pool_for(3).capacity_bytes == 3 * 2**30
+    with pytest.raises(ConfigError, match=r"= 5 for each of the 2 processes of this machine .* at most 4"):
+        activation_offload.host_pool_for(5)
+
+
 def test_offload_under_fsdp2_keeps_sharded_parameters_and_gradients(tmp_path):
     """FSDP2 makes every parameter a DTensor, whose own storage cannot be read: offload_activations(keep=model) over
     a sharded model raised "Attempted to access the data pointer on an invalid python storage" before any step

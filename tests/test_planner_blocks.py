@@ -172,3 +172,21 @@ def test_full_fine_tuning_is_counted_by_the_block_model_with_its_own_weights_sta
     assert sft.reserved > qkvo.reserved
     assert any("sft's activations counted the same" in n for n in sft.notes)
     assert not any("counted the same" in n for n in qkvo.notes)
+
+
+def test_host_memory_of_a_process_counts_what_it_loads_beside_what_it_offloads():
+    """Held out: the 63-s two-GPU FSDP stage (two H200s, bf16 frozen, offloaded inputs) peaked at 226.7 GiB of host
+    memory for its two processes (113.4 each), of which the planner counted only the 88.5 GiB a process offloads;
+    one GPU at 3 s (nothing offloaded) held 15.6 GiB, counted 0."""
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import Candidate, predict
+
+    costs = load_costs("h100")
+    two = load_config(ROOT / "configs/cogvideox-5b/stage5-63s-2gpu.toml", [])
+    p = predict(two, "train", Candidate("as configured", ()), costs, gpus=2)
+    assert abs(p.host_total / GIB - 226.7 / 2) / (226.7 / 2) < 0.05
+    assert abs(p.host / GIB - 88.5) < 0.5  # what it offloads, as before
+    assert any(part.where == "host" and "FSDP" in part.name for part in p.breakdown.parts)
+    one = load_config(ROOT / "configs/cogvideox-5b/stage1-3s-1gpu.toml", [])
+    q = predict(one, "train", Candidate("as configured", ()), costs)
+    assert q.host == 0 and abs(q.host_total / GIB - 15.6) / 15.6 < 0.05

@@ -131,8 +131,8 @@ def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str, margi
     title = (f"{args.phase} plan: {first.model.preset if first else ''}, {first.layout.duration if first else ''}, "
              f"{args.gpus} GPU(s) of {gpu_mem / GIB:.1f} GiB, {margin:.0%} left free (costs measured on {device})")
     t = Table(title=title)
-    for col in ("#", "setup", "weights+grads+optim", "activations", "peak / GPU", "reserved", "host", "step s",
-                "fits", "activations from", "note"):
+    for col in ("#", "setup", "weights+grads+optim", "activations", "peak / GPU", "reserved", "host / process",
+                "step s", "fits", "activations from", "note"):
         t.add_column(col, justify="left" if col in ("setup", "note", "fits", "activations from") else "right",
                      overflow="fold" if col in ("setup", "note", "activations from") else None)
     for i, p in enumerate(shown, 1):
@@ -141,7 +141,7 @@ def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str, margi
                   "" if p.activation is None else f"{p.activation / GIB:.1f} GiB",
                   "" if p.peak is None else f"{p.peak / GIB:.1f} GiB",
                   "" if p.reserved is None else f"{p.reserved / GIB:.1f} GiB",
-                  f"{p.host / GIB:.1f} GiB" if p.host else "",
+                  f"{p.host_total / GIB:.1f} GiB" if p.host_total else "",
                   "" if p.step_s is None else f"{p.step_s:.2f}", fits, p.basis, "; ".join(p.notes),
                   style=None if p.fits else ("yellow" if p.fits is False else "dim"))
     console = Console()

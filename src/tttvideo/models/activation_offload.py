@@ -23,6 +23,8 @@ path, testable on a CPU, saving nothing there.
 
 from __future__ import annotations
 
+import os
+
 import weakref
 from collections import defaultdict
 
@@ -211,15 +213,20 @@ def available_host_bytes() -> int | None:
 
 
 def host_pool_for(max_host_gib: float, pin: bool = True) -> HostPool:
-    """The pool of `checkpointing.offload_host_gib`: that many GiB (0: 90 % of the host memory available now).
-    Asking for more than is available is a ConfigError before any step runs."""
+    """The pool of `checkpointing.offload_host_gib`: that many GiB (0: 90 % of the host memory available now, shared
+    by the processes torchrun starts on this machine). Asking for more than is available is a ConfigError before any
+    step runs."""
     available = available_host_bytes()
+    # every rank of this machine has its own pool: each counts what is available when all of them are full
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     if max_host_gib > 0:
         want = int(max_host_gib * 2**30)
-        if available is not None and want > available:
+        if available is not None and want * local > available:
+            each = f" for each of the {local} processes of this machine" if local > 1 else ""
             raise ConfigError(
-                f"checkpointing.offload_host_gib = {max_host_gib:g} but this machine has {available / 2**30:.1f} GiB "
-                f"of host memory available; set it to at most {available / 2**30 * 0.9:.0f} (or 0: 90 % of what is "
-                "available), and what does not fit stays on the GPU")
+                f"checkpointing.offload_host_gib = {max_host_gib:g}{each} but this machine has "
+                f"{available / 2**30:.1f} GiB of host memory available; set it to at most "
+                f"{available / 2**30 * 0.9 / local:.0f} (or 0: 90 % of what is available, shared), and what does not "
+                "fit stays on the GPU")
         return HostPool(want, pin=pin)
-    return HostPool(None if available is None else int(available * 0.9), pin=pin)
+    return HostPool(None if available is None else int(available * 0.9 / local), pin=pin)

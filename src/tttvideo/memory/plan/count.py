@@ -99,3 +99,24 @@ def fsdp_shard_degree(cfg: Config, gpus: int) -> int:
         return 1
     dp_shard = max(1, gpus // (par.sp * par.dp_replicate)) if par.dp_shard == -1 else par.dp_shard
     return dp_shard * par.sp
+
+
+# What a training process holds in host memory besides what it offloads (its VmHWM), measured at full size: on one
+# H100 at 3, 9 and 18 s (no offload) 15.3-15.6 GiB, of which the weights folder read through safetensors' memory
+# map is 10.4 GiB (CogVideoX-5B in bf16) and the rest (Python, torch, CUDA's host side, compiled kernels) this
+# constant; under FSDP2 (two H200s, 63 s) 24.9 GiB a process beyond its 88.5 GiB of offloaded inputs: each rank
+# also holds the full state dict it reads before sharding it.
+PROCESS_HOST_BYTES = 5 * 2**30
+
+
+def weights_folder_bytes(cfg: Config) -> int:
+    """The backbone's pretrained weights as a diffusers folder holds them (bf16, no TTT layers, no adapter)."""
+    m = cfg.model
+    return _model_bytes(m.preset, "bf16", "sft", m.lora_rank, "dtype", False, cfg.ttt.kind, "none").weights
+
+
+def process_host_bytes(cfg: Config, gpus: int = 1) -> int:
+    """Host memory of one training process beside its offloaded tensors: the libraries and the weights it loads
+    (twice under FSDP2: the file's pages and the full state dict before sharding)."""
+    copies = 2 if fsdp_shard_degree(cfg, gpus) > 1 else 1
+    return PROCESS_HOST_BYTES + copies * weights_folder_bytes(cfg)

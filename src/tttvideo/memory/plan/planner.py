@@ -42,7 +42,7 @@ from tttvideo.models.backbone import backbone_of, layout_of
 from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
                                               Geometry, Part, fits_block_model, train_peak)
 from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
-from tttvideo.memory.plan.count import Counted, count
+from tttvideo.memory.plan.count import Counted, count, fsdp_shard_degree, process_host_bytes
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
                                         FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
                                         SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, MemoryTechnique, Option)
@@ -101,6 +101,13 @@ class Prediction:
     # videos one step trains: one per data-parallel rank (FSDP's ranks each take their own; an sp group one between
     # them), so that setups are ranked by time per video, not per step
     videos: int = 1
+    # host bytes of a training process beside what it offloads (libraries, the weights it loads): `count`
+    host_process: int = 0
+
+    @property
+    def host_total(self) -> int:
+        """Host memory of one process: what it offloads and what it holds anyway."""
+        return self.host + self.host_process
 
     @property
     def seconds_per_video(self) -> float | None:
@@ -276,8 +283,14 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     videos = max(1, gpus // sp) if phase == "train" else 1
     if phase == "train" and gpus > 1 and step_s is not None:  # what the ranking compares (`rank`)
         notes.append(f"{videos} video(s) a step: {step_s / videos:.2f} s per video")
+    host_process = process_host_bytes(c, gpus) if phase == "train" else 0
+    if breakdown is not None and host_process:
+        breakdown.parts.append(Part("host: the process (libraries; the weights folder it reads"
+                                    + (", and the full state dict before FSDP shards it"
+                                       if fsdp_shard_degree(c, gpus) > 1 else "") + ")", host_process,
+                                    "counted + measured", "host"))
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
-                      time_factor, videos)
+                      time_factor, videos, host_process)
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
