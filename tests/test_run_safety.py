@@ -304,6 +304,28 @@ def test_disk_full_while_saving_is_one_sentence_and_leaves_no_partial_checkpoint
     assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["step-000002"]  # no partial folder
 
 
+def test_disk_full_inside_safetensors_with_space_left_is_one_sentence(tmp_path, capsys, monkeypatch):
+    """safetensors wraps the OS error in its own exception, and a 10-GiB model file fails with gigabytes free: a
+    torchrun rank 0 printed a SafetensorError traceback for it (two H200s, 3-s stage)."""
+    from tttvideo.train import checkpoint
+
+    real, calls = checkpoint.write_state, []
+
+    class SafetensorError(Exception):  # safetensors' own, which is no OSError
+        pass
+
+    def full_disk(state, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(state, path)
+
+    monkeypatch.setattr(checkpoint, "write_state", full_disk)
+    one_error_line(capsys, train_argv(tmp_path / "run"), "cannot write checkpoint step-000004",
+                   "No space left on device;", "--resume from its newest checkpoint, step-000002")
+    assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["step-000002"]
+
+
 # ---------------------------------------------------------------------------------------------------- the log
 def _tiny(tmp_path, *extra):
     return load_config(DEMO, [*CHEAP, "train.tensorboard=true", f"train.output_dir={tmp_path / 'run'}",

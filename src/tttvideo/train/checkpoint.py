@@ -114,12 +114,17 @@ def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path
     except OSError:
         free = -1
     shutil.rmtree(tmp, ignore_errors=True)
-    if not isinstance(err, OSError) and not 0 <= free < LOW_SPACE:
+    # safetensors raises its own SafetensorError around the OS error ("I/O error: No space left on device (os error
+    # 28)"), and a large file's write fails with gigabytes still free
+    wrapped = not isinstance(err, OSError) and "I/O error" in str(err)
+    if not isinstance(err, OSError) and not wrapped and not 0 <= free < LOW_SPACE:
         return
     if 0 <= free < LOW_SPACE:
         why = f"the disk was full, {free / 2**20:.1f} MiB free"
+    elif "No space left on device" in str(err):
+        why = f"No space left on device; {free / 2**30:.1f} GiB free once the partial checkpoint was removed"
     else:
-        why = getattr(err, "strerror", None) or str(err)
+        why = getattr(err, "strerror", None) or str(err).split("I/O error: ")[-1]
     newest = latest_checkpoint(output_dir)
     since = f"its newest checkpoint, {newest.name}" if newest is not None else "step 0 (it has no checkpoint yet)"
     raise UserError(f"cannot write checkpoint {final.name} in {final.parent} ({why}); make room there (or move "
