@@ -116,3 +116,19 @@ def test_rank_device_is_always_an_indexed_gpu(monkeypatch, env, asked, expected)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert rank_device(torch.device(asked)) == torch.device(expected)
+
+
+def test_barrier_names_the_gpu_to_nccl(monkeypatch):
+    # without device_ids NCCL's barrier guesses the device and torch warns on every rank at every barrier
+    import torch.distributed as dist
+
+    from tttvideo.parallel import mesh
+
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    mesh.barrier()
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    mesh.barrier()
+    assert calls == [{"device_ids": [1]}, {}]

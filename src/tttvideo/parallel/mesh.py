@@ -132,6 +132,15 @@ def init_parallel(cfg: ParallelConfig, heads: int, device_type: str | None = Non
     return ParallelPlan(degrees, mesh, fsdp_mesh, sequence, dp_rank)
 
 
+def barrier() -> None:
+    """`dist.barrier()` on the default group, naming this rank's GPU to NCCL: without it NCCL guesses the device
+    and torch warns on every rank at every barrier ("barrier(): using the device under current context")."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
 def close_parallel(wait: bool = True) -> None:
     """Tear down the default process group if this process has one (end of a run, or of a test). With `wait`
     (a run that completed on every rank) the ranks first wait for each other, so that none closes its connections
@@ -140,5 +149,5 @@ def close_parallel(wait: bool = True) -> None:
     be inside another collective."""
     if dist.is_available() and dist.is_initialized():
         if wait:
-            dist.barrier()
+            barrier()
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError, UserError
 from tttvideo.parallel import ParallelPlan, close_parallel, init_parallel, shard_model
+from tttvideo.parallel.mesh import barrier
 from tttvideo.parallel.group import start_group
 from tttvideo.parallel.watchdog import PeerWatch
 # re-exported: the trainer and `tttv train` import them from here
@@ -92,7 +93,7 @@ class TrainRanks:
     def close(self) -> None:
         if self.distributed:
             with self.phase("the last barrier"):
-                dist.barrier()
+                barrier()
             if self.watch is not None:
                 self.watch.stop()
             close_parallel(wait=False)
@@ -115,7 +116,7 @@ class TrainRanks:
     def barrier(self) -> None:
         if self.distributed:
             with self.phase("barrier"):
-                dist.barrier()
+                barrier()
 
     def broadcast(self, value: T) -> T:
         """Rank 0's `value` on every rank."""
