@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import rope_cos_sin
-from tttvideo.sequence.bidirectional import GatedBidirectional, gather_tokens, scan_permutations
+from tttvideo.sequence.bidirectional import GatedBidirectional, gated, gather_tokens, scan_permutations
 from tttvideo.sequence.chunks import ChunkPlan, modal_chunks, token_chunks
 from tttvideo.ttt import ops
 from tttvideo.ttt.eta_layout import ETA_LAYOUTS, REFERENCE, eta_rows_on
@@ -58,6 +58,56 @@ def layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: tor
         cos[:, None, :].to(device),  # [L, 1, D]: broadcast over heads
         sin[:, None, :].to(device),
     )
+
+
+class _WriteRows(torch.autograd.Function):
+    """buffer[:, :, start:start + n] = rows in place, for rows written once each into disjoint ranges of a fresh
+    buffer. Its backward hands the buffer's gradient on as it is and the rows a view of it, where the generic
+    in-place copy's backward clones the whole buffer's gradient for every write (to zero the range written,
+    which no earlier write reached here)."""
+
+    @staticmethod
+    def forward(ctx, buffer: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
+        ctx.start, ctx.n = start, rows.shape[2]
+        buffer[:, :, start:start + rows.shape[2]] = rows
+        ctx.mark_dirty(buffer)
+        return buffer
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad[:, :, ctx.start:ctx.start + ctx.n], None
+
+
+class _GatedResidual(torch.autograd.Function):
+    """(residual + z * gate) in fp32, back in the residual's dtype. Autograd's own form hands the residual a
+    fresh copy of the incoming gradient (cast to fp32 and back, which changes no value); this one hands it the
+    incoming gradient itself, so that a chunk's residual gradient is a view of the stream's gradient, alive anyway,
+    rather than a second stream-sized tensor gathered chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, z: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(z, gate)
+        return (residual.float() + z * gate).to(residual.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        z, gate = ctx.saved_tensors
+        # the dtype the forward summed in (fp32, or wider inputs' own)
+        wide = grad.to(torch.promote_types(torch.float32, torch.promote_types(z.dtype, gate.dtype)))
+        grad_z = (wide * gate).to(z.dtype) if ctx.needs_input_grad[1] else None
+        grad_gate = (wide * z).sum_to_size(gate.shape) if ctx.needs_input_grad[2] else None
+        # the residual's fp32 copy passes its gradient through fp32: lossless for a residual of fp32 or narrower
+        # (the training stream), rounded as autograd rounds it for a wider one
+        residual_grad = grad if grad.element_size() <= 4 else grad.float().to(grad.dtype)
+        return residual_grad, grad_z, grad_gate
+
+
+def write_rows(buffer: torch.Tensor, rows: torch.Tensor, start: int) -> None:
+    """buffer[:, :, start:start + n] = rows [B, h, n, ...] (`_WriteRows` when gradients flow)."""
+    if torch.is_grad_enabled() and rows.requires_grad:
+        _WriteRows.apply(buffer, rows, start)
+    else:
+        buffer[:, :, start:start + rows.shape[2]] = rows
 
 
 MLP_EXPANSION = 4  # TTT-MLP hidden size = 4 x head dim (64 -> 256), as in the original
@@ -188,21 +238,28 @@ class TTTLayer(nn.Module):
         forward keeps its scan output only, backward recomputes one group's inputs, scan checkpoints and scratch at
         a time (the scan is per head; only the post-norm mixes heads). Then the post-norm (fp32 under autocast) and
         the output projection run chunk by chunk."""
-        B, L, C = x.shape
-        groups = head_groups(self.num_heads, self.head_groups)
-        if len(groups) == 1:
-            out = self._scan_heads(x, layout, scan_order, cos, sin, groups[0])
-        else:
-            out = torch.cat([checkpoint(self._scan_heads, x, layout, scan_order, cos, sin, heads, use_reentrant=False)
-                             for heads in groups], dim=1)
-        out = out[:, :, :L].transpose(1, 2)  # [B, L, H, D]
+        L = x.shape[1]
+        out = self._chunked_scan(x, layout, scan_order, cos, sin)[:, :, :L].transpose(1, 2)  # [B, L, H, D]
         # split, not a slice per chunk: backward joins the chunks' gradients once instead of widening each to L
         y = torch.cat([checkpoint(self._output_rows, rows, x.dtype, use_reentrant=False)
                        for rows in out.split(self.chunk_tokens, dim=1)], dim=1)
         return gather_tokens(y, residual_order)
 
+    def _chunked_scan(self, x: torch.Tensor, layout: VideoLayout, scan_order: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, flip: bool = False, *rows: torch.Tensor) -> torch.Tensor:
+        """Every head's scan output [B, H, L + pad, D] in scan order, over `head_groups` groups of heads (each
+        checkpointed when there are several). `rows`: x's scan-order chunks as views of x (reversed token by token
+        when `flip`), as `gated_pass` has them; none: each chunk is gathered from x by `scan_order`. They are
+        passed one by one, not in a list: a checkpoint saves its tensor arguments for backward through the
+        enclosing checkpoint's hooks, but holds a list's tensors as they are, for as long as the graph lives."""
+        groups = head_groups(self.num_heads, self.head_groups)
+        if len(groups) == 1:
+            return self._scan_heads(x, layout, scan_order, cos, sin, groups[0], flip, *rows)
+        return torch.cat([checkpoint(self._scan_heads, x, layout, scan_order, cos, sin, heads, flip, *rows,
+                                     use_reentrant=False) for heads in groups], dim=1)
+
     def _scan_heads(self, x: torch.Tensor, layout: VideoLayout, scan_order: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, heads: slice) -> torch.Tensor:
+                    sin: torch.Tensor, heads: slice, flip: bool = False, *rows: torch.Tensor) -> torch.Tensor:
         """The scan output [B, h, L + pad, D] of `heads`, its inputs made chunk by chunk."""
         B, L, _ = x.shape
         h, D, pad = heads.stop - heads.start, self.head_dim, layout.ttt_padding
@@ -213,24 +270,64 @@ class TTTLayer(nn.Module):
             for t in inputs:
                 t[:, :, L:] = 0
             eta[:, :, L:] = 0  # padded tokens: eta = 0, no update
-        for s, e in token_chunks(0, L, self.chunk_tokens):
-            qkv_s, eta_s = checkpoint(self._scan_inputs_rows, x, scan_order[s:e], cos[s:e], sin[s:e],
-                                      layout.mini_batch_size, heads, use_reentrant=False)
+        for i, (s, e) in enumerate(token_chunks(0, L, self.chunk_tokens)):
+            source, index = (rows[i], None) if rows else (x, scan_order[s:e])
+            qkv_s, eta_s = checkpoint(self._scan_inputs_rows, source, index, cos[s:e], sin[s:e],
+                                      layout.mini_batch_size, heads, flip, use_reentrant=False)
             for t, part in zip(inputs, qkv_s.unbind(0)):
-                t[:, :, s:e] = part
-            eta[:, :, s:e] = eta_s
+                write_rows(t, part, s)
+            write_rows(eta, eta_s, s)
         return self.scan(*inputs, eta, layout, heads)
 
-    def _scan_inputs_rows(self, x: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          mini_batch_size: int, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scan_inputs_rows(self, x: torch.Tensor, index: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                          mini_batch_size: int, heads: slice, flip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The scan inputs [3, B, h, n, D] and eta [B, h, n] of `heads` for the n stream rows `index` (in scan
-        order)."""
-        xs = gather_tokens(x, index)
+        order; None: x is those rows already, reversed when `flip`)."""
+        xs = gather_tokens(x, index) if index is not None else x.flip(1) if flip else x
         w, b = self.qkv_projection(heads)
         qkv = F.linear(xs, w, b).unflatten(-1, (3, heads.stop - heads.start, self.head_dim))
         qkv = prepare_scan_inputs(qkv, cos, sin, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads], 0, x.dtype,
                                   self.backend, self.compile_glue)
         return qkv, self.eta(xs, mini_batch_size, heads).transpose(1, 2)
+
+    def gated_pass(self, x: torch.Tensor, layout: VideoLayout, reverse: bool, gates: tuple[torch.Tensor, torch.Tensor],
+                   residual: torch.Tensor | None = None, residual_gate: torch.Tensor | None = None) -> torch.Tensor:
+        """z = x + tanh(gate) * TTT(x) (`GatedBidirectional`'s pass and gate), and with `residual`:
+        (residual + z * residual_gate) in fp32, back in x's dtype (the Wan block's gated add), in training over the
+        chunked form, for a layout without text in the stream, whose scan order is the stream's own (the forward
+        pass) or its reversal (the reverse pass; `uses_gated_pass`). The chunks of x are views of x (split, reversed
+        inside each chunk's checkpoint for the reverse pass) rather than gathers, so backward joins their gradients
+        once instead of scattering each chunk's into a stream-sized zero tensor; and each chunk's post-norm, output
+        projection, gate and residual add run under one checkpoint that saves views of tensors alive anyway, so
+        neither the pass's output nor its gated copy is kept or made whole. `gates`: (text, video) gate parameters
+        (the text gate multiplies no token, as in `gated`)."""
+        B, L, C = x.shape
+        forward_order, reverse_order, cos, sin = layout_tensors(layout, self.head_dim, self.rope_theta, x.device)
+        scan_order = (reverse_order if reverse else forward_order)[0]
+        sizes = [e - s for s, e in token_chunks(0, L, self.chunk_tokens)]  # scan-order chunks
+        # residual-order pieces: the reverse pass's scan chunk i is the reversal of residual piece n - 1 - i
+        order = sizes[::-1] if reverse else sizes
+        pieces = x.split(order, dim=1)
+        out = self._chunked_scan(x, layout, scan_order, cos, sin, reverse, *(pieces[::-1] if reverse else pieces))
+        pad = out.shape[2] - L
+        out_rows = out.split(sizes + ([pad] if pad else []), dim=2)[:len(sizes)]
+        if reverse:
+            out_rows = out_rows[::-1]
+        extra = residual.split(order, dim=1) if residual is not None else [None] * len(order)
+        return torch.cat([checkpoint(self._gated_rows, rows, piece, gates, reverse, res, residual_gate,
+                                     use_reentrant=False) for rows, piece, res in zip(out_rows, pieces, extra)], dim=1)
+
+    def _gated_rows(self, out: torch.Tensor, x: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor], flip: bool,
+                    residual: torch.Tensor | None, residual_gate: torch.Tensor | None) -> torch.Tensor:
+        """One residual-order chunk of `gated_pass` from its scan outputs out [B, H, n, D]."""
+        y = self._output_rows(out.transpose(1, 2), x.dtype)
+        z = x + gated(y.flip(1) if flip else y, *gates, 0)
+        return z if residual is None else _GatedResidual.apply(residual, z, residual_gate)
+
+    def uses_gated_pass(self, layout: VideoLayout, length: int) -> bool:
+        """Whether training runs `gated_pass` on this layout: the chunked form is on and the stream holds no text,
+        so the scan order is the stream's order (its reversal for the reverse pass)."""
+        return 0 < self.chunk_tokens < length and layout.total_text_tokens == 0 and torch.is_grad_enabled()
 
     def _output_rows(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Post-norm and output projection of scan outputs [B, n, H, D] -> [B, n, C]."""
