@@ -12,6 +12,12 @@ The LayerNorms (no affine, eps 1e-6) and the modulation run in fp32 and the stre
 The TTT layer sees video tokens only: Wan's text is not in the residual stream but cross-attended, so the scan has
 no text chunks and the TTT layer's text gates touch no token.
 
+In training with the memory switches on (`checkpointing.attention_by_window`, `ttt_chunk_tokens`) the same block
+holds few stream-sized tensors at once (docs/wan.md, "Memory techniques and configs"): each window's attention is
+projected inside its checkpoint and merged into one stream; the TTT passes run as `TTTLayer.gated_pass` with their
+gates, residuals and the gated add folded into their chunks; the attention and the forward pass share a
+checkpoint.
+
 `chunked_forward` is the same block without gradients in bounded memory (`memory.chunked_inference`, as for
 CogVideoX: `tttvideo.models.chunked_inference`): both attentions one window at a time into one accumulator, the
 TTT passes' chunked form, the output projections, gated adds and the FFN (whose hidden layer is 5.8x the width)
@@ -34,6 +40,7 @@ from tttvideo.models.wan.attention import (SegmentCrossAttention, WindowSelfAtte
 from tttvideo.models.wan.spec import WanSpec
 from tttvideo.sequence.build import sequence_layer
 from tttvideo.sequence.chunks import ChunkPlan, token_chunks
+from tttvideo.ttt.layer import TTTLayer
 
 
 class ModulationTable(nn.Module):
@@ -74,6 +81,21 @@ def gated_add(x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor) -> torch.Ten
                       zip(x.split(GATED_ADD_TOKENS, dim=1), a.split(GATED_ADD_TOKENS, dim=1))], dim=1)
 
 
+def window_pieces(layout: VideoLayout) -> tuple[list[int], list[tuple[int, int]]]:
+    """The stream cut at every window's edges: the pieces' token counts, and each window's [first, last) pieces.
+    Wan's windows are contiguous runs of frames (no text in the stream), consecutive ones sharing a frame."""
+    spans = [layout.frames_slice(layout.segment_frames(i)) for i in range(layout.num_segments)]
+    cuts = sorted({0, layout.total_tokens} | {s.start for s in spans} | {s.stop for s in spans})
+    return [b - a for a, b in zip(cuts, cuts[1:])], [(cuts.index(s.start), cuts.index(s.stop)) for s in spans]
+
+
+def _joined_window(window_fn, i: int, count: int, *pieces_and_args: torch.Tensor) -> torch.Tensor:
+    """window_fn(h, i, *args) on window i's tokens h, joined from its `count` pieces."""
+    pieces, args = pieces_and_args[:count], pieces_and_args[count:]
+    h = torch.cat(pieces, dim=1) if count > 1 else pieces[0]
+    return window_fn(h, i, *args)
+
+
 class WanBlock(nn.Module):
     def __init__(self, spec: WanSpec, ttt: TTTConfig | None, kind: str = "ttt"):
         """ttt: the TTT layer's settings, None for the attention-only block; kind: the long-range layer
@@ -104,31 +126,40 @@ class WanBlock(nn.Module):
 
     @staticmethod
     def _by_window(window_fn, x: torch.Tensor, layout: VideoLayout, *args) -> torch.Tensor:
-        """The windows' outputs `window_fn(x, index, i, *args)` [B, W, C] (before the output projection) summed
-        into their stream positions and averaged over the windows sharing a frame, as `merge_windows` does for
-        the windows attended at once. Each window runs under its own checkpoint that saves only x (alive anyway)
-        and its index: what a window makes (its adaLN input, q/k/v, their fp32 norms and RoPE, the attention
-        output) exists for one window at a time, in forward and in the backward recompute."""
+        """The windows' outputs `window_fn(h, i, *args)` [B, W, C] of each window's tokens h, summed into their
+        stream positions and averaged over the windows sharing a frame, as `merge_windows` does for the windows
+        attended at once. Each window runs under its own checkpoint that saves only its pieces of x (views of x,
+        alive anyway): what a window makes (its adaLN input, q/k/v, their fp32 norms and RoPE, the attention
+        output) exists for one window at a time, in forward and in the backward recompute. x is split at the
+        windows' edges and each window joins its pieces, rather than gathering its tokens from x: backward then
+        joins the pieces' gradients once, where a gather's backward scatters every window's gradient into a
+        stream-sized zero tensor."""
         n = layout.num_segments
+        sizes, spans = window_pieces(layout)
+        pieces = x.split(sizes, dim=1)
         acc = None
         batch = torch.arange(x.shape[0], device=x.device)[:, None]
-        for i, index in enumerate(window_indices(layout, x.device)):
-            out = checkpoint(window_fn, x, index, i, *args, use_reentrant=False)
+        for i, (index, (first, last)) in enumerate(zip(window_indices(layout, x.device), spans)):
+            out = checkpoint(_joined_window, window_fn, i, last - first, *pieces[first:last], *args,
+                             use_reentrant=False)
             if acc is None:
                 acc = out.new_zeros(x.shape[0], x.shape[1], out.shape[-1])
             # index_put_, not index_add_: its backward keeps the index only, index_add_'s the window's output too
             acc = acc.index_put_((batch, index[None, :]), out, accumulate=True)
         if n > 1:
-            acc = acc * window_gather(layout, x.device)[1].to(acc.dtype)
+            # in place: neither the accumulation's backward nor the product's needs acc's values
+            acc = acc.mul_(window_gather(layout, x.device)[1].to(acc.dtype))
         return acc
 
-    def _self_attention_window(self, x: torch.Tensor, index: torch.Tensor, i: int, shift: torch.Tensor,
-                               scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.attn.window_forward(norm_modulate(x[:, index], self.eps, shift, scale), cos, sin)
+    def _self_attention_window(self, h: torch.Tensor, i: int, shift: torch.Tensor, scale: torch.Tensor,
+                               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One window's self-attention output, projected: the merge of the windows' projected outputs is the
+        projection of their merge (the shared frames' weights sum to 1), so the merged stream is the attention
+        output itself and no unprojected stream-sized copy is kept for the projection's backward."""
+        return self.attn.to_out(self.attn.window_forward(norm_modulate(h, self.eps, shift, scale), cos, sin))
 
-    def _cross_attention_window(self, x: torch.Tensor, index: torch.Tensor, i: int,
-                                text: torch.Tensor) -> torch.Tensor:
-        return self.cross_attn.window_forward(self._cross_norm(x[:, index]), text[:, i])
+    def _cross_attention_window(self, h: torch.Tensor, i: int, text: torch.Tensor) -> torch.Tensor:
+        return self.cross_attn.to_out(self.cross_attn.window_forward(self._cross_norm(h), text[:, i]))
 
     def _cross_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.cross_norm is None:
@@ -140,7 +171,7 @@ class WanBlock(nn.Module):
                         layout: VideoLayout) -> torch.Tensor:
         if self._windowed():
             cos, sin = window_rope(layout, self.attn.head_dim, self.attn.rope_theta, x.device)
-            return self.attn.to_out(self._by_window(self._self_attention_window, x, layout, shift, scale, cos, sin))
+            return self._by_window(self._self_attention_window, x, layout, shift, scale, cos, sin)
         return self.attn(norm_modulate(x, self.eps, shift, scale), layout)
 
     def _cross_and_ffn(self, x: torch.Tensor, text: torch.Tensor, layout: VideoLayout, shift: torch.Tensor,
@@ -148,7 +179,7 @@ class WanBlock(nn.Module):
         if self._windowed():
             if text.shape[1] != layout.num_segments:
                 layout.check_text_embeddings(text.shape[1])
-            x = x + self.cross_attn.to_out(self._by_window(self._cross_attention_window, x, layout, text))
+            x = x + self._by_window(self._cross_attention_window, x, layout, text)
         else:
             x = x + self.cross_attn(self._cross_norm(x), text, layout)
         # checkpointing.ffn_chunk_tokens: the whole token-wise tail over chunks, so that neither the hidden layer nor
@@ -161,17 +192,65 @@ class WanBlock(nn.Module):
         y = self.ffn.dense(norm_modulate(x, self.eps, shift, scale))
         return (x.float() + y.float() * gate).to(x.dtype)
 
+    def _gated_pass_layer(self, x: torch.Tensor, layout: VideoLayout) -> TTTLayer | None:
+        """The TTT layer when training runs its passes as `TTTLayer.gated_pass` (its chunked form on, no text in
+        the stream), else None."""
+        inner = getattr(self.ttt, "ttt", None)
+        return inner if isinstance(inner, TTTLayer) and inner.uses_gated_pass(layout, x.shape[1]) else None
+
+    def _attention_and_forward_pass(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                                    layout: VideoLayout) -> torch.Tensor:
+        """Z = X' + tanh(alpha) TTT(X') with X' the self-attention output (the forward pass alone without the
+        reverse one: Z = X' + gated TTT, then the caller's gated add)."""
+        ttt = self.ttt
+        a = self._self_attention(x, shift, scale, layout)
+        with long_range_layer():
+            return ttt.ttt.gated_pass(a, layout, False, (ttt.forward_gate_text, ttt.forward_gate_video))
+
+    def _self_attention_and_ttt(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor,
+                                layout: VideoLayout) -> torch.Tensor:
+        """x + gate * BidirectionalTTT(SelfAttention(x)), each part under its checkpointing switch.
+
+        In training with the TTT layer's chunked form (`ttt_chunk_tokens`) each pass is `TTTLayer.gated_pass`,
+        its gate and residual folded in, and the block's gated add folded into the last pass: neither pass's
+        output, its gated copy nor Z' is made whole or saved for the gates' gradients. With the attention and the
+        forward pass both checkpointed they share one checkpoint (each was recomputed once in backward, and still
+        is), so that what the block keeps between its parts is the reverse pass's input and the cross-attention's
+        input, not the attention output as well."""
+        inner = self._gated_pass_layer(x, layout)
+        if inner is None:
+            a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
+                                 keep=self.checkpoint_keep)
+            if self.ttt is not None:
+                with long_range_layer():
+                    a = self.ttt(a, layout)
+            return gated_add(x, a, gate)
+        ttt = self.ttt
+        if not ttt.bidirectional:
+            a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
+                                 keep=self.checkpoint_keep)
+            with long_range_layer():
+                return maybe_checkpoint(inner.gated_pass, ttt.checkpoint_forward, a, layout, False,
+                                        (ttt.forward_gate_text, ttt.forward_gate_video), x, gate)
+        if self.checkpoint_attention and ttt.checkpoint_forward:
+            z = maybe_checkpoint(self._attention_and_forward_pass, True, x, shift, scale, layout,
+                                 keep=self.checkpoint_keep)
+        else:
+            a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
+                                 keep=self.checkpoint_keep)
+            with long_range_layer():
+                z = maybe_checkpoint(inner.gated_pass, ttt.checkpoint_forward, a, layout, False,
+                                     (ttt.forward_gate_text, ttt.forward_gate_video))
+        with long_range_layer():
+            return maybe_checkpoint(inner.gated_pass, ttt.checkpoint_reverse, z, layout, True,
+                                    (ttt.reverse_gate_text, ttt.reverse_gate_video), x, gate)
+
     def forward(self, x: torch.Tensor, text: torch.Tensor, projection: torch.Tensor,
                 layout: VideoLayout) -> torch.Tensor:
         """x [B, L, dim] video tokens; text [B, n, text_len, dim] embedded; projection [B, 6, dim] the time
         projection -> [B, L, dim]."""
         shift, scale, gate, c_shift, c_scale, c_gate = self.modulation(projection)
-        a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
-                             keep=self.checkpoint_keep)
-        if self.ttt is not None:
-            with long_range_layer():
-                a = self.ttt(a, layout)
-        x = gated_add(x, a, gate)
+        x = self._self_attention_and_ttt(x, shift, scale, gate, layout)
         return maybe_checkpoint(self._cross_and_ffn, self.checkpoint_mlp, x, text, layout, c_shift, c_scale, c_gate,
                                 keep=self.checkpoint_keep)
 
