@@ -47,7 +47,7 @@ def test_ffn_chunks_leave_one_chunks_hidden_layer():
 def test_nested_spans_of_offloaded_inputs():
     """Spans of 5 over 30 blocks: forward saves 6 inputs; a pool of 14 GiB takes all 6, and a span's backward holds
     two fetched back plus its recomputed unit inputs beyond the first."""
-    cfg = wan()
+    cfg = wan("checkpointing.nested_span=5", "checkpointing.offload_host_gib=14")
     assert (cfg.checkpointing.nested_span, cfg.checkpointing.offload_activations) == (5, True)
     assert fits_block_model(cfg)
     peak = train_peak(cfg, NOTHING, K)
