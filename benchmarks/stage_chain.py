@@ -321,6 +321,8 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
             # the launch's processes together, as peak_host_gib sums them
             "predicted_host_gib": p.host_total * args.gpus / gib,
             "predicted_step_s": p.step_s if measured else None,
+            # what times the kill on a GPU kind without its own step costs (an H200 steps about as fast)
+            **({} if measured else {"h100_step_s": p.step_s}),
             "predicted_basis": p.basis + ("" if measured else f" (H100 costs; no {kind} step time)")}
 
 
@@ -394,7 +396,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     prune = prune_when_started(child, out, None if args.keep_stages else previous)
     watched = [child]
     if kill:
-        killed = kill_in_mid_step(args, child, out, prune, row.get("predicted_step_s"))
+        killed = kill_in_mid_step(args, child, out, prune, row.get("predicted_step_s") or row.get("h100_step_s"))
         if killed is None:
             raise SystemExit(f"stage {duration} s finished before the kill: use more --last-steps")
         row.update(killed)
