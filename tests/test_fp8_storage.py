@@ -192,3 +192,60 @@ def test_full_checkpoint_loads_into_fp8_model_quantised(tmp_path, dtype):
     back = save_checkpoint(target, tmp_path / "fp8.safetensors")
     assert not is_full_checkpoint(back)
     assert set(load_checkpoint(target, back)) == {n for n, _ in target.named_parameters()} < set(loaded)
+
+
+def test_the_gathered_weights_of_a_sharded_fp8_model_are_saved_partial(tmp_path):
+    """The multi-process trainer saves a gathered stand-in of its FSDP2 model (train/dcp.py); it lacked the model's
+    modules, so the file of an fp8-frozen run was marked whole, and `tttv sample` of it left the frozen layers as
+    built: random, another video each run (a 4-process CPU chain through the 63-s 4-GPU config)."""
+    from tttvideo.runs import is_full_checkpoint
+    from tttvideo.train.dcp import _WholeWeights
+
+    model = tiny()
+    store_fp8(model)
+    whole = _WholeWeights(model, {n: p.detach() for n, p in model.named_parameters()})
+    path = save_checkpoint(whole, tmp_path / "gathered.safetensors")
+    assert not is_full_checkpoint(path)
+    plain = _WholeWeights(tiny(), {n: p.detach() for n, p in tiny().named_parameters()})
+    assert is_full_checkpoint(save_checkpoint(plain, tmp_path / "plain.safetensors"))
+
+
+def _fresh_fp8(seed: int) -> nn.Module:
+    torch.manual_seed(seed)  # other random weights: every loaded value must come from the files
+    model = apply_adapter(init_model(get_preset("tiny"), TTT, True), "qkvo")
+    store_fp8(model)
+    return model
+
+
+def test_a_partial_checkpoint_gets_its_frozen_layers_from_where_its_run_started(tmp_path):
+    """A run with fp8 frozen weights saves only what it trains. The stage configs start such a run from the previous
+    stage (train.init_from) with no model.pretrained_path, so `tttv sample`, `--resume` and the next stage's
+    init_from loaded the file over frozen layers left as built: random, another video each run. They now load the
+    run's start first."""
+    from tttvideo.errors import UserError
+    from tttvideo.runs import load_trained
+
+    start = tiny()
+    (tmp_path / "a").mkdir()
+    a = save_checkpoint(start, tmp_path / "a" / "model.safetensors")
+    trained = copy.deepcopy(start)
+    store_fp8(trained)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.25)
+    (tmp_path / "b").mkdir()
+    b = save_checkpoint(trained, tmp_path / "b" / "model.safetensors")
+    (tmp_path / "b" / "config.toml").write_text(f'[train]\ninit_from = "{a}"\n[model]\npretrained_path = ""\n')
+    loaded = [_fresh_fp8(seed) for seed in (1, 2)]
+    for model in loaded:
+        load_trained(model, b, has_base=False)
+    for (name, want), got1, got2 in zip(trained.state_dict().items(), loaded[0].state_dict().values(),
+                                        loaded[1].state_dict().values()):
+        assert torch.equal(got1.float(), want.float()) and torch.equal(got2.float(), want.float()), name
+    # without a start to follow: one sentence, not random frozen layers
+    (tmp_path / "b" / "config.toml").write_text('[train]\ninit_from = ""\n[model]\npretrained_path = "w/x"\n')
+    with pytest.raises(UserError, match="holds the trained weights only .* set model.pretrained_path to it"):
+        load_trained(_fresh_fp8(3), b, has_base=False)
+    (tmp_path / "b" / "config.toml").write_text(f'[train]\ninit_from = "{tmp_path / "gone"}"\n')
+    with pytest.raises(UserError, match="they come from where its run started, and train.init_from"):
+        load_trained(_fresh_fp8(3), b, has_base=False)

@@ -292,6 +292,47 @@ def is_full_checkpoint(path: Path) -> bool:
     return model_file_metadata(path).get("partial") != "True"
 
 
+def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path, ...] = ()) -> None:
+    """Load a checkpoint's model file into `model`. A partial file (a run with fp8 frozen weights, whose codes are
+    not saved) holds only what the run trained; when `model` was built without base weights (`has_base`: its
+    model.pretrained_path was read) the frozen layers come first from where that run started: its config's
+    `train.init_from`, followed back while those are partial too. Without any, one sentence: loading the file alone
+    left the frozen layers as built (random), which sampled noise without a word."""
+    from tttvideo.models import load_checkpoint
+
+    model_file = Path(model_file)
+    if not has_base and not is_full_checkpoint(model_file):
+        config = model_file.parent / CONFIG_FILE
+        start = _config_value(config, "train", "init_from")
+        if not start:
+            base = _config_value(config, "model", "pretrained_path")
+            raise UserError(
+                f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not saved), and "
+                + (f"its run loaded them from model.pretrained_path = {base!r}: set model.pretrained_path to it"
+                   if base else "its config names no train.init_from or model.pretrained_path they came from: set "
+                                "model.pretrained_path to the base weights it was trained from"))
+        from tttvideo.train.checkpoint import resolve_init_from
+
+        try:
+            source = resolve_init_from(start)
+        except UserError as err:
+            raise UserError(f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not "
+                            f"saved); they come from where its run started, and {err}") from None
+        if source.resolve() in _seen or source.resolve() == model_file.resolve():
+            raise UserError(f"{model_file}: the train.init_from chain loops at {source}")
+        load_trained(model, source, False, (*_seen, model_file.resolve()))
+    load_checkpoint(model, model_file)
+
+
+def _config_value(config: Path, table: str, key: str) -> str:
+    import tomllib
+
+    try:
+        return str(tomllib.loads(config.read_text(encoding="utf-8")).get(table, {}).get(key, "") or "")
+    except (OSError, tomllib.TOMLDecodeError):
+        return ""
+
+
 def config_for_checkpoint(path: str | Path) -> Path | None:
     """The config a model was trained with: for a run folder, its newest intact checkpoint's config.toml (a damaged
     newer checkpoint is a warning naming it); for a checkpoint folder or model file, the config.toml beside it;

@@ -186,7 +186,7 @@ def save_checkpoint(model: Backbone, path: str | Path, trainable_only: bool = Fa
 
 
 def _has_fp8_layers(model: object) -> bool:
-    # the multi-process trainer saves a gathered stand-in (train/dcp.py) that has parameters but no modules
+    # the multi-process trainer saves a gathered stand-in (train/dcp.py) with the sharded model's modules
     modules = getattr(model, "modules", None)
     return modules is not None and any(isinstance(m, Fp8Linear) for m in modules())
 

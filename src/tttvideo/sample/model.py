@@ -14,7 +14,7 @@ import torch
 from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
-from tttvideo.runs import ema_file_beside, is_full_checkpoint, resolve_checkpoint
+from tttvideo.runs import ema_file_beside, is_full_checkpoint, load_trained, resolve_checkpoint
 from tttvideo.sample.offload import BlockOffloader
 from tttvideo.sample.scenes import Story
 
@@ -57,7 +57,7 @@ def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device,
     streamed = offload and device.type == "cuda"
     model = build_model(cfg, device=torch.device("cpu") if streamed else device)
     if model_file is not None:
-        load_checkpoint(model, model_file)
+        load_trained(model, model_file, has_base=bool(cfg.model.pretrained_path))
         ema_file = ema_file_beside(model_file) if cfg.sample.use_ema else None
         if ema_file is not None:  # the moving average of the trainable weights (train.ema_decay) over them
             load_checkpoint(model, ema_file)

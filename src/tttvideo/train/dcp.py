@@ -67,6 +67,10 @@ class _WholeWeights:
         self.spec: BackboneConfig = model.spec
         self.use_ttt: bool = model.use_ttt
         self.sequence_layer: str = model.sequence_layer
+        # the sharded model's modules, so that save_checkpoint sees its fp8 layers (whose codes are buffers, not
+        # saved) and marks the file partial: without it a file of an fp8-frozen run was taken as whole, and
+        # sampling or init_from left the frozen layers as built, uninitialised
+        self.modules = model.modules
         names = {n for n, _ in model.named_parameters()}
         self._tensors = {n: t for n, t in tensors.items() if n in names}
 

@@ -177,7 +177,7 @@ class Trainer:
         self.trained_duration_s = self.layout.duration_s
         if self.train.init_from and self.resume_from is None:
             path = ckpt.resolve_init_from(self.train.init_from)
-            load_checkpoint(self.model, path)
+            runs.load_trained(self.model, path, has_base=bool(self.cfg.model.pretrained_path))
             ema_file = runs.ema_file_beside(path)
             if ema_file is not None:  # the previous stage's averaged weights are the ones it would sample with
                 load_checkpoint(self.model, ema_file)
@@ -256,7 +256,6 @@ class Trainer:
         return state
 
     def _restore(self, folder: Path) -> None:
-        from tttvideo.models import load_checkpoint
         from tttvideo.models.weights import trained_duration
 
         if is_sharded_checkpoint(folder):
@@ -265,8 +264,8 @@ class Trainer:
             raise SharedError(f"{folder} was written by a one-process run, which a multi-process run cannot resume "
                               f"yet; resume it with one process, or start a new stage from it with "
                               f"train.init_from = '{folder}'")
-        else:
-            load_checkpoint(self.model, folder / ckpt.MODEL_FILE)
+        else:  # a partial file (fp8 frozen weights) gets its frozen layers from where the run started
+            runs.load_trained(self.model, folder / ckpt.MODEL_FILE, has_base=bool(self.cfg.model.pretrained_path))
         self.trained_duration_s = max(self.layout.duration_s, trained_duration(folder / ckpt.MODEL_FILE) or 0)
         # rank 0 alone reads it: an earlier version's state.pt is converted in place
         state = self.ranks.on_main(lambda: ckpt.load_state(folder, trust=self.trust_checkpoint))
