@@ -393,7 +393,10 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus), log)
     row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus,
                            "global_batch": data_parallel(duration, args), **predicted(args, duration)}
-    prune = prune_when_started(child, out, None if args.keep_stages else previous)
+    # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
+    # next stage's init_from) take the frozen layers from the previous stage's, which must stay
+    partial = resolved(duration, args, args.gpus).model.frozen_weights == "fp8"
+    prune = prune_when_started(child, out, None if args.keep_stages or partial else previous)
     watched = [child]
     if kill:
         killed = kill_in_mid_step(args, child, out, prune, row.get("predicted_step_s") or row.get("h100_step_s"))
@@ -443,12 +446,13 @@ def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, mani
     return row
 
 
-def sample_layouts(gpus: int) -> list[tuple[str, int, list[str]]]:
+def sample_layouts(gpus: int, heads: int) -> list[tuple[str, int, list[str]]]:
     """(name, processes, overrides) of each sampling layout: one process; with several GPUs also parallel.sp over
-    all of them and split guidance on two."""
+    as many of them as divide the model's `heads` and split guidance on two."""
     if gpus == 1:
         return [("1", 1, [])]
-    return [("1", 1, ["parallel.sp=1"]), (f"sp{gpus}", gpus, [f"parallel.sp={gpus}"]),
+    sp = max(n for n in range(1, gpus + 1) if heads % n == 0)
+    return [("1", 1, ["parallel.sp=1"]), (f"sp{sp}", sp, [f"parallel.sp={sp}"]),
             ("cfg2", 2, ["parallel.sp=1", "sample.split_guidance=true"])]
 
 
@@ -512,9 +516,10 @@ def merged(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         return result
     run = {k: old.get(k) for k in ("git_commit", "overrides")}
     redone = {r["duration_s"] for r in result["stages"]}
-    resampled = {(s["duration_s"], s["layout"]) for s in result["samples"]}
+    # a sampled length's layouts are compared with this run's one-process latents: an earlier run's go with them
+    resampled = {s["duration_s"] for s in result["samples"]}
     stages = [{**run, **r} for r in old.get("stages", []) if r["duration_s"] not in redone] + result["stages"]
-    samples = [{**run, **s} for s in old.get("samples", []) if (s["duration_s"], s["layout"]) not in resampled]
+    samples = [{**run, **s} for s in old.get("samples", []) if s["duration_s"] not in resampled]
     return {**result, "stages": sorted(stages, key=lambda r: r["duration_s"]), "samples": samples + result["samples"]}
 
 
@@ -556,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
             break
         start = [f"train.init_from={work / f'stage-{duration}s'}"]
     if "error" not in rows[-1] and not args.no_sample:
-        for layout, gpus, sets in sample_layouts(args.gpus):
+        from tttvideo.models.backbone import get_preset
+
+        for layout, gpus, sets in sample_layouts(args.gpus, get_preset(args.preset).num_attention_heads):
             samples.append({**run, **run_sample(args, work, args.durations[-1], layout, gpus, sets)})
             compare_latents(samples)
             save()
