@@ -311,13 +311,12 @@ def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path
                 + (f"its run loaded them from model.pretrained_path = {base!r}: set model.pretrained_path to it"
                    if base else "its config names no train.init_from or model.pretrained_path they came from: set "
                                 "model.pretrained_path to the base weights it was trained from"))
-        from tttvideo.train.checkpoint import resolve_init_from
-
         try:
-            source = resolve_init_from(start)
+            source = resolve_checkpoint(start)
         except UserError as err:
             raise UserError(f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not "
-                            f"saved); they come from where its run started, and {err}") from None
+                            f"saved); they come from where its run started (train.init_from = {start!r}), and "
+                            f"{err}") from None
         if source.resolve() in _seen or source.resolve() == model_file.resolve():
             raise UserError(f"{model_file}: the train.init_from chain loops at {source}")
         load_trained(model, source, False, (*_seen, model_file.resolve()))
