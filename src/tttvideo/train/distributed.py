@@ -161,23 +161,19 @@ class TrainRanks:
             dist.all_reduce(t)
         return int(t[0]) == 0
 
-    def largest_floats(self, values: list[float]) -> list[float]:
+    def largest_floats(self, values: list[float], what: str = "the memory peaks") -> list[float]:
         """Each value's maximum over the ranks, in one all-reduce (the memory peaks a step reports are the
-        largest of any rank's, not rank 0's alone)."""
+        largest of any rank's, not rank 0's alone); `what` names them in the watch's phase."""
         if not self.distributed:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        with self.phase("all-reduce of the memory peaks"):
+        with self.phase(f"all-reduce of {what}"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [float(v) for v in t.tolist()]
 
     def largest(self, value: int) -> int:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        with self.phase("all-reduce of the stop signals"):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t[0])
+        """`value`'s maximum over the ranks (a stop signal, a count: small integers, exact in float64)."""
+        return int(self.largest_floats([value], "the stop signals")[0])
 
 
 
