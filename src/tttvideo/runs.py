@@ -302,20 +302,19 @@ def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path
 
     model_file = Path(model_file)
     if not has_base and not is_full_checkpoint(model_file):
-        config = model_file.parent / CONFIG_FILE
-        start = _config_value(config, "train", "init_from")
+        trained = _its_run(model_file)
+        only = f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not saved)"
+        start = str(trained.get("train", {}).get("init_from") or "")
         if not start:
-            base = _config_value(config, "model", "pretrained_path")
-            raise UserError(
-                f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not saved), and "
-                + (f"its run loaded them from model.pretrained_path = {base!r}: set model.pretrained_path to it"
-                   if base else "its config names no train.init_from or model.pretrained_path they came from: set "
-                                "model.pretrained_path to the base weights it was trained from"))
+            base = str(trained.get("model", {}).get("pretrained_path") or "")
+            raise UserError(f"{only}, and " + (
+                f"its run loaded them from model.pretrained_path = {base!r}: set model.pretrained_path to it" if base
+                else "its config names no train.init_from or model.pretrained_path they came from: set "
+                     "model.pretrained_path to the base weights it was trained from"))
         try:
             source = resolve_checkpoint(start)
         except UserError as err:
-            raise UserError(f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not "
-                            f"saved); they come from where its run started (train.init_from = {start!r}), and "
+            raise UserError(f"{only}; they come from where its run started (train.init_from = {start!r}), and "
                             f"{err}") from None
         if source.resolve() in _seen or source.resolve() == model_file.resolve():
             raise UserError(f"{model_file}: the train.init_from chain loops at {source}")
@@ -323,13 +322,15 @@ def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path
     load_checkpoint(model, model_file)
 
 
-def _config_value(config: Path, table: str, key: str) -> str:
+def _its_run(model_file: Path) -> dict[str, Any]:
+    """The TOML tables of the config a model file was trained with ({} without a readable one)."""
     import tomllib
 
+    config = config_for_checkpoint(model_file)
     try:
-        return str(tomllib.loads(config.read_text(encoding="utf-8")).get(table, {}).get(key, "") or "")
+        return tomllib.loads(config.read_text(encoding="utf-8")) if config is not None else {}
     except (OSError, tomllib.TOMLDecodeError):
-        return ""
+        return {}
 
 
 def config_for_checkpoint(path: str | Path) -> Path | None:
