@@ -24,7 +24,6 @@ path, testable on a CPU, saving nothing there.
 from __future__ import annotations
 
 import os
-
 import weakref
 from collections import defaultdict
 

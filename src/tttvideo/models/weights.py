@@ -177,7 +177,7 @@ def save_checkpoint(model: Backbone, path: str | Path, trainable_only: bool = Fa
         "spec": json.dumps(dataclasses.asdict(model.spec)),
         "use_ttt": str(model.use_ttt),
         "sequence_layer": model.sequence_layer,
-        "partial": str(trainable_only or _has_fp8_layers(model)),
+        "partial": str(trainable_only or has_fp8_layers(model)),
     }
     if trained_duration_s is not None:
         metadata["trained_duration_s"] = str(int(trained_duration_s))
@@ -185,7 +185,8 @@ def save_checkpoint(model: Backbone, path: str | Path, trainable_only: bool = Fa
     return path
 
 
-def _has_fp8_layers(model: object) -> bool:
+def has_fp8_layers(model: object) -> bool:
+    """Whether `model` stores frozen weights as fp8 codes (buffers, which no parameter list holds)."""
     # the multi-process trainer saves a gathered stand-in (train/dcp.py) with the sharded model's modules
     modules = getattr(model, "modules", None)
     return modules is not None and any(isinstance(m, Fp8Linear) for m in modules())

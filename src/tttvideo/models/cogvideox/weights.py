@@ -22,7 +22,8 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.cogvideox.presets import ModelSpec, describe_config
 from tttvideo.models.cogvideox.transformer import CogVideoXTTT
-from tttvideo.models.weights import CONFIG_NAME, INDEX_NAME, find_diffusers_folder, load_mapped_weights, materialize
+from tttvideo.models.weights import (CONFIG_NAME, INDEX_NAME, find_diffusers_folder, has_fp8_layers,
+                                     load_mapped_weights, materialize)
 
 DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
 
@@ -127,11 +128,9 @@ def save_diffusers_folder(model: CogVideoXTTT, folder: str | Path, shard_bytes: 
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    state = model.state_dict()
-    stored = sorted(n for n in state if n.endswith("_fp8"))
-    if stored:  # the folder would silently lack those layers, and loading it would fail much later
-        raise ValueError(f"{len(stored)} weights are stored as fp8 codes ({stored[0]}, ...), which the diffusers "
-                         f"layout cannot hold: build the model with model.frozen_weights = 'dtype' to write it")
+    if has_fp8_layers(model):  # the folder would silently lack those layers, and loading it would fail much later
+        raise ValueError("the model stores frozen weights as fp8 codes, which the diffusers layout cannot hold: build "
+                         "it with model.frozen_weights = 'dtype' to write it")
     tmp = folder.with_name(folder.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -139,7 +138,7 @@ def save_diffusers_folder(model: CogVideoXTTT, folder: str | Path, shard_bytes: 
     inverse = {o: d for d, o in diffusers_name_map(model.spec.num_layers).items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in state.items():
+    for name, tensor in model.state_dict().items():
         if name not in inverse:  # TTT parameters, buffers
             continue
         nbytes = tensor.numel() * tensor.element_size()
