@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default="")
+    ap.add_argument("--note", default="", help="kept in each row, e.g. what else ran on the host meanwhile")
     return ap.parse_args(argv)
 
 
@@ -215,9 +216,12 @@ def worker_of_rank(pid: int, rank: int) -> int | None:
 
 
 def gpu_used_gib() -> list[float]:
-    """Memory in use on each GPU as nvidia-smi reads it (every process's, CUDA contexts included); [] without it."""
+    """Memory in use on each GPU as nvidia-smi reads it (every process's, CUDA contexts included); [] without it.
+    Only the GPUs of CUDA_VISIBLE_DEVICES when it is set: two chains side by side on one host each read their own."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                              *(["-i", visible] if visible else [])],
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return []
@@ -541,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
               "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps,
               "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": [], "samples": []}
     rows, samples = result["stages"], result["samples"]
-    run = {"git_commit": args.commit, "overrides": args.overrides}
+    run = {"git_commit": args.commit, "overrides": args.overrides, **({"note": args.note} if args.note else {})}
 
     def save() -> None:  # after each stage and sample, in case the machine goes
         out.parent.mkdir(parents=True, exist_ok=True)
