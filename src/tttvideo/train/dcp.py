@@ -101,7 +101,7 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
     model_sd, optim_sd = get_state_dict(model, optimizer)
     loaded = {"model": model_sd, "optimizer": optim_sd}
     path = Path(folder) / DCP_DIR
-    reader, planner = None, None
+    reader, planner = None, _DeviceLoadPlanner()
     if not trust:
         try:
             reader, planner = _SafeReader(path, read_dcp_metadata(path / METADATA_FILE)), _SafeLoadPlanner(path)
@@ -113,7 +113,7 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
         try:
             dcp.load(loaded, checkpoint_id=path, storage_reader=reader, planner=planner, no_dist=not distributed)
         except CheckpointException:  # a BaseException: what a rank raised, wrapped
-            if planner is None or planner.refused is None:
+            if not isinstance(planner, _SafeLoadPlanner) or planner.refused is None:
                 raise
             # the sentence is the planner's
             raise (SharedError if distributed else UserError)(planner.refused) from None
@@ -205,7 +205,33 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
+class _DeviceLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, for targets that cannot copy from host memory: DCP reads every tensor into host memory and
+    copies it into its target, and a tensor subclass on a GPU may refuse a host source (torchao's 8-bit optimizer
+    state quantises a plain source with its code map, which is on the GPU: "found at least two devices"; a
+    one-process resume on a GPU of a checkpoint written by two failed so). Such a target is read into a host copy of
+    itself (the same subclass: a plain source is quantised there, a quantised one copied code for code), which then
+    goes to the target subclass to subclass, as exact as the copy it replaces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        target = super().resolve_tensor(read_item)
+        if type(target) is torch.Tensor or target.device.type == "cpu":
+            return target
+        self._staged[id(read_item)] = target
+        return target.detach().to("cpu")
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        target = self._staged.pop(id(read_item), None)
+        if target is not None:
+            target.copy_(tensor)
+        super().commit_tensor(read_item, tensor)
+
+
+class _SafeLoadPlanner(_DeviceLoadPlanner):
     """DCP's load planner, reading the state's non-tensor values (the optimizer's hyperparameters) with torch's
     weights-only unpickler; `refused` holds the sentence for a value it refused."""
 
