@@ -46,8 +46,7 @@ import math
 from dataclasses import dataclass, field
 
 from tttvideo.config.schema import Config
-from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan.count import Counted
+from tttvideo.memory.plan.count import Counted, fsdp_shard_degree
 
 GIB = 2**30
 
@@ -67,12 +66,14 @@ MEASURED_ON = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B"}
 # the constants a backbone's own table may replace; step time is never carried over (another backbone's blocks
 # cost other FLOPs), so a backbone without time_points of its own has no predicted step time
 CARRIED = ("stream_copies", "saved_extra_per_token", "reserved_fraction", "offload_reserved_units",
-           "first_step_offload_reserved_units", "nested_time", "offload_time", "sp_reserved_fraction")
+           "first_step_offload_reserved_units", "nested_time", "offload_time", "sp_reserved_fraction",
+           "fsdp_reserved_fraction")
 # what the plan's notes call them
 CONSTANT_NAMES = {"stream_copies": "stream copies", "saved_extra_per_token": "bytes saved beside each input",
                   "reserved_fraction": "reserve", "offload_reserved_units": "offload reserve",
                   "first_step_offload_reserved_units": "offload reserve", "nested_time": "time factors",
-                  "offload_time": "time factors", "sp_reserved_fraction": "sp reserve"}
+                  "offload_time": "time factors", "sp_reserved_fraction": "sp reserve",
+                  "fsdp_reserved_fraction": "FSDP reserve"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class BlockConstants:
     # reserved_fraction (the all-to-all buffers of every exchange come and go in sizes the one-GPU step has not);
     # 0: not measured, reserved_fraction
     sp_reserved_fraction: float = 0.0
+    # with FSDP over several GPUs and no sp: the same, in place of reserved_fraction (each block's parameters
+    # gathered and its gradients reduce-scattered in buffers the one-GPU step has not); 0: not measured
+    fsdp_reserved_fraction: float = 0.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockConstants":
@@ -107,7 +111,8 @@ class BlockConstants:
                    float(d.get("offload_time", 1.0)),
                    tuple((float(t), float(v)) for t, v in d.get("time_points", ())), str(d.get("source", "")),
                    float(d.get("first_step_offload_reserved_units", d["offload_reserved_units"])),
-                   sp_reserved_fraction=float(d.get("sp_reserved_fraction", 0.0)))
+                   sp_reserved_fraction=float(d.get("sp_reserved_fraction", 0.0)),
+                   fsdp_reserved_fraction=float(d.get("fsdp_reserved_fraction", 0.0)))
 
     @classmethod
     def for_backbone(cls, table: dict, backbone: str) -> "BlockConstants":
@@ -130,7 +135,8 @@ class BlockConstants:
                 "first_step_offload_reserved_units": self.first_step_offload_reserved_units,
                 "nested_time": self.nested_time, "offload_time": self.offload_time,
                 "time_points": [list(p) for p in self.time_points], "source": self.source,
-                "sp_reserved_fraction": self.sp_reserved_fraction}
+                "sp_reserved_fraction": self.sp_reserved_fraction,
+                "fsdp_reserved_fraction": self.fsdp_reserved_fraction}
 
     def how(self, what: str, *constants: str) -> str:
         """A part's basis `what` ("measured", "counted x measured") from `constants`, naming the backbone they were
@@ -354,8 +360,10 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
     saved = -(-g.units // nested_span_of(cfg))
     sp = cfg.parallel.sp if gpus > 1 else 1
     sp_reserve = sp > 1 and k.sp_reserved_fraction > 0
-    fraction = k.sp_reserved_fraction if sp_reserve else k.reserved_fraction
-    fraction_key = "sp_reserved_fraction" if sp_reserve else "reserved_fraction"
+    fsdp_reserve = sp == 1 and fsdp_shard_degree(cfg, gpus) > 1 and k.fsdp_reserved_fraction > 0
+    fraction, fraction_key = ((k.sp_reserved_fraction, "sp_reserved_fraction") if sp_reserve
+                              else (k.fsdp_reserved_fraction, "fsdp_reserved_fraction") if fsdp_reserve
+                              else (k.reserved_fraction, "reserved_fraction"))
 
     def reserve(allocated: int, units: float) -> int:
         return int(allocated * (1 + fraction) + (units * s if off else 0))
@@ -386,7 +394,8 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
                      "extrapolated")
     which = "the first step's" if first_step_only else "later steps'"
     parts = parts + [Part(f"allocator: reserved over allocated ({fraction:.1%}"
-                          + (f" with sp = {sp}" if sp_reserve else "")
+                          + (f" with sp = {sp}" if sp_reserve else f" with FSDP over {gpus} GPUs" if fsdp_reserve
+                             else "")
                           + (f" + {units:.2g} inputs held by the side stream's copies, {which}" if off and units
                              else "")
                           + ")", reserved - allocated,
