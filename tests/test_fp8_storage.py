@@ -220,8 +220,9 @@ def _fresh_fp8(seed: int) -> nn.Module:
 def test_a_partial_checkpoint_gets_its_frozen_layers_from_where_its_run_started(tmp_path):
     """A run with fp8 frozen weights saves only what it trains. The stage configs start such a run from the previous
     stage (train.init_from) with no model.pretrained_path, so `tttv sample`, `--resume` and the next stage's
-    init_from loaded the file over frozen layers left as built: random, another video each run. They now load the
-    run's start first."""
+    init_from loaded the file over frozen layers left as built: random, another video each run; with a
+    model.pretrained_path they got the base's frozen layers, not the previous stage's (which the sft stage trained).
+    They now load the run's start first."""
     from tttvideo.errors import UserError
     from tttvideo.runs import load_trained
 
@@ -236,9 +237,11 @@ def test_a_partial_checkpoint_gets_its_frozen_layers_from_where_its_run_started(
     (tmp_path / "b").mkdir()
     b = save_checkpoint(trained, tmp_path / "b" / "model.safetensors")
     (tmp_path / "b" / "config.toml").write_text(f'[train]\ninit_from = "{a}"\n[model]\npretrained_path = ""\n')
+    # built without base weights, and built from other base weights (has_base): the frozen layers the run froze
+    # are its start's (a's), not the base's
     loaded = [_fresh_fp8(seed) for seed in (1, 2)]
-    for model in loaded:
-        load_trained(model, b, has_base=False)
+    for model, has_base in zip(loaded, (False, True)):
+        load_trained(model, b, has_base=has_base)
     for (name, want), got1, got2 in zip(trained.state_dict().items(), loaded[0].state_dict().values(),
                                         loaded[1].state_dict().values()):
         assert torch.equal(got1.float(), want.float()) and torch.equal(got2.float(), want.float()), name

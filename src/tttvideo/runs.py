@@ -163,8 +163,8 @@ def _check_legacy(folder: Path, files: tuple[str, ...]) -> str:
 
 def verify_checkpoint(folder: str | Path, files: tuple[str, ...] | None = None) -> str:
     """'' when checkpoint `folder` is intact, else "FILE: what (details)" saying which file is wrong and how
-    (missing, size mismatch, hash mismatch, unreadable). `files` limits the check (default: every file of the manifest, which must include the
-    model and the state)."""
+    (missing, size mismatch, hash mismatch, unreadable). `files` limits the check (default: every file of the
+    manifest, which must include the model and the state)."""
     folder = Path(folder)
     try:
         manifest = read_manifest(folder)
@@ -294,31 +294,34 @@ def is_full_checkpoint(path: Path) -> bool:
 
 def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path, ...] = ()) -> None:
     """Load a checkpoint's model file into `model`. A partial file (a run with fp8 frozen weights, whose codes are
-    not saved) holds only what the run trained; when `model` was built without base weights (`has_base`: its
-    model.pretrained_path was read) the frozen layers come first from where that run started: its config's
-    `train.init_from`, followed back while those are partial too. Without any, one sentence: loading the file alone
-    left the frozen layers as built (random), which sampled noise without a word."""
+    not saved) holds only what the run trained; its frozen layers come first from where that run started: its
+    config's `train.init_from`, followed back while those are partial too, else the base weights `model` was built
+    from (`has_base`: its model.pretrained_path was read). A run started from an earlier stage's checkpoint froze
+    that stage's values, not the base's (the sft stage trains every layer), so the base serves only a run that
+    started from it. Without either, one sentence: loading the file alone left the frozen layers as built (random),
+    which sampled noise without a word."""
     from tttvideo.models import load_checkpoint
 
     model_file = Path(model_file)
-    if not has_base and not is_full_checkpoint(model_file):
+    if not is_full_checkpoint(model_file):
         trained = _its_run(model_file)
         only = f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not saved)"
         start = str(trained.get("train", {}).get("init_from") or "")
-        if not start:
+        if start:
+            try:
+                source = resolve_checkpoint(start)
+            except UserError as err:
+                raise UserError(f"{only}; they come from where its run started (train.init_from = {start!r}), and "
+                                f"{err}") from None
+            if source.resolve() in _seen or source.resolve() == model_file.resolve():
+                raise UserError(f"{model_file}: the train.init_from chain loops at {source}")
+            load_trained(model, source, has_base, (*_seen, model_file.resolve()))
+        elif not has_base:
             base = str(trained.get("model", {}).get("pretrained_path") or "")
             raise UserError(f"{only}, and " + (
                 f"its run loaded them from model.pretrained_path = {base!r}: set model.pretrained_path to it" if base
                 else "its config names no train.init_from or model.pretrained_path they came from: set "
                      "model.pretrained_path to the base weights it was trained from"))
-        try:
-            source = resolve_checkpoint(start)
-        except UserError as err:
-            raise UserError(f"{only}; they come from where its run started (train.init_from = {start!r}), and "
-                            f"{err}") from None
-        if source.resolve() in _seen or source.resolve() == model_file.resolve():
-            raise UserError(f"{model_file}: the train.init_from chain loops at {source}")
-        load_trained(model, source, False, (*_seen, model_file.resolve()))
     load_checkpoint(model, model_file)
 
 
