@@ -268,9 +268,9 @@ def tttv(*args: str, gpus: int = 1) -> list[str]:
 
 def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: list[str], steps: int,
                   every: int, gpus: int, *flags: str) -> list[str]:
-    # a full-size sft checkpoint is 27 GiB on one GPU and more on two (the gathered model beside the DCP shards), and
-    # the disk of a two-GPU machine held about 110 GiB: the stages save only their final step, the killed one every
-    # step (the kill -9 needs a checkpoint before the step it interrupts), and one checkpoint is kept
+    # a full-size sft checkpoint is 27 GiB (two GPUs wrote 40.6 while the model went into dcp/ too), and the disk of
+    # a two-GPU machine held 110-128 GiB: the stages save only their final step, the killed one every step (the
+    # kill -9 needs a checkpoint before the step it interrupts), and one checkpoint is kept
     sets = [f"model.preset={args.preset}", f"layout.duration={duration}s", f"data.manifest={manifest}",
             f"train.output_dir={out}", f"train.steps={steps}", "train.grad_accum=0",
             f"train.global_batch={data_parallel(duration, args)}", "train.batch_size=1",

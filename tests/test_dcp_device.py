@@ -1,5 +1,5 @@
-"""A checkpoint written by two processes (FSDP2 shards of the model and of torchao's 8-bit AdamW state, dcp/) read by
-one process into a model on its training device: `--resume` on another number of GPUs.
+"""A checkpoint written by two processes (FSDP2 shards of torchao's 8-bit AdamW state in dcp/, with or without the
+model's) read by one process into a model on its training device: `--resume` on another number of GPUs.
 
 DCP reads every tensor into host memory and copies it into its target, a slice of the one-process state per saved
 shard. On two H200s (benchmarks/stage_chain.py --reshard-gpus 1) the one-process resume on a GPU failed inside
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from tttvideo.config.schema import TrainConfig
-from tttvideo.train.dcp import DCP_DIR, load_sharded_checkpoint
+from tttvideo.train.dcp import DCP_DIR, holds_model_state, load_sharded_checkpoint
 from tttvideo.train.optim import build_optimizer
 
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -64,7 +64,9 @@ def _write_sharded(rank: int, world: int, folder: str) -> None:
         optimizer = build_optimizer(model, TrainConfig(optimizer="adamw8bit", lr=1e-3))
         _train(model, optimizer, "cpu")
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=f"{folder}/{DCP_DIR}")
+        # the trainer's layout (the optimizer's shards; the model whole beside them) and the earlier one (both)
+        dcp.save({"optimizer": optim_sd}, checkpoint_id=f"{folder}/optimizer-only/{DCP_DIR}")
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=f"{folder}/with-model/{DCP_DIR}")
         whole = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save({"model": whole[0], "optimizer": _plain(whole[1])}, f"{folder}/whole.pt")
@@ -97,13 +99,17 @@ def sharded(tmp_path_factory) -> object:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("trust", [False, True], ids=["allow-listed", "trusted"])
+@pytest.mark.parametrize("layout", ["optimizer-only", "with-model"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_process_reads_two_processes_8bit_state_onto_its_device(sharded, device, trust):
+def test_one_process_reads_two_processes_8bit_state_onto_its_device(sharded, device, layout, trust):
     want = torch.load(sharded / "whole.pt", weights_only=True)
     model = _model(1).to(device)  # other weights and state: every value must come from the files
     optimizer = build_optimizer(model, TrainConfig(optimizer="adamw8bit", lr=1e-3))
     _train(model, optimizer, device)
-    load_sharded_checkpoint(sharded, model, optimizer, trust=trust)
+    assert holds_model_state(sharded / layout) == (layout == "with-model")
+    if layout == "optimizer-only":  # the model from its whole file, as the trainer reads model.safetensors
+        model.load_state_dict(want["model"])
+    load_sharded_checkpoint(sharded / layout, model, optimizer, trust=trust)
     for name, value in model.state_dict().items():
         assert value.device.type == device and torch.equal(value.cpu(), want["model"][name]), name
     got = _plain(get_state_dict(model, optimizer)[1])["state"]  # keyed by parameter name, as the whole one

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tttvideo.config.loader import load_config
+from tttvideo.train.dcp import holds_model_state
 from tttvideo.train.trainer import Trainer
 
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -119,6 +120,8 @@ def sp_run(work, reference) -> Path:
 def test_sp_and_fsdp_on_two_processes_match_one(work, reference, sp_run):
     assert_same_run(sp_run, reference)
     assert (sp_run / "checkpoints/step-000004/dcp/.metadata").is_file()
+    # the model is written once, whole (model.safetensors); dcp/ holds the optimizer's shards
+    assert not holds_model_state(sp_run / "checkpoints/step-000004")
     assert_ok(launch(torchrun(work, 2, *settings(work, "fsdp2", "parallel.dp_shard=2"))))
     assert_same_run(work / "fsdp2", reference)
 

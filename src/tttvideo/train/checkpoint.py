@@ -77,8 +77,9 @@ def publish_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module
                        tmp: Path | None = None, ema: Any = None) -> Path:
     """Complete a checkpoint in `tmp` (a `staging_folder`, which may already hold files, e.g. a multi-process run's
     dcp/ shards; None: a new one) with the model file, state.safetensors, config.toml and the manifest last, make it
-    durable, rename it to step-NNNNNN (replacing a checkpoint of the same step: a resumed run's final save) and prune to the
-    newest `keep`. `model` is anything `tttvideo.models.save_checkpoint` reads (named parameters, spec, use_ttt)."""
+    durable, rename it to step-NNNNNN (replacing a checkpoint of the same step: a resumed run's final save) and prune
+    to the newest `keep`. `model` is anything `tttvideo.models.save_checkpoint` reads (named parameters, spec,
+    use_ttt)."""
     from tttvideo.models import save_checkpoint
 
     root = checkpoint_root(output_dir)

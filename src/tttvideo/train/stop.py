@@ -62,8 +62,8 @@ class StopSignals:
     """While the training loop runs: the first SIGINT or SIGTERM (Ctrl-C; what a cluster sends before preemption)
     asks it to stop after the current step (`signum` is set, the loop saves and raises TrainingStopped); a second
     signal that is a SIGINT raises KeyboardInterrupt at once unless a checkpoint is being saved (`uninterrupted`);
-    a repeated SIGTERM is ignored. Under torchrun rank 0 alone says so. The previous handlers are restored on exit. Outside the main
-    thread (signals cannot be caught there) it does nothing."""
+    a repeated SIGTERM is ignored. Under torchrun rank 0 alone says so. The previous handlers are restored on exit.
+    Outside the main thread (signals cannot be caught there) it does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

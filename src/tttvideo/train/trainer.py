@@ -48,7 +48,6 @@ from tttvideo.config.loader import config_to_dict, dump_toml
 from tttvideo.config.schema import Config, TrainConfig
 from tttvideo.data.loader import DamagedFiles, make_loader
 from tttvideo.errors import ConfigError, UserError
-from tttvideo.layout import VideoLayout
 from tttvideo.memory.guard.cap import apply_memory_cap
 from tttvideo.memory.guard.oom import OomWatch, train_oom_error
 from tttvideo import runs
@@ -57,7 +56,8 @@ from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped, uninterrupted
 from tttvideo.train.loss import NoiseSource, TimestepDensity
 from tttvideo.train.ema import WeightAverage
-from tttvideo.train.dcp import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+from tttvideo.train.dcp import (holds_model_state, is_sharded_checkpoint, load_sharded_checkpoint,
+                                save_sharded_checkpoint)
 from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
@@ -66,7 +66,7 @@ from tttvideo.train.optim import group_lr, schedule_change
 from tttvideo.train.step import build_train_step
 from tttvideo.device import resolve_device
 from tttvideo.dtypes import torch_dtype
-from tttvideo.models.backbone import backbone_of, get_preset, layout_of
+from tttvideo.models.backbone import get_preset, layout_of
 
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,12 @@ class Trainer:
             self.trained_duration_s = max(self.trained_duration_s, trained_duration(path) or 0)
             self.console.print(f"initialised from {path}" + (f" with its EMA weights ({ema_file.name})"
                                                              if ema_file is not None else ""))
+        if (self.resume_from is not None and is_sharded_checkpoint(self.resume_from)
+                and not holds_model_state(self.resume_from)):
+            # a sharded checkpoint keeps the model once, whole, in its model file: read it as a one-process resume
+            # does, before FSDP shards the model (dcp/ then holds the optimizer's shards alone)
+            runs.load_trained(self.model, self.resume_from / ckpt.MODEL_FILE,
+                              has_base=bool(self.cfg.model.pretrained_path))
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
         self.noise = NoiseSource(self.train.seed, self.device, TimestepDensity.from_config(self.train))
@@ -477,7 +483,8 @@ class Trainer:
             extra = ""
             change += ", or train.on_nonfinite = 'skip'"
         if self.last_good is not None:
-            where = f"the last good checkpoint is {self.last_good} (resume from it with --resume, perhaps with {change})"
+            where = (f"the last good checkpoint is {self.last_good} (resume from it with --resume, perhaps with "
+                     f"{change})")
         else:
             where = f"no checkpoint was written yet: start the run over with --overwrite, perhaps with {change}"
         raise TrainingDiverged(f"loss is {loss} at step {step}{extra}; {where}{samples}")
