@@ -300,3 +300,34 @@ def test_frozen_parameters_under_fsdp_match_one_process(work, adapter, ranks, de
     out = f"{adapter}-{ranks}"
     assert_ok(launch(torchrun(work, ranks, *settings(work, out, f"model.adapter={adapter}", *degrees))))
     assert_same_run(work / out, work / one)
+
+
+def test_fp8_frozen_run_resumes_from_its_own_checkpoint_on_two_and_on_one(work):
+    """A run that stores its frozen weights in fp8 (qkvo adapter, random init: no base weights, no init_from) saves
+    its trained parameters in model.safetensors and the fp8 codes in dcp/ beside the optimizer's shards, so its
+    checkpoint resumes by itself: on 2 processes bitwise, and on one (DCP reads the shards without a process
+    group) to the same step-4 weights."""
+    fp8 = ("model.adapter=qkvo", "model.frozen_weights=fp8", "parallel.dp_shard=2")
+    assert_ok(launch(torchrun(work, 2, *settings(work, "fp8", *fp8))))
+    step2 = work / "fp8" / "checkpoints" / "step-000002"
+    assert not holds_model_state(step2) and any(k.startswith("buffers.") for k in dcp_keys(step2))
+    copy_at(work / "fp8", work / "fp8-on2", 2)
+    run = launch(torchrun(work, 2, *settings(work, "fp8-on2", *fp8), flags=("--resume",)))
+    assert_ok(run)
+    assert losses(work / "fp8-on2") == losses(work / "fp8")
+    for name, tensor in weights(work / "fp8").items():
+        assert torch.equal(weights(work / "fp8-on2")[name], tensor), name
+
+    copy_at(work / "fp8", work / "fp8-on1", 2)
+    one = settings(work, "fp8-on1", *fp8[:2])
+    result = Trainer(load_config(DEMO, one), quiet=True, if_exists="resume").run()
+    assert result.steps_done == 4
+    assert losses(work / "fp8-on1") == pytest.approx(losses(work / "fp8"), rel=LOSS_RTOL)
+    for name, tensor in weights(work / "fp8").items():
+        torch.testing.assert_close(weights(work / "fp8-on1")[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def dcp_keys(checkpoint: Path) -> list[str]:
+    from tttvideo.train.dcp import read_dcp_metadata
+
+    return list(read_dcp_metadata(checkpoint / "dcp" / ".metadata").state_dict_metadata)

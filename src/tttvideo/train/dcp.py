@@ -5,12 +5,14 @@ the final one, its manifest written last, renamed into place by rank 0, pruned t
 
 - `dcp/`: the optimizer state as every rank's shards (`get_optimizer_state_dict`, keyed by parameter name), which
   DCP can load into any other sharding: a run saved on N processes resumes on M, and on one process (DCP then
-  reads every shard into the whole state, no process group needed);
-- `model.safetensors`: the whole model, gathered to rank 0, so that `tttv sample`, `train.init_from` and every
-  tool that reads a checkpoint's weights use it as they use a one-process one. A resume reads it as a one-process
-  resume does, into the model before FSDP shards it (`holds_model_state` false): the model is written once (its
-  shards in dcp/ beside it made a two-GPU checkpoint of the 3-s stage 40.6 GiB against 27.2 on one GPU). A
-  checkpoint whose dcp/ holds the model too (written before) loads it from there;
+  reads every shard into the whole state, no process group needed); and the model's buffers (the codes and
+  scales of fp8-stored frozen layers, which model.safetensors does not hold), so that a resume needs no other
+  checkpoint;
+- `model.safetensors`: the whole model's parameters, gathered to rank 0, so that `tttv sample`, `train.init_from`
+  and every tool that reads a checkpoint's weights use it as they use a one-process one. A resume reads it into
+  the model before FSDP shards it (`holds_model_state` false): the parameters are written once (their shards in
+  dcp/ beside it made a two-GPU checkpoint of the 3-s stage 40.6 GiB against 27.2 on one GPU). A checkpoint whose
+  dcp/ holds the model's shards too (written before) loads them from there;
 - `state.safetensors` (rank 0): step, data position, scheduler, scaler, RNG and noise-generator states, counters;
   every rank holds the same ones (they draw the same random numbers), so rank 0's are every rank's;
 - `config.toml` and `manifest.json` (with every file under `dcp/`).
@@ -41,7 +43,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, get_state_dict,
+                                                     get_optimizer_state_dict, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict, set_state_dict)
 
 from tttvideo.errors import UserError
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from tttvideo.train.distributed import TrainRanks
 
 DCP_DIR = "dcp"
+BUFFERS = "buffers"  # dcp/'s key of the model's buffers
 
 
 def is_sharded_checkpoint(folder: Path) -> bool:
@@ -88,10 +91,18 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model: Backbone,
     """Write checkpoint `step` from every rank (a collective: all ranks call it) and return its folder."""
     with ranks.phase("checkpoint save", step - 1, slow=True):  # the watch counts steps from 0, as the loop
         tmp = ranks.on_main(lambda: staging_folder(output_dir, step))
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp / DCP_DIR)
+        buffers = _buffers(model)
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer), **({BUFFERS: buffers} if buffers else {})},
+                 checkpoint_id=tmp / DCP_DIR)
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return ranks.on_main(lambda: publish_checkpoint(output_dir, step, _WholeWeights(model, whole), state,
                                                         config_text, keep, meta, trained_duration_s, tmp))
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by state-dict name (FSDP2 leaves them whole on every rank)."""
+    names = {name for name, _ in model.named_buffers()}
+    return {k: v for k, v in get_model_state_dict(model).items() if k in names}
 
 
 def holds_model_state(folder: Path) -> bool:
@@ -118,7 +129,8 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optimizer": optim_sd}
     else:
-        loaded = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        buffers = _buffers(model)
+        loaded = {"optimizer": get_optimizer_state_dict(model, optimizer), **({BUFFERS: buffers} if buffers else {})}
     path = Path(folder) / DCP_DIR
     reader, planner = None, _DeviceLoadPlanner()
     if not trust:
@@ -140,6 +152,8 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
     else:
         set_optimizer_state_dict(model, optimizer, loaded["optimizer"])
+        if BUFFERS in loaded:
+            set_model_state_dict(model, loaded[BUFFERS], options=StateDictOptions(strict=False))
 
 
 # ---------------------------------------------------------------------------------------------------- safe reading

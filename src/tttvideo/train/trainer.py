@@ -186,10 +186,9 @@ class Trainer:
                                                              if ema_file is not None else ""))
         if (self.resume_from is not None and is_sharded_checkpoint(self.resume_from)
                 and not holds_model_state(self.resume_from)):
-            # a sharded checkpoint keeps the model once, whole, in its model file: read it as a one-process resume
-            # does, before FSDP shards the model (dcp/ then holds the optimizer's shards alone)
-            runs.load_trained(self.model, self.resume_from / ckpt.MODEL_FILE,
-                              has_base=bool(self.cfg.model.pretrained_path))
+            # a sharded checkpoint keeps the model's parameters once, whole, in its model file: read before FSDP
+            # shards the model; dcp/ holds the optimizer's shards and the buffers (fp8 codes) the file leaves out
+            load_checkpoint(self.model, self.resume_from / ckpt.MODEL_FILE)
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
         self.noise = NoiseSource(self.train.seed, self.device, TimestepDensity.from_config(self.train))
