@@ -281,3 +281,26 @@ def test_second_sample_to_the_same_out_refuses_and_sp_needs_torchrun(capsys, tmp
                    "torchrun --nproc_per_node 2", "--set parallel.sp=1")
     assert not out.exists()
 
+
+
+def test_a_rank_leaving_on_an_error_skips_the_group_teardown(tmp_path):
+    """A torchrun rank that leaves on a user error with its process group up exits with the error's status at once,
+    without torch's teardown of the group (which now and then aborted a gloo rank after its sentence: torchrun then
+    reported exit -6, not 2; tests/test_parallel_train.py::test_wrong_launches_are_one_sentence failed so). The
+    child's atexit line shows whether the interpreter's teardown ran: not with a group, yes without."""
+    import subprocess
+
+    script = (
+        "import atexit, sys, torch.distributed as dist\n"
+        "from tttvideo.cli import main\n"
+        "if sys.argv[1] == 'group':\n"
+        f"    dist.init_process_group('gloo', init_method='file://{tmp_path}/pg', rank=0, world_size=1)\n"
+        "atexit.register(lambda: print('teardown', flush=True))\n"
+        "raise SystemExit(main(['train', 'no-such-config.toml']))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    for mode, teardown in (("group", False), ("none", True)):
+        run = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert "tttv train: error:" in run.stderr and "no-such-config.toml" in run.stderr
+        assert ("teardown" in run.stdout) == teardown, mode

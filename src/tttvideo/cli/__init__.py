@@ -64,9 +64,26 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tttv {args.command}: interrupted", file=sys.stderr)
                 code = 130
             sys.stdout.flush()  # inside the try: a reader that went away is found here, not at exit
+        if code:
+            _leave_group_at_once(code)
         return code
     except BrokenPipeError:
         return _stdout_closed()
+
+
+def _leave_group_at_once(code: int) -> None:
+    """A torchrun rank that leaves on an error with its process group still up (the other ranks may be anywhere)
+    exits here, without torch's teardown of the group: tearing down a gloo group whose peer already closed its
+    connections now and then aborted the process after its sentence ("terminate called without an active
+    exception": torchrun then reported exit -6, not the error's status). The sentence and stdio are flushed first;
+    the run folder's lock was let go when the error left the command."""
+    dist = sys.modules.get("torch.distributed")  # a command that never imported torch has no group
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def _stdout_closed() -> int:
