@@ -370,9 +370,21 @@ def kill_in_mid_step(args: argparse.Namespace, child: Watched, out: Path, prune:
             "tracebacks_in_log": sum("Traceback (most recent call last)" in line for line in lines)}
 
 
+def steady_steps(metrics: list[dict[str, Any]], resume_log: Path | None) -> list[dict[str, Any]]:
+    """The steps that were not the first of their launch (a launch's first step compiles): after step 1, and for a
+    resumed stage (`resume_log`, the resumed launch's log) after the step it resumed at too. [] when every step was
+    a first one (--last-steps 2: the killed launch's step 1, the resumed launch's step 2)."""
+    firsts = {1}
+    if resume_log is not None:
+        said = re.search(r"resumed from .* at step (\d+)", resume_log.read_text(errors="replace"))
+        firsts.add(int(said.group(1)) + 1 if said else 1)
+    return [m for m in metrics if m["step"] not in firsts]
+
+
 def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], watched: list[Watched]) -> dict[str, Any]:
-    """A finished stage's figures: its metrics', and the host and GPU peaks of every launch it took."""
-    return {"median_step_s": sorted(m["step_time"] for m in steady)[len(steady) // 2],
+    """A finished stage's figures: its metrics', and the host and GPU peaks of every launch it took; no steady step
+    time (None) when every step was the first of its launch."""
+    return {"median_step_s": sorted(m["step_time"] for m in steady)[len(steady) // 2] if steady else None,
             "first_step_s": metrics[0]["step_time"],
             "peak_allocated_gib": max(m["memory_gib"] for m in metrics),
             "peak_reserved_gib": max(m.get("memory_reserved_gib", 0.0) for m in metrics),
@@ -420,8 +432,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     if code != 0 or not metrics:
         row["error"] = failure(log)
         return row
-    steady = metrics[-1:] if kill else metrics[1:] or metrics  # a process's first step compiles
-    row.update(stage_row(metrics, steady, watched))
+    row.update(stage_row(metrics, steady_steps(metrics, log if kill else None), watched))
     row.update(checkpoint_figures(out, log))
     if kill and "killed_after_step" in row:  # resumed: each step once, counting on from the checkpoint
         row["resumed_steps_once"] = row["steps"] == list(range(1, steps + 1))
@@ -594,7 +605,8 @@ def print_table(result: dict[str, Any]) -> None:
             notes.append(f"resumed on {rs['gpus']} GPU(s): " + (f"failed: {rs['error']}" if "error" in rs else
                                                                 f"step {rs['steps'][-1]} {rs['step_s']:.1f} s"))
         smi = max(r["peak_gpu_used_gib"]) if r["peak_gpu_used_gib"] else 0.0
-        print(f"{r['duration_s']:>5}s {r['median_step_s']:>8.2f} {r['peak_allocated_gib']:>9.1f} "
+        step = f"{r['median_step_s']:>8.2f}" if r["median_step_s"] is not None else f"{'-':>8}"
+        print(f"{r['duration_s']:>5}s {step} {r['peak_allocated_gib']:>9.1f} "
               f"{r['peak_reserved_gib']:>9.1f} {smi:>8.1f} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
               f"{r['checkpoint_save_s'] or 0:>7.1f} {r.get('predicted_reserved_gib') or 0:>9.1f} "
               f"{r.get('predicted_host_gib') or 0:>9.1f} {r.get('predicted_step_s') or 0:>7.1f}  {'; '.join(notes)}")

@@ -69,3 +69,19 @@ def test_a_chain_run_in_parts_merges_into_one_file(tmp_path):
     # another machine's file is replaced, not merged
     other = {**second, "device": "NVIDIA H100 80GB HBM3"}
     assert stage_chain.merged(out, other)["stages"] == second["stages"]
+
+
+def test_steady_step_time_leaves_out_the_first_step_of_every_launch(tmp_path):
+    """A launch's first step compiles (87 s against 8 s at 3 s on two H200s). A stage killed after its step-1
+    checkpoint and resumed there has two first steps, 1 and 2: with --last-steps 2 no steady step is left (the two-GPU
+    3-s row recorded its resumed launch's first step, 25.5 s, as its step time)."""
+    metrics = [{"step": s, "step_time": t} for s, t in ((1, 87.0), (2, 25.5), (3, 8.0))]
+    log = tmp_path / "resume.log"
+    log.write_text("resumed from /tmp/x/checkpoints/step-000001 at step 1 (data position 2)\n")
+    assert [m["step"] for m in stage_chain.steady_steps(metrics, log)] == [3]
+    assert stage_chain.steady_steps(metrics[:2], log) == []
+    assert [m["step"] for m in stage_chain.steady_steps(metrics, None)] == [2, 3]
+    steps = [{**m, "memory_gib": 20.0, "loss": 1.0} for m in metrics[:2]]
+    launch = type("Launch", (), {"host_peak": 30.0, "gpu_peak": [21.0]})()
+    row = stage_chain.stage_row(steps, stage_chain.steady_steps(steps, log), [launch])
+    assert row["median_step_s"] is None and row["first_step_s"] == 87.0
