@@ -14,7 +14,7 @@ from benchmarks import stage_chain
 def test_weights_folder_holds_every_layer_when_the_first_stage_stores_fp8(tmp_path):
     # the one-GPU 63-s config stores the frozen weights as fp8 codes: a folder written from that model lacked the
     # frozen layers (norm1.linear, ff, the time embedding, ...), which `tttv train` refused on loading
-    from tttvideo.models.cogvideox.weights import INDEX_NAME
+    from tttvideo.models.weights import INDEX_NAME
 
     args = stage_chain.parse_args(["--workdir", str(tmp_path), "--preset", "tiny", "--device", "cpu",
                                    "--durations", "63"])

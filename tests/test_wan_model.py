@@ -210,3 +210,25 @@ def test_folder_errors(folder, tmp_path):
         from_pretrained_wan(folder, get_wan_preset("wan2.1-t2v-1.3b"))
     with pytest.raises(UserError, match="does not exist"):
         from_pretrained_wan(tmp_path / "nowhere", SPEC)
+
+
+def test_our_folder_writer_round_trips_through_diffusers(folder, tmp_path):
+    """save_wan_folder (the backbone's save_pretrained: benchmarks/stage_chain.py makes its random-weight base with
+    it) writes what diffusers' WanTransformer3DModel reads tensor for tensor, and what from_pretrained_wan reads
+    back; small shards give an index and several files, as a download has."""
+    from tttvideo.models.backbone import backbone_of
+    from tttvideo.models.wan.weights import save_wan_folder
+
+    assert backbone_of(SPEC).save_pretrained is save_wan_folder
+    ours = from_pretrained_wan(folder, SPEC, TTT)
+    written = save_wan_folder(ours, tmp_path / "transformer", shard_bytes=40_000)
+    assert len(list(written.glob("diffusion_pytorch_model-*.safetensors"))) > 1
+    theirs = WanTransformer3DModel.from_pretrained(written).state_dict()
+    original = WanTransformer3DModel.from_pretrained(folder / "transformer").state_dict()
+    assert theirs.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(theirs[name], tensor), name
+    back = from_pretrained_wan(tmp_path, SPEC, TTT).state_dict()
+    for name, tensor in ours.state_dict().items():
+        if name in set(wan_name_map(SPEC.num_layers).values()):
+            assert torch.equal(back[name], tensor), name

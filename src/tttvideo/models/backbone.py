@@ -180,6 +180,8 @@ class BackboneSpec:
     - config_type: the presets' dataclass (`backbone_of` finds the backbone of a config derived from a preset)
     - build: the model of a preset with random weights (`models.weights.init_model` materialises it)
     - from_pretrained: the model with outside weights (diffusers' layout for CogVideoX); None: none published
+    - save_pretrained: (model, folder) -> folder: the backbone's weights written in the layout from_pretrained
+      reads (benchmarks make full-size random-weight folders with it); None: none
     - layout: the layout parameters it asks for
     - objective: prediction and noise schedule
     - configure: settings of `[model]` that are the backbone's own (e.g. CogVideoX's compiled glue), applied to a
@@ -196,6 +198,7 @@ class BackboneSpec:
     config_type: type
     build: BuildFn
     from_pretrained: PretrainedFn | None = None
+    save_pretrained: Callable[[nn.Module, Any], Any] | None = None
     layout: LayoutParams = field(default_factory=LayoutParams)
     objective: Objective = field(default_factory=Objective)
     configure: Callable[[nn.Module, "ModelConfig"], None] = lambda model, cfg: None

@@ -129,6 +129,51 @@ def load_mapped_weights(model: nn.Module, folder: Path, name_map: dict[str, str]
 
 
 @torch.no_grad()
+def save_mapped_folder(model: nn.Module, folder: str | Path, name_map: dict[str, str], config: dict[str, Any],
+                       shard_bytes: int = 5 * 2**30) -> Path:
+    """Write `model`'s parameters that `name_map` (diffusers name -> ours) names as a diffusers model folder:
+    config.json (`config`), safetensors shards of at most `shard_bytes` and their index, what a download holds.
+    Benchmarks make full-size random-weight folders with it, to run the loading path without the real weights; the
+    TTT layers are not part of that layout. Written under a temporary name and renamed, so the folder appears
+    whole."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if has_fp8_layers(model):  # the folder would silently lack those layers, and loading it would fail much later
+        raise ValueError("the model stores frozen weights as fp8 codes, which the diffusers layout cannot hold: build "
+                         "it with model.frozen_weights = 'dtype' to write it")
+    tmp = folder.with_name(folder.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    inverse = {o: d for d, o in name_map.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in model.state_dict().items():
+        if name not in inverse:  # TTT parameters, buffers
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][inverse[name]] = tensor.detach().to("cpu").contiguous()
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return folder
+
+
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Allocate and initialise every parameter still on the meta device, one reset unit at a time (fp32 init, then
     cast), so the peak is the model in `dtype` plus one unit in fp32."""

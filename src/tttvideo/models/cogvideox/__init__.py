@@ -11,7 +11,7 @@ from tttvideo.layout import WINDOW_FRAMES, LayoutParams
 from tttvideo.models.backbone import BackboneSpec, Objective, register_backbone
 from tttvideo.models.cogvideox.presets import PRESETS, ModelSpec
 from tttvideo.models.cogvideox.transformer import CogVideoXTTT
-from tttvideo.models.cogvideox.weights import from_pretrained
+from tttvideo.models.cogvideox.weights import from_pretrained, save_diffusers_folder
 
 
 def configure(model: nn.Module, m: ModelConfig) -> None:
@@ -27,6 +27,7 @@ BACKBONE = register_backbone(BackboneSpec(
     config_type=ModelSpec,
     build=CogVideoXTTT,
     from_pretrained=from_pretrained,
+    save_pretrained=save_diffusers_folder,
     # 49 frames (3 s at 16 fps) -> 13 latent frames per window, text in the stream, 2x2 patches, VAE 8x / 4x
     layout=LayoutParams(window_frames=WINDOW_FRAMES, text_in_stream=True, patch_size=2, vae_spatial=8,
                         vae_temporal=4),

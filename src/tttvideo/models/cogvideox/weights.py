@@ -10,7 +10,6 @@ not have, are then materialised and initialised as the original does (`Bidirecti
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,8 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.cogvideox.presets import ModelSpec, describe_config
 from tttvideo.models.cogvideox.transformer import CogVideoXTTT
-from tttvideo.models.weights import (CONFIG_NAME, INDEX_NAME, find_diffusers_folder, has_fp8_layers,
-                                     load_mapped_weights, materialize)
+from tttvideo.models.weights import (CONFIG_NAME, find_diffusers_folder, load_mapped_weights, materialize,
+                                     save_mapped_folder)
 
 DIFFUSERS_CLASS = "CogVideoXTransformer3DModel"
 
@@ -121,42 +120,6 @@ def from_pretrained(
 
 
 def save_diffusers_folder(model: CogVideoXTTT, folder: str | Path, shard_bytes: int = 5 * 2**30) -> Path:
-    """Write `model`'s backbone as a diffusers CogVideoXTransformer3DModel folder (config.json, safetensors shards of
-    at most `shard_bytes` and their index), what a CogVideoX download holds: benchmarks make full-size
-    random-weight folders with it, to run the loading path without the real weights. The TTT layers are not part of
-    that layout. Written under a temporary name and renamed, so the folder appears whole."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    if has_fp8_layers(model):  # the folder would silently lack those layers, and loading it would fail much later
-        raise ValueError("the model stores frozen weights as fp8 codes, which the diffusers layout cannot hold: build "
-                         "it with model.frozen_weights = 'dtype' to write it")
-    tmp = folder.with_name(folder.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    inverse = {o: d for d, o in diffusers_name_map(model.spec.num_layers).items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in model.state_dict().items():
-        if name not in inverse:  # TTT parameters, buffers
-            continue
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][inverse[name]] = tensor.detach().to("cpu").contiguous()
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        weight_map.update({key: name for key in shard})
-    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
-    (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = {"_class_name": DIFFUSERS_CLASS, **model.spec.to_diffusers_config()}
-    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
-    return folder
+    """Write `model`'s backbone as a diffusers CogVideoXTransformer3DModel folder (`save_mapped_folder`)."""
+    return save_mapped_folder(model, folder, diffusers_name_map(model.spec.num_layers),
+                              {"_class_name": DIFFUSERS_CLASS, **model.spec.to_diffusers_config()}, shard_bytes)

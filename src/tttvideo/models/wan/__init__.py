@@ -14,7 +14,7 @@ from tttvideo.models.wan.layout import (WAN_VAE_SPATIAL, WAN_VAE_TEMPORAL, layou
                                         wan_layout_from_latents)
 from tttvideo.models.wan.spec import WAN_PRESETS, WanSpec, get_wan_preset
 from tttvideo.models.wan.transformer import WanTTT
-from tttvideo.models.wan.weights import from_pretrained_wan
+from tttvideo.models.wan.weights import from_pretrained_wan, save_wan_folder
 
 if TYPE_CHECKING:
     from tttvideo.config.schema import Config
@@ -39,6 +39,7 @@ BACKBONE = register_backbone(BackboneSpec(
     config_type=WanSpec,
     build=WanTTT,
     from_pretrained=from_pretrained_wan,
+    save_pretrained=save_wan_folder,
     # 49 frames (3 s at 16 fps) -> 13 latent frames per window, text cross-attended (not in the stream), 1x2x2
     # patches, VAE 8x / 4x (AutoencoderKLWan)
     layout=LayoutParams(window_frames=WINDOW_FRAMES, text_in_stream=False, patch_size=2, vae_spatial=WAN_VAE_SPATIAL,

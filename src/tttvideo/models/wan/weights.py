@@ -21,7 +21,8 @@ from tttvideo.errors import UserError
 from tttvideo.models.adapters import is_ttt_parameter
 from tttvideo.models.wan.spec import DIFFUSERS_CLASS, WanSpec
 from tttvideo.models.wan.transformer import WanTTT
-from tttvideo.models.weights import CONFIG_NAME, find_diffusers_folder, load_mapped_weights, materialize
+from tttvideo.models.weights import (CONFIG_NAME, find_diffusers_folder, load_mapped_weights, materialize,
+                                     save_mapped_folder)
 
 # keys diffusers' own loader skips in Wan folders (an image-branch norm some conversions carry)
 IGNORED = ("norm_added_q",)
@@ -92,3 +93,9 @@ def from_pretrained_wan(path: str | Path, spec: WanSpec | None = None, ttt: TTTC
     materialize(model, device, dtype)  # only the TTT layers are still on meta
     return model
 
+
+
+def save_wan_folder(model: WanTTT, folder: str | Path, shard_bytes: int = 5 * 2**30) -> Path:
+    """Write `model`'s backbone as a diffusers WanTransformer3DModel folder (`save_mapped_folder`)."""
+    return save_mapped_folder(model, folder, wan_name_map(model.spec.num_layers),
+                              {"_class_name": DIFFUSERS_CLASS, **model.spec.to_diffusers_config()}, shard_bytes)
