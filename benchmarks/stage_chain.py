@@ -25,8 +25,14 @@ GPU memory beside the stages):
         --set layout.height=64 --set layout.width=96 --set layout.text_tokens=8 --set model.dtype=fp32 \\
         --set train.precision=fp32 --set model.adapter=qkvo --durations 3 6 --steps 2   # a CPU smoke run
 
-Every stage reads configs/cogvideox-5b/stage<N>-*-<gpus>gpu.toml, with the step count, accumulation, checkpoint
-interval, data and weights overridden on the command line (`--set` adds more overrides to every stage).
+Every stage reads configs/cogvideox-5b/stage<N>-*-<gpus>gpu.toml (`--configs` names another recipe's), with the
+step count, accumulation, checkpoint interval, data and weights overridden on the command line (`--set` adds more
+overrides to every stage). Wan2.1-T2V-1.3B's 24 GB recipe (random base written by the backbone's save_pretrained;
+its later stages read the base too), into benchmarks/results/stage_chain_wan_24gb_<gpu>.json:
+
+    PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/wan --preset wan2.1-t2v-1.3b \
+        --configs 'configs/wan2.1-1.3b/{stage}-24gb.toml' --no-kill --sample-steps 1 \
+        --set memory.chunked_inference=true
 """
 
 from __future__ import annotations
@@ -51,12 +57,17 @@ from tttvideo.memory.profile.profiler import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = {3: "stage1-3s", 9: "stage2-9s", 18: "stage3-18s", 30: "stage4-30s", 63: "stage5-63s"}
+# each stage's config: {stage} is a value of STAGES, {gpus} the launch's GPU count
+COGVIDEOX_CONFIGS = "configs/cogvideox-5b/{stage}-{gpus}gpu.toml"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--preset", default="cogvideox-5b")
+    ap.add_argument("--configs", default=COGVIDEOX_CONFIGS,
+                    help="each stage's config, {stage} (stage1-3s ... stage5-63s) and {gpus} filled in; Wan2.1 on a "
+                         "24 GB card: configs/wan2.1-1.3b/{stage}-24gb.toml with --preset wan2.1-t2v-1.3b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--durations", type=int, nargs="+", default=list(STAGES))
     ap.add_argument("--gpus", type=int, default=1,
@@ -84,17 +95,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def stage_config(duration: int, gpus: int = 1) -> Path:
-    """The `gpus`-GPU config of the stage of `duration` seconds (a stage outside the recipe uses the 63-s one)."""
-    name = STAGES.get(duration, "stage5-63s")
-    return REPO / "configs" / "cogvideox-5b" / f"{name}-{gpus}gpu.toml"
+def stage_config(duration: int, gpus: int = 1, pattern: str = COGVIDEOX_CONFIGS) -> Path:
+    """The `gpus`-GPU config of the stage of `duration` seconds (a stage outside the recipe uses the 63-s one), by
+    `pattern` (--configs)."""
+    return REPO / pattern.format(stage=STAGES.get(duration, "stage5-63s"), gpus=gpus)
 
 
 def resolved(duration: int, args: argparse.Namespace, gpus: int = 1) -> Any:
     from tttvideo.config.loader import load_config
 
-    return load_config(stage_config(duration, gpus), [f"model.preset={args.preset}", f"layout.duration={duration}s",
-                                                      *args.overrides])
+    return load_config(stage_config(duration, gpus, args.configs),
+                       [f"model.preset={args.preset}", f"layout.duration={duration}s", *args.overrides])
 
 
 def data_parallel(duration: int, args: argparse.Namespace) -> int:
@@ -105,7 +116,7 @@ def data_parallel(duration: int, args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ inputs, made once
 def make_weights(args: argparse.Namespace, work: Path) -> Path:
     from tttvideo.models import build_model
-    from tttvideo.models.cogvideox.weights import save_diffusers_folder
+    from tttvideo.models.backbone import backbone_of
 
     folder = work / "weights" / "transformer"
     if (folder / "config.json").is_file():
@@ -118,7 +129,7 @@ def make_weights(args: argparse.Namespace, work: Path) -> Path:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = build_model(cfg, torch.device(args.device))
-    save_diffusers_folder(model, folder)
+    backbone_of(cfg.model.preset).save_pretrained(model, folder)
     print(f"random-weight {args.preset} written to {folder} in {time.perf_counter() - t0:.0f} s", flush=True)
     del model
     return folder.parent
@@ -163,7 +174,7 @@ def inputs_made_apart(args: argparse.Namespace, work: Path) -> Path:
     random 5B model on the GPU here would leave this process's CUDA context and the allocator's cached blocks (the
     model's 10.5 GB) on GPU 0 for the whole chain, beside rank 0."""
     cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(work), "--make-cache-only",
-           "--preset", args.preset, "--device", args.device, "--videos", str(args.videos),
+           "--preset", args.preset, "--configs", args.configs, "--device", args.device, "--videos", str(args.videos),
            "--durations", *map(str, args.durations), *sum((["--set", s] for s in args.overrides), [])]
     subprocess.run(cmd, cwd=REPO, check=True)
     return work / "weights"
@@ -277,8 +288,8 @@ def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: 
             f"train.checkpoint_every={every}", "train.keep_checkpoints=1",
             "train.sample_at_end=false", "train.validate_every=0", "train.tensorboard=false", "data.num_workers=0",
             f"train.device={args.device}", *start, *args.overrides]
-    return tttv("train", str(stage_config(duration, gpus)), *flags, *sum((["--set", s] for s in sets), []),
-                gpus=gpus)
+    return tttv("train", str(stage_config(duration, gpus, args.configs)), *flags,
+                *sum((["--set", s] for s in sets), []), gpus=gpus)
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
@@ -398,7 +409,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     out = work / f"stage-{duration}s"
     manifest = make_cache(args, work, duration)
     log = work / f"stage-{duration}s.log"
-    config = stage_config(duration, args.gpus)
+    config = stage_config(duration, args.gpus, args.configs)
     print(f"=== {duration} s: tttv train {config.name}" + (f" on {args.gpus} GPUs" if args.gpus > 1 else ""),
           flush=True)
     if out.exists():  # an earlier chain's run: gone before the new one starts, so its files are not mistaken for new
@@ -481,7 +492,9 @@ def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str,
     log = work / f"sample-{duration}s{suffix}.log"
     print(f"=== tttv sample {duration} s, {segments} scenes, {args.sample_steps} steps, layout {layout}", flush=True)
     t0 = time.perf_counter()
+    # random weights: the demo text encoder and no decoder, whatever encoder and VAE the recipe names (Wan's do)
     sets = [f"sample.steps={args.sample_steps}", "sample.write_video=false", "sample.save_latents=true",
+            "sample.text_encoder_path=", "data.text_encoder_path=", "sample.vae_path=", "data.vae_path=",
             f"sample.device={args.device}", "parallel.dp_shard=-1", *sets,
             *(s for s in args.overrides if s.startswith(("memory.", "sample.")))]
     cmd = tttv("sample", "--checkpoint", str(work / f"stage-{duration}s"), "--scenes", str(story), "--out", str(out),
@@ -551,9 +564,15 @@ def main(argv: list[str] | None = None) -> int:
     device = (gpu_name() or "cuda") if args.device.startswith("cuda") else platform.processor() or "cpu"
     gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
     name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"
+    if args.configs != COGVIDEOX_CONFIGS:  # another recipe (Wan2.1's 24 GB stages: stage_chain_wan_24gb_<gpu>)
+        from tttvideo.models.backbone import backbone_of
+
+        card = Path(args.configs).name.replace("{stage}", "").replace(".toml", "").strip("-")
+        name = name.replace("stage_chain", f"stage_chain_{backbone_of(args.preset).name}_{card}")
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
-              "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "steps_per_stage": args.steps,
+              "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "configs": args.configs,
+              "steps_per_stage": args.steps,
               "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": [], "samples": []}
     rows, samples = result["stages"], result["samples"]
     run = {"git_commit": args.commit, "overrides": args.overrides, **({"note": args.note} if args.note else {})}
@@ -575,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in row:
             break
         start = [f"train.init_from={work / f'stage-{duration}s'}"]
+        if i + 1 < len(args.durations) and resolved(args.durations[i + 1], args, args.gpus).model.pretrained_path:
+            # a recipe whose later stages read the base weights too (Wan's): this chain's base folder
+            start.append(f"model.pretrained_path={weights}")
     if "error" not in rows[-1] and not args.no_sample:
         from tttvideo.models.backbone import get_preset
 

@@ -39,3 +39,25 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
     assert set(layouts) == {"1", "sp2", "cfg2"} and all(s["exit_code"] == 0 for s in layouts.values())
     for name in ("sp2", "cfg2"):
         assert layouts[name]["max_rel_diff_vs_1"] < 1e-3, layouts[name]
+
+
+def test_wan_recipe_chain_through_its_24gb_configs(tmp_path):
+    """--configs picks another recipe: Wan2.1's 24 GB stage configs with the tiny Wan model, its random base folder
+    written by the backbone (save_wan_folder), every stage given the base and the previous stage (Wan's configs name
+    a base), then a 63-s-config sample with the demo text encoder. Offload's host pool is left to size itself (the
+    63-s config asks for 38 GiB, more than a CI machine has)."""
+    out = tmp_path / "chain.json"
+    cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(tmp_path / "work"), "--preset", "wan-tiny",
+           "--device", "cpu", "--configs", "configs/wan2.1-1.3b/{stage}-24gb.toml", "--durations", "3", "9", "63",
+           "--steps", "2", "--no-kill", "--sample-steps", "1", "--out", str(out), "--set", "layout.height=32",
+           "--set", "layout.width=32", "--set", "layout.text_tokens=16", "--set", "train.precision=fp32",
+           "--set", "checkpointing.offload_host_gib=0"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert [r["config"] for r in result["stages"]] == ["stage1-3s-24gb.toml", "stage2-9s-24gb.toml",
+                                                       "stage5-63s-24gb.toml"]
+    assert all(r["steps"] == [1, 2] for r in result["stages"])
+    assert "initialised from" in (tmp_path / "work" / "stage-63s.log").read_text()
+    assert [s["exit_code"] for s in result["samples"]] == [0]
+    assert (tmp_path / "work" / "weights" / "transformer" / "config.json").is_file()
