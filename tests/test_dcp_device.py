@@ -120,3 +120,30 @@ def test_one_process_reads_two_processes_8bit_state_onto_its_device(sharded, dev
     quantised = sum(hasattr(v, "dequantize") and v.device.type == device
                     for state in optimizer.state.values() for v in state.values())
     assert quantised >= 4  # the test covers the quantised state it is about, on the device
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_trusted_metadata_that_the_allow_list_refuses_still_reads_the_optimizer_only_layout(sharded, monkeypatch):
+    """--trust-checkpoint is for metadata the allow-list refuses (another torch version's types). The layout test
+    (does dcp/ hold the model?) then reads it with DCP's own reader too: taking an unreadable file for the earlier
+    layout asked DCP for model keys the checkpoint does not have ("Missing key")."""
+    from tttvideo.errors import UserError
+    from tttvideo.train import dcp as dcp_module
+
+    allowed = dcp_module._allowed
+    monkeypatch.setattr(dcp_module, "_allowed", lambda module, name: name != "Size" and allowed(module, name))
+    folder = sharded / "optimizer-only"
+    with pytest.raises(UserError, match="--trust-checkpoint"):
+        dcp_module.read_dcp_metadata(folder / DCP_DIR / ".metadata")
+    assert holds_model_state(folder)  # unreadable without trust: the load says why
+    assert not holds_model_state(folder, trust=True)
+    want = torch.load(sharded / "whole.pt", weights_only=True)
+    model = _model(1)
+    optimizer = build_optimizer(model, TrainConfig(optimizer="adamw8bit", lr=1e-3))
+    _train(model, optimizer, "cpu")
+    model.load_state_dict(want["model"])
+    load_sharded_checkpoint(folder, model, optimizer, trust=True)
+    got = _plain(get_state_dict(model, optimizer)[1])["state"]
+    for name, values in got.items():
+        for key, value in values.items():
+            assert torch.equal(value, want["optimizer"]["state"][name][key]), (name, key)

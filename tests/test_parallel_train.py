@@ -29,6 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tttvideo.config.loader import load_config
+from tttvideo.errors import UserError
 from tttvideo.train.dcp import holds_model_state
 from tttvideo.train.trainer import Trainer
 
@@ -317,6 +318,11 @@ def test_fp8_frozen_run_resumes_from_its_own_checkpoint_on_two_and_on_one(work):
     assert losses(work / "fp8-on2") == losses(work / "fp8")
     for name, tensor in weights(work / "fp8").items():
         assert torch.equal(weights(work / "fp8-on2")[name], tensor), name
+
+    # resumed with the frozen weights stored otherwise: one sentence, not frozen layers left as built
+    copy_at(work / "fp8", work / "fp8-as-bf16", 2)
+    with pytest.raises(UserError, match=r"stored its frozen weights in fp8 .*model.frozen_weights = 'fp8'"):
+        Trainer(load_config(DEMO, settings(work, "fp8-as-bf16", fp8[0])), quiet=True, if_exists="resume").run()
 
     copy_at(work / "fp8", work / "fp8-on1", 2)
     one = settings(work, "fp8-on1", *fp8[:2])

@@ -185,7 +185,7 @@ class Trainer:
             self.console.print(f"initialised from {path}" + (f" with its EMA weights ({ema_file.name})"
                                                              if ema_file is not None else ""))
         if (self.resume_from is not None and is_sharded_checkpoint(self.resume_from)
-                and not holds_model_state(self.resume_from)):
+                and not holds_model_state(self.resume_from, self.trust_checkpoint)):
             # a sharded checkpoint keeps the model's parameters once, whole, in its model file: read before FSDP
             # shards the model; dcp/ holds the optimizer's shards and the buffers (fp8 codes) the file leaves out
             load_checkpoint(self.model, self.resume_from / ckpt.MODEL_FILE)
