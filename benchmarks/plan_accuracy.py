@@ -117,12 +117,14 @@ def _chain_rows() -> list[Row]:
     paths = sorted(RESULTS.glob("stage_chain*_h100.json")) + sorted(RESULTS.glob("stage_chain_*gpu_h200.json"))
     for path in paths:
         chain = json.loads(path.read_text())
-        sets = list(chain.get("overrides", []))
+        if chain.get("configs", "configs/cogvideox-5b/{stage}-{gpus}gpu.toml").split("/")[1] != "cogvideox-5b":
+            continue  # another recipe's chain (stage_chain --configs): its rows name configs outside cogvideox-5b
         gpus = int(chain.get("gpus", 1))
         h100 = path.name.endswith("_h100.json")
         for r in chain["stages"]:
             if "error" in r:
                 continue
+            sets = list(r.get("overrides", chain.get("overrides", [])))  # each row its own run's (merged parts)
             name = (f"chain {r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else "")
                     + ("" if h100 else ", H200: memory only"))
             # the two-GPU rows (FSDP, no sp) fix the FSDP reserve together; their allocated peaks stay held out

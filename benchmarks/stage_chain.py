@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.configs != COGVIDEOX_CONFIGS:  # another recipe (Wan2.1's 24 GB stages: stage_chain_wan_24gb_<gpu>)
         from tttvideo.models.backbone import backbone_of
 
-        card = Path(args.configs).name.replace("{stage}", "").replace(".toml", "").strip("-")
+        card = Path(args.configs.format(stage="", gpus=args.gpus)).stem.strip("-")
         name = name.replace("stage_chain", f"stage_chain_{backbone_of(args.preset).name}_{card}")
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,

@@ -232,7 +232,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if gpus > 1:
             notes.append("host memory per process; " + (
                 f"the parts counted at tokens / {sp}, the reserve measured with sp (one 63-s run)" if sp > 1
-                else "the reserve measured with FSDP (the two-GPU stage chain, 3-63 s)" if blocks.fsdp_reserved_fraction
+                else "the reserve measured with FSDP (the two-GPU stage chain, 3-63 s)"
+                if blocks.fsdp_reserved_fraction and fsdp_shard_degree(c, gpus) > 1
                 else "the reserve is one GPU's (FSDP's not measured)"))
         basis = ("counted (block model, traced)" if traced else "counted (block model, extrapolated)"
                  if blocks.extrapolated else "counted (block model)")
