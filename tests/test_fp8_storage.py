@@ -252,3 +252,72 @@ def test_a_partial_checkpoint_gets_its_frozen_layers_from_where_its_run_started(
     (tmp_path / "b" / "config.toml").write_text(f'[train]\ninit_from = "{tmp_path / "gone"}"\n')
     with pytest.raises(UserError, match="they come from where its run started .train.init_from = .*gone"):
         load_trained(_fresh_fp8(3), b, has_base=False)
+
+
+def test_a_partial_checkpoint_finds_a_relative_start_from_elsewhere_and_warns_when_it_is_gone(tmp_path, monkeypatch,
+                                                                                              caplog):
+    """The stage configs name their start relatively (train.init_from = "runs/.../stage1-3s"), as launched from the
+    project folder: sampling or resuming from another folder finds it from the folders above the checkpoint. A start
+    that is gone leaves the base weights (has_base) with a warning, or one sentence without them."""
+    import logging
+
+    from tttvideo.errors import UserError
+    from tttvideo.runs import load_trained
+
+    project = tmp_path / "project"
+    start = tiny()
+    (project / "runs/a").mkdir(parents=True)
+    save_checkpoint(start, project / "runs/a/model.safetensors")
+    trained = copy.deepcopy(start)
+    store_fp8(trained)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.25)
+    (project / "runs/b").mkdir(parents=True)
+    b = save_checkpoint(trained, project / "runs/b/model.safetensors")
+    (project / "runs/b/config.toml").write_text('[train]\ninit_from = "runs/a/model.safetensors"\n')
+    monkeypatch.chdir(tmp_path)  # not the project folder: "runs/a/..." is not found from here
+    model = _fresh_fp8(4)
+    load_trained(model, b, has_base=True)
+    for (name, want), got in zip(trained.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got.float(), want.float()), name
+    (project / "runs/a/model.safetensors").unlink()
+    based = _fresh_fp8(5)
+    frozen = {k: v.clone() for k, v in based.state_dict().items() if "fp8" in k or "scale" in k}
+    with caplog.at_level(logging.WARNING, logger="tttvideo.runs"):
+        load_trained(based, b, has_base=True)
+    assert "come from the base weights" in caplog.text and "runs/a/model.safetensors" in caplog.text
+    assert frozen and all(torch.equal(based.state_dict()[k], v) for k, v in frozen.items())
+    with pytest.raises(UserError, match="they come from where its run started"):
+        load_trained(_fresh_fp8(6), b, has_base=False)
+
+
+def test_a_partial_checkpoint_takes_its_frozen_layers_from_the_ema_weights_its_run_started_from(tmp_path):
+    """`tttv train` starts a stage from the previous stage's EMA weights when it kept some (ema.safetensors beside its
+    model file): the frozen layers of a partial file come from those too."""
+    from tttvideo.models.weights import load_checkpoint
+    from tttvideo.runs import load_trained
+
+    start = tiny()
+    (tmp_path / "a").mkdir()
+    save_checkpoint(start, tmp_path / "a" / "model.safetensors")
+    averaged = copy.deepcopy(start)
+    with torch.no_grad():
+        for p in averaged.parameters():
+            p.add_(0.5)
+    everything = copy.deepcopy(averaged)
+    for p in everything.parameters():  # the start trained every layer (an sft stage): its average covers them all
+        p.requires_grad_(True)
+    save_checkpoint(everything, tmp_path / "a" / "ema.safetensors", trainable_only=True)
+    trained = copy.deepcopy(averaged)
+    store_fp8(trained)
+    (tmp_path / "b").mkdir()
+    b = save_checkpoint(trained, tmp_path / "b" / "model.safetensors")
+    (tmp_path / "b" / "config.toml").write_text(f'[train]\ninit_from = "{tmp_path / "a"}"\n')
+    model = _fresh_fp8(7)
+    load_trained(model, b, has_base=False)
+    expected = copy.deepcopy(averaged)
+    store_fp8(expected)
+    load_checkpoint(expected, b)
+    for (name, want), got in zip(expected.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got.float(), want.float()), name

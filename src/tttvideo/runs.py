@@ -295,11 +295,12 @@ def is_full_checkpoint(path: Path) -> bool:
 def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path, ...] = ()) -> None:
     """Load a checkpoint's model file into `model`. A partial file (a run with fp8 frozen weights, whose codes are
     not saved) holds only what the run trained; its frozen layers come first from where that run started: its
-    config's `train.init_from`, followed back while those are partial too, else the base weights `model` was built
-    from (`has_base`: its model.pretrained_path was read). A run started from an earlier stage's checkpoint froze
-    that stage's values, not the base's (the sft stage trains every layer), so the base serves only a run that
-    started from it. Without either, one sentence: loading the file alone left the frozen layers as built (random),
-    which sampled noise without a word."""
+    config's `train.init_from` (and the EMA weights beside it, which the run started from when there were any),
+    followed back while those are partial too, else the base weights `model` was built from (`has_base`: its
+    model.pretrained_path was read). A run started from an earlier stage's checkpoint froze that stage's values,
+    not the base's (the sft stage trains every layer), so the base serves a run that started from it, and, with a
+    warning, one whose start cannot be found any more. Without either, one sentence: loading the file alone left
+    the frozen layers as built (random), which sampled noise without a word."""
     from tttvideo.models import load_checkpoint
 
     model_file = Path(model_file)
@@ -307,15 +308,21 @@ def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path
         trained = _its_run(model_file)
         only = f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not saved)"
         start = str(trained.get("train", {}).get("init_from") or "")
-        if start:
-            try:
-                source = resolve_checkpoint(start)
-            except UserError as err:
-                raise UserError(f"{only}; they come from where its run started (train.init_from = {start!r}), and "
-                                f"{err}") from None
+        source, missing = (_run_start(start, model_file) if start else (None, None))
+        if source is not None:
             if source.resolve() in _seen or source.resolve() == model_file.resolve():
                 raise UserError(f"{model_file}: the train.init_from chain loops at {source}")
             load_trained(model, source, has_base, (*_seen, model_file.resolve()))
+            ema = ema_file_beside(source)
+            if ema is not None:
+                load_checkpoint(model, ema)
+        elif missing is not None and has_base:
+            log.warning("%s: its frozen layers come from the base weights (model.pretrained_path): its run started "
+                        "from train.init_from = %r, which %s; if that stage trained them, restore it", only,
+                        start, missing)
+        elif missing is not None:
+            raise UserError(f"{only}; they come from where its run started (train.init_from = {start!r}), and "
+                            f"{missing}")
         elif not has_base:
             base = str(trained.get("model", {}).get("pretrained_path") or "")
             raise UserError(f"{only}, and " + (
@@ -323,6 +330,22 @@ def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path
                 else "its config names no train.init_from or model.pretrained_path they came from: set "
                      "model.pretrained_path to the base weights it was trained from"))
     load_checkpoint(model, model_file)
+
+
+def _run_start(start: str, model_file: Path) -> tuple[Path | None, str | None]:
+    """The model file of `train.init_from = start` of the run that wrote `model_file`, and None; or None and why
+    it cannot be found. A relative path is the run's own (from where it was launched): tried from here, then from
+    each folder above `model_file` (a project's runs/... read from elsewhere)."""
+    tries = [Path(start)]
+    if not Path(start).is_absolute():
+        tries += [folder / start for folder in model_file.resolve().parents]
+    first_error = ""
+    for candidate in tries:
+        try:
+            return resolve_checkpoint(candidate), None
+        except UserError as err:
+            first_error = first_error or str(err)
+    return None, first_error
 
 
 def _its_run(model_file: Path) -> dict[str, Any]:
