@@ -105,32 +105,34 @@ def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in get_model_state_dict(model).items() if k in names}
 
 
-def _state_keys(folder: Path, trust: bool = False) -> set[str] | None:
-    """The state keys `dcp/` of checkpoint `folder` holds; None when its metadata cannot be read safely (and not
-    `trust`): `load_sharded_checkpoint` then says why. With `trust` (--trust-checkpoint) DCP's own reader reads it."""
+def _metadata(folder: Path, trust: bool) -> dcp_metadata.Metadata:
+    """DCP's metadata of checkpoint `folder`: through `read_dcp_metadata` (a UserError naming what it refuses), or
+    with `trust` (--trust-checkpoint) DCP's own reader."""
     path = Path(folder) / DCP_DIR
-    try:
-        metadata = FileSystemReader(path).read_metadata() if trust else read_dcp_metadata(path / METADATA_FILE)
-    except UserError:
-        return None
-    return set(metadata.state_dict_metadata)
+    return FileSystemReader(path).read_metadata() if trust else read_dcp_metadata(path / METADATA_FILE)
+
+
+def _holds_model(metadata: dcp_metadata.Metadata) -> bool:
+    return any(key.startswith("model.") for key in metadata.state_dict_metadata)
 
 
 def holds_model_state(folder: Path, trust: bool = False) -> bool:
     """Whether `dcp/` of checkpoint `folder` holds the model's shards (a checkpoint written before the model went
     into model.safetensors alone). True for metadata that cannot be read safely: `load_sharded_checkpoint` then
     says why."""
-    keys = _state_keys(folder, trust)
-    return keys is None or any(key.startswith("model.") for key in keys)
+    try:
+        return _holds_model(_metadata(folder, trust))
+    except UserError:
+        return True
 
 
-def _saved_buffers(folder: Path, model: torch.nn.Module, trust: bool) -> dict[str, torch.Tensor]:
-    """The model's buffers to read from `dcp/`: those it saved. A model whose frozen layers are stored otherwise
-    than when the checkpoint was written: fp8 codes wanted from a bf16 run's checkpoint come from its whole model
-    file (read before, quantised as it loads), none to read here; a bf16 model resuming an fp8 run's checkpoint would
-    keep its frozen layers as built (the file holds only what the run trained): one sentence."""
+def _saved_buffers(metadata: dcp_metadata.Metadata, model: torch.nn.Module, folder: Path) -> dict[str, torch.Tensor]:
+    """The model's buffers to read from `dcp/` of checkpoint `folder`: those it saved. A model whose frozen layers
+    are stored otherwise than when the checkpoint was written: fp8 codes wanted from a bf16 run's checkpoint come from
+    its whole model file (read before, quantised as it loads), none to read here; a bf16 model resuming an fp8 run's
+    checkpoint would keep its frozen layers as built (the file holds only what the run trained): one sentence."""
     buffers = _buffers(model)
-    saved = {k.split(".", 1)[1] for k in _state_keys(folder, trust) or () if k.startswith(BUFFERS + ".")}
+    saved = {k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith(BUFFERS + ".")}
     if saved - set(buffers):
         raise UserError(f"{folder} was written by a run that stored its frozen weights in fp8 "
                         f"(model.frozen_weights = 'fp8'), which this config does not; resume it with that setting, or "
@@ -146,23 +148,20 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
     (--trust-checkpoint); a refused file is a UserError naming it (a SharedError under torchrun: every rank reads
     the same file and refuses it)."""
     distributed = torch.distributed.is_initialized()
-    with_model = holds_model_state(folder, trust)
+    path = Path(folder) / DCP_DIR
+    try:  # the metadata is read once: for the layout, the buffers and (allow-listed) the reader
+        metadata = _metadata(folder, trust)
+        with_model = _holds_model(metadata)
+        buffers = {} if with_model else _saved_buffers(metadata, model, folder)
+    except UserError as err:
+        raise (SharedError(str(err)) if distributed else err) from None
     if with_model:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         loaded = {"model": model_sd, "optimizer": optim_sd}
     else:
-        try:
-            buffers = _saved_buffers(folder, model, trust)
-        except UserError as err:
-            raise (SharedError(str(err)) if distributed else err) from None
         loaded = {"optimizer": get_optimizer_state_dict(model, optimizer), **({BUFFERS: buffers} if buffers else {})}
-    path = Path(folder) / DCP_DIR
-    reader, planner = None, _DeviceLoadPlanner()
-    if not trust:
-        try:
-            reader, planner = _SafeReader(path, read_dcp_metadata(path / METADATA_FILE)), _SafeLoadPlanner(path)
-        except UserError as err:
-            raise (SharedError(str(err)) if distributed else err) from None
+    reader, planner = ((None, _DeviceLoadPlanner()) if trust
+                       else (_SafeReader(path, metadata), _SafeLoadPlanner(path)))
     with warnings.catch_warnings():
         # on one process DCP reads every shard itself, and warns that it assumes this is meant: it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
