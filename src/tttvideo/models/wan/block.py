@@ -218,29 +218,24 @@ class WanBlock(nn.Module):
         is), so that what the block keeps between its parts is the reverse pass's input and the cross-attention's
         input, not the attention output as well."""
         inner = self._gated_pass_layer(x, layout)
-        if inner is None:
-            a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
-                                 keep=self.checkpoint_keep)
-            if self.ttt is not None:
-                with long_range_layer():
-                    a = self.ttt(a, layout)
-            return gated_add(x, a, gate)
         ttt = self.ttt
-        if not ttt.bidirectional:
-            a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
-                                 keep=self.checkpoint_keep)
-            with long_range_layer():
-                return maybe_checkpoint(inner.gated_pass, ttt.checkpoint_forward, a, layout, False,
-                                        (ttt.forward_gate_text, ttt.forward_gate_video), x, gate)
-        if self.checkpoint_attention and ttt.checkpoint_forward:
+        if inner is not None and ttt.bidirectional and self.checkpoint_attention and ttt.checkpoint_forward:
             z = maybe_checkpoint(self._attention_and_forward_pass, True, x, shift, scale, layout,
                                  keep=self.checkpoint_keep)
         else:
             a = maybe_checkpoint(self._self_attention, self.checkpoint_attention, x, shift, scale, layout,
                                  keep=self.checkpoint_keep)
+            if inner is None:
+                if ttt is not None:
+                    with long_range_layer():
+                        a = ttt(a, layout)
+                return gated_add(x, a, gate)
+            last = () if ttt.bidirectional else (x, gate)  # the last pass takes the block's gated add
             with long_range_layer():
                 z = maybe_checkpoint(inner.gated_pass, ttt.checkpoint_forward, a, layout, False,
-                                     (ttt.forward_gate_text, ttt.forward_gate_video))
+                                     (ttt.forward_gate_text, ttt.forward_gate_video), *last)
+            if not ttt.bidirectional:
+                return z
         with long_range_layer():
             return maybe_checkpoint(inner.gated_pass, ttt.checkpoint_reverse, z, layout, True,
                                     (ttt.reverse_gate_text, ttt.reverse_gate_video), x, gate)
