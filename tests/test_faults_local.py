@@ -283,24 +283,39 @@ def test_second_sample_to_the_same_out_refuses_and_sp_needs_torchrun(capsys, tmp
 
 
 
-def test_a_rank_leaving_on_an_error_skips_the_group_teardown(tmp_path):
-    """A torchrun rank that leaves on a user error with its process group up exits with the error's status at once,
-    without torch's teardown of the group (which now and then aborted a gloo rank after its sentence: torchrun then
-    reported exit -6, not 2; tests/test_parallel_train.py::test_wrong_launches_are_one_sentence failed so). The
-    child's atexit line shows whether the interpreter's teardown ran: not with a group, yes without."""
+def test_a_rank_leaves_without_the_interpreters_teardown(tmp_path):
+    """A torchrun rank ends with os._exit once its output is flushed: leaving on a user error with its process group
+    up (whose teardown now and then aborted a gloo rank after its sentence: torchrun then reported exit -6, not 2),
+    and after a complete run that closed its group (objects still holding its process groups went in the teardown,
+    where a rank that had written everything once died with SIGABRT: the fp8 resume test of
+    tests/test_parallel_train.py failed so in CI). The child's atexit line shows whether the interpreter's teardown
+    ran: not for a rank, yes for a process that never started a group; its log line is flushed either way."""
     import subprocess
 
     script = (
-        "import atexit, sys, torch.distributed as dist\n"
+        "import atexit, logging, sys, torch.distributed as dist\n"
         "from tttvideo.cli import main\n"
-        "if sys.argv[1] == 'group':\n"
-        f"    dist.init_process_group('gloo', init_method='file://{tmp_path}/pg', rank=0, world_size=1)\n"
+        "import tttvideo.parallel.group as group\n"
+        "if sys.argv[1] != 'none':\n"
+        f"    dist.init_process_group('gloo', init_method='file://{tmp_path}/pg-' + sys.argv[1], rank=0, "
+        "world_size=1)\n"
+        "    group._started = True\n"
+        "if sys.argv[1] == 'closed':\n"
+        "    dist.destroy_process_group()\n"
+        f"    handler = logging.FileHandler('{tmp_path}/log.txt')\n"
+        "    logging.getLogger('tttvideo').addHandler(handler)\n"
+        "    logging.getLogger('tttvideo').warning('the last line')\n"
         "atexit.register(lambda: print('teardown', flush=True))\n"
-        "raise SystemExit(main(['train', 'no-such-config.toml']))\n")
+        "args = ['config', 'keys', 'ttt'] if sys.argv[1] == 'closed' else ['train', 'no-such-config.toml']\n"
+        "raise SystemExit(main(args))\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    for mode, teardown in (("group", False), ("none", True)):
+    for mode, status, teardown in (("group", 2, False), ("none", 2, True), ("closed", 0, False)):
         run = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env,
                              timeout=120)
-        assert run.returncode == 2, run.stderr[-2000:]
-        assert "tttv train: error:" in run.stderr and "no-such-config.toml" in run.stderr
+        assert run.returncode == status, run.stderr[-2000:]
         assert ("teardown" in run.stdout) == teardown, mode
+        if status:
+            assert "tttv train: error:" in run.stderr and "no-such-config.toml" in run.stderr
+        else:
+            assert "ttt.kind" in run.stdout  # the command's output came out before the exit
+    assert (tmp_path / "log.txt").read_text() == "the last line\n"

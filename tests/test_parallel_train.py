@@ -13,6 +13,7 @@ Measured: losses within 2e-7 relative, weights within 4.4e-5.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -68,7 +69,8 @@ def torchrun(work: Path, ranks: int, *sets: str, flags: tuple[str, ...] = ()) ->
 
 
 def launch(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # faulthandler: a rank that dies of a signal (SIGABRT from a C++ thread) leaves its Python stacks in its log
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
 
 
@@ -101,7 +103,13 @@ def assert_same_run(run: Path, reference: Path) -> None:
 
 
 def assert_ok(run: subprocess.CompletedProcess) -> None:
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    if run.returncode != 0:  # torchrun's summary, then what each rank wrote to its log
+        ranks = int(run.args[run.args.index("--nproc_per_node") + 1])
+        logs = []
+        for rank in range(ranks):
+            with contextlib.suppress(ValueError, OSError):  # a rank that never started has no log
+                logs.append(f"\n--- rank {rank}:\n{rank_log(run.args, rank)[-3000:]}")
+        raise AssertionError((run.stdout + run.stderr)[-4000:] + "".join(logs))
 
 
 @pytest.fixture(scope="module")

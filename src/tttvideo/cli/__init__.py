@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
 import os
 import sys
 
@@ -64,25 +65,29 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"tttv {args.command}: interrupted", file=sys.stderr)
                 code = 130
             sys.stdout.flush()  # inside the try: a reader that went away is found here, not at exit
-        if code:
-            _leave_group_at_once(code)
+        _leave_rank_at_once(code)
         return code
     except BrokenPipeError:
         return _stdout_closed()
 
 
-def _leave_group_at_once(code: int) -> None:
-    """A torchrun rank that leaves on an error with its process group still up (the other ranks may be anywhere)
-    exits here, without torch's teardown of the group: tearing down a gloo group whose peer already closed its
-    connections now and then aborted the process after its sentence ("terminate called without an active
-    exception": torchrun then reported exit -6, not the error's status). The sentence and stdio are flushed first;
-    the run folder's lock was let go when the error left the command."""
+def _leave_rank_at_once(code: int) -> None:
+    """A torchrun rank (a process that started a process group, whether or not it is still up) ends here with
+    os._exit, without the interpreter's teardown, once its output is flushed. Leaving on an error the group may be
+    up and the peers anywhere: tearing down a gloo group whose peer already closed its connections now and then
+    aborted the process after its sentence ("terminate called without an active exception": torchrun then reported
+    exit -6, not the error's status). A complete run has closed its group, but objects that still hold its process
+    groups (meshes, FSDP's state) are destroyed in the teardown, with gloo's threads: a rank that had finished
+    and written everything once died there with SIGABRT. The run folder's lock was let go when the command left."""
     dist = sys.modules.get("torch.distributed")  # a command that never imported torch has no group
-    if dist is None or not (dist.is_available() and dist.is_initialized()):
+    group = sys.modules.get("tttvideo.parallel.group")
+    started = group is not None and group.started_group()
+    if not started and (dist is None or not (dist.is_available() and dist.is_initialized())):
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+    logging.shutdown()
     os._exit(code)
 
 

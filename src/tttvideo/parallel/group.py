@@ -18,6 +18,13 @@ from tttvideo.parallel.watchdog import PeerWatch, backstop_timeout
 
 # how many differing keys the mismatch sentence names
 NAMED_DIFFERENCES = 3
+# set by `start_group`: this process is a rank of a launch (`tttvideo.cli` ends it without the interpreter's teardown)
+_started = False
+
+
+def started_group() -> bool:
+    """Whether `start_group` ran in this process (the group may since have been destroyed)."""
+    return _started
 
 
 def flat_config(cfg: Any) -> dict[str, str]:
@@ -105,12 +112,14 @@ def bound_mesh_timeouts(par: Any, *meshes: Any) -> None:
 def start_group(cfg: Any, command: str, device_type: str) -> PeerWatch:
     """Initialise the default process group (if nobody has), with a timeout above the watch's budgets; start the
     watch; compare the ranks' configs. Raises a SharedError on a config mismatch."""
+    global _started
     follow_launcher()
     par = cfg.parallel
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(timeout=backstop_timeout(par.timeout_s, par.slow_timeout_s))
+    _started = True
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     watch = PeerWatch(dist.get_rank(), dist.get_world_size(), par.timeout_s, par.slow_timeout_s, command,
