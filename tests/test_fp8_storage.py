@@ -12,7 +12,8 @@ from torch import nn
 from tttvideo.config.schema import Config, TTTConfig
 from tttvideo.errors import ConfigError
 from tttvideo.models import apply_adapter, build_model, get_preset, init_model, save_checkpoint, load_checkpoint
-from tttvideo.models.fp8_storage import FP8, Fp8Linear, frozen_weight_bytes, quantize_rows, store_fp8
+from tttvideo.models.fp8_storage import (FP8, Fp8Linear, fp8_linear, frozen_weight_bytes, quantize_rows, store_fp8,
+                                         use_fp8_matmul)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -321,3 +322,74 @@ def test_a_partial_checkpoint_takes_its_frozen_layers_from_the_ema_weights_its_r
     load_checkpoint(expected, b)
     for (name, want), got in zip(expected.state_dict().items(), model.state_dict().values()):
         assert torch.equal(got.float(), want.float()), name
+
+
+# ------------------------------------------------------------------------------------------------ model.fp8_matmul
+def _fp8_linear_reference(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
+    """What fp8_linear computes, in plain fp32: x rounded to e4m3 with one scale per token, times the stored
+    weight, plus the bias."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    x_rounded = (rows / scale).to(FP8).float() * scale
+    w = layer.weight_fp8.float() * layer.weight_scale[:, None]
+    return (x_rounded @ w.T + layer.bias.float()).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fp8_linear_is_scaled_mm_of_token_and_channel_scaled_codes(dtype, atol):
+    """fp8_linear against its plain reference on fresh random inputs (fp32 out: to 1e-5, the summation order;
+    bf16 out: to bf16 rounding of outputs of magnitude ~5); outputs, scales and transposes the right way round."""
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 48).requires_grad_(False)
+    linear.weight.mul_(torch.logspace(-2, 0, 48)[:, None])  # rows of very different ranges: the scales matter
+    layer = Fp8Linear(linear)
+    x = torch.randn(2, 7, 64) * torch.logspace(-1, 1, 7)[None, :, None]  # tokens of very different ranges too
+    out = fp8_linear(x.to(dtype), layer.weight_fp8, layer.weight_scale, layer.bias, dtype)
+    assert out.dtype == dtype and out.shape == (2, 7, 48)
+    torch.testing.assert_close(out.float(), _fp8_linear_reference(x.to(dtype), layer), rtol=1e-4, atol=atol)
+
+
+def test_fp8_matmul_output_error_and_gradients():
+    """The tiny model with every frozen linear multiplying in fp8 against the same fp8-stored weights upcast:
+    the output moves by the activations' rounding (measured 2.5%; fp8 storage itself 2.5% from the fp32 weights);
+    the gradients are those of the stored weights (backward upcasts them as before): grad of x through one layer
+    equal to the upcast layer's, and the trainable weights' gradients, all of them together, within twice the
+    forward's error."""
+    args = inputs()
+    upcast = tiny()
+    store_fp8(upcast)
+    in_fp8 = copy.deepcopy(upcast)
+    assert use_fp8_matmul(in_fp8, "cpu") == (13, 13)
+    with torch.no_grad():
+        ref = upcast(*args)
+        err = rel(in_fp8(*args), ref)
+    assert 0 < err < 0.04, err
+    g_ref, g = grads(upcast), grads(in_fp8)
+    assert g.keys() == g_ref.keys()
+    every = rel(torch.cat([g[n].flatten() for n in g_ref]), torch.cat([t.flatten() for t in g_ref.values()]))
+    assert 0 < every < 0.06, every  # measured 2.8%
+    layer = next(m for m in in_fp8.modules() if isinstance(m, Fp8Linear))
+    x = torch.randn(5, layer.in_features, requires_grad=True)
+    layer(x).sin().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(x_ref, layer.weight, layer.bias).sin().sum().backward()
+    grad_err = rel(x.grad, x_ref.grad)  # only sin's derivative at the rounded output differs
+    assert grad_err < 0.05, grad_err
+
+
+def test_fp8_matmul_config_sentences_and_layer_sizes():
+    cfg = Config()
+    cfg.ttt.mini_batch_size = 16
+    cfg.model.fp8_matmul = True
+    with pytest.raises(ConfigError, match="model.frozen_weights = 'fp8'"):
+        build_model(cfg)
+    cfg.model.frozen_weights = "fp8"
+    model = build_model(cfg)
+    assert sum(getattr(m, "fp8_matmul", False) for m in model.modules()) == 13
+    assert "matmul=fp8" in repr(model)
+    # on CUDA torch._scaled_mm takes sizes in multiples of 16: the tiny model's 24-wide layers upcast there
+    store = tiny()
+    store_fp8(store)
+    on, layers = use_fp8_matmul(store, "cuda")
+    assert layers == 13 and on == sum(m.in_features % 16 == 0 and m.out_features % 16 == 0
+                                      for m in store.modules() if isinstance(m, Fp8Linear))

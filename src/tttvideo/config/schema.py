@@ -80,6 +80,12 @@ class ModelConfig:
                                                 "dtype = model.dtype; fp8 = float8 e4m3 with one scale per output "
                                                 "channel, upcast layer by layer at compute (half the bytes of bf16, "
                                                 "~2.5% output error)")
+    fp8_matmul: bool = field(default=False, metadata={
+        "help": "with frozen_weights = 'fp8': frozen linear layers multiply in fp8 (torch._scaled_mm: activations "
+                "quantised per token, the stored per-channel weight scales, fp32 accumulation) instead of "
+                "upcasting their weights to bf16; twice bf16's matrix throughput on Ada and Hopper GPUs (compute "
+                "capability >= 8.9), at more output error (docs/model.md 'fp8 matrix products for frozen "
+                "weights'); backward keeps the upcast weight"})
     compile_attention_glue: bool = field(default=True, metadata={
         "help": "torch.compile local attention's window gather + RoPE and its overlap merge on CUDA (one write per "
                 "tensor instead of a gather, an fp32 copy and elementwise passes); false = eager"})

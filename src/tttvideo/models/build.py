@@ -1,7 +1,9 @@
 """The model a config asks for: the backbone and size of its preset, weights (the backbone's outside weights or
-random), dtype, adapter, fp8 storage, checkpointing and chunked inference."""
+random), dtype, adapter, fp8 storage and matrix products, checkpointing and chunked inference."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -12,11 +14,13 @@ from tttvideo.models.adapters import apply_adapter
 from tttvideo.models.backbone import Backbone, backbone_of
 from tttvideo.models.checkpointing import apply_checkpointing
 from tttvideo.models.chunked_inference import apply_chunked_inference
-from tttvideo.models.fp8_storage import store_fp8
+from tttvideo.models.fp8_storage import check_fp8_matmul, store_fp8, use_fp8_matmul
 from tttvideo.models.weights import init_model
 from tttvideo.sequence.build import configured_layer
 from tttvideo.ttt.layer import inner_hidden
 from tttvideo.ttt.ops import check_backend_config
+
+log = logging.getLogger(__name__)
 
 
 def long_range_layer(cfg: Config) -> str:
@@ -48,6 +52,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> Backbone:
     if layer == "ttt":
         check_backend_config(cfg.ttt, head_dim, (cfg.ttt.kind == "mlp" and cfg.ttt.mlp_hidden)
                              or inner_hidden(cfg.ttt.kind, head_dim), device)
+    check_fp8_matmul(cfg, device)
     dtype = torch_dtype(m.dtype)
     use_ttt = layer != "none"
     if m.pretrained_path:
@@ -65,6 +70,11 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> Backbone:
             raise ConfigError(f"model.frozen_weights = 'fp8' found no frozen linear layer to store (model.adapter "
                               f"= {m.adapter!r} trains them all); use adapter 'qkvo' or 'lora', or frozen_weights "
                               f"'dtype'")
+        if m.fp8_matmul:
+            on, layers = use_fp8_matmul(model, device)
+            log.info("model.fp8_matmul: %d of %d frozen fp8 linear layers multiply in fp8%s", on, layers,
+                     "" if on == layers else " (the others' sizes are not multiples of 16, as torch._scaled_mm "
+                     "needs on CUDA: they upcast their weights)")
     backbone.configure(model, m)
     apply_checkpointing(model, cfg.checkpointing)
     apply_chunked_inference(model, cfg.memory)

@@ -4,8 +4,10 @@ Every `nn.Linear` whose weight does not require grad becomes an `Fp8Linear`: its
 `weight_fp8` (torch.float8_e4m3fn, 1 byte per value) and `weight_scale` (fp32, one per output row, amax / 448 so
 that the row's largest value lands on e4m3's largest finite value 448), and upcast to the compute dtype (the
 autocast dtype when autocast is on, else the input's) inside each call, so only one layer's full-precision weight
-exists at a time; in training, backward dequantises again rather than keeping that weight from forward. Bias stays a frozen parameter in its original dtype. Layers that train (weight requires_grad)
-are never touched, so gradients, the optimizer and LoRA wrappers around frozen base layers see what they saw before.
+exists at a time; in training, backward dequantises again rather than keeping that weight from forward. With
+`model.fp8_matmul` (`use_fp8_matmul`) the forward multiplies the codes in fp8 instead (`fp8_linear`). Bias stays a
+frozen parameter in its original dtype. Layers that train (weight requires_grad) are never touched, so gradients,
+the optimizer and LoRA wrappers around frozen base layers see what they saw before.
 
 Why not the existing tools:
 - diffusers' `apply_layerwise_casting` casts whole modules to the storage dtype with no scale and back on every
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.config.schema import Config
+from tttvideo.device import compiled_on_cuda
 from tttvideo.errors import ConfigError
 
 FP8 = torch.float8_e4m3fn
@@ -58,6 +61,31 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return codes.to(dtype) * scale.to(dtype)[:, None]
 
 
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, fp32 scales [rows, 1]) of a 2-d activation, one scale per row (token): the row-wise scaling
+    torch._scaled_mm takes. Compiled on CUDA (`fp8_linear`), so the fp32 arithmetic stays in registers."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """x W^T + b multiplied in fp8 (`model.fp8_matmul`): x quantised per token here, W the stored e4m3 codes with
+    their per-output-channel scales, accumulated in fp32 by torch._scaled_mm, the result in `dtype`. Twice bf16's
+    matrix throughput on Hopper; the error is x's quantisation on top of the weights' (docs/memory.md)."""
+    rows = x.reshape(-1, x.shape[-1]).to(dtype)
+    x_codes, x_scale = compiled_on_cuda(quantize_tokens, rows, True)(rows)
+    out = torch._scaled_mm(x_codes, codes.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=dtype)
+    if bias is not None:  # added apart: not every version's row-wise kernel takes a bias
+        out = out.add_(bias.to(dtype))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_matmul_takes(in_features: int, out_features: int) -> bool:
+    """Whether torch._scaled_mm multiplies a layer of these sizes on CUDA (both multiples of 16)."""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T + b with W dequantised from e4m3 codes; backward saves the codes and scales, not W, and
     dequantises again: the full-precision weight would otherwise stay alive from forward to backward in every
@@ -65,17 +93,20 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, in_fp8: bool) -> torch.Tensor:
         ctx.save_for_backward(codes, scale)
         ctx.dtype = dtype
+        if in_fp8:
+            return fp8_linear(x, codes, scale, bias, dtype)
         return F.linear(x, dequantize_rows(codes, scale, dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        # with model.fp8_matmul too: the gradient of x W^T + b for the stored W (x's rounding in forward has none)
         codes, scale = ctx.saved_tensors
         grad_x = grad_out @ dequantize_rows(codes, scale, ctx.dtype) if ctx.needs_input_grad[0] else None
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
-        return grad_x, None, None, grad_bias, None
+        return grad_x, None, None, grad_bias, None, None
 
 
 class Fp8Linear(nn.Module):
@@ -91,6 +122,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_fp8", codes)
         self.register_buffer("weight_scale", scale)
         self.bias = linear.bias  # the same frozen Parameter object: no copy
+        self.fp8_matmul = False  # multiply in fp8 (`use_fp8_matmul`) instead of upcasting the weight
 
     @property
     def weight(self) -> torch.Tensor:
@@ -117,11 +149,15 @@ class Fp8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(dtype)
         codes, scale = self.codes_on(x.device)
         if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-            return _Fp8LinearFunction.apply(x.to(dtype), codes, scale, bias, dtype)
+            return _Fp8LinearFunction.apply(x.to(dtype), codes, scale, bias, dtype, self.fp8_matmul)
+        if self.fp8_matmul:
+            return fp8_linear(x, codes, scale, bias, dtype)
         return F.linear(x.to(dtype), dequantize_rows(codes, scale, dtype), bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, storage=float8_e4m3fn/row"
+        matmul = ", matmul=fp8" if self.fp8_matmul else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"storage=float8_e4m3fn/row{matmul}")
 
 
 def _convert_children(module: nn.Module) -> int:
@@ -145,6 +181,40 @@ def store_fp8(model: nn.Module) -> int:
     subclasses of nn.Linear (LoRA wrappers) are left alone; their frozen base layers are converted. Returns the
     number of layers converted."""
     return _convert_children(model)
+
+
+def use_fp8_matmul(model: nn.Module, device: torch.device | str) -> tuple[int, int]:
+    """Let every `Fp8Linear` of `model` whose sizes torch._scaled_mm takes multiply in fp8 (`model.fp8_matmul`);
+    returns (layers that do, frozen fp8 layers in all). On CUDA it needs compute capability 8.9 (Ada, Hopper) and
+    bf16, which `check_fp8_matmul` asks first."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    cuda = torch.device(device).type == "cuda"
+    on = [m for m in layers if not cuda or fp8_matmul_takes(m.in_features, m.out_features)]
+    for m in on:
+        m.fp8_matmul = True
+    return len(on), len(layers)
+
+
+def check_fp8_matmul(cfg: Config, device: torch.device | str) -> None:
+    """One sentence when `model.fp8_matmul` cannot apply: it multiplies the fp8-stored frozen weights, on a GPU
+    with fp8 tensor cores, in bf16."""
+    m = cfg.model
+    if not m.fp8_matmul:
+        return
+    if m.frozen_weights != "fp8":
+        raise ConfigError("model.fp8_matmul multiplies the fp8-stored frozen weights; set model.frozen_weights = "
+                          "'fp8' too, or model.fp8_matmul = false")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"model.fp8_matmul needs fp8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+                          f"{torch.cuda.get_device_name(device)} has {major}.{minor}: set model.fp8_matmul = false "
+                          f"(model.frozen_weights = 'fp8' still halves the weights' memory)")
+    if m.dtype != "bf16":
+        raise ConfigError(f"model.fp8_matmul writes bf16 results on CUDA; model.dtype is {m.dtype!r}: set "
+                          f"model.dtype = 'bf16' or model.fp8_matmul = false")
 
 
 def fp8_code_bytes(module: nn.Module) -> int:
