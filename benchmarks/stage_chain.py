@@ -38,7 +38,6 @@ its later stages read the base too), into benchmarks/results/stage_chain_wan_24g
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -53,7 +52,10 @@ from typing import Any
 
 import torch
 
-from tttvideo.memory.profile.profiler import git_commit
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/launch_watch.py, run as a script or module
+from launch_watch import Watched, gpu_name, worker_of_rank  # noqa: E402
+
+from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = {3: "stage1-3s", 9: "stage2-9s", 18: "stage3-18s", 30: "stage4-30s", 63: "stage5-63s"}
@@ -180,95 +182,7 @@ def inputs_made_apart(args: argparse.Namespace, work: Path) -> Path:
     return work / "weights"
 
 
-def gpu_name() -> str | None:
-    """The first GPU's name from nvidia-smi (None without one), read without starting CUDA in this process."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.splitlines()[0].strip() if out else None
-
-
 # ------------------------------------------------------------------------------------------------- the stages
-def descendants(pid: int) -> list[int]:
-    """The process and every process under it (torchrun's agent and its workers)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in task.read_text().split()]
-    return out
-
-
-def proc_status(pid: int, key: str) -> float:
-    """A /proc/<pid>/status memory line (e.g. VmHWM) in GiB; 0 when the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return 0.0
-
-
-def worker_of_rank(pid: int, rank: int) -> int | None:
-    """The pid of the torchrun worker with RANK = `rank` among the launch's processes."""
-    for p in descendants(pid):
-        try:
-            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return p
-    return None
-
-
-def gpu_used_gib() -> list[float]:
-    """Memory in use on each GPU as nvidia-smi reads it (every process's, CUDA contexts included); [] without it.
-    Only the GPUs of CUDA_VISIBLE_DEVICES when it is set: two chains side by side on one host each read their own."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                              *(["-i", visible] if visible else [])],
-                             capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [float(v) / 1024 for v in out.split()] if out.strip() else []
-
-
-class Watched:
-    """A `tttv` launch (one process, or torchrun's agent and its workers) whose peak resident host memory (the sum
-    of its processes' VmHWM) and the GPUs' peak use (nvidia-smi, every few seconds) are read while it runs."""
-
-    def __init__(self, cmd: list[str], log: Path):
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        self.host_peak = 0.0
-        self.gpu_peak: list[float] = []
-        self._smi_at = 0.0
-
-    def poll(self) -> int | None:
-        self.host_peak = max(self.host_peak, sum(proc_status(p, "VmHWM") for p in descendants(self.proc.pid)))
-        if time.monotonic() - self._smi_at > 2.0:
-            self._smi_at = time.monotonic()
-            used = gpu_used_gib()
-            self.gpu_peak = [max(a, b) for a, b in zip(used, self.gpu_peak)] if self.gpu_peak else used
-        return self.proc.poll()
-
-    def wait(self, until: Any = None) -> int | None:
-        """Wait for the process to end, or for `until()` to be true (then None)."""
-        while (code := self.poll()) is None:
-            if until is not None and until():
-                return None
-            time.sleep(0.5)
-        self.log.close()
-        return code
-
-
 def tttv(*args: str, gpus: int = 1) -> list[str]:
     """The `tttv` command line, under torchrun on one host with `gpus` > 1 (NCCL's environment is inherited)."""
     if gpus > 1:
@@ -417,7 +331,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     steps = args.last_steps if kill else args.steps
     every = 1 if kill else steps
     t0 = time.perf_counter()
-    child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus), log)
+    child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus), log, REPO)
     row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus,
                            "global_batch": data_parallel(duration, args), **predicted(args, duration)}
     # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
@@ -433,7 +347,8 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
         print(f"killed (kill -9, {killed['killed']}) in step {killed['killed_after_step'] + 1}; the launch exited "
               f"{killed['launch_exit_s']:.1f} s later; resuming", flush=True)
         log = work / f"stage-{duration}s-resume.log"
-        child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus, "--resume"), log)
+        child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus, "--resume"), log,
+                    REPO)
         watched.append(child)
     code = child.wait(until=prune)
     row["wall_s"] = time.perf_counter() - t0
@@ -459,7 +374,8 @@ def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, mani
     gpus = args.reshard_gpus
     log = work / f"stage-{duration}s-reshard.log"
     print(f"=== {duration} s: --resume on {gpus} GPU(s), one more step", flush=True)
-    child = Watched(train_command(args, duration, out, manifest, start, steps + 1, steps + 1, gpus, "--resume"), log)
+    child = Watched(train_command(args, duration, out, manifest, start, steps + 1, steps + 1, gpus, "--resume"), log,
+                    REPO)
     code = child.wait()
     metrics = read_metrics(out)
     row: dict[str, Any] = {"gpus": gpus, "exit_code": code, "steps": [m["step"] for m in metrics]}
@@ -499,7 +415,7 @@ def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str,
             *(s for s in args.overrides if s.startswith(("memory.", "sample.")))]
     cmd = tttv("sample", "--checkpoint", str(work / f"stage-{duration}s"), "--scenes", str(story), "--out", str(out),
                *sum((["--set", s] for s in sets), []), gpus=gpus)
-    child = Watched(cmd, log)
+    child = Watched(cmd, log, REPO)
     code = child.wait()
     row = {"duration_s": duration, "layout": layout, "gpus": gpus, "wall_s": time.perf_counter() - t0,
            "exit_code": code, "peak_host_gib": child.host_peak, "peak_gpu_used_gib": child.gpu_peak,

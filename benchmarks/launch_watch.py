@@ -1,0 +1,100 @@
+"""What a benchmark reads of a launch it started (one `tttv` process, or torchrun's agent and its workers) while it
+runs, from /proc and nvidia-smi: the processes under it, their peak resident host memory, the pid of a rank's
+worker, the GPUs' memory in use. Reads only: nothing here starts CUDA in the benchmark's own process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi (None without one), read without starting CUDA in this process."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def descendants(pid: int) -> list[int]:
+    """The process and every process under it (torchrun's agent and its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def proc_status(pid: int, key: str) -> float:
+    """A /proc/<pid>/status memory line (e.g. VmHWM) in GiB; 0 when the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def worker_of_rank(pid: int, rank: int) -> int | None:
+    """The pid of the torchrun worker with RANK = `rank` among the launch's processes."""
+    for p in descendants(pid):
+        try:
+            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return p
+    return None
+
+
+def gpu_used_gib() -> list[float]:
+    """Memory in use on each GPU as nvidia-smi reads it (every process's, CUDA contexts included); [] without it.
+    Only the GPUs of CUDA_VISIBLE_DEVICES when it is set: two chains side by side on one host each read their own."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                              *(["-i", visible] if visible else [])],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [float(v) / 1024 for v in out.split()] if out.strip() else []
+
+
+class Watched:
+    """A `tttv` launch (one process, or torchrun's agent and its workers) whose peak resident host memory (the sum
+    of its processes' VmHWM) and the GPUs' peak use (nvidia-smi, every few seconds) are read while it runs."""
+
+    def __init__(self, cmd: list[str], log: Path, cwd: Path):
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.host_peak = 0.0
+        self.gpu_peak: list[float] = []
+        self._smi_at = 0.0
+
+    def poll(self) -> int | None:
+        self.host_peak = max(self.host_peak, sum(proc_status(p, "VmHWM") for p in descendants(self.proc.pid)))
+        if time.monotonic() - self._smi_at > 2.0:
+            self._smi_at = time.monotonic()
+            used = gpu_used_gib()
+            self.gpu_peak = [max(a, b) for a, b in zip(used, self.gpu_peak)] if self.gpu_peak else used
+        return self.proc.poll()
+
+    def wait(self, until: Any = None) -> int | None:
+        """Wait for the process to end, or for `until()` to be true (then None)."""
+        while (code := self.poll()) is None:
+            if until is not None and until():
+                return None
+            time.sleep(0.5)
+        self.log.close()
+        return code
