@@ -39,12 +39,13 @@ def cap_process_memory(gib: float, device: torch.device | str) -> float | None:
 _COMPILED: dict[Callable, Callable] = {}
 
 
-def compiled_on_cuda(fn: Callable, x: torch.Tensor, enabled: bool) -> Callable:
-    """`fn` torch.compile'd when `enabled` and `x` is on CUDA (dynamic=False: one compile per input shape, the
-    compiled function shared by every caller), `fn` itself elsewhere: compiling for the CPU is a C++ build per shape.
-    For the elementwise glue around the model's big kernels (`ttt.compile_glue`, `model.compile_attention_glue`)."""
+def compiled_on_cuda(fn: Callable, x: torch.Tensor, enabled: bool, dynamic: bool = False) -> Callable:
+    """`fn` torch.compile'd when `enabled` and `x` is on CUDA (dynamic=False: one compile per input shape; True: one
+    for every shape, for a function called at many sizes; the compiled function shared by every caller), `fn` itself
+    elsewhere: compiling for the CPU is a C++ build per shape. For the elementwise glue around the model's big
+    kernels (`ttt.compile_glue`, `model.compile_attention_glue`, the input quantisation of `model.fp8_matmul`)."""
     if not (enabled and x.is_cuda):
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+        _COMPILED[fn] = torch.compile(fn, dynamic=dynamic)
     return _COMPILED[fn]

@@ -74,7 +74,8 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
     their per-output-channel scales, accumulated in fp32 by torch._scaled_mm, the result in `dtype`. Twice bf16's
     matrix throughput on Hopper; the error is x's quantisation on top of the weights' (docs/memory.md)."""
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
-    x_codes, x_scale = compiled_on_cuda(quantize_tokens, rows, True)(rows)
+    # dynamic: every layer's token count (text, video, FFN chunks) shares one compiled kernel
+    x_codes, x_scale = compiled_on_cuda(quantize_tokens, rows, True, dynamic=True)(rows)
     out = torch._scaled_mm(x_codes, codes.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=dtype)
     if bias is not None:  # added apart: not every version's row-wise kernel takes a bias
         out = out.add_(bias.to(dtype))
