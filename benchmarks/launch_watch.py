@@ -70,20 +70,55 @@ def gpu_used_gib() -> list[float]:
     return [float(v) / 1024 for v in out.split()] if out.strip() else []
 
 
+def process_role(pid: int, launch: int) -> str:
+    """What a process of a launch is: "launch" (the command started: torchrun's agent, or the one `tttv`
+    process), "rank N" (a torchrun worker), "compile workers" (Inductor's pool, which inherits a rank's
+    environment), or "other"."""
+    if pid == launch:
+        return "launch"
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return "other"
+    if b"compile_worker" in cmdline:
+        return "compile workers"
+    rank = next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+    return f"rank {rank}" if rank is not None else "other"
+
+
 class Watched:
     """A `tttv` launch (one process, or torchrun's agent and its workers) whose peak resident host memory (the sum
-    of its processes' VmHWM) and the GPUs' peak use (nvidia-smi, every few seconds) are read while it runs."""
+    of its processes' VmHWM) and the GPUs' peak use (nvidia-smi, every few seconds) are read while it runs; and,
+    by role (`process_role`), each one's peak and when its resident memory was highest (seconds from the start)."""
 
     def __init__(self, cmd: list[str], log: Path, cwd: Path):
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.started = time.monotonic()
         self.host_peak = 0.0
+        self.host_by_role: dict[str, dict[str, float]] = {}
         self.gpu_peak: list[float] = []
         self._smi_at = 0.0
+        self._roles: dict[int, str] = {}
+
+    def _read_host(self) -> None:
+        peaks: dict[str, float] = {}
+        resident: dict[str, float] = {}
+        for pid in descendants(self.proc.pid):
+            role = self._roles.get(pid) or self._roles.setdefault(pid, process_role(pid, self.proc.pid))
+            peaks[role] = peaks.get(role, 0.0) + proc_status(pid, "VmHWM")
+            resident[role] = resident.get(role, 0.0) + proc_status(pid, "VmRSS")
+        self.host_peak = max(self.host_peak, sum(peaks.values()))
+        for role, peak in peaks.items():
+            seen = self.host_by_role.setdefault(role, {"peak_gib": 0.0, "resident_max_gib": 0.0, "at_s": 0.0})
+            seen["peak_gib"] = max(seen["peak_gib"], peak)
+            if resident[role] > seen["resident_max_gib"]:
+                seen.update(resident_max_gib=resident[role], at_s=round(time.monotonic() - self.started, 1))
 
     def poll(self) -> int | None:
-        self.host_peak = max(self.host_peak, sum(proc_status(p, "VmHWM") for p in descendants(self.proc.pid)))
+        self._read_host()
         if time.monotonic() - self._smi_at > 2.0:
             self._smi_at = time.monotonic()
             used = gpu_used_gib()

@@ -7,7 +7,8 @@ more step resumed on M GPUs (a sharded checkpoint read by another world size); t
 story of the last stage's length from its checkpoint (with --gpus N > 1 also under torchrun with parallel.sp = N and
 with split guidance, each layout's latents compared with the one-process ones). Prints a table per stage: seconds per
 micro-batch, peak allocated and reserved GPU memory (the largest rank's), the GPUs' peak use as nvidia-smi reads it,
-peak host memory, checkpoint size and save time, and the planner's prediction; writes
+peak host memory (the JSON also has it by process: the launcher, each rank, compile workers, with when each
+was at its highest), checkpoint size and save time, and the planner's prediction; writes
 benchmarks/results/stage_chain_<gpu>.json (stage_chain_<N>gpu_<gpu>.json with --gpus N > 1).
 
 What it makes first, in --workdir, once (reused by later runs), in a child process (so that this one never holds
@@ -314,6 +315,8 @@ def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], watch
             "peak_allocated_gib": max(m["memory_gib"] for m in metrics),
             "peak_reserved_gib": max(m.get("memory_reserved_gib", 0.0) for m in metrics),
             "peak_host_gib": max(w.host_peak for w in watched),
+            # by process (rank, launcher, compile workers), each launch of the stage in turn
+            "host_by_process": [w.host_by_role for w in watched],
             "peak_gpu_used_gib": [max(v) for v in zip(*(w.gpu_peak for w in watched if w.gpu_peak))],
             "losses": [m["loss"] for m in metrics]}
 
@@ -418,7 +421,8 @@ def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str,
     child = Watched(cmd, log, REPO)
     code = child.wait()
     row = {"duration_s": duration, "layout": layout, "gpus": gpus, "wall_s": time.perf_counter() - t0,
-           "exit_code": code, "peak_host_gib": child.host_peak, "peak_gpu_used_gib": child.gpu_peak,
+           "exit_code": code, "peak_host_gib": child.host_peak, "host_by_process": child.host_by_role,
+           "peak_gpu_used_gib": child.gpu_peak,
            "latents": str(out.with_suffix(".latents.safetensors"))}
     if code != 0:
         row["error"] = failure(log)

@@ -35,6 +35,11 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
     assert killed["reshard"]["gpus"] == 1 and killed["reshard"]["resumed_steps_once"]
     assert "resumed from" in killed["reshard"]["resumed_line"]
     assert last["steps"] == [1, 2] and last["global_batch"] == 2
+    # host memory by process: the launcher and each rank apart, each launch of the stage in turn
+    first_launch = killed["host_by_process"][0]
+    assert {"launch", "rank 0", "rank 1"} <= set(first_launch), first_launch
+    assert all(r["peak_gib"] >= r["resident_max_gib"] > 0 for r in first_launch.values())
+    assert len(killed["host_by_process"]) == 2  # the killed launch and its resume
     layouts = {s["layout"]: s for s in result["samples"]}
     assert set(layouts) == {"1", "sp2", "cfg2"} and all(s["exit_code"] == 0 for s in layouts.values())
     for name in ("sp2", "cfg2"):

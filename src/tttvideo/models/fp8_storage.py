@@ -72,7 +72,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
                dtype: torch.dtype) -> torch.Tensor:
     """x W^T + b multiplied in fp8 (`model.fp8_matmul`): x quantised per token here, W the stored e4m3 codes with
     their per-output-channel scales, accumulated in fp32 by torch._scaled_mm, the result in `dtype`. Twice bf16's
-    matrix throughput on Hopper; the error is x's quantisation on top of the weights' (docs/memory.md)."""
+    matrix throughput on Hopper; the error is x's quantisation on top of the weights' (docs/model.md)."""
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     # dynamic: every layer's token count (text, video, FFN chunks) shares one compiled kernel
     x_codes, x_scale = compiled_on_cuda(quantize_tokens, rows, True, dynamic=True)(rows)
