@@ -393,3 +393,27 @@ def test_fp8_matmul_config_sentences_and_layer_sizes():
     on, layers = use_fp8_matmul(store, "cuda")
     assert layers == 13 and on == sum(m.in_features % 16 == 0 and m.out_features % 16 == 0
                                       for m in store.modules() if isinstance(m, Fp8Linear))
+
+
+def test_fp8_matmul_sentences_on_a_gpu_that_cannot(monkeypatch):
+    """The CUDA checks, with the GPU's answers stood in: fp8 tensor cores (compute capability 8.9), bf16, and a
+    per-row scaled product this PyTorch runs there (`scaled_mm_refusal`, asked on the device); each a sentence
+    naming the key."""
+    import tttvideo.models.fp8_storage as fp8
+
+    cfg = Config()
+    cfg.model.frozen_weights, cfg.model.fp8_matmul, cfg.model.dtype = "fp8", True, "bf16"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    with pytest.raises(ConfigError, match=r"model.fp8_matmul needs fp8 tensor cores .* Some GPU has 8.6"):
+        fp8.check_fp8_matmul(cfg, "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8, "scaled_mm_refusal", lambda device: "Rowwise scaling is not supported here")
+    with pytest.raises(ConfigError, match=r"no fp8 matrix product with per-row scales on Some GPU \(Rowwise"):
+        fp8.check_fp8_matmul(cfg, "cuda")
+    monkeypatch.setattr(fp8, "scaled_mm_refusal", lambda device: None)
+    fp8.check_fp8_matmul(cfg, "cuda")  # everything answered: no sentence
+    cfg.model.dtype = "fp32"
+    with pytest.raises(ConfigError, match="model.dtype = 'bf16'"):
+        fp8.check_fp8_matmul(cfg, "cuda")
+    assert fp8.scaled_mm_refusal(torch.device("cpu")) is None  # the CPU runs it

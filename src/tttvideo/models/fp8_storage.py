@@ -216,6 +216,23 @@ def check_fp8_matmul(cfg: Config, device: torch.device | str) -> None:
     if m.dtype != "bf16":
         raise ConfigError(f"model.fp8_matmul writes bf16 results on CUDA; model.dtype is {m.dtype!r}: set "
                           f"model.dtype = 'bf16' or model.fp8_matmul = false")
+    refusal = scaled_mm_refusal(device)
+    if refusal is not None:
+        raise ConfigError(f"model.fp8_matmul: this PyTorch ({torch.__version__}) has no fp8 matrix product with "
+                          f"per-row scales on {torch.cuda.get_device_name(device)} ({refusal}); set "
+                          f"model.fp8_matmul = false")
+
+
+def scaled_mm_refusal(device: torch.device) -> str | None:
+    """None when torch._scaled_mm multiplies with per-row scales on `device`, else the first line of its error:
+    which scalings it runs depends on the GPU and on the PyTorch build, so it is asked once, at 16 x 16."""
+    codes = torch.zeros(16, 16, device=device, dtype=FP8)
+    try:
+        torch._scaled_mm(codes, codes.t(), scale_a=torch.ones(16, 1, device=device),
+                         scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
+    except RuntimeError as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
 
 
 def fp8_code_bytes(module: nn.Module) -> int:
