@@ -2,7 +2,7 @@
 bf16, in one process: the guided sampling step (time, attention / TTT / rest) at a short and a long duration, the
 output error of one guided prediction against bf16 weights, and each frozen layer shape alone.
 
-    PYTHONPATH=src python3 benchmarks/fp8_matmul.py --out benchmarks/results/fp8_matmul_h100.json   # ~3-4 min
+    PYTHONPATH=src python3 benchmarks/fp8_matmul.py --train-durations 3 9 --out benchmarks/results/fp8_matmul_h100.json
     PYTHONPATH=src python3 benchmarks/fp8_matmul.py --preset tiny --device cpu --height 32 --width 48 \
         --text-tokens 8 --long 6 --timed-blocks 1 --out /tmp/fp8.json                               # CPU smoke run
 
@@ -14,6 +14,9 @@ bf16), "fp8 storage" (`model.frozen_weights = 'fp8'`: e4m3 codes upcast to bf16 
 blocks and adds the mean block time for the rest. The error is the relative L2 distance of one guided prediction
 at the short duration from the bf16 model's. The layer table times F.linear on the upcast weight against
 `fp8_linear` (quantisation of the input included) at the short step's token count (batch 2), median of --repeats.
+With --train-durations, the trainer's training step (forward + backward of one video, `benchmarks/model_step.py`'s
+step and timing, its default checkpointing; weights in fp32 on the CPU) of each variant at those durations, a fresh
+model each.
 
 The JSON (default benchmarks/results/fp8_matmul_<gpu>.json) holds the device, torch, commit and every row; the
 table is printed at the end.
@@ -32,13 +35,20 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/sample.py, run as a script or module
+import model_step  # noqa: E402
 import sample  # noqa: E402
 
 from tttvideo.layout import VideoLayout  # noqa: E402
+from tttvideo.models.backbone import get_preset  # noqa: E402
 from tttvideo.models import build_model  # noqa: E402
 from tttvideo.models.fp8_storage import Fp8Linear, check_fp8_matmul, fp8_linear, store_fp8, use_fp8_matmul  # noqa: E402
+from tttvideo.train.distributed import TrainRanks  # noqa: E402
 
 VARIANTS = ("bf16", "fp8 storage", "fp8 matmul")
+# each variant's settings on top of model_step's config (qkvo adapter: the trained layers stay in bf16)
+VARIANT_SETTINGS = {"bf16": ("model.frozen_weights=dtype",),
+                    "fp8 storage": ("model.frozen_weights=fp8",),
+                    "fp8 matmul": ("model.frozen_weights=fp8", "model.fp8_matmul=true")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=720)
     ap.add_argument("--text-tokens", type=int, default=0, help="0 = the original's per-duration length")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--train-durations", type=int, nargs="*", default=[],
+                    help="seconds: also time the training step of each variant there")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override")
     ap.add_argument("--out", default="")
     return ap.parse_args(argv)
@@ -95,6 +107,33 @@ def layer_rows(model, tokens: int, device: torch.device, dtype: torch.dtype, rep
             isinstance(m, Fp8Linear) and (m.in_features, m.out_features) == shape for m in model.modules()),
             "bf16_ms": plain * 1e3, "fp8_ms": in_fp8 * 1e3, "speedup": plain / in_fp8,
             "bf16_tflops": flops / plain / 1e12, "fp8_tflops": flops / in_fp8 / 1e12})
+    return rows
+
+
+def train_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The training step of each variant at each of --train-durations (model_step's build, step and timing)."""
+    rows = []
+    for duration in args.train_durations:
+        for variant in VARIANTS:
+            margs = model_step.parse_args([
+                "--preset", args.preset, "--device", str(device), "--durations", str(duration),
+                "--height", str(args.height), "--width", str(args.width), "--text-tokens", str(args.text_tokens),
+                "--steps", str(args.repeats), "--warmup", "1", "--dtype", "bf16" if device.type == "cuda" else "fp32",
+                *[x for s in (*VARIANT_SETTINGS[variant], *args.overrides) for x in ("--set", s)]])
+            cfg = model_step.bench_config(margs)
+            ranks = TrainRanks.start(cfg, get_preset(cfg.model.preset).num_attention_heads, device)
+            model, _, _ = model_step.build(cfg, device)
+            layout = VideoLayout.from_config(cfg.layout, cfg.ttt, f"{duration}s")
+            row, failure = model_step.run_duration(cfg, model, layout, margs, device, float("inf"), ranks)
+            keep = ("median_step_s", "step_s", "mfu", "peak_allocated_gib", "peak_reserved_gib", "error")
+            rows.append({"variant": variant, "duration_s": duration, "tokens": layout.total_tokens,
+                         **{k: row[k] for k in keep if k in row}})
+            if failure:
+                rows[-1]["fast_path_failure"] = failure
+            print(json.dumps(rows[-1]), flush=True)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -146,6 +185,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     data["layers"] = layer_rows(model, 2 * short.total_tokens, device, dtype, args.repeats)
     report.save()
+    del model
+    if args.train_durations:
+        data["train"] = train_rows(args, device)
+        report.save()
     print_table(data)
     return 0
 
@@ -169,6 +212,13 @@ def print_table(data: dict) -> None:
     for r in data["layers"]:
         print(f"| {r['in']} -> {r['out']} | {r['layers']} | {r['tokens']} | {r['bf16_ms']:.3f} | {r['fp8_ms']:.3f} | "
               f"{r['speedup']:.2f}x | {r['bf16_tflops']:.0f} | {r['fp8_tflops']:.0f} |")
+    if data.get("train"):
+        print("\n| training step (forward + backward) | duration | median s | peak alloc (GiB) |")
+        print("|---|---|---|---|")
+        for r in data["train"]:
+            step = f"{r['median_step_s']:.3f}" if "median_step_s" in r else r.get("error", "-")
+            peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
+            print(f"| {r['variant']} | {r['duration_s']} s | {step} | {peak} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """benchmarks/fp8_matmul.py on CPU with the tiny preset: the three variants (bf16, fp8 storage, fp8 matmul) at both
 durations, the error of each against bf16 (zero for bf16 itself, non-zero for the fp8 ones), a row per frozen layer
-shape, and the table."""
+shape, the training step of each variant, and the table."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ SMOKE = ["--preset", "tiny", "--device", "cpu", "--height", "32", "--width", "48
 def test_three_variants_two_durations_errors_and_layers(tmp_path, capsys):
     bench = load_benchmark("fp8_matmul")
     out = tmp_path / "fp8_matmul_cpu.json"
-    assert bench.main([*SMOKE, "--out", str(out)]) == 0
+    assert bench.main([*SMOKE, "--train-durations", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["env"]["device"] and result["env"]["torch"] and result["env"]["git_commit"]
     steps = {(r["variant"], r["duration_s"]): r for r in result["steps"]}
@@ -33,5 +33,7 @@ def test_three_variants_two_durations_errors_and_layers(tmp_path, capsys):
     assert len(shapes) == len(result["layers"]) > 1
     assert sum(r["layers"] for r in result["layers"]) == result["fp8_matmul_layers"]
     assert all(r["bf16_ms"] > 0 and r["fp8_ms"] > 0 for r in result["layers"])
+    assert [r["variant"] for r in result["train"]] == list(bench.VARIANTS)
+    assert all(r["median_step_s"] > 0 and r["duration_s"] == 3 for r in result["train"])
     table = capsys.readouterr().out
     assert "| fp8 matmul | 3 s |" in table and "frozen layer (in -> out)" in table
