@@ -1,7 +1,8 @@
-"""benchmarks/stage_chain.py under torchrun (gloo, CPU), the tiny model through the two-GPU stage configs: the way the
-two-GPU chain is checked before it costs GPU time. A 3-s stage killed (kill -9 of rank 1) in mid-step, resumed on two
-processes and then on one (the DCP checkpoint read by another world size), a 6-s stage through the 63-s config
-(FSDP with offloaded block inputs), then the sample in one process, with sp = 2 and with split guidance."""
+"""benchmarks/stage_chain.py under torchrun (gloo, CPU), the tiny model through the two- and four-GPU stage configs:
+the way a several-GPU chain is checked before it costs GPU time. A 3-s stage killed (kill -9 of rank 1) in mid-step,
+resumed on two processes and then on one (the DCP checkpoint read by another world size), a 6-s stage through the
+63-s config (FSDP with offloaded block inputs), then the sample in one process, with sp = 2 and with split guidance;
+and the same kill among four processes, resumed on four and on two."""
 
 from __future__ import annotations
 
@@ -44,6 +45,26 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
     assert set(layouts) == {"1", "sp2", "cfg2"} and all(s["exit_code"] == 0 for s in layouts.values())
     for name in ("sp2", "cfg2"):
         assert layouts[name]["max_rel_diff_vs_1"] < 1e-3, layouts[name]
+
+
+def test_four_process_chain_kill_says_one_sentence_and_reshards_to_two(tmp_path):
+    """The 4-GPU stage configs under torchrun with four processes: rank 1 killed in mid-step, the three others stop
+    within seconds with ONE sentence that names rank 1 (the last survivor once printed a second one blaming rank 0,
+    which had only left after it), resume on four and then on two processes."""
+    out = tmp_path / "chain.json"
+    cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(tmp_path / "work"), "--preset", "tiny",
+           "--device", "cpu", "--gpus", "4", "--durations", "3", "--kill-at", "3", "--reshard-gpus", "2",
+           "--steps", "2", "--no-sample", "--out", str(out), "--set", "layout.height=64",
+           "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    (killed,) = json.loads(out.read_text())["stages"]
+    assert killed["config"] == "stage1-3s-4gpu.toml" and killed["killed"] == "rank 1"
+    assert killed["launch_exit_s"] < 30
+    assert len(killed["sentences"]) == 1, killed["sentences"]
+    assert killed["sentences"][0].startswith("tttv train: error: rank 1 stopped answering: its process")
+    assert killed["resumed_steps_once"] and killed["reshard"]["gpus"] == 2 and killed["reshard"]["resumed_steps_once"]
+    assert {"rank 0", "rank 1", "rank 2", "rank 3"} <= set(killed["host_by_process"][0])
 
 
 def test_wan_recipe_chain_through_its_24gb_configs(tmp_path):

@@ -18,7 +18,9 @@ Then the lowest rank that is still answering prints one sentence (`tttv COMMAND:
 ...`): the peer (its pid and state when it runs on this host: stopped, exited, running), the phase it was last seen
 in, the phase this rank waited in and for how long, and what the command advises (for training: why no checkpoint
 can be saved now, the newest one, the command that resumes). Every rank exits with status `EXIT_PEER_LOST` at once:
-its main thread is blocked inside a collective that will not return.
+its main thread is blocked inside a collective that will not return. Before it does, it writes a last heartbeat
+that says it left because of a peer and whether it spoke: a rank that decides later (with four ranks, the last
+survivor sees the first ones gone) neither blames the ranks that only followed nor says the sentence again.
 
 The process group's own timeout is set above the watch's budgets (`backstop_timeout`), so that torch's error comes
 only if the watch could not run.
@@ -117,6 +119,8 @@ class Peer:
     phase: str = ""
     step: int | None = None
     done: bool = False
+    left: bool = False  # it stopped because another rank stopped answering: a follower, not a cause
+    spoke: bool = False  # and it said the sentence
     heard: float = field(default_factory=time.monotonic)
 
     def state(self) -> str | None:
@@ -341,6 +345,7 @@ class PeerWatch:
                     peer.beat, peer.heard = data["beat"], now
                     peer.phase, peer.step = data.get("phase", peer.phase), data.get("step", peer.step)
                     peer.done = bool(data.get("done"))
+                    peer.left, peer.spoke = bool(data.get("left")), bool(data.get("spoke"))
         return sorted((p for p in self.peers.values() if not p.done and now - p.heard > self.timeout_s),
                       key=lambda p: p.heard)
 
@@ -360,11 +365,15 @@ class PeerWatch:
     def sentence(self, what: str, suspects: list[Peer] | None = None) -> str:
         """One sentence: who stopped answering and in which phase, what this rank saw (`what`), the advice."""
         suspects = self.suspects() if suspects is None else suspects
+        # the ranks that stopped because of another are named after it, not as the cause
+        causes = [p for p in suspects if not p.left] or suspects
+        followers = [p.rank for p in suspects if p not in causes]
         if suspects:
-            first = suspects[0]
-            others = [p.rank for p in suspects[1:]]
+            first = causes[0]
+            others = [p.rank for p in causes[1:]]
             who = (f"rank {first.rank}" + (f" (and rank(s) {', '.join(map(str, others))})" if others else "")
-                   + f" stopped answering: {describe_state(first)}, last seen in {first.where()}")
+                   + f" stopped answering: {describe_state(first)}, last seen in {first.where()}"
+                   + (f" (rank(s) {', '.join(map(str, followers))} stopped after it)" if followers else ""))
         else:
             ahead = [p for p in self.peers.values() if (p.phase, p.step) != self._where_tuple()]
             if ahead:
@@ -384,9 +393,20 @@ class PeerWatch:
         return (top[0], top[1]) if top else ("", None)
 
     def speaks(self, suspects: list[Peer]) -> bool:
-        """Whether this rank prints the sentence: the lowest rank that is not a suspect."""
+        """Whether this rank prints the sentence: the lowest rank that is not a suspect, unless a rank that left
+        before this one decided has said it already."""
+        if any(p.spoke for p in self.peers.values()):
+            return False
         gone = {p.rank for p in suspects}
         return self.rank == min(r for r in range(self.world) if r not in gone)
+
+    def _leaving(self, spoke: bool) -> None:
+        """The last heartbeat of a rank that stops because a peer stopped answering (see the module docstring)."""
+        top = self._phases[-1] if self._phases else None
+        self._beat += 1
+        with contextlib.suppress(Exception):  # a store that is gone: the peers decide without it
+            self._publish("hb", {"beat": self._beat, "phase": top[0] if top else "", "step": self._step,
+                                 "left": True, "spoke": spoke})
 
     def failure(self, err: BaseException) -> tuple[str, bool]:
         """(the sentence, whether this rank says it) for a collective that raised `err` in the main thread (a peer
@@ -402,7 +422,9 @@ class PeerWatch:
             time.sleep(self.tick_s / 2)
             suspects = self.suspects()
         what = f"this rank's collective in {where(*here)} failed ({error_gist(err)})"
-        return self.sentence(what, suspects), self.speaks(suspects)
+        speaks = self.speaks(suspects)
+        self._leaving(speaks)
+        return self.sentence(what, suspects), speaks
 
     def fire(self, what: str, suspects: list[Peer] | None = None) -> None:
         """Say it (if this rank speaks) and end the process at once: the main thread is stuck in a collective."""
@@ -411,9 +433,11 @@ class PeerWatch:
         try:
             suspects = self.suspects() if suspects is None else suspects
             text = self.sentence(what, suspects)
-            if self.speaks(suspects):
+            speaks = self.speaks(suspects)
+            if speaks:
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()
                 os.write(2, f"tttv {self.command}: error: {text}\n".encode())
+            self._leaving(speaks)
         finally:
             self.exit(EXIT_PEER_LOST)
