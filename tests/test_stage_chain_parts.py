@@ -82,6 +82,8 @@ def test_steady_step_time_leaves_out_the_first_step_of_every_launch(tmp_path):
     assert stage_chain.steady_steps(metrics[:2], log) == []
     assert [m["step"] for m in stage_chain.steady_steps(metrics, None)] == [2, 3]
     steps = [{**m, "memory_gib": 20.0, "loss": 1.0} for m in metrics[:2]]
-    launch = type("Launch", (), {"host_peak": 30.0, "gpu_peak": [21.0]})()
+    by_role = {"rank 0": {"peak_gib": 30.0, "resident_max_gib": 29.0, "at_s": 12.0}}
+    launch = type("Launch", (), {"host_peak": 30.0, "gpu_peak": [21.0], "host_by_role": by_role})()
     row = stage_chain.stage_row(steps, stage_chain.steady_steps(steps, log), [launch])
     assert row["median_step_s"] is None and row["first_step_s"] == 87.0
+    assert row["host_by_process"] == [by_role]
