@@ -107,7 +107,9 @@ class Watched:
         peaks: dict[str, float] = {}
         resident: dict[str, float] = {}
         for pid in descendants(self.proc.pid):
-            role = self._roles.get(pid) or self._roles.setdefault(pid, process_role(pid, self.proc.pid))
+            role = self._roles.get(pid) or process_role(pid, self.proc.pid)
+            if role in ("launch", "compile workers"):  # final; a child between fork and exec still looks like
+                self._roles[pid] = role               # its parent (a rank, "other"): asked again next time
             peaks[role] = peaks.get(role, 0.0) + proc_status(pid, "VmHWM")
             resident[role] = resident.get(role, 0.0) + proc_status(pid, "VmRSS")
         self.host_peak = max(self.host_peak, sum(peaks.values()))

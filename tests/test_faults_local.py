@@ -284,38 +284,47 @@ def test_second_sample_to_the_same_out_refuses_and_sp_needs_torchrun(capsys, tmp
 
 
 def test_a_rank_leaves_without_the_interpreters_teardown(tmp_path):
-    """A torchrun rank ends with os._exit once its output is flushed: leaving on a user error with its process group
-    up (whose teardown now and then aborted a gloo rank after its sentence: torchrun then reported exit -6, not 2),
-    and after a complete run that closed its group (objects still holding its process groups went in the teardown,
-    where a rank that had written everything once died with SIGABRT: the fp8 resume test of
-    tests/test_parallel_train.py failed so in CI). The child's atexit line shows whether the interpreter's teardown
-    ran: not for a rank, yes for a process that never started a group; its log line is flushed either way."""
+    """A torchrun rank ends with os._exit once its output and its log handlers are flushed: leaving on a user error
+    with its process group up (whose teardown now and then aborted a gloo rank after its sentence: torchrun then
+    reported exit -6, not 2), on a bug (its traceback, status 1), and after a complete run that closed its group
+    (objects still holding its process groups went in the teardown, where a rank that had written everything once
+    died with SIGABRT: the fp8 resume test of tests/test_parallel_train.py failed so in CI). A process that is no
+    launch's rank keeps the teardown, whether it never had a group or holds one of its own around a complete
+    command (an in-process caller). The child's atexit line shows whether the teardown ran; its buffered log line
+    (a MemoryHandler, written out only when flushed) shows that the handlers were flushed."""
     import subprocess
 
     script = (
-        "import atexit, logging, sys, torch.distributed as dist\n"
+        "import atexit, logging, logging.handlers, sys, torch.distributed as dist\n"
         "from tttvideo.cli import main\n"
+        "import tttvideo.cli.config_cmd as config_cmd\n"
         "import tttvideo.parallel.group as group\n"
-        "if sys.argv[1] != 'none':\n"
-        f"    dist.init_process_group('gloo', init_method='file://{tmp_path}/pg-' + sys.argv[1], rank=0, "
-        "world_size=1)\n"
-        "    group._started = True\n"
-        "if sys.argv[1] == 'closed':\n"
+        "mode = sys.argv[1]\n"
+        "if mode != 'none':\n"
+        f"    dist.init_process_group('gloo', init_method='file://{tmp_path}/pg-' + mode, rank=0, world_size=1)\n"
+        "    group._started = mode != 'caller'\n"
+        "if mode == 'closed':\n"
         "    dist.destroy_process_group()\n"
-        f"    handler = logging.FileHandler('{tmp_path}/log.txt')\n"
+        f"    target = logging.FileHandler('{tmp_path}/log.txt')\n"
+        "    handler = logging.handlers.MemoryHandler(1000, flushLevel=logging.CRITICAL, target=target)\n"
         "    logging.getLogger('tttvideo').addHandler(handler)\n"
         "    logging.getLogger('tttvideo').warning('the last line')\n"
+        "if mode == 'bug':\n"
+        "    config_cmd.run = lambda args: 1 / 0\n"
         "atexit.register(lambda: print('teardown', flush=True))\n"
-        "args = ['config', 'keys', 'ttt'] if sys.argv[1] == 'closed' else ['train', 'no-such-config.toml']\n"
-        "raise SystemExit(main(args))\n")
+        "error = mode in ('group', 'none')\n"
+        "raise SystemExit(main(['train', 'no-such-config.toml'] if error else ['config', 'keys', 'ttt']))\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    for mode, status, teardown in (("group", 2, False), ("none", 2, True), ("closed", 0, False)):
+    for mode, status, teardown in (("group", 2, False), ("none", 2, True), ("closed", 0, False), ("bug", 1, False),
+                                   ("caller", 0, True)):
         run = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env,
                              timeout=120)
-        assert run.returncode == status, run.stderr[-2000:]
+        assert run.returncode == status, (mode, run.stderr[-2000:])
         assert ("teardown" in run.stdout) == teardown, mode
-        if status:
+        if status == 2:
             assert "tttv train: error:" in run.stderr and "no-such-config.toml" in run.stderr
+        elif status == 1:
+            assert "ZeroDivisionError" in run.stderr and "Traceback" in run.stderr
         else:
             assert "ttt.kind" in run.stdout  # the command's output came out before the exit
     assert (tmp_path / "log.txt").read_text() == "the last line\n"

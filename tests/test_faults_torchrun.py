@@ -257,7 +257,7 @@ def test_with_four_ranks_only_the_first_to_decide_speaks_and_followers_are_not_b
     """Rank 1 of 4 killed: rank 0 says the sentence and leaves, rank 2 leaves quietly; rank 3 decides last and sees
     all three gone. It names rank 1 first (the others only followed) and says nothing, since rank 0 spoke: on four
     CPU processes (benchmarks/stage_chain.py --gpus 4) the last survivor printed a second sentence that blamed
-    rank 0. Had no rank spoken, rank 3 would."""
+    rank 0. Had no rank spoken (each expecting a lower one to), rank 3 would."""
     monkeypatch.setattr(watchdog, "_advice", None)
     store = dist.HashStore()
     last = PeerWatch(3, 4, timeout_s=2.0, slow_timeout_s=4.0, command="train", store=store)
@@ -270,15 +270,21 @@ def test_with_four_ranks_only_the_first_to_decide_speaks_and_followers_are_not_b
     for rank, spoke in ((0, True), (2, False)):
         leaver = PeerWatch(rank, 4, 2.0, 4.0, "train", store)
         leaver._beat = 5
-        leaver._leaving(spoke)
+        leaver._leaving(spoke, follower=True)
     suspects = last.suspects()
     assert sorted(p.rank for p in suspects) == [0, 1, 2]
     assert not last.speaks(suspects)
     assert last.sentence("this rank saw them end", suspects).startswith(
         f"rank 1 stopped answering: its process (pid {ended[1]} on this host) has exited, last seen in 'backward' "
         f"of step 2 (rank(s) 0, 2 stopped after it); this rank saw them end")
+    # nobody spoke (rank 0 left quietly, expecting another to): the last one does, whichever suspects it was given
     PeerWatch(0, 4, 2.0, 4.0, "train", store)._publish("hb", {"beat": 9, "left": True, "spoke": False})
-    assert last.speaks(last.suspects())
+    assert last.speaks([])
+    # a rank that stopped on its own phase budget, every peer answering, is no follower: named as a cause
+    budget = PeerWatch(2, 4, 2.0, 4.0, "train", store)
+    budget._beat = 20
+    budget._leaving(False, follower=False)
+    assert last.sentence("x", last.suspects()).startswith("rank 1 (and rank(s) 2) stopped answering")
 
 
 def test_a_peer_that_finished_and_exited_is_not_a_lost_one(watch):

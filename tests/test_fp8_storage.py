@@ -387,18 +387,18 @@ def test_fp8_matmul_config_sentences_and_layer_sizes():
     model = build_model(cfg)
     assert sum(getattr(m, "fp8_matmul", False) for m in model.modules()) == 13
     assert "matmul=fp8" in repr(model)
-    # on CUDA torch._scaled_mm takes sizes in multiples of 16: the tiny model's 24-wide layers upcast there
-    store = tiny()
-    store_fp8(store)
-    on, layers = use_fp8_matmul(store, "cuda")
-    assert layers == 13 and on == sum(m.in_features % 16 == 0 and m.out_features % 16 == 0
-                                      for m in store.modules() if isinstance(m, Fp8Linear))
+    # on CUDA torch._scaled_mm takes sizes in multiples of 16: a layer of other sizes keeps upcasting there
+    odd = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40), nn.Linear(24, 64)).requires_grad_(False)
+    store_fp8(odd)
+    assert use_fp8_matmul(odd, "cuda") == (1, 3)
+    assert [m.fp8_matmul for m in odd] == [True, False, False]
+    assert use_fp8_matmul(odd, "cpu") == (3, 3)  # the CPU takes any size
 
 
 def test_fp8_matmul_sentences_on_a_gpu_that_cannot(monkeypatch):
-    """The CUDA checks, with the GPU's answers stood in: fp8 tensor cores (compute capability 8.9), bf16, and a
-    per-row scaled product this PyTorch runs there (`scaled_mm_refusal`, asked on the device); each a sentence
-    naming the key."""
+    """The CUDA checks, with the GPU's answers stood in: fp8 tensor cores (compute capability 8.9) and a per-row
+    scaled product this PyTorch runs there (`scaled_mm_refusal`, asked on the device); each a sentence naming the
+    key. Any compute dtype passes: CUDA's bf16 results are cast to it."""
     import tttvideo.models.fp8_storage as fp8
 
     cfg = Config()
@@ -413,7 +413,19 @@ def test_fp8_matmul_sentences_on_a_gpu_that_cannot(monkeypatch):
         fp8.check_fp8_matmul(cfg, "cuda")
     monkeypatch.setattr(fp8, "scaled_mm_refusal", lambda device: None)
     fp8.check_fp8_matmul(cfg, "cuda")  # everything answered: no sentence
-    cfg.model.dtype = "fp32"
-    with pytest.raises(ConfigError, match="model.dtype = 'bf16'"):
-        fp8.check_fp8_matmul(cfg, "cuda")
+    cfg.model.dtype = "fp32"  # computes in fp32 (or an autocast dtype): bf16 results, cast
+    fp8.check_fp8_matmul(cfg, "cuda")
     assert fp8.scaled_mm_refusal(torch.device("cpu")) is None  # the CPU runs it
+
+
+def test_a_model_built_on_the_cpu_to_run_on_a_gpu_is_checked_for_the_gpu(monkeypatch):
+    """`tttv sample --offload` builds on the CPU and streams the blocks to the GPU: the checks and the layer sizes
+    are the GPU's (`build_model(compute_device=...)`), not the CPU's, where everything is allowed."""
+    cfg = Config()
+    cfg.ttt.mini_batch_size = 16
+    cfg.model.frozen_weights, cfg.model.fp8_matmul = "fp8", True
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Old GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match="Old GPU has 8.0"):
+        build_model(cfg, "cpu", compute_device="cuda")
+    assert sum(getattr(m, "fp8_matmul", False) for m in build_model(cfg, "cpu").modules()) == 13

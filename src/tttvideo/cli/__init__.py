@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 
 from tttvideo import __version__
 from tttvideo.cli.common import setup_logging
@@ -64,11 +65,24 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 print(f"tttv {args.command}: interrupted", file=sys.stderr)
                 code = 130
+            except Exception:
+                if not _is_rank():
+                    raise
+                traceback.print_exc()  # a bug on a torchrun rank: its traceback, then no teardown either
+                code = 1
             sys.stdout.flush()  # inside the try: a reader that went away is found here, not at exit
         _leave_rank_at_once(code)
         return code
     except BrokenPipeError:
-        return _stdout_closed()
+        code = _stdout_closed()
+        _leave_rank_at_once(code)
+        return code
+
+
+def _is_rank() -> bool:
+    """Whether this process is a rank of a torchrun launch (`start_group` ran here)."""
+    group = sys.modules.get("tttvideo.parallel.group")
+    return group is not None and group.started_group()
 
 
 def _leave_rank_at_once(code: int) -> None:
@@ -80,9 +94,9 @@ def _leave_rank_at_once(code: int) -> None:
     groups (meshes, FSDP's state) are destroyed in the teardown, with gloo's threads: a rank that had finished
     and written everything once died there with SIGABRT. The run folder's lock was let go when the command left."""
     dist = sys.modules.get("torch.distributed")  # a command that never imported torch has no group
-    group = sys.modules.get("tttvideo.parallel.group")
-    started = group is not None and group.started_group()
-    if not started and (dist is None or not (dist.is_available() and dist.is_initialized())):
+    group_up = dist is not None and dist.is_available() and dist.is_initialized()
+    # a complete command ends so only on a launch's rank: an in-process caller with a group of its own goes on
+    if not (_is_rank() or (code and group_up)):
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

@@ -38,12 +38,14 @@ def long_range_layer(cfg: Config) -> str:
     return layer
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu") -> Backbone:
+def build_model(cfg: Config, device: torch.device | str = "cpu",
+                compute_device: torch.device | str | None = None) -> Backbone:
     """The model of a config: `cfg.model` (preset, pretrained_path, dtype, adapter, LoRA rank/alpha, use_ttt,
     frozen_weights: fp8 storage of the linears the adapter froze), `cfg.ttt`, `cfg.checkpointing` and
     `cfg.memory.chunked_inference`. The preset picks the backbone (`models.backbone`). Random initialisation
     follows torch's current seed. The trainer, the sampler's `load_model`, the memory profiler and
-    benchmarks/model_step.py all build their model here."""
+    benchmarks/model_step.py all build their model here. `compute_device`: where the model will run, when it is
+    built elsewhere (blocks streamed from host memory to a GPU); `device` by default."""
     m = cfg.model
     backbone = backbone_of(m.preset)
     spec = backbone.presets[m.preset]
@@ -52,7 +54,8 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> Backbone:
     if layer == "ttt":
         check_backend_config(cfg.ttt, head_dim, (cfg.ttt.kind == "mlp" and cfg.ttt.mlp_hidden)
                              or inner_hidden(cfg.ttt.kind, head_dim), device)
-    check_fp8_matmul(cfg, device)
+    compute_device = device if compute_device is None else compute_device
+    check_fp8_matmul(cfg, compute_device)
     dtype = torch_dtype(m.dtype)
     use_ttt = layer != "none"
     if m.pretrained_path:
@@ -71,7 +74,7 @@ def build_model(cfg: Config, device: torch.device | str = "cpu") -> Backbone:
                               f"= {m.adapter!r} trains them all); use adapter 'qkvo' or 'lora', or frozen_weights "
                               f"'dtype'")
         if m.fp8_matmul:
-            on, layers = use_fp8_matmul(model, device)
+            on, layers = use_fp8_matmul(model, compute_device)
             log.info("model.fp8_matmul: %d of %d frozen fp8 linear layers multiply in fp8%s", on, layers,
                      "" if on == layers else " (the others' sizes are not multiples of 16, as torch._scaled_mm "
                      "needs on CUDA: they upcast their weights)")

@@ -73,10 +73,13 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
     """x W^T + b multiplied in fp8 (`model.fp8_matmul`): x quantised per token here, W the stored e4m3 codes with
     their per-output-channel scales, accumulated in fp32 by torch._scaled_mm, the result in `dtype`. Twice bf16's
     matrix throughput on Hopper; the error is x's quantisation on top of the weights' (docs/model.md)."""
-    rows = x.reshape(-1, x.shape[-1]).to(dtype)
+    rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     # dynamic: every layer's token count (text, video, FFN chunks) shares one compiled kernel
     x_codes, x_scale = compiled_on_cuda(quantize_tokens, rows, True, dynamic=True)(rows)
-    out = torch._scaled_mm(x_codes, codes.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=dtype)
+    # CUDA's row-wise kernels write bf16 only: another compute dtype (fp16 autocast, fp32) gets bf16 cast to it
+    out_dtype = torch.bfloat16 if rows.is_cuda else dtype
+    out = torch._scaled_mm(x_codes, codes.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=out_dtype)
+    out = out.to(dtype)
     if bias is not None:  # added apart: not every version's row-wise kernel takes a bias
         out = out.add_(bias.to(dtype))
     return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -186,8 +189,8 @@ def store_fp8(model: nn.Module) -> int:
 
 def use_fp8_matmul(model: nn.Module, device: torch.device | str) -> tuple[int, int]:
     """Let every `Fp8Linear` of `model` whose sizes torch._scaled_mm takes multiply in fp8 (`model.fp8_matmul`);
-    returns (layers that do, frozen fp8 layers in all). On CUDA it needs compute capability 8.9 (Ada, Hopper) and
-    bf16, which `check_fp8_matmul` asks first."""
+    returns (layers that do, frozen fp8 layers in all). `device` is where the model computes; on CUDA it needs
+    compute capability 8.9 (Ada, Hopper), which `check_fp8_matmul` asks first."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     cuda = torch.device(device).type == "cuda"
     on = [m for m in layers if not cuda or fp8_matmul_takes(m.in_features, m.out_features)]
@@ -197,8 +200,9 @@ def use_fp8_matmul(model: nn.Module, device: torch.device | str) -> tuple[int, i
 
 
 def check_fp8_matmul(cfg: Config, device: torch.device | str) -> None:
-    """One sentence when `model.fp8_matmul` cannot apply: it multiplies the fp8-stored frozen weights, on a GPU
-    with fp8 tensor cores, in bf16."""
+    """One sentence when `model.fp8_matmul` cannot apply on `device` (where the model computes, which may not be
+    where it is built): it multiplies the fp8-stored frozen weights, on a GPU with fp8 tensor cores whose per-row
+    scaled product this PyTorch runs."""
     m = cfg.model
     if not m.fp8_matmul:
         return
@@ -213,9 +217,6 @@ def check_fp8_matmul(cfg: Config, device: torch.device | str) -> None:
         raise ConfigError(f"model.fp8_matmul needs fp8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
                           f"{torch.cuda.get_device_name(device)} has {major}.{minor}: set model.fp8_matmul = false "
                           f"(model.frozen_weights = 'fp8' still halves the weights' memory)")
-    if m.dtype != "bf16":
-        raise ConfigError(f"model.fp8_matmul writes bf16 results on CUDA; model.dtype is {m.dtype!r}: set "
-                          f"model.dtype = 'bf16' or model.fp8_matmul = false")
     refusal = scaled_mm_refusal(device)
     if refusal is not None:
         raise ConfigError(f"model.fp8_matmul: this PyTorch ({torch.__version__}) has no fp8 matrix product with "

@@ -373,7 +373,8 @@ class PeerWatch:
             others = [p.rank for p in causes[1:]]
             who = (f"rank {first.rank}" + (f" (and rank(s) {', '.join(map(str, others))})" if others else "")
                    + f" stopped answering: {describe_state(first)}, last seen in {first.where()}"
-                   + (f" (rank(s) {', '.join(map(str, followers))} stopped after it)" if followers else ""))
+                   + (f" (rank(s) {', '.join(map(str, followers))} stopped after {'them' if others else 'it'})"
+                      if followers else ""))
         else:
             ahead = [p for p in self.peers.values() if (p.phase, p.step) != self._where_tuple()]
             if ahead:
@@ -393,20 +394,25 @@ class PeerWatch:
         return (top[0], top[1]) if top else ("", None)
 
     def speaks(self, suspects: list[Peer]) -> bool:
-        """Whether this rank prints the sentence: the lowest rank that is not a suspect, unless a rank that left
-        before this one decided has said it already."""
+        """Whether this rank prints the sentence: the lowest rank that is neither a suspect (the ones given, and
+        any this rank sees gone now) nor one that left without speaking, unless a rank that left before this one
+        decided has said it already."""
+        seen = self.suspects()  # reads the peers' last heartbeats too
         if any(p.spoke for p in self.peers.values()):
             return False
-        gone = {p.rank for p in suspects}
+        gone = {p.rank for p in suspects} | {p.rank for p in seen}
+        gone |= {p.rank for p in self.peers.values() if p.left}  # left without speaking: it cannot any more
         return self.rank == min(r for r in range(self.world) if r not in gone)
 
-    def _leaving(self, spoke: bool) -> None:
-        """The last heartbeat of a rank that stops because a peer stopped answering (see the module docstring)."""
+    def _leaving(self, spoke: bool, follower: bool) -> None:
+        """The last heartbeat of a rank that stops (see the module docstring): whether it stops because of a peer
+        it saw gone (`follower`; a rank stopping on its own phase budget, every peer answering, is not one) and
+        whether it said the sentence."""
         top = self._phases[-1] if self._phases else None
         self._beat += 1
         with contextlib.suppress(Exception):  # a store that is gone: the peers decide without it
             self._publish("hb", {"beat": self._beat, "phase": top[0] if top else "", "step": self._step,
-                                 "left": True, "spoke": spoke})
+                                 "left": follower, "spoke": spoke})
 
     def failure(self, err: BaseException) -> tuple[str, bool]:
         """(the sentence, whether this rank says it) for a collective that raised `err` in the main thread (a peer
@@ -423,7 +429,7 @@ class PeerWatch:
             suspects = self.suspects()
         what = f"this rank's collective in {where(*here)} failed ({error_gist(err)})"
         speaks = self.speaks(suspects)
-        self._leaving(speaks)
+        self._leaving(speaks, follower=bool(suspects))
         return self.sentence(what, suspects), speaks
 
     def fire(self, what: str, suspects: list[Peer] | None = None) -> None:
@@ -438,6 +444,6 @@ class PeerWatch:
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()
                 os.write(2, f"tttv {self.command}: error: {text}\n".encode())
-            self._leaving(speaks)
+            self._leaving(speaks, follower=bool(suspects))
         finally:
             self.exit(EXIT_PEER_LOST)

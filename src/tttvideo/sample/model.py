@@ -55,7 +55,7 @@ def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device,
     # adapters and activation checkpointing change nothing at inference but the parameter names a checkpoint
     # trained with them has; build exactly what was trained
     streamed = offload and device.type == "cuda"
-    model = build_model(cfg, device=torch.device("cpu") if streamed else device)
+    model = build_model(cfg, device=torch.device("cpu") if streamed else device, compute_device=device)
     if model_file is not None:
         load_trained(model, model_file, has_base=bool(cfg.model.pretrained_path))
         ema_file = ema_file_beside(model_file) if cfg.sample.use_ema else None
