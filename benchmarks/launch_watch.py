@@ -110,8 +110,12 @@ class Watched:
             role = self._roles.get(pid) or process_role(pid, self.proc.pid)
             if role in ("launch", "compile workers"):  # final; a child between fork and exec still looks like
                 self._roles[pid] = role               # its parent (a rank, "other"): asked again next time
-            peaks[role] = peaks.get(role, 0.0) + proc_status(pid, "VmHWM")
-            resident[role] = resident.get(role, 0.0) + proc_status(pid, "VmRSS")
+            rss = proc_status(pid, "VmRSS")  # before the peak: a peak read later is never below it
+            hwm = proc_status(pid, "VmHWM")
+            if hwm == 0.0:  # gone since it was listed
+                continue
+            peaks[role] = peaks.get(role, 0.0) + hwm
+            resident[role] = resident.get(role, 0.0) + rss
         self.host_peak = max(self.host_peak, sum(peaks.values()))
         for role, peak in peaks.items():
             seen = self.host_by_role.setdefault(role, {"peak_gib": 0.0, "resident_max_gib": 0.0, "at_s": 0.0})
