@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -136,8 +137,6 @@ def save_mapped_folder(model: nn.Module, folder: str | Path, name_map: dict[str,
     Benchmarks make full-size random-weight folders with it, to run the loading path without the real weights; the
     TTT layers are not part of that layout. Written under a temporary name and renamed, so the folder appears
     whole."""
-    import shutil
-
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -174,6 +173,7 @@ def save_mapped_folder(model: nn.Module, folder: str | Path, name_map: dict[str,
     return folder
 
 
+@torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Allocate and initialise every parameter still on the meta device, one reset unit at a time (fp32 init, then
     cast), so the peak is the model in `dtype` plus one unit in fp32."""

@@ -94,7 +94,6 @@ def from_pretrained_wan(path: str | Path, spec: WanSpec | None = None, ttt: TTTC
     return model
 
 
-
 def save_wan_folder(model: WanTTT, folder: str | Path, shard_bytes: int = 5 * 2**30) -> Path:
     """Write `model`'s backbone as a diffusers WanTransformer3DModel folder (`save_mapped_folder`)."""
     return save_mapped_folder(model, folder, wan_name_map(model.spec.num_layers),
