@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 print(f"tttv {args.command}: interrupted", file=sys.stderr)
                 code = 130
-            except Exception:
-                if not _is_rank():
+            except Exception as err:
+                if not _is_rank() or isinstance(err, BrokenPipeError):  # a closed stdout ends quietly (below)
                     raise
                 traceback.print_exc()  # a bug on a torchrun rank: its traceback, then no teardown either
                 code = 1

@@ -203,8 +203,8 @@ def schedule_change(old_steps: int, train: TrainConfig, step: int) -> str | None
 
     return (f"the learning rates ({train.decay} decay of train.lr, {train.decay_ssm} of train.lr_ssm, down to "
             f"train.lr_end at the last step) now follow a {train.steps}-step schedule, so at step {step + 1} "
-            f"train.lr is "
-            f"{lr(train.lr, train.decay, train.steps):.3g} instead of {lr(train.lr, train.decay, old_steps):.3g} and "
+            f"train.lr is {lr(train.lr, train.decay, train.steps):.3g} instead of "
+            f"{lr(train.lr, train.decay, old_steps):.3g} and "
             f"train.lr_ssm {lr(train.lr_ssm, train.decay_ssm, train.steps):.3g} instead of "
             f"{lr(train.lr_ssm, train.decay_ssm, old_steps):.3g}; keep train.steps = {old_steps} to continue the old "
             f"schedule")
