@@ -44,11 +44,12 @@ from tttvideo.models import build_model  # noqa: E402
 from tttvideo.models.fp8_storage import Fp8Linear, check_fp8_matmul, fp8_linear, store_fp8, use_fp8_matmul  # noqa: E402
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
 
-VARIANTS = ("bf16", "fp8 storage", "fp8 matmul")
-# each variant's settings on top of model_step's config (qkvo adapter: the trained layers stay in bf16)
+# each variant's settings on top of model_step's config (qkvo adapter: the trained layers stay in bf16), in the
+# order they are measured
 VARIANT_SETTINGS = {"bf16": ("model.frozen_weights=dtype",),
                     "fp8 storage": ("model.frozen_weights=fp8",),
                     "fp8 matmul": ("model.frozen_weights=fp8", "model.fp8_matmul=true")}
+VARIANTS = tuple(VARIANT_SETTINGS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     env = sample.environment(device)
     gpu = env["device"].split()[1].lower() if device.type == "cuda" else "cpu"
     out = Path(args.out or f"benchmarks/results/fp8_matmul_{gpu}.json")
-    report = sample.Report(out, {"benchmark": "fp8_matmul", "env": env, "preset": args.preset,
+    report = sample.Report(out, {"benchmark": "fp8_matmul", **env, "preset": args.preset, "gpus": 1, "use_ttt": True,
                                  "command": " ".join(["python3", "benchmarks/fp8_matmul.py", *(argv or sys.argv[1:])]),
                                  "steps": [], "layers": []})
     data = report.data
@@ -194,8 +195,8 @@ def main(argv=None) -> int:
 
 
 def print_table(data: dict) -> None:
-    print(f"\nfp8 matrix products for frozen weights, {data['env']['device']}, torch {data['env']['torch']}, "
-          f"commit {data['env']['git_commit']}")
+    print(f"\nfp8 matrix products for frozen weights, {data['device']}, torch {data['torch']}, "
+          f"commit {data['git_commit']}")
     print("\n| variant | duration | guided step (s) | attention | TTT | rest | peak alloc (GiB) | error vs bf16 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in data["steps"]:

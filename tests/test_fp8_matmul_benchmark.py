@@ -21,7 +21,7 @@ def test_three_variants_two_durations_errors_and_layers(tmp_path, capsys):
     out = tmp_path / "fp8_matmul_cpu.json"
     assert bench.main([*SMOKE, "--train-durations", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["env"]["device"] and result["env"]["torch"] and result["env"]["git_commit"]
+    assert result["device"] and result["torch"] and result["git_commit"] and result["use_ttt"]
     steps = {(r["variant"], r["duration_s"]): r for r in result["steps"]}
     assert set(steps) == {(v, d) for v in bench.VARIANTS for d in (3, 6)}
     assert steps["bf16", 3]["error_vs_bf16"] == 0
