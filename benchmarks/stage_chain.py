@@ -127,8 +127,9 @@ def make_weights(args: argparse.Namespace, work: Path) -> Path:
     cfg = resolved(args.durations[0], args)
     cfg.model.pretrained_path = ""
     # the folder holds the plain backbone, whatever the first stage stores its frozen weights as (the one-GPU 63-s
-    # config's fp8 storage renames them)
+    # config's fp8 storage renames them), so without fp8 products either
     cfg.model.frozen_weights = "dtype"
+    cfg.model.fp8_matmul = False
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = build_model(cfg, torch.device(args.device))

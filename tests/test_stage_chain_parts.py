@@ -24,6 +24,16 @@ def test_weights_folder_holds_every_layer_when_the_first_stage_stores_fp8(tmp_pa
     assert "transformer_blocks.0.ff.net.0.proj.weight" in names
 
 
+def test_weights_folder_is_made_for_a_chain_run_with_fp8_matrix_products(tmp_path):
+    # `--set model.fp8_matmul=true` (with fp8 storage) reached the folder's plain model, which refused fp8 products
+    # without fp8 storage: the two-GPU 63-s part with fp8 products stopped before any stage
+    args = stage_chain.parse_args(["--workdir", str(tmp_path), "--preset", "tiny", "--device", "cpu",
+                                   "--durations", "3", "--set", "model.frozen_weights=fp8",
+                                   "--set", "model.fp8_matmul=true"])
+    folder = stage_chain.make_weights(args, tmp_path) / "transformer"
+    assert (folder / "config.json").is_file()
+
+
 def test_fp8_stored_model_is_not_written_as_a_diffusers_folder(tmp_path):
     from tttvideo.config.loader import load_config
     from tttvideo.models import build_model
