@@ -125,12 +125,12 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
     out = work / duration / variant / f"seed{seed}"
     spec = get_preset(load_config(base, args.overrides).model.preset)
     overrides = row_overrides(variant, spec.attention_head_dim) + [
-        f"layout.duration={duration}", f"train.seed={seed}", f"train.output_dir={out}",
-        f"data.demo_dir={work / 'data' / f'{duration}-seed{seed}'}"]
+        f"layout.duration={duration}", f"train.seed={seed}", f"train.output_dir={out}"]
     if args.steps:
         overrides.append(f"train.steps={args.steps}")
-    overrides += args.overrides
-    cfg = load_config(base, overrides)
+    # the demo set's folder follows from the run's settings (a --set data.demo_dir still wins: it comes last)
+    folder = demo_dir(work, load_config(base, overrides + args.overrides), duration, seed)
+    cfg = load_config(base, [*overrides, f"data.demo_dir={folder}", *args.overrides])
     cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -160,6 +160,22 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
             "loss_curve": loss_curve(metrics), "accuracy_by_distance": per_distance,
             "accuracy": statistics.mean(per_distance), "first_scene_colour": statistics.mean(map(float, first)),
             "eval_videos": len(samples), "recurrence": recurrence_kernels(variant, cfg.ttt.backend, cuda)}
+
+
+def demo_dir(work: Path, cfg, duration: str, seed: int) -> Path:
+    """The demo set's folder of a run: one per demo set, named by the settings that make the set (those of
+    `tttvideo.data.demo.DemoSpec`, whose fingerprint the trainer checks before it uses a folder: the training layout,
+    the model's channels and text width, data.demo_videos, train.seed, the text encoder setting, data.demo_kind). The
+    runs of a (duration, seed) share one folder, so the set is built once, except a row whose settings make another
+    set: ttt-mlp-mb16's mini-batch of 16 changes the layout's TTT padding, and in the folder of the others (held by
+    their runs) it found a set of other settings and failed."""
+    from tttvideo.data.demo import DemoSpec
+    from tttvideo.models.backbone import get_preset, layout_of
+
+    spec = get_preset(cfg.model.preset)
+    demo = DemoSpec(layout_of(cfg).summary(), spec.in_channels, spec.text_embed_dim, cfg.data.demo_videos,
+                    cfg.train.seed, cfg.data.demo_text_encoder, kind=cfg.data.demo_kind)
+    return work / "data" / f"{duration}-seed{seed}-{demo.fingerprint()[:8]}"
 
 
 def recurrence_kernels(variant: str, backend: str, cuda: bool) -> str | None:

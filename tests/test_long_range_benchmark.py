@@ -203,3 +203,52 @@ def test_stories_sampled_in_a_batch_equal_the_sampler_story_by_story():
         alone = denoise(model, layout, cond, uncond, dataclasses.replace(cfg.sample, seed=seed), torch.device("cpu"))
         torch.testing.assert_close(batch[i:i + 1], alone, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(batch[0], batch[1], atol=1e-2)  # the stories differ: no story was copied
+
+
+def test_runs_share_a_demo_folder_exactly_when_they_train_on_one_demo_set(tmp_path, monkeypatch):
+    """The data.demo_dir the benchmark gives each run of a (duration, seed): the rows whose settings make one demo set
+    share one folder (the set is built once), and a row whose settings make another gets its own: ttt-mlp-mb16, whose
+    mini-batch of 16 changes the layout's TTT padding at 9 s. Every row's data set is opened as its run opens it, all
+    at once, each holding its folder's shared lock as concurrent --jobs runs do: with one folder for all, the
+    mini-batch-16 run found it in use with another set and failed (UserError, on an H200 with --jobs 8)."""
+    import argparse
+    import contextlib
+    import json as json_
+
+    from rich.console import Console
+
+    import tttvideo.api
+    from tttvideo.models.backbone import get_preset, layout_of
+    from tttvideo.train import runfolder
+
+    lr = benchmark()
+
+    class Trained(Exception):
+        """train() reached with the run's config: nothing trains."""
+
+    def train(cfg, **_):
+        raise Trained(cfg)
+
+    monkeypatch.setattr(tttvideo.api, "train", train)
+    args = argparse.Namespace(overrides=["data.demo_videos=2", "train.cpu_threads=1"], steps=2)
+    configs = {}
+    for row in lr.ROWS:
+        with pytest.raises(Trained) as got:
+            lr.train_and_score(Path(TINY), row, "9s", 0, args, tmp_path / "work")
+        configs[row] = got.value.args[0]
+    with contextlib.ExitStack() as stack:  # every run's shared lock held at once
+        for row, cfg in configs.items():
+            runfolder.open_dataset(cfg, layout_of(cfg), get_preset(cfg.model.preset), tmp_path / row,
+                                   Console(quiet=True), stack)
+    folders: dict[str, set[str]] = {}
+    for row, cfg in configs.items():
+        folders.setdefault(cfg.data.demo_dir, set()).add(row)
+    assert sorted(folders.values(), key=len) == [{"ttt-mlp-mb16"}, set(lr.ROWS) - {"ttt-mlp-mb16"}]
+    fingerprints = [json_.loads((Path(f) / "demo.json").read_text())["fingerprint"] for f in folders]
+    assert len(set(fingerprints)) == len(folders)  # one folder per demo set, one set per folder
+    assert all(Path(f).parent == tmp_path / "work" / "data" for f in folders)
+    # another seed or duration is another set, in another folder
+    for duration, seed in (("9s", 1), ("18s", 0)):
+        with pytest.raises(Trained) as got:
+            lr.train_and_score(Path(TINY), "ttt-mlp", duration, seed, args, tmp_path / "work")
+        assert got.value.args[0].data.demo_dir not in folders
