@@ -23,11 +23,14 @@ Device time: the ablations run at 9 s with seeds 0-2 only (--ablation-durations,
 9 s and 18 s with seeds 0-4: 60 + 21 = 81 runs of 250 steps of batch 16 (the config). Runs go seed by seed (main
 rows and ablations of a seed, then the next seed), so that a table cut short holds whole comparisons with fewer
 seeds. Each run samples its 64 held-out stories 32 per forward (benchmarks/long_range_eval.py), not one by one. Before
-training it prints a run plan with an estimate of the wall time (--plan-step-s, the assumed mean seconds per
-training step with --jobs runs sharing the device; --plan prints it alone); after each run, the measured rate and
-the time left. --budget-s starts no run that would, at the measured rate, end after that many seconds; the same
-command again continues from the results file. 8 jobs: the tiny model's runs on the H100 were slower at 12 jobs than
-at 6 (the processes time-slice the GPU), and a batch-16 run of this model at 18 s may hold up to ~10 GB.
+training it prints a run plan with an estimate of the wall time (--plan-step-s, the seconds of a run per training
+step with --jobs runs sharing the device, fitted with per-row factors to this config's runs with 8 jobs on an H200:
+PLAN_ROW_STEP; --plan prints it alone); after each run, the measured rate and the time left. --budget-s starts no
+run that would end past that many seconds by its plan, scaled by how far the last finished runs were off theirs; the
+same command again continues from the results file, but a run planned longer than the budget stops the table there
+(the plan says which). 8 jobs: the tiny model's runs on the H100 were slower at 12 jobs than at 6 (the processes
+time-slice the GPU), and a batch-16 run of this model at 18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch
+recurrence, H200).
 
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
@@ -46,6 +49,7 @@ them from a results file without training, and its table is the markdown docs/lo
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import platform
@@ -98,17 +102,34 @@ DESCRIBED = {
     "ttt-linear-eta-reference": "TTT-Linear, the reference system's learning-rate layout",
 }
 LOSS_WINDOW = 50  # steps per point of a run's loss curve
-# the run plan's costs besides the training steps: a run's process start, imports, data set and model build and
-# compile warm-up (the tiny model's runs on the H100 spent 10-30 s of their training time outside their steps), in
-# seconds; a solver step of a batch of held-out stories (one forward, guidance batched), in training steps
-PLAN_STARTUP_S = 25.0
+# The run plan: a run's wall time = PLAN_STARTUP_S + row factor x (segments / 3) x --plan-step-s x (training steps +
+# PLAN_SAMPLE_STEP x solver steps of its batches of held-out stories). Fitted to the default config's first table on
+# one NVIDIA H200 (one GPU of a 4-GPU host, another job on another GPU; commit 4847a47, --jobs 8, 250 steps of batch
+# 16, 64 stories of 20 solver steps 32 at a time; 13 runs of seed 0 finished before the 600-s command limit, wall s
+# per run: 9 s none 69, full attention 70, Mamba 2 92, Gated DeltaNet 111, TTT-Linear 220, TTT-MLP 580, 393 and 433
+# (the row and its base-lr ablations); 18 s none 85, full attention 120, Mamba 2 197, Gated DeltaNet 268, TTT-Linear
+# 379, TTT-MLP not done after 587; Mamba 2 and Gated DeltaNet on the PyTorch recurrence, fla not installed). The
+# earlier plan, from the tiny model's step on an H100, said 60-222 s a run and 1001 s for the 81 (16.7 min); 14 runs
+# ended (one failed at once) in the first 600 s. Packed in order on 8 slots, this plan ends 10 of those 11 first runs
+# within 20 s of their measured ends, TTT-MLP's at 482 s against 593, and says about 65 min for the 81.
+# Start-up: a run spent 9-14 s outside its training and sampling (process, imports, scoring) and 20-26 s of its
+# training outside its median step (data set, model, compile warm-up) where the row has no TTT kernels.
+PLAN_STARTUP_S = 30.0
+# a solver step of a batch of 32 held-out stories (one forward, guidance batched), in training steps: the 13 runs
+# sampled for 335 s in all, 40 forwards each, where 40 of their median training steps make 311 s
 PLAN_SAMPLE_STEP = 1.0
-# a row's step time relative to the mean of the main rows' (--plan-step-s): the tiny model's 9-s steps on the H100
-# (none 0.72, full attention 0.60, TTT-Linear 0.80, TTT-MLP 1.12, Mamba 2 1.25, Gated DeltaNet 1.51; the last two
-# on the PyTorch recurrence); the reference learning-rate layout runs the PyTorch scan, one step per mini-batch
-# (not measured: assumed 3x the Triton scan's)
-PLAN_ROW_STEP = {"none": 0.72, "full-attention": 0.60, "ttt-linear": 0.80, "mamba2": 1.25, "gated-deltanet": 1.51,
-                 "ttt-mlp-eta-reference": 3.4, "ttt-linear-eta-reference": 2.4}
+# a row's seconds per step relative to the mean of the main rows' at 9 s (--plan-step-s, 0.50 s there): per row the
+# runs' (wall - start-up) / (segments / 3) / (250 + 40) step-equivalents, the mean over its runs (TTT-MLP: the three
+# at 9 s; none 0.135 and 0.095 s at 9 and 18 s, full attention 0.138 and 0.155, Mamba 2 0.214 and 0.288, Gated
+# DeltaNet 0.280 and 0.411, TTT-Linear 0.656 and 0.602, TTT-MLP 1.90, 1.25, 1.39). TTT-MLP's includes its kernels'
+# warm-up (the row's first run spent 222 s of its training outside 250 median steps of 1.15 s, its ablations 54 and
+# 77 s) and the ablations of TTT-MLP not listed are priced as TTT-MLP (mini-batch 16, gate 1, the D/2 inner MLP: not
+# measured). The reference learning-rate layout runs the PyTorch scan, one step per mini-batch (not measured:
+# assumed 3x the Triton scan's, as the earlier plan did).
+PLAN_ROW_STEP = {"none": 0.23, "full-attention": 0.29, "mamba2": 0.50, "gated-deltanet": 0.69, "ttt-linear": 1.26,
+                 "ttt-mlp": 3.03, "ttt-mlp-eta-reference": 9.1, "ttt-linear-eta-reference": 3.8}
+
+
 def train_and_score(base: Path, variant: str, duration: str, seed: int, args, work: Path) -> dict:
     """One run: train, sample the held-out stories from its checkpoint, score them."""
     import torch
@@ -244,11 +265,13 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no run that would end after this many seconds from the start: its planned time "
                          "scaled by how far the last finished runs were off their plan; 0 = no limit. The same "
-                         "command again continues")
-    ap.add_argument("--plan-step-s", type=float, default=0.2,
-                    help="the run plan's assumed mean seconds per training step of the main rows at 9 s with --jobs "
-                         "runs sharing the device (the tiny model's: 0.06 s with 6 jobs on an H100, where 12 jobs "
-                         "were slower than 6; the small model has twice its blocks, so about twice its kernels)")
+                         "command again continues, but a run planned longer than the budget stops the table there "
+                         "(the plan names such runs)")
+    ap.add_argument("--plan-step-s", type=float, default=0.5,
+                    help="the run plan's seconds of a run's wall time per training step (start-up aside, warm-up "
+                         "in), the mean of the main rows at 9 s with --jobs runs sharing the device; each row and "
+                         "duration scales it (PLAN_ROW_STEP). 0.5: the default config with 8 jobs on an H200 (its "
+                         "first 13 runs: 69-580 s each); another config, --jobs or device needs its own")
     ap.add_argument("--plan", action="store_true", help="print the run plan and stop (nothing trains)")
     ap.add_argument("--no-report", action="store_true",
                     help="write the results file only, no table or plot (what --jobs passes to each run's process)")
@@ -345,9 +368,10 @@ def plan_runs(variants: list[str], durations: str, seeds: str, ablations: list[s
 def estimate_run_s(cfg, steps: int, step_s: float, eval_videos: int, eval_batch: int, segments: int,
                    row: str) -> float:
     """The run plan's seconds for one run: start-up, the training steps, the sampling (a solver step of a batch of
-    stories priced as a training step); longer videos cost more per step in proportion to their segments beyond
-    the third (an 18-s step of the tiny model took 1.1-1.5x a 9-s one on the H100)."""
-    scale = (1.0 + 0.1 * max(0, segments - 3)) * PLAN_ROW_STEP.get(row, 1.12)
+    stories priced as a training step); a step costs in proportion to the video's segments (the default config's
+    18-s runs took 1.2-2.4x the wall time of its 9-s ones on the H200; after start-up 1.4-2.9x,
+    2.2x on the mean)."""
+    scale = segments / 3 * PLAN_ROW_STEP.get(row, PLAN_ROW_STEP["ttt-mlp"])
     forwards = -(-eval_videos // eval_batch) * cfg.sample.steps
     return PLAN_STARTUP_S + scale * step_s * (steps + PLAN_SAMPLE_STEP * forwards)
 
@@ -363,18 +387,41 @@ def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int,
                 for d in {d for _, d, _ in pending}}
     runs_s = [estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos, args.eval_batch, segments[d], v)
               for v, d, _ in pending]
-    # the runs pack onto --jobs slots; the last to start sets the end (none waits for the longest)
-    total = max(sum(runs_s) / max(1, args.jobs), max(runs_s))
+    # the runs in their order on --jobs slots, each started when a slot frees: the last to end sets the total
+    spans = pack(runs_s, args.jobs)
+    total = max(end for _, end in spans)
     by_row: dict[str, int] = {}
     for v, _, _ in pending:
         by_row[v] = by_row.get(v, 0) + 1
+    budget = ""
+    if args.budget_s:  # the budget's rule by the plan: runs start in order until the first that would end past it
+        fit = next((i for i, (_, end) in enumerate(spans) if end > args.budget_s), len(spans))
+        budget = f"; --budget-s {args.budget_s:.0f} starts no run past it: by the plan, the first {fit} runs"
     print(f"run plan: {len(pending)} runs ({held} held already), {args.jobs} at once, {steps} steps of batch "
           f"{cfg.train.batch_size} each, {args.eval_videos} stories of {cfg.sample.steps} denoising steps sampled "
-          f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s at a mean step of "
-          f"{args.plan_step_s} s (--plan-step-s): about {total:.0f} s ({total / 60:.1f} min) in all" +
-          (f"; --budget-s {args.budget_s:.0f} starts no run past it" if args.budget_s else ""), flush=True)
+          f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s at a step of {args.plan_step_s} s "
+          f"(--plan-step-s, the main rows' mean at 9 s): about {total:.0f} s ({total / 60:.1f} min) in all"
+          + budget, flush=True)
     print("  runs per row: " + ", ".join(f"{v} {n}" for v, n in by_row.items()), flush=True)
+    over = [(s, f"{d} {v}") for (v, d, _), s in zip(pending, runs_s) if args.budget_s and s > args.budget_s]
+    if over:
+        s, name = max(over)
+        print(f"  {len(over)} run(s) planned longer than --budget-s {args.budget_s:.0f} (the longest: {name}, "
+              f"{s:.0f} s): the first of them starts only if the runs before it beat their plan by that much; "
+              f"otherwise the table stops there, in every rerun with this budget (a larger --budget-s or fewer "
+              f"--steps)", flush=True)
     return dict(zip(pending, runs_s))
+
+
+def pack(runs_s: list[float], jobs: int) -> list[tuple[float, float]]:
+    """Start and end (s) of each run, in their order on `jobs` slots, each started when the first slot frees."""
+    slots = [0.0] * max(1, jobs)
+    spans = []
+    for run_s in runs_s:
+        t = heapq.heappop(slots)
+        spans.append((t, t + run_s))
+        heapq.heappush(slots, t + run_s)
+    return spans
 
 
 def fits_budget(args, start: float, planned: float, ratios: list[float]) -> bool:
