@@ -290,3 +290,36 @@ def test_the_run_plan_of_the_default_config_is_its_measured_runs(tmp_path, capsy
     # the first six: the 9-s main rows; the seventh, 18 s TTT-MLP, would end past 520 s
     assert "--budget-s 520 starts no run past it: by the plan, the first 6 runs" in printed
     assert "run(s) planned longer than --budget-s 520" in printed
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_jobs_end_with_the_benchmark_that_started_them(tmp_path):
+    """A job started as run_jobs starts it ends when its parent is SIGKILLed (it trained on without die_with_parent)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "job.pid"
+    parent = (f"import subprocess, sys, time; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+              f"from tests.benchmark_scripts import load_benchmark; lr = load_benchmark('long_range'); "
+              f"job = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+              f"preexec_fn=lr.die_with_parent); open({str(pidfile)!r}, 'w').write(str(job.pid)); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 30
+    while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job = int(pidfile.read_text())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(job, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(job, signal.SIGKILL)
+        raise AssertionError("the job outlived the benchmark process that started it")
