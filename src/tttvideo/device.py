@@ -43,7 +43,7 @@ def compiled_on_cuda(fn: Callable, x: torch.Tensor, enabled: bool, dynamic: bool
     """`fn` torch.compile'd when `enabled` and `x` is on CUDA (dynamic=False: one compile per input shape; True: one
     for every shape, for a function called at many sizes; the compiled function shared by every caller), `fn` itself
     elsewhere: compiling for the CPU is a C++ build per shape. For the elementwise glue around the model's big
-    kernels (`ttt.compile_glue`, `model.compile_attention_glue`, the input quantisation of `model.fp8_matmul`)."""
+    kernels (`ttt.compile_glue`, `model.compile_attention_glue`)."""
     if not (enabled and x.is_cuda):
         return fn
     if fn not in _COMPILED:

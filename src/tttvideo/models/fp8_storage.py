@@ -35,12 +35,14 @@ each frozen weight as it reads it (the same codes as loading into the unconverte
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.config.schema import Config
-from tttvideo.device import compiled_on_cuda
 from tttvideo.errors import ConfigError
 
 FP8 = torch.float8_e4m3fn
@@ -63,9 +65,43 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes, fp32 scales [rows, 1]) of a 2-d activation, one scale per row (token): the row-wise scaling
-    torch._scaled_mm takes. Compiled on CUDA (`fp8_linear`), so the fp32 arithmetic stays in registers."""
+    torch._scaled_mm takes. The reference of the Triton kernel `triton_fp8_quantize` (`quantize_tokens_fast`)."""
     scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX) / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@functools.cache
+def _quantize_kernel_runs_on(device: torch.device) -> bool:
+    # the kernel writes e4m3, which Triton compiles for compute capability 8.9+ only
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_quantize_kernel(x: torch.Tensor) -> bool:
+    """Whether `quantize_tokens_fast` runs the Triton kernel for `x`: on CUDA with compute capability 8.9+ (what
+    `model.fp8_matmul` needs anyway) and Triton installed; on CPU only inside the Triton interpreter (the tests)."""
+    if x.numel() == 0:  # nothing to launch; the reference's error for rows of no elements stays its own
+        return False
+    if x.device.type != "cuda":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _quantize_kernel_runs_on(x.device)
+
+
+def quantize_tokens_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tokens` by its Triton kernel where `use_quantize_kernel` says so, else by the reference itself; the
+    same codes and scales either way (tests/test_fp8_quantize.py). The kernel reads x once and writes the codes
+    once: torch.compile's version of the reference ran at a seventh of the memory bandwidth (H200), and hit
+    torch._dynamo's recompile limit on row counts despite dynamic=True."""
+    if use_quantize_kernel(x):
+        from tttvideo.models.triton_fp8_quantize import quantize_tokens_triton
+
+        return quantize_tokens_triton(x)
+    return quantize_tokens(x)
 
 
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -74,8 +110,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
     their per-output-channel scales, accumulated in fp32 by torch._scaled_mm, the result in `dtype`. Twice bf16's
     matrix throughput on Hopper; the error is x's quantisation on top of the weights' (docs/model.md)."""
     rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
-    # dynamic: every layer's token count (text, video, FFN chunks) shares one compiled kernel
-    x_codes, x_scale = compiled_on_cuda(quantize_tokens, rows, True, dynamic=True)(rows)
+    x_codes, x_scale = quantize_tokens_fast(rows)
     # CUDA's row-wise kernels write bf16 only: another compute dtype (fp16 autocast, fp32) gets bf16 cast to it
     out_dtype = torch.bfloat16 if rows.is_cuda else dtype
     out = torch._scaled_mm(x_codes, codes.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=out_dtype)
