@@ -13,10 +13,11 @@ bf16), "fp8 storage" (`model.frozen_weights = 'fp8'`: e4m3 codes upcast to bf16 
 (batch 2, CUDA events around every block's attention and TTT); the long duration runs its first --timed-blocks
 blocks and adds the mean block time for the rest. The error is the relative L2 distance of one guided prediction
 at the short duration from the bf16 model's. The layer table times F.linear on the upcast weight against
-`fp8_linear` (quantisation of the input included) at the short step's token count (batch 2), median of --repeats.
-With --train-durations, the trainer's training step (forward + backward of one video, `benchmarks/model_step.py`'s
-step and timing, its default checkpointing; weights in fp32 on the CPU) of each variant at those durations, a fresh
-model each.
+`fp8_linear` (quantisation of the input included) at the short step's token count (batch 2), median of --repeats,
+and the quantisation alone: `quantize_tokens_fast` (the Triton kernel on a GPU with fp8) against the
+torch.compile'd `quantize_tokens` fp8_linear ran before it. With --train-durations, the trainer's training step
+(forward + backward of one video, `benchmarks/model_step.py`'s step and timing, its default checkpointing; weights
+in fp32 on the CPU) of each variant at those durations, a fresh model each.
 
 The JSON (default benchmarks/results/fp8_matmul_<gpu>.json) holds the device, torch, commit and every row; the
 table is printed at the end.
@@ -41,7 +42,9 @@ import sample  # noqa: E402
 from tttvideo.layout import VideoLayout  # noqa: E402
 from tttvideo.models.backbone import get_preset  # noqa: E402
 from tttvideo.models import build_model  # noqa: E402
-from tttvideo.models.fp8_storage import Fp8Linear, check_fp8_matmul, fp8_linear, store_fp8, use_fp8_matmul  # noqa: E402
+from tttvideo.device import compiled_on_cuda  # noqa: E402
+from tttvideo.models.fp8_storage import (Fp8Linear, check_fp8_matmul, fp8_linear, quantize_tokens,  # noqa: E402
+                                         quantize_tokens_fast, store_fp8, use_fp8_matmul, use_quantize_kernel)
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
 
 # each variant's settings on top of model_step's config (qkvo adapter: the trained layers stay in bf16), in the
@@ -107,8 +110,22 @@ def layer_rows(model, tokens: int, device: torch.device, dtype: torch.dtype, rep
         rows.append({"in": shape[0], "out": shape[1], "tokens": tokens, "layers": sum(
             isinstance(m, Fp8Linear) and (m.in_features, m.out_features) == shape for m in model.modules()),
             "bf16_ms": plain * 1e3, "fp8_ms": in_fp8 * 1e3, "speedup": plain / in_fp8,
-            "bf16_tflops": flops / plain / 1e12, "fp8_tflops": flops / in_fp8 / 1e12})
+            "bf16_tflops": flops / plain / 1e12, "fp8_tflops": flops / in_fp8 / 1e12,
+            **quantize_timings(x, device, repeats)})
     return rows
+
+
+def quantize_timings(x: torch.Tensor, device: torch.device, repeats: int) -> dict:
+    """fp8_linear's input quantisation alone: what it runs (`quantize_tokens_fast`: the Triton kernel on a GPU with
+    fp8, the reference elsewhere) against the torch.compile'd reference it replaced (eager off CUDA), with the
+    bandwidth each reaches (x read once, codes and scales written once)."""
+    compiled = compiled_on_cuda(quantize_tokens, x, True, dynamic=True)
+    fast, reference = timed(lambda: quantize_tokens_fast(x), device, repeats), timed(lambda: compiled(x), device,
+                                                                                     repeats)
+    moved = x.numel() * (x.element_size() + 1) + x.shape[0] * 4
+    return {"quantize_kernel": "triton" if use_quantize_kernel(x) else "reference", "quantize_ms": fast * 1e3,
+            "quantize_compiled_ms": reference * 1e3, "quantize_gbs": moved / fast / 1e9,
+            "quantize_compiled_gbs": moved / reference / 1e9}
 
 
 def train_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -208,11 +225,14 @@ def print_table(data: dict) -> None:
         extra = " (extrapolated)" if r["blocks_timed"] < r["blocks_total"] else ""
         print(f"| {r['variant']} | {r['duration_s']} s | {r['step_s']:.3f}{extra} | {r['attention_s']:.3f} | "
               f"{r['ttt_s']:.3f} | {r['rest_s']:.3f} | {peak} | {err} |")
-    print("\n| frozen layer (in -> out) | layers | tokens | bf16 ms | fp8 ms | speedup | bf16 TFLOP/s | fp8 TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| frozen layer (in -> out) | layers | tokens | bf16 ms | fp8 ms | speedup | bf16 TFLOP/s | fp8 TFLOP/s | "
+          "quantize by | quantize ms (GB/s) | compiled reference ms (GB/s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in data["layers"]:
         print(f"| {r['in']} -> {r['out']} | {r['layers']} | {r['tokens']} | {r['bf16_ms']:.3f} | {r['fp8_ms']:.3f} | "
-              f"{r['speedup']:.2f}x | {r['bf16_tflops']:.0f} | {r['fp8_tflops']:.0f} |")
+              f"{r['speedup']:.2f}x | {r['bf16_tflops']:.0f} | {r['fp8_tflops']:.0f} | {r['quantize_kernel']} | "
+              f"{r['quantize_ms']:.3f} ({r['quantize_gbs']:.0f}) | {r['quantize_compiled_ms']:.3f} "
+              f"({r['quantize_compiled_gbs']:.0f}) |")
     if data.get("train"):
         print("\n| training step (forward + backward) | duration | median s | peak alloc (GiB) |")
         print("|---|---|---|---|")
