@@ -1,5 +1,5 @@
 """model.fp8_matmul's per-token e4m3 quantisation on CUDA with fp8 support (skipped elsewhere): the Triton kernel
-(`triton_fp8_quantize`) against its reference `quantize_tokens` (eager, on the GPU) at the 5B model's sizes, 4099
+(`triton_fp8_quantize`) against its reference `quantize_tokens` (eager, on the CPU) at the 5B model's sizes, 4099
 (not a multiple of any tile) and 36096 tokens (batch 2 at 3 s) times rows of 3072 and 12288, bf16 (the model's
 dtype) and fp32; the two-pass path for long rows, forced at 4099 x 12288 and taken by itself at 20000 elements a
 row; the rounding in fp32 Ada needs (`rounds_in_fp32`), forced on this GPU; rows of zeros, a huge value, a NaN and
