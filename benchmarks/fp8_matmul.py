@@ -42,7 +42,6 @@ import sample  # noqa: E402
 from tttvideo.layout import VideoLayout  # noqa: E402
 from tttvideo.models.backbone import get_preset  # noqa: E402
 from tttvideo.models import build_model  # noqa: E402
-from tttvideo.device import compiled_on_cuda  # noqa: E402
 from tttvideo.models.fp8_storage import (Fp8Linear, check_fp8_matmul, fp8_linear, quantize_tokens,  # noqa: E402
                                          quantize_tokens_fast, store_fp8, use_fp8_matmul, use_quantize_kernel)
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
@@ -119,7 +118,7 @@ def quantize_timings(x: torch.Tensor, device: torch.device, repeats: int) -> dic
     """fp8_linear's input quantisation alone: what it runs (`quantize_tokens_fast`: the Triton kernel on a GPU with
     fp8, the reference elsewhere) against the torch.compile'd reference it replaced (eager off CUDA), with the
     bandwidth each reaches (x read once, codes and scales written once)."""
-    compiled = compiled_on_cuda(quantize_tokens, x, True, dynamic=True)
+    compiled = torch.compile(quantize_tokens, dynamic=True) if x.is_cuda else quantize_tokens
     fast, reference = timed(lambda: quantize_tokens_fast(x), device, repeats), timed(lambda: compiled(x), device,
                                                                                      repeats)
     moved = x.numel() * (x.element_size() + 1) + x.shape[0] * 4

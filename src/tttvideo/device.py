@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -39,13 +40,26 @@ def cap_process_memory(gib: float, device: torch.device | str) -> float | None:
 _COMPILED: dict[Callable, Callable] = {}
 
 
-def compiled_on_cuda(fn: Callable, x: torch.Tensor, enabled: bool, dynamic: bool = False) -> Callable:
-    """`fn` torch.compile'd when `enabled` and `x` is on CUDA (dynamic=False: one compile per input shape; True: one
-    for every shape, for a function called at many sizes; the compiled function shared by every caller), `fn` itself
-    elsewhere: compiling for the CPU is a C++ build per shape. For the elementwise glue around the model's big
-    kernels (`ttt.compile_glue`, `model.compile_attention_glue`)."""
+def compiled_on_cuda(fn: Callable, x: torch.Tensor, enabled: bool) -> Callable:
+    """`fn` torch.compile'd when `enabled` and `x` is on CUDA (dynamic=False: one compile per input shape, the
+    compiled function shared by every caller), `fn` itself elsewhere: compiling for the CPU is a C++ build per shape.
+    For the elementwise glue around the model's big kernels (`ttt.compile_glue`, `model.compile_attention_glue`)."""
     if not (enabled and x.is_cuda):
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=dynamic)
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
+
+
+def triton_runs_on(x: torch.Tensor, min_capability: tuple[int, int]) -> bool:
+    """Whether a Triton kernel can run on `x`: on CUDA from compute capability `min_capability` on, with Triton
+    installed; off CUDA only inside Triton's interpreter (TRITON_INTERPRET=1, how the tests run kernels on a CPU)."""
+    if x.device.type != "cuda":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if torch.cuda.get_device_capability(x.device) < min_capability:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

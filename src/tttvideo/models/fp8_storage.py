@@ -35,14 +35,12 @@ each frozen weight as it reads it (the same codes as loading into the unconverte
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.config.schema import Config
+from tttvideo.device import triton_runs_on
 from tttvideo.errors import ConfigError
 
 FP8 = torch.float8_e4m3fn
@@ -70,26 +68,13 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-@functools.cache
-def _quantize_kernel_runs_on(device: torch.device) -> bool:
-    # the kernel writes e4m3, which Triton compiles for compute capability 8.9+ only
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def use_quantize_kernel(x: torch.Tensor) -> bool:
-    """Whether `quantize_tokens_fast` runs the Triton kernel for `x`: on CUDA with compute capability 8.9+ (what
-    `model.fp8_matmul` needs anyway) and Triton installed; on CPU only inside the Triton interpreter (the tests)."""
+    """Whether `quantize_tokens_fast` runs the Triton kernel for `x`: on CUDA with compute capability 8.9+ (the
+    kernel writes e4m3, which Triton compiles from there on; what `model.fp8_matmul` needs anyway) and Triton
+    installed; on CPU only inside the Triton interpreter (the tests)."""
     if x.numel() == 0:  # nothing to launch; the reference's error for rows of no elements stays its own
         return False
-    if x.device.type != "cuda":
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return _quantize_kernel_runs_on(x.device)
+    return triton_runs_on(x, (8, 9))
 
 
 def quantize_tokens_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,12 +9,10 @@ with backend "triton" (the tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from tttvideo.device import compiled_on_cuda
+from tttvideo.device import compiled_on_cuda, triton_runs_on
 from tttvideo.rope import apply_rope
 
 # eps of the reconstruction-target LayerNorm: the original normalises by (unbiased std + eps).
@@ -51,15 +49,9 @@ def use_kernel(qkv: torch.Tensor, backend: str) -> bool:
     """Whether `prepare_scan_inputs` runs the Triton kernels for this call (see the module docstring)."""
     if backend == "reference" or qkv.shape[-1] & (qkv.shape[-1] - 1) or qkv.shape[-1] < 2:
         return False
-    if qkv.device.type != "cuda":
-        return backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if torch.cuda.get_device_capability(qkv.device) < (8, 0):
+    if qkv.device.type != "cuda" and backend != "triton":  # off CUDA the reference, unless asked for the kernels
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_runs_on(qkv, (8, 0))
 
 
 def prepare_scan_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: torch.Tensor,
