@@ -83,9 +83,9 @@ class ModelConfig:
     fp8_matmul: bool = field(default=False, metadata={
         "help": "with frozen_weights = 'fp8': frozen linear layers multiply in fp8 (torch._scaled_mm: activations "
                 "quantised per token, the stored per-channel weight scales, fp32 accumulation) instead of "
-                "upcasting their weights to bf16; twice bf16's matrix throughput on Ada and Hopper GPUs (compute "
-                "capability >= 8.9), at more output error (docs/model.md 'fp8 matrix products for frozen "
-                "weights'); backward keeps the upcast weight"})
+                "upcasting their weights to bf16; on Ada and Hopper GPUs (compute capability >= 8.9), at more output "
+                "error, and measured no faster on an H200 (docs/model.md 'fp8 matrix products for frozen weights'); "
+                "backward keeps the upcast weight"})
     compile_attention_glue: bool = field(default=True, metadata={
         "help": "torch.compile local attention's window gather + RoPE and its overlap merge on CUDA (one write per "
                 "tensor instead of a gather, an fp32 copy and elementwise passes); false = eager"})
