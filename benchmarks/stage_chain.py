@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "step of a process that neither compiles nor loads (its steady state)")
     ap.add_argument("--videos", type=int, default=2, help="clips in each stage's random latent cache")
     ap.add_argument("--sample-steps", type=int, default=2)
+    ap.add_argument("--sample-config", default="",
+                    help="config of the closing `tttv sample` (default: the one saved with stage 5's checkpoint, "
+                         "which trains in model.dtype fp32); Wan2.1 on a 24 GB card: "
+                         "configs/wan2.1-1.3b/sample-63s-24gb.toml (bf16, 12 GiB cap)")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill -9 and --resume")
     ap.add_argument("--no-sample", action="store_true", help="skip `tttv sample` after the last stage")
     ap.add_argument("--keep-stages", action="store_true",
@@ -417,11 +421,16 @@ def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str,
             "sample.text_encoder_path=", "data.text_encoder_path=", "sample.vae_path=", "data.vae_path=",
             f"sample.device={args.device}", "parallel.dp_shard=-1", *sets,
             *(s for s in args.overrides if s.startswith(("memory.", "sample.")))]
-    cmd = tttv("sample", "--checkpoint", str(work / f"stage-{duration}s"), "--scenes", str(story), "--out", str(out),
-               *sum((["--set", s] for s in sets), []), gpus=gpus)
+    config = [str(REPO / args.sample_config)] if args.sample_config else []
+    if config:  # the model the chain trained, from this chain's random base folder, not the recipe's real weights
+        sets += [f"model.preset={args.preset}", f"model.pretrained_path={work / 'weights'}",
+                 *(s for s in args.overrides if not s.startswith(("memory.", "sample.")))]
+    cmd = tttv("sample", *config, "--checkpoint", str(work / f"stage-{duration}s"), "--scenes", str(story), "--out",
+               str(out), *sum((["--set", s] for s in sets), []), gpus=gpus)
     child = Watched(cmd, log, REPO)
     code = child.wait()
-    row = {"duration_s": duration, "layout": layout, "gpus": gpus, "wall_s": time.perf_counter() - t0,
+    row = {"duration_s": duration, "layout": layout, "gpus": gpus, "config": args.sample_config or "checkpoint's",
+           "wall_s": time.perf_counter() - t0,
            "exit_code": code, "peak_host_gib": child.host_peak, "host_by_process": child.host_by_role,
            "peak_gpu_used_gib": child.gpu_peak,
            "latents": str(out.with_suffix(".latents.safetensors"))}

@@ -87,3 +87,19 @@ def test_wan_recipe_chain_through_its_24gb_configs(tmp_path):
     assert "initialised from" in (tmp_path / "work" / "stage-63s.log").read_text()
     assert [s["exit_code"] for s in result["samples"]] == [0]
     assert (tmp_path / "work" / "weights" / "transformer" / "config.json").is_file()
+
+
+def test_wan_chain_samples_with_the_recipes_sample_config(tmp_path):
+    """The Wan 24 GB recipe's stage 1 on the tiny Wan model, then the closing sample through --sample-config (the
+    recipe's bf16 63-s sample config, its model and layout keys overridden as the chain's training was): without
+    the chain's preset and base folder the sample config builds the 1.3B model and refuses the checkpoint."""
+    out = tmp_path / "chain.json"
+    cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(tmp_path / "work"), "--preset", "wan-tiny",
+           "--configs", "configs/wan2.1-1.3b/{stage}-24gb.toml", "--device", "cpu", "--durations", "3", "--no-kill",
+           "--steps", "1", "--sample-steps", "1", "--sample-config", "configs/wan2.1-1.3b/sample-63s-24gb.toml",
+           "--out", str(out), "--set", "layout.height=32", "--set", "layout.width=32", "--set", "layout.text_tokens=8"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    (sample,) = json.loads(out.read_text())["samples"]
+    assert sample["exit_code"] == 0 and sample["config"] == "configs/wan2.1-1.3b/sample-63s-24gb.toml"
+    assert (tmp_path / "work" / "sample-3s.latents.safetensors").is_file()
