@@ -32,7 +32,7 @@ def tiny() -> Config:
 
 
 def test_names_are_unique_and_keys_are_config_keys():
-    assert len({t.name for t in REGISTRY}) == len(REGISTRY) == 11
+    assert len({t.name for t in REGISTRY}) == len(REGISTRY) == 12
     keys = flat(Config())
     for t in REGISTRY:
         assert t.keys and set(t.keys) <= set(keys), t.name

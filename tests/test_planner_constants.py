@@ -127,3 +127,55 @@ def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(
     # sft: 7.2 B trainable parameters' gradients and 8-bit state are halved per GPU by FSDP
     assert two["allocated_gib"] < one["allocated_gib"] - 10
     assert two["allocated_gib"] == pytest.approx(22.9, abs=0.2)  # the header of stage1-3s-2gpu.toml
+
+
+WAN_63S = "configs/wan2.1-1.3b/stage5-63s-24gb.toml"
+NO_WEIGHTS = ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0"]
+
+
+def test_the_window_wise_form_has_its_own_stream_copies_head_group_checkpoints_and_time():
+    """Wan's window-wise form (attention by window, TTT over token chunks) makes neither attention nor the TTT gates
+    stream-sized: its working set is its own constant's stream copies (no fp32 upcasts of the whole stream), one
+    head group's scan checkpoints, and its step costs window_time more; without the form, the plain parts."""
+    table = {"cogvideox": REFERENCE, "wan": {"stream_copies": 17.0, "time_points": [[20280.0, 3.7]],
+                                             "window_stream_copies": 5.0, "window_time": 2.5}}
+    k = BlockConstants.for_backbone(table, "wan")
+    window = load_config(ROOT / WAN_63S, NO_WEIGHTS)
+    plain = load_config(ROOT / WAN_63S, NO_WEIGHTS + ["checkpointing.attention_by_window=false",
+                                                      "checkpointing.ttt_chunk_tokens=0",
+                                                      "checkpointing.ttt_head_groups=1"])
+    gw, gp = Geometry.of(window), Geometry.of(plain)
+    assert gw.window_form and not gp.window_form and gw.scan_heads == gw.heads // 4 and gp.scan_heads == gp.heads
+
+    from tttvideo.memory.plan.activations import working_set
+
+    ws_window = {p.name.split(" (")[0]: p.nbytes for p in working_set(gw, k)}
+    ws_plain = {p.name.split(" (")[0]: p.nbytes for p in working_set(gp, k)}
+    assert ws_window["working set: stream-sized tensors of the window-wise form"] == int(5.0 * gw.stream)
+    assert "working set: fp32 upcasts of the stream" not in ws_window
+    assert ws_plain["working set: attention and other stream-sized temporaries"] == int(17.0 * gp.stream)
+    assert ws_plain["working set: fp32 upcasts of the stream"] == gp.tokens * gp.dim * 4
+    assert ws_window["working set: TTT scan checkpoints"] * 4 == ws_plain["working set: TTT scan checkpoints"]
+    assert k.time_factor(window) == pytest.approx(2.5 * k.time_factor(plain))
+    # a backbone without the constant keeps the plain form's parts (an over-count, never an under-count)
+    bare = BlockConstants.for_backbone({"cogvideox": REFERENCE, "wan": {"stream_copies": 17.0}}, "wan")
+    assert "working set: fp32 upcasts of the stream" in {p.name.split(" (")[0] for p in working_set(gw, bare)}
+
+
+def test_the_plan_ranks_the_shipped_63s_wan_stage_first_and_predicts_the_chain():
+    """`tttv plan` offers the window-wise form for Wan (a technique of its own), ranks the 63-s 24 GB stage as
+    shipped first on a 24 GB card, and predicts the Wan chain's 63-s stage (held out: stage_chain_wan_24gb_h200.json)
+    within 10 % reserved; CogVideoX's candidates do not change with it."""
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import candidates, plan
+
+    cfg = load_config(ROOT / WAN_63S, NO_WEIGHTS)
+    best = plan(cfg, "train", 24 * 10**9, load_costs("h100"))[0]
+    assert best.fits and "window-wise" in best.candidate.label
+    ck = best.config.checkpointing
+    assert ck.attention_by_window and ck.ttt_chunk_tokens > 0 and ck.offload_activations
+    chain = json.loads((ROOT / "benchmarks/results/stage_chain_wan_24gb_h200.json").read_text())
+    row = next(r for r in chain["stages"] if r["duration_s"] == 63)
+    assert best.reserved / GIB == pytest.approx(row["peak_reserved_gib"], rel=0.10)
+    cog = load_config(ROOT / "configs/cogvideox-5b/stage3-18s-1gpu.toml", NO_WEIGHTS)
+    assert not any("window-wise" in c.label for c in candidates(cog, "train"))

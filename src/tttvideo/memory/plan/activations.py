@@ -16,7 +16,11 @@ sp (`working_set`):
   one head_dim x head_dim for TTT-Linear) once per scan group of mini-batches, for the forward and the reverse pass;
 - with the text cross-attended (Wan), the keys and values of every segment's text;
 - attention and the remaining stream-sized temporaries (q, k, v, the attention output, the gradients flowing back,
-  the adaLN-modulated inputs): a measured number of stream-sized tensors (`stream_copies`, fitted at 9 s).
+  the adaLN-modulated inputs): a measured number of stream-sized tensors (`stream_copies`, fitted at 9 s);
+- in Wan's window-wise form (attention one window at a time, the TTT passes over token chunks and their scans over
+  groups of heads), which makes neither attention's tensors nor the fp32 upcasts whole: that form's own measured
+  number of stream-sized tensors (`window_stream_copies`) and one head group's scan checkpoints, its step
+  `window_time` times the plain form's.
 
 Where the peak falls depends on the policy, so each phase is counted and the largest wins (`train_peak`):
 the end of forward (every saved input, no gradients yet), each unit's backward recompute (the inputs still saved,
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 
 from tttvideo.config.schema import Config
 from tttvideo.memory.plan.count import Counted, fsdp_shard_degree
+from tttvideo.memory.techniques import window_form
 
 GIB = 2**30
 
@@ -102,6 +107,13 @@ class BlockConstants:
     # with FSDP over several GPUs and no sp: the same, in place of reserved_fraction (each block's parameters
     # gathered and its gradients reduce-scattered in buffers the one-GPU step has not); 0: not measured
     fsdp_reserved_fraction: float = 0.0
+    # in a backbone's window-wise training form (`Geometry.window_form`): the stream-sized tensors live in a block's
+    # backward recompute, in place of stream_copies and the counted fp32 upcasts (that form makes neither whole);
+    # 0: not measured, the plain form's parts (an over-count)
+    window_stream_copies: float = 0.0
+    # that form's step time against the same step without it (its per-window checkpoints, the TTT layer's chunks
+    # and head groups recompute and serialise what the plain form runs at once)
+    window_time: float = 1.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockConstants":
@@ -112,7 +124,9 @@ class BlockConstants:
                    tuple((float(t), float(v)) for t, v in d.get("time_points", ())), str(d.get("source", "")),
                    float(d.get("first_step_offload_reserved_units", d["offload_reserved_units"])),
                    sp_reserved_fraction=float(d.get("sp_reserved_fraction", 0.0)),
-                   fsdp_reserved_fraction=float(d.get("fsdp_reserved_fraction", 0.0)))
+                   fsdp_reserved_fraction=float(d.get("fsdp_reserved_fraction", 0.0)),
+                   window_stream_copies=float(d.get("window_stream_copies", 0.0)),
+                   window_time=float(d.get("window_time", 1.0)))
 
     @classmethod
     def for_backbone(cls, table: dict, backbone: str) -> "BlockConstants":
@@ -136,7 +150,9 @@ class BlockConstants:
                 "nested_time": self.nested_time, "offload_time": self.offload_time,
                 "time_points": [list(p) for p in self.time_points], "source": self.source,
                 "sp_reserved_fraction": self.sp_reserved_fraction,
-                "fsdp_reserved_fraction": self.fsdp_reserved_fraction}
+                "fsdp_reserved_fraction": self.fsdp_reserved_fraction,
+                **({"window_stream_copies": self.window_stream_copies, "window_time": self.window_time}
+                   if self.window_stream_copies else {})}
 
     def how(self, what: str, *constants: str) -> str:
         """A part's basis `what` ("measured", "counted x measured") from `constants`, naming the backbone they were
@@ -156,8 +172,9 @@ class BlockConstants:
         ck = cfg.checkpointing
         # the copies can only add work: a measured offload factor below 1 is one run's noise, and would rank
         # offloading a short video (nothing to gain) above keeping its inputs
-        return self.nested_time if ck.nested_span > 1 else max(1.0, self.offload_time) if ck.offload_activations \
+        inputs = self.nested_time if ck.nested_span > 1 else max(1.0, self.offload_time) if ck.offload_activations \
             else 1.0
+        return inputs * (self.window_time if window_form(cfg) else 1.0)
 
 
 @dataclass(frozen=True)
@@ -208,6 +225,13 @@ class Geometry:
     cross_text_tokens: int = 0  # text tokens a block cross-attends to (all segments; 0: text in the stream)
     backbone: str = "cogvideox"
     window_tokens: int = 0  # tokens of one attention window
+    # the window-wise training form (Wan: checkpointing.attention_by_window with the TTT passes over token chunks,
+    # ttt_chunk_tokens): attention one window at a time, the TTT passes' gates and residual adds folded into their
+    # chunks, so the block's stream-sized temporaries are fewer (`BlockConstants.window_stream_copies`)
+    window_form: bool = False
+    # TTT heads whose scan runs at once in backward: all, or one group's (checkpointing.ttt_head_groups, each
+    # group checkpointed on its own; with ttt_chunk_tokens only)
+    scan_heads: int = 0
 
     @classmethod
     def of(cls, cfg: Config, gpus: int = 1) -> "Geometry":
@@ -230,9 +254,11 @@ class Geometry:
         chunk = cfg.checkpointing.ffn_chunk_tokens
         rows = batch * (min(per_gpu, chunk) if chunk > 0 else per_gpu)
         text = 0 if layout.text_in_stream else layout.num_segments * layout.text_tokens
+        ck = cfg.checkpointing
+        groups = ck.ttt_head_groups if ck.ttt_chunk_tokens > 0 else 1
         return cls(spec.num_layers, dim, heads, hd, act, per_gpu * batch, cfg.ttt.mini_batch_size,
                    max(1, cfg.ttt.scan_checkpoint_group_size), state, getattr(spec, "ffn_dim", 4 * dim), rows,
-                   batch * text, backbone.name, layout.window_tokens)
+                   batch * text, backbone.name, layout.window_tokens, window_form(cfg), math.ceil(heads / groups))
 
     @property
     def stream(self) -> int:
@@ -269,15 +295,25 @@ def working_set(g: Geometry, k: BlockConstants) -> list[Part]:
     checkpoints = math.ceil(g.tokens / (g.mini_batch * g.scan_group))
     chunked = g.ffn_rows < g.tokens
     rows = f"{g.ffn_rows} rows (one chunk)" if chunked else "tokens"
+    scan_heads = g.scan_heads or g.heads
+    groups = f" (one group of {g.heads // scan_heads})" if scan_heads < g.heads else ""
     parts = [
         Part(f"working set: MLP hidden ({rows} x {g.hidden} x {g.act_bytes} B)", g.ffn_rows * g.hidden * g.act_bytes,
              "counted"),
-        Part("working set: fp32 upcasts of the stream (tokens x dim x 4 B)", g.tokens * g.dim * 4, "counted"),
-        Part(f"working set: TTT scan checkpoints ({checkpoints} x {g.heads} heads x {g.ttt_state_values} fp32, "
-             "forward and reverse)", 2 * checkpoints * g.heads * g.ttt_state_values * 4, "counted"),
-        Part(f"working set: attention and other stream-sized temporaries ({k.stream_copies:.1f} x tokens x dim)",
-             int(k.stream_copies * g.stream), k.how("counted x measured", "stream_copies")),
+        Part(f"working set: TTT scan checkpoints ({checkpoints} x {scan_heads} heads{groups} x "
+             f"{g.ttt_state_values} fp32, forward and reverse)", 2 * checkpoints * scan_heads * g.ttt_state_values * 4,
+             "counted"),
     ]
+    if g.window_form and k.window_stream_copies > 0:
+        parts.append(Part(f"working set: stream-sized tensors of the window-wise form ({k.window_stream_copies:.1f} x "
+                          "tokens x dim)", int(k.window_stream_copies * g.stream),
+                          k.how("counted x measured", "window_stream_copies")))
+    else:
+        parts[1:1] = [Part("working set: fp32 upcasts of the stream (tokens x dim x 4 B)", g.tokens * g.dim * 4,
+                           "counted")]
+        parts.append(Part(f"working set: attention and other stream-sized temporaries ({k.stream_copies:.1f} x "
+                          "tokens x dim)", int(k.stream_copies * g.stream), k.how("counted x measured",
+                                                                                   "stream_copies")))
     if g.cross_text_tokens:
         parts.append(Part(f"working set: cross-attention keys and values of the text ({g.cross_text_tokens} tokens "
                           f"x dim, 2 x {g.act_bytes} B)", 2 * g.cross_text_tokens * g.dim * g.act_bytes, "counted"))

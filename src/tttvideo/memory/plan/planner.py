@@ -45,7 +45,8 @@ from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_ke
 from tttvideo.memory.plan.count import Counted, count, fsdp_shard_degree, process_host_bytes
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
                                         FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
-                                        SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, MemoryTechnique, Option)
+                                        SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, WINDOW_FORM, MemoryTechnique,
+                                        Option)
 
 GIB = 2**30
 FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (docs/memory.md: measured 2-8%)
@@ -142,11 +143,12 @@ def _train_candidates(cfg: Config, gpus: int) -> list[Candidate]:
     # the block model counts nested spans of offloaded inputs for backbones without measured curves (their host
     # pool may hold the span inputs where it cannot hold every block's); CogVideoX's measured regimes have none
     nest_offloaded = backbone_of(cfg.model.preset).name not in MEASURED_BACKBONES
-    for ck, offload, nested, ffn, (stored, weights, streamed), optim, sp in itertools.product(
+    for ck, offload, nested, ffn, window, (stored, weights, streamed), optim, sp in itertools.product(
             CHECKPOINTING.options(cfg, phase, gpus), ACTIVATION_OFFLOAD.options(cfg, phase, gpus),
-            NESTED_CHECKPOINTING.options(cfg, phase, gpus), FFN_CHUNKS.options(cfg, phase, gpus), storages,
-            ADAMW_8BIT.options(cfg, phase, gpus), SEQUENCE_PARALLEL.options(cfg, phase, gpus)):
-        options = (ck, offload, nested, ffn, weights, optim, streamed) + ((sp,) if gpus > 1 else ())
+            NESTED_CHECKPOINTING.options(cfg, phase, gpus), FFN_CHUNKS.options(cfg, phase, gpus),
+            WINDOW_FORM.options(cfg, phase, gpus), storages, ADAMW_8BIT.options(cfg, phase, gpus),
+            SEQUENCE_PARALLEL.options(cfg, phase, gpus)):
+        options = (ck, offload, nested, ffn, window, weights, optim, streamed) + ((sp,) if gpus > 1 else ())
         c = Candidate("", options).apply(cfg)
         if c.checkpointing.offload_activations and c.checkpointing.keep:
             continue  # kept outputs stay on the GPU: offloading the rest is a regime nobody measured
@@ -156,7 +158,9 @@ def _train_candidates(cfg: Config, gpus: int) -> list[Candidate]:
         if c.checkpointing.ffn_chunk_tokens and (not fits_block_model(c, gpus)
                                                  or Geometry.of(c, gpus).ffn_rows == Geometry.of(c, gpus).tokens):
             continue  # only the block model counts the chunks (no chunked curve is measured); one chunk: no change
-        extra = ", ".join(o.label for o in (offload, nested, ffn) if o.label)
+        if window.label and (c.checkpointing.keep or not fits_block_model(c, gpus)):
+            continue  # the window-wise form is counted by the block model only (its constants are measured there)
+        extra = ", ".join(o.label for o in (offload, nested, ffn, window) if o.label)
         label = f"ckpt {ck.label}{', ' + extra if extra else ''}, {stored} weights, {optim.label}"
         if gpus > 1:
             label += f", sp {c.parallel.sp} x fsdp {gpus // c.parallel.sp}"
@@ -246,6 +250,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if chunked:
             notes.append(f"FFN chunks: x{geometry.ffn_chunk_time():.3f} step time estimated from the shapes, "
                          "not measured")
+        if geometry.window_form and blocks.window_stream_copies:
+            notes.append(f"window-wise form: x{blocks.window_time:.2f} step time (measured at 63 s)")
         # the step time of the backbone's own measured steps; a backbone without them has none (its setups are
         # ranked by time_factor, the relative cost of their recomputes)
         time_cost = Curve(blocks.time_points) if blocks.time_points else None

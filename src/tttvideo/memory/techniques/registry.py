@@ -523,9 +523,64 @@ FFN_CHUNKS = MemoryTechnique(
 )
 
 
+# ------------------------------------------------------------------------------------------- window-wise block form
+# what the planner tries: the 30- and 63-s Wan stages' settings (the TTT layer's chunks as the FFN's; four groups of
+# Wan2.1-1.3B's 24 TTT heads)
+WINDOW_TTT_CHUNK_TOKENS, WINDOW_HEAD_GROUPS = 32768, 4
+_WINDOW_KEYS = ("checkpointing.attention_by_window", "checkpointing.ttt_chunk_tokens", "checkpointing.ttt_head_groups")
+
+
+def _window_form(on: bool) -> Option:
+    def apply(cfg: Config) -> None:
+        ck = cfg.checkpointing
+        ck.attention_by_window = on
+        ck.ttt_chunk_tokens = WINDOW_TTT_CHUNK_TOKENS if on else 0
+        ck.ttt_head_groups = WINDOW_HEAD_GROUPS if on else 1
+
+    label = f"window-wise, TTT chunks of {WINDOW_TTT_CHUNK_TOKENS} x {WINDOW_HEAD_GROUPS} head groups" if on else ""
+    return Option(label, apply, _WINDOW_KEYS)
+
+
+def _window_options(cfg: Config, phase: Phase, gpus: int) -> tuple[Option, ...]:
+    from tttvideo.models.backbone import backbone_of
+
+    if phase != "train":
+        return ()
+    if backbone_of(cfg.model.preset).name != "wan":
+        # another backbone's settings stay the config's (CogVideoX has no window-wise form)
+        return (Option("", lambda cfg: None, ()),)
+    return _window_form(False), _window_form(True)
+
+
+def window_form(cfg: Config) -> bool:
+    """Whether a training step runs the window-wise form of a backbone that has one (Wan:
+    checkpointing.attention_by_window with the TTT passes over token chunks, ttt_chunk_tokens)."""
+    from tttvideo.models.backbone import backbone_of
+
+    ck = cfg.checkpointing
+    return backbone_of(cfg.model.preset).name == "wan" and ck.attention_by_window and ck.ttt_chunk_tokens > 0
+
+
+WINDOW_FORM = MemoryTechnique(
+    name="window-wise block form",
+    phases=("train",),
+    keys=_WINDOW_KEYS,
+    # Wan's block in training: both attentions one window at a time, each window checkpointed (WanBlock._by_window),
+    # and the TTT passes as gated passes over token chunks, their scans over groups of heads (TTTLayer._chunked)
+    mechanism="tttvideo.models.wan.block.WanBlock (attention_by_window) and tttvideo.ttt.layer.TTTLayer's chunked "
+              "passes, set by apply_checkpointing",
+    is_on=window_form,
+    options=_window_options,
+    # counted by the block model: its own stream copies and time factor (BlockConstants.window_stream_copies,
+    # window_time, measured on Wan2.1-1.3B at 63 s)
+    regime="activation",
+    regime_tag=lambda cfg: "window" if window_form(cfg) else "",
+)
+
+
 REGISTRY: tuple[MemoryTechnique, ...] = (FP8_WEIGHTS, ADAMW_8BIT, FP8_STREAMING, CHECKPOINTING, ACTIVATION_OFFLOAD,
-                                         NESTED_CHECKPOINTING, FFN_CHUNKS, SEQUENCE_PARALLEL, CHUNKED_INFERENCE,
-                                         GUIDANCE_PASSES, SAMPLE_BLOCK_OFFLOAD)
+                                         NESTED_CHECKPOINTING, FFN_CHUNKS, WINDOW_FORM, SEQUENCE_PARALLEL,
+                                         CHUNKED_INFERENCE, GUIDANCE_PASSES, SAMPLE_BLOCK_OFFLOAD)
 
 
 def check_techniques(cfg: Config, processes: int) -> None:
