@@ -149,9 +149,10 @@ def _wan_rows() -> list[Row]:
     peak). Wan's own constants come from these rows: its step time from the 3-s row (the 18-s time held out), its
     stream copies from both (the 3-s peak is 87% weights, gradients and optimizer state, so its activations cannot
     fix a constant alone); an out-of-memory row must be predicted not to fit its cap. The window-wise form's stream
-    copies come from the H200's 63-s row (fit_24gb_wan_h200.json, the stage as shipped); the Wan chain's five stages
-    (stage_chain_wan_24gb_h200.json, each config as shipped, the process's peak) are held out, memory only (the
-    step times of the costs are an H100's)."""
+    copies and time factor come from the H200's 63-s row (fit_24gb_wan_h200.json, the stage as shipped); the Wan
+    chain's five stages (stage_chain_wan_24gb_h200.json, each config as shipped, the process's peak) are held out.
+    The H200's step times are compared in H100 seconds (the costs' times are an H100's), by the ratio of the 3-s
+    step on the two, so the chain's 3-s time calibrates that ratio."""
     rows = []
     path = RESULTS / "fit_24gb_wan_h100.json"
     for r in json.loads(path.read_text())["runs"] if path.is_file() else []:
@@ -343,10 +344,22 @@ def fit_cogvideox(rows: list[Row]):
                           first_step_offload_reserved_units=offload_units(off18))
 
 
+def _minimum(loss, lo: float = 0.0, hi: float = 60.0) -> float:
+    """Where `loss` is least on [lo, hi] (golden-section search): each row's peak grows with a stream-copy count, so a
+    sum of squared relative errors over rows has one minimum."""
+    ratio = (5 ** 0.5 - 1) / 2
+    for _ in range(60):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        lo, hi = (lo, b) if loss(a) <= loss(b) else (a, hi)
+    return (lo + hi) / 2
+
+
 def fit_wan(rows: list[Row], reference) -> dict:
     """Wan's own constants: the stream copies that best fit the allocated peaks of its measured rows (least squares
     of the relative errors), and its step time from the 3-s row (the step with the inputs kept: the measured time
-    over the setup's time factor, CogVideoX-5B's). Every other constant stays CogVideoX-5B's."""
+    over the setup's time factor, CogVideoX-5B's); the window-wise form's stream copies the same way from its rows,
+    and its time factor from the timed one (its step over the plain form's predicted step). Every other constant
+    stays CogVideoX-5B's."""
     import dataclasses
 
     from tttvideo.memory.plan.activations import Geometry
@@ -362,12 +375,7 @@ def fit_wan(rows: list[Row], reference) -> dict:
         k = dataclasses.replace(reference, stream_copies=copies)
         return sum((alloc(r, k) / (r.allocated * GIB) - 1) ** 2 for r in ok)
 
-    lo, hi = 0.0, 60.0  # golden-section search: each row's peak grows with the copies, so the loss has one minimum
-    ratio = (5 ** 0.5 - 1) / 2
-    for _ in range(60):
-        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        lo, hi = (lo, b) if loss(a) <= loss(b) else (a, hi)
-    copies = (lo + hi) / 2
+    copies = _minimum(loss)
     timed = next(r for r in ok if "step time" in r.calibrates)
     cfg = config_of(timed)
     tokens = layout_of(cfg).total_tokens * cfg.train.batch_size
@@ -376,26 +384,21 @@ def fit_wan(rows: list[Row], reference) -> dict:
     own = dataclasses.replace(reference, stream_copies=copies, backbone="wan")
     window = [r for r in rows if r.calibrates == WINDOW_FORM and r.allocated]
     extra = {}
+    time_points = [[float(tokens), timed.step_s / factor]]
     if window:
-        def window_loss(copies: float) -> float:
-            k = dataclasses.replace(own, window_stream_copies=copies)
-            return sum((alloc(r, k) / (r.allocated * GIB) - 1) ** 2 for r in window)
-
-        lo, hi = 0.0, 60.0
-        for _ in range(60):
-            a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-            lo, hi = (lo, b) if window_loss(a) <= window_loss(b) else (a, hi)
-        extra = {"window_stream_copies": (lo + hi) / 2}
+        extra = {"window_stream_copies": _minimum(lambda c: sum(
+            (alloc(r, dataclasses.replace(own, window_stream_copies=c)) / (r.allocated * GIB) - 1) ** 2
+            for r in window))}
         timed_window = next((r for r in window if r.step_s), None)
         if timed_window is not None:  # the form's time factor: the measured step over the same step without it
             from tttvideo.memory.plan.costs import Curve
 
             wcfg = config_of(timed_window)
             g = Geometry.of(wcfg)
-            plain = (Curve(((float(tokens), timed.step_s / factor),))(g.tokens) * own.time_factor(wcfg)
+            plain = (Curve(tuple(map(tuple, time_points)))(g.tokens) * own.time_factor(wcfg)
                      * (g.ffn_chunk_time() if g.ffn_rows < g.tokens else 1.0))
             extra["window_time"] = timed_window.step_s / plain
-    return {"stream_copies": copies, **extra, "time_points": [[float(tokens), timed.step_s / factor]],
+    return {"stream_copies": copies, **extra, "time_points": time_points,
             "source": "benchmarks/plan_accuracy.py --fit: fit_24gb_wan_h100.json, the stream copies from the 3- and "
                       "18-s rows together (no Wan row holds them out), the step time from the 3-s row (the 18-s "
                       "time held out); the window-wise form's stream copies and time factor from the 63-s row of "

@@ -2,9 +2,10 @@
 
 Training: activation checkpointing (whole blocks, keeping some outputs, or blocks and their four parts), nested
 checkpointing (one saved input per span of units), activation offload to host memory (an exact-size pool), fp8
-storage of the frozen weights, streaming those from host memory, 8-bit AdamW, the MLP over token chunks, and on
-several GPUs sequence parallelism. Sampling: fp8 storage, the chunked (bounded-memory) forward, the guidance's two
-passes batched, in turn, or split over two groups of GPUs, blocks streamed from host memory, sequence parallelism.
+storage of the frozen weights, streaming those from host memory, 8-bit AdamW, the MLP over token chunks, Wan's
+window-wise block form, and on several GPUs sequence parallelism. Sampling: fp8 storage, the chunked
+(bounded-memory) forward, the guidance's two passes batched, in turn, or split over two groups of GPUs, blocks
+streamed from host memory, sequence parallelism.
 `REGISTRY` holds them in the order the OOM advice lists savings of equal size and the calibration runs its setups.
 """
 
