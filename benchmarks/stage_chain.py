@@ -88,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sample-steps", type=int, default=2)
     ap.add_argument("--sample-config", default="",
                     help="config of the closing `tttv sample` (default: the one saved with stage 5's checkpoint, "
-                         "which trains in model.dtype fp32); Wan2.1 on a 24 GB card: "
-                         "configs/wan2.1-1.3b/sample-63s-24gb.toml (bf16, 12 GiB cap)")
+                         "its memory caps the training's); Wan2.1 on a 24 GB card: "
+                         "configs/wan2.1-1.3b/sample-63s-24gb.toml (chunked, two passes, 12 GiB cap)")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill -9 and --resume")
     ap.add_argument("--no-sample", action="store_true", help="skip `tttv sample` after the last stage")
     ap.add_argument("--keep-stages", action="store_true",

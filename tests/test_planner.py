@@ -342,3 +342,18 @@ def test_several_gpus_sample_with_the_guidance_split_where_it_is_faster():
     four = plan(cfg, "sample", 80 * GIB, costs, gpus=4)
     assert {(p.config.parallel.sp, p.config.sample.split_guidance) for p in four} == {(2, True)}
     assert best(four).step_s == pytest.approx(one / (2 * 2 * 0.75))
+
+
+def test_sample_plans_count_the_dtype_the_sampler_builds_on_a_gpu():
+    """A run's config keeps fp32 master weights; `sample.dtype = "auto"` samples them in bf16 on a GPU, so the
+    sample plan counts bf16 weights and reads the bf16 regime's costs, unless sample.dtype asks for fp32."""
+    fp32 = tiny(dtype="fp32")
+    costs = synthetic_costs(tiny(dtype="bf16"), "sample")
+    auto = [predict(fp32, "sample", c, costs) for c in candidates(fp32, "sample")]
+    bf16 = [predict(tiny(dtype="bf16"), "sample", c, costs) for c in candidates(fp32, "sample")]
+    assert [p.peak for p in auto] == [p.peak for p in bf16] and all(p.peak is not None for p in auto)
+    asked = copy.deepcopy(fp32)
+    asked.sample.dtype = "fp32"
+    kept = [predict(asked, "sample", c, costs) for c in candidates(asked, "sample")]
+    assert all(p.peak is None for p in kept)  # the fp32 regime was never measured
+    assert count(asked, "sample").total > count(tiny(dtype="bf16"), "sample").total

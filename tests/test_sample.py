@@ -16,7 +16,7 @@ from tttvideo.data.video import read_frames
 from tttvideo.layout import VideoLayout
 from tttvideo.models import save_checkpoint
 from tttvideo.sample.guidance import denoise
-from tttvideo.sample.model import fp32_on_gpu_hint, load_model
+from tttvideo.sample.model import load_model
 from tttvideo.sample.offload import BlockOffloader
 from tttvideo.sample.scenes import load_stories
 
@@ -292,11 +292,26 @@ def test_trained_duration_comes_from_the_model_file_first(tmp_path, checkpoint, 
     assert len(caplog.records) == 1 and "is 9 s long" in caplog.text and "at most 6 s" in caplog.text
 
 
-def test_fp32_weights_on_a_gpu_get_the_bf16_hint():
-    """A run's config trains with model.dtype = "fp32"; sampled as is on a GPU, every product is fp32 (a 63-s Wan
-    guided step 292 s against 41 s in bf16 on an H200): the sampler says how to switch, only where it applies."""
-    cfg = load_config(None, ["model.dtype=fp32"])
-    hint = fp32_on_gpu_hint(cfg, torch.device("cuda"))
-    assert hint is not None and "--set model.dtype=bf16" in hint
-    assert fp32_on_gpu_hint(cfg, torch.device("cpu")) is None
-    assert fp32_on_gpu_hint(load_config(None, ["model.dtype=bf16"]), torch.device("cuda")) is None
+def test_sampling_dtype_is_bf16_on_a_gpu_for_fp32_master_weights_and_the_config_elsewhere():
+    """A run's config trains with model.dtype = "fp32" and the sampler runs no autocast: on a GPU `sample.dtype =
+    "auto"` builds the model in bf16 (a 63-s Wan guided step took 292 s in fp32, 41 s in bf16, on an H200); a CPU
+    keeps the config's dtype, and an explicit sample.dtype wins everywhere."""
+    from tttvideo.dtypes import sampling_dtype
+
+    assert sampling_dtype("fp32", "auto", cuda=True) == "bf16"
+    assert sampling_dtype("fp32", "auto", cuda=False) == "fp32"
+    assert sampling_dtype("fp16", "auto", cuda=True) == "fp16"
+    assert sampling_dtype("fp32", "fp32", cuda=True) == "fp32"
+    assert sampling_dtype("bf16", "fp32", cuda=False) == "fp32"
+
+
+def test_load_model_builds_the_sampling_dtype(checkpoint):
+    """load_model builds the model in sample.dtype, the fp32 checkpoint's weights cast as they load (on the CPU
+    here: the explicit setting; "auto" keeps the config's fp32 there)."""
+    cfg = load_config(checkpoint / "config.toml")
+    assert cfg.model.dtype == "fp32" and cfg.sample.dtype == "auto"
+    with load_model(cfg, checkpoint, torch.device("cpu")) as loaded:
+        assert next(loaded.model.parameters()).dtype == torch.float32
+    cfg.sample.dtype = "bf16"
+    with load_model(cfg, checkpoint, torch.device("cpu")) as loaded:
+        assert next(loaded.model.parameters()).dtype == torch.bfloat16

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, get_args
 # The allowed values of the choice fields: their annotations, and the loader's check (`choice`).
 Preset = Literal["tiny", "small", "cogvideox-5b", "wan-tiny", "wan2.1-t2v-1.3b"]
 WeightDtype = Literal["fp32", "bf16", "fp16"]
+SampleDtype = Literal["auto", "fp32", "bf16", "fp16"]
 Adapter = Literal["sft", "qkvo", "lora"]
 SequenceLayer = Literal["ttt", "none", "full-attention", "mamba2", "gated-deltanet"]
 FrozenWeights = Literal["dtype", "fp8"]
@@ -294,6 +295,9 @@ class SampleConfig:
     cfg_batched: bool = field(default=True, metadata={"help": "conditional and unconditional in one batch of 2 "
                                                               "(faster) instead of two passes (less memory)"})
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
+    dtype: SampleDtype = choice("auto", *get_args(SampleDtype), help=(
+        "dtype the transformer samples in (no autocast): 'auto' is bf16 on a GPU where model.dtype is fp32 (a run's "
+        "master weights; the trained weights are cast as they load) and model.dtype otherwise, CPU included"))
     text_encoder_path: str = field(default="", metadata={"help": "T5 folder ('' = data.text_encoder_path; both "
                                                                  "empty = the demo text encoder)"})
     text_encoder_device: TextEncoderDevice = choice("auto", *get_args(TextEncoderDevice),

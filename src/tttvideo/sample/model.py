@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tttvideo.config.schema import Config
+from tttvideo.dtypes import sampling_dtype
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
 from tttvideo.runs import ema_file_beside, is_full_checkpoint, load_trained, resolve_checkpoint
@@ -48,10 +49,12 @@ def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device,
     from tttvideo.models import build_model, load_checkpoint
 
     apply_memory_cap(cfg.memory, device)
-    hint = fp32_on_gpu_hint(cfg, device)
-    if hint:
-        log.warning(hint)
     cfg = copy.deepcopy(cfg)
+    dtype = sampling_dtype(cfg.model.dtype, cfg.sample.dtype, device.type == "cuda")
+    if dtype != cfg.model.dtype:
+        log.info("sampling in %s (sample.dtype = %r; the config's model.dtype is %s)", dtype, cfg.sample.dtype,
+                 cfg.model.dtype)
+        cfg.model.dtype = dtype
     model_file = resolve_checkpoint(checkpoint) if checkpoint else None
     if model_file is not None and is_full_checkpoint(model_file):
         cfg.model.pretrained_path = ""  # every weight comes from the checkpoint: skip loading the base model
@@ -75,18 +78,6 @@ def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device,
         return LoadedModel(model, BlockOffloader(model.blocks, device, prefetch=cfg.sample.prefetch_blocks))
     BlockOffloader(model.blocks, device)  # logs that offload is a no-op off CUDA
     return LoadedModel(model)
-
-
-def fp32_on_gpu_hint(cfg: Config, device: torch.device) -> str | None:
-    """What to say when a GPU would sample with fp32 weights: a run's config keeps `model.dtype = "fp32"` for its
-    trainable weights, and the sampler builds the model in that dtype (no autocast), so the residual stream and
-    every matrix product are fp32 too (one H200, Wan2.1-1.3B at 63 s: a guided step took 292 s from a run's fp32
-    config, 41 s with the bf16 sample config)."""
-    if device.type != "cuda" or cfg.model.dtype != "fp32":
-        return None
-    return ("sampling with fp32 weights (model.dtype = 'fp32' in the config); bf16 takes about half the GPU memory "
-            "and runs several times faster: add --set model.dtype=bf16 (the trained weights are cast as they load) "
-            "or pass a sample config that sets it")
 
 
 def warn_beyond_training(model_file: Path, stories: list[Story], layouts: list[VideoLayout]) -> None:

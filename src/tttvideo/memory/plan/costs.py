@@ -146,8 +146,11 @@ def long_range_tag(cfg: Config) -> str:
 
 
 def activation_key(cfg: Config, phase: str) -> str:
-    if phase == "sample":
-        return f"{cfg.model.preset}|{cfg.model.dtype}|sample|{sample_forward(cfg)}{long_range_tag(cfg)}"
+    if phase == "sample":  # the dtype the sampler builds on a GPU (sample.dtype), where the costs are measured
+        from tttvideo.dtypes import sampling_dtype  # here: the rest of this module needs no torch
+
+        dtype = sampling_dtype(cfg.model.dtype, cfg.sample.dtype, cuda=True)
+        return f"{cfg.model.preset}|{dtype}|sample|{sample_forward(cfg)}{long_range_tag(cfg)}"
     extra = "".join("|" + tag for tag in (NESTED_CHECKPOINTING.regime_tag(cfg), FFN_CHUNKS.regime_tag(cfg)) if tag)
     return (f"{cfg.model.preset}|{cfg.model.dtype}|train|{cfg.model.adapter}|{CHECKPOINTING.regime_tag(cfg)}|"
             f"{ACTIVATION_OFFLOAD.regime_tag(cfg)}{extra}{long_range_tag(cfg)}")

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tttvideo.config.schema import Config
+from tttvideo.dtypes import sampling_dtype
 from tttvideo.errors import UserError
 from tttvideo.models.backbone import backbone_of, layout_of
 from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
@@ -208,6 +209,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     benchmark measures); `trace`: for a backbone whose blocks were not measured, the block model's working sets
     from a fake-tensor trace of the candidate's block unit (`memory.plan.traced`) instead of the counted ones."""
     c = candidate.apply(cfg)
+    if phase == "sample":  # as the sampler builds it on the GPU planned for (sample.dtype)
+        c.model.dtype = sampling_dtype(c.model.dtype, c.sample.dtype, cuda=True)
     layout = layout_of(c)
     batch = c.train.batch_size if phase == "train" else 1
     sp = c.parallel.sp if gpus > 1 else 1
