@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from tttvideo.models.fp8_storage import FP8, FP8_MAX, quantize_tokens
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -24,8 +23,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def compare_with_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> dict:
     """{"scale_rel": largest relative scale difference (0 where equal, NaN = NaN), "code_diffs": codes that differ,
     "unexplained": those not one fp32 ulp of the quotient away (see the module docstring), "shape_ok"}."""
-    from tttvideo.models.fp8_storage import quantize_tokens
-
     # the reference runs on the CPU, where both of its divisions are IEEE: on CUDA, PyTorch divides a tensor by a
     # Python scalar as a multiplication by its reciprocal (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), so
     # `amax / 448` there can be one ulp off the kernel's exact scale (an H200 run: scales 1.19e-7 apart, and codes
