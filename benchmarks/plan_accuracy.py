@@ -180,22 +180,25 @@ def _wan_rows() -> list[Row]:
     h200_3s = next((r["median_step_s"] for r in chain["stages"] if r["duration_s"] == 3 and r.get("median_step_s")),
                    None)
     to_h100 = h100_3s / h200_3s if h100_3s and h200_3s else None
+
+    def h100_s(run: dict) -> float | None:
+        return run["median_step_s"] * to_h100 if to_h100 and run.get("median_step_s") else None
+
     path = RESULTS / "fit_24gb_wan_h200.json"
     for r in json.loads(path.read_text())["runs"] if path.is_file() else []:
         if r.get("phase") == "train" and r["status"] == "ok" and r["duration_s"] == 63:
             rows.append(Row(f"wan {r['name']}, H200", path.name, r["config"],
                             NO_WEIGHTS + [f"layout.duration={r['duration_s']}s"], "train", "calibration",
-                            r["peak_allocated_gib"], r["peak_reserved_gib"], None,
-                            r["median_step_s"] * to_h100 if to_h100 else None, calibrates=WINDOW_FORM))
+                            r["peak_allocated_gib"], r["peak_reserved_gib"], None, h100_s(r),
+                            calibrates=WINDOW_FORM))
     for r in chain["stages"]:
         if "error" in r:
             continue
         sets = list(r.get("overrides", chain.get("overrides", [])))
-        step = r["median_step_s"] * to_h100 if to_h100 and r.get("median_step_s") else None
         rows.append(Row(f"wan chain {r['duration_s']} s, {r['config']}", chain_path.name,
                         f"configs/wan2.1-1.3b/{r['config']}",
                         NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets], "train",
-                        "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None, step,
+                        "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None, h100_s(r),
                         time_role="calibration" if r["duration_s"] == 3 else ""))
     return rows
 
