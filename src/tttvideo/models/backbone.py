@@ -186,6 +186,8 @@ class BackboneSpec:
     - objective: prediction and noise schedule
     - configure: settings of `[model]` that are the backbone's own (e.g. CogVideoX's compiled glue), applied to a
       built model
+    - compiles_glue: whether a model built with these `[model]` settings torch.compiles code of its own on CUDA (a
+      process that compiles forks Inductor's pool of compile workers, whose host memory the planner counts)
     - vae / text_encoder: the kinds of VAE its latents come from and of text encoder its text features come from,
       keys of `sample.decode.VAE_DECODERS` and `text.encoders.TEXT_ENCODERS` (the loaders live in the layers that
       load them); None: none can be loaded (a backbone trained on the demo set alone)
@@ -202,6 +204,7 @@ class BackboneSpec:
     layout: LayoutParams = field(default_factory=LayoutParams)
     objective: Objective = field(default_factory=Objective)
     configure: Callable[[nn.Module, "ModelConfig"], None] = lambda model, cfg: None
+    compiles_glue: Callable[["ModelConfig"], bool] = lambda cfg: False
     vae: str | None = None
     text_encoder: str | None = None
     check: Callable[["Config"], None] = lambda cfg: None

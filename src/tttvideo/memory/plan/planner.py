@@ -43,7 +43,8 @@ from tttvideo.models.backbone import backbone_of, layout_of
 from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
                                               Geometry, Part, fits_block_model, train_peak)
 from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
-from tttvideo.memory.plan.count import Counted, count, fsdp_shard_degree, process_host_bytes
+from tttvideo.memory.plan.count import (Counted, compile_pool_bytes, compile_workers, count,
+                                         fsdp_shard_degree, process_host_bytes)
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
                                         FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
                                         SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, WINDOW_FORM, MemoryTechnique,
@@ -103,7 +104,8 @@ class Prediction:
     # videos one step trains: one per data-parallel rank (FSDP's ranks each take their own; an sp group one between
     # them), so that setups are ranked by time per video, not per step
     videos: int = 1
-    # host bytes of a training process beside what it offloads (libraries, the weights it loads): `count`
+    # host bytes of a process beside what it offloads: libraries, the weights it loads, Inductor's compile workers
+    # (`count.process_host_bytes`, `count.compile_pool_bytes`)
     host_process: int = 0
 
     @property
@@ -294,14 +296,15 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     videos = max(1, gpus // sp) if phase == "train" else 1
     if phase == "train" and gpus > 1 and step_s is not None:  # what the ranking compares (`rank`)
         notes.append(f"{videos} video(s) a step: {step_s / videos:.2f} s per video")
-    host_process = process_host_bytes(c, gpus) if phase == "train" else 0
-    if breakdown is not None and host_process:
-        breakdown.parts.append(Part("host: the process (libraries; the weights folder it reads"
-                                    + (", and the full state dict before FSDP shards it"
-                                       if fsdp_shard_degree(c, gpus) > 1 else "") + ")", host_process,
+    host_process, pool = process_host_bytes(c), compile_pool_bytes(c, phase)
+    if breakdown is not None:
+        breakdown.parts.append(Part("host: the process (libraries; the weights folder it reads)", host_process,
                                     "counted + measured", "host"))
+        if pool:
+            breakdown.parts.append(Part(f"host: Inductor's {compile_workers()} compile workers (this machine's cores)",
+                                        pool, "measured", "host"))
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
-                      time_factor, videos, host_process)
+                      time_factor, videos, host_process + pool)
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:

@@ -34,6 +34,7 @@ BACKBONE = register_backbone(BackboneSpec(
     # v-prediction on the ZeroSNR DDPM schedule, sampled with DDIM / DPM-Solver++(2M) (sample/solvers.py)
     objective=Objective(prediction="v", schedule=ZeroSNRSchedule),
     configure=configure,
+    compiles_glue=lambda m: m.compile_attention_glue or m.compile_block_glue,
     # diffusers' AutoencoderKLCogVideoX and T5-XXL (4096-d features)
     vae="cogvideox",
     text_encoder="t5",
