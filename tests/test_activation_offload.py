@@ -175,6 +175,22 @@ def test_the_ranks_of_one_machine_share_its_host_memory(monkeypatch):
         activation_offload.host_pool_for(5)
 
 
+def test_the_pool_leaves_room_for_the_compile_workers(monkeypatch):
+    # Inductor forks its compile workers at the first step's first compile, after the pool is sized: on a 125 GiB
+    # host a pool of 90 % of what was available and a 16-worker pool of 7 GiB would not fit beside each other
+    from tttvideo.errors import ConfigError
+    from tttvideo.models import activation_offload
+
+    monkeypatch.setattr(activation_offload, "available_host_bytes", lambda: 8 * 2**30)
+    assert activation_offload.host_pool_for(0, held_back=2 * 2**30).capacity_bytes == int(6 * 2**30 * 0.9)
+    assert activation_offload.host_pool_for(5, held_back=2 * 2**30).capacity_bytes == 5 * 2**30
+    with pytest.raises(ConfigError, match=r"6.0 GiB of host memory available once the compile workers take their "
+                                          r"2.0 GiB .* at most 5"):
+        activation_offload.host_pool_for(7, held_back=2 * 2**30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # each rank forks its own workers
+    assert activation_offload.host_pool_for(0, held_back=2 * 2**30).capacity_bytes == int(4 * 2**30 * 0.9 / 2)
+
+
 def test_offload_under_fsdp2_keeps_sharded_parameters_and_gradients(tmp_path):
     """FSDP2 makes every parameter a DTensor, whose own storage cannot be read: offload_activations(keep=model) over
     a sharded model raised "Attempted to access the data pointer on an invalid python storage" before any step

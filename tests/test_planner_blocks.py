@@ -203,7 +203,7 @@ def test_compile_workers_are_counted_only_for_a_process_that_compiles(monkeypatc
     """Inductor's pool forks at a process's first torch.compile: Wan2.1 with plain AdamW compiles nothing (its 3- and
     9-s stages on the 16-core H200 had no pool), 8-bit AdamW's update compiles (its 18-63 s stages: 6.4-7.2 GiB), and
     CogVideoX's glue compiles unless both glue flags are off; one worker compiles in the process, no pool."""
-    from tttvideo.memory.plan.count import compile_pool_bytes
+    from tttvideo.memory.guard.compile_pool import compile_pool_bytes
 
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "16")
     wan = load_config(ROOT / "configs/wan2.1-1.3b/stage2-9s-24gb.toml", [])

@@ -412,7 +412,8 @@ class CheckpointingConfig(CheckpointSwitches):
     offload_host_gib: float = bounded(0.0, 0.0, help=(
         "with offload_activations: host memory the offloaded tensors may take, in GiB, as exact-size buffers "
         "pinned once and reused every micro-batch; what does not fit stays on the GPU (a partial offload). 0 = 90 "
-        "% of the host memory available at start; more than is available is an error before the first step"))
+        "% of the host memory available at start, less what Inductor's compile workers will take on CUDA; more "
+        "than is available is an error before the first step"))
 
 
 @dataclass

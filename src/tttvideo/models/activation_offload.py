@@ -211,20 +211,25 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def host_pool_for(max_host_gib: float, pin: bool = True) -> HostPool:
+def host_pool_for(max_host_gib: float, pin: bool = True, held_back: int = 0) -> HostPool:
     """The pool of `checkpointing.offload_host_gib`: that many GiB (0: 90 % of the host memory available now, shared
-    by the processes torchrun starts on this machine). Asking for more than is available is a ConfigError before any
-    step runs."""
+    by the processes torchrun starts on this machine). `held_back`: host bytes each process will take after its pool
+    is made (Inductor's compile workers, forked at the first compile), left out of what is available. Asking for
+    more than is available is a ConfigError before any step runs."""
     available = available_host_bytes()
     # every rank of this machine has its own pool: each counts what is available when all of them are full
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if available is not None:
+        available = max(0, available - held_back * local)
+    later = (f" once the compile workers take their {held_back * local / 2**30:.1f} GiB (TORCHINDUCTOR_COMPILE_THREADS "
+             "sets how many)" if held_back else "")
     if max_host_gib > 0:
         want = int(max_host_gib * 2**30)
         if available is not None and want * local > available:
             each = f" for each of the {local} processes of this machine" if local > 1 else ""
             raise ConfigError(
                 f"checkpointing.offload_host_gib = {max_host_gib:g}{each} but this machine has "
-                f"{available / 2**30:.1f} GiB of host memory available; set it to at most "
+                f"{available / 2**30:.1f} GiB of host memory available{later}; set it to at most "
                 f"{available / 2**30 * 0.9 / local:.0f} (or 0: 90 % of what is available, shared), and what does not "
                 "fit stays on the GPU")
         return HostPool(want, pin=pin)

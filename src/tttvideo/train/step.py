@@ -133,7 +133,7 @@ class TrainStep:
                  scaler: torch.amp.GradScaler, device: torch.device, *, grad_accum: int = 1, grad_clip: float = 0.0,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  profiler: StepProfiler | None = None, reduce: StepReduce | None = None, offload: bool = False,
-                 offload_host_gib: float = 0.0):
+                 offload_host_gib: float = 0.0, host_held_back: int = 0):
         self.model = model
         self.objective = objective
         self.optimizer = optimizer
@@ -149,8 +149,9 @@ class TrainStep:
         self.reduce = reduce
         self.offload = offload
         # one pool of exact-size host buffers for the whole run (checkpointing.offload_host_gib bounds it; asking
-        # for more than the host has is an error here, before any step)
-        self.host_pool = host_pool_for(offload_host_gib) if offload else None
+        # for more than the host has, the compile workers' `host_held_back` left aside, is an error here, before any
+        # step)
+        self.host_pool = host_pool_for(offload_host_gib, held_back=host_held_back) if offload else None
         self.offloaded_bytes = 0  # what the last micro-batch's forward moved to host memory (with offload)
         self.kept_bytes = 0  # what stayed on the device because the host pool was full
         self.prepared: dict[str, int] = {}  # memory technique -> bytes it moved off the GPU (`build_train_step`)
@@ -231,6 +232,7 @@ def build_train_step(cfg: Config, model: nn.Module, device: torch.device, layout
     train.precision, the diffusion objective of micro-batches of train.batch_size in an optimizer step of
     `global_batch` samples (this process data-parallel rank `ranks.dp_rank` of `ranks.dp_size`, with its sequence
     shards), clipping at train.grad_clip, and activation offload when it is on."""
+    from tttvideo.memory.guard.compile_pool import compile_pool_bytes
     from tttvideo.memory.techniques import ACTIVATION_OFFLOAD, check_techniques, techniques
     from tttvideo.models.backbone import backbone_of
     from tttvideo.train.optim import build_optimizer, build_scheduler
@@ -251,7 +253,8 @@ def build_train_step(cfg: Config, model: nn.Module, device: torch.device, layout
                      grad_accum=grad_accum, grad_clip=train.grad_clip,
                      scheduler=build_scheduler(optimizer, train) if scheduled else None, profiler=profiler,
                      reduce=ranks if ranks is not None and ranks.distributed else None,
-                     offload=ACTIVATION_OFFLOAD.is_on(cfg), offload_host_gib=cfg.checkpointing.offload_host_gib)
+                     offload=ACTIVATION_OFFLOAD.is_on(cfg), offload_host_gib=cfg.checkpointing.offload_host_gib,
+                     host_held_back=compile_pool_bytes(cfg, "train") if device.type == "cuda" else 0)
     step.prepared = prepared
     return step
 

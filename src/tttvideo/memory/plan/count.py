@@ -25,8 +25,6 @@ allocates beyond them is counted block by block (`tttvideo.memory.plan.activatio
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -103,57 +101,18 @@ def fsdp_shard_degree(cfg: Config, gpus: int) -> int:
     return dp_shard * par.sp
 
 
-# What a training process holds in host memory besides what it offloads and its compile workers (its own VmHWM),
-# measured at full size: 15.3-15.9 GiB at 3-18 s (no offload) on one H100 and one H200, and per rank under FSDP2
-# on two H200s, of which the weights folder read through safetensors' memory map is 10.4 GiB (CogVideoX-5B in
-# bf16; a rank reads it once, then shards) and the rest (Python, torch, CUDA's host side) this constant.
+# What a training process holds in host memory besides what it offloads and its compile workers
+# (`tttvideo.memory.guard.compile_pool`), its own VmHWM, measured at full size: 15.3-15.9 GiB at 3-18 s (no
+# offload) on one H100 and one H200, and per rank under FSDP2 on two H200s, of which the weights folder read
+# through safetensors' memory map is 10.4 GiB (CogVideoX-5B in bf16; a rank reads it once, then shards) and the rest
+# (Python, torch, CUDA's host side) this constant.
 PROCESS_HOST_BYTES = 5 * 2**30
-# Inductor's pool of compile workers, which a process forks at its first torch.compile and keeps (resident set,
-# summed over the pool): 6.4-7.8 GiB for 16 workers (one H200 host of 16 cores: CogVideoX-5B's five stages and
-# Wan2.1's 18-63 s, commits ef6808e and 6d7af6b), 12.2-12.6 GiB for 32 (a 64-core host, per rank under torchrun
-# and in one process, 4847a47): a base and a share per worker.
-COMPILE_POOL_BASE = int(1.7 * 2**30)
-COMPILE_WORKER_BYTES = int(0.33 * 2**30)
 
 
 def weights_folder_bytes(cfg: Config) -> int:
     """The backbone's pretrained weights as a diffusers folder holds them (bf16, no TTT layers, no adapter)."""
     m = cfg.model
     return _model_bytes(m.preset, "bf16", "sft", m.lora_rank, "dtype", False, cfg.ttt.kind, "none").weights
-
-
-def compile_workers() -> int:
-    """How many compile workers Inductor starts in a process on this machine: TORCHINDUCTOR_COMPILE_THREADS, else
-    one per core the process may run on, at most 32 (torch._inductor.config.decide_compile_threads); 1 = no pool."""
-    threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
-    if threads:
-        return int(threads)
-    if sys.platform == "win32":
-        return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(32, cores)
-
-
-def compiles_on_gpu(cfg: Config, phase: Phase) -> bool:
-    """Whether a process of `phase` torch.compiles anything on the GPU: the backbone's glue
-    (`BackboneSpec.compiles_glue`), the TTT glue where its Triton kernels do not run (`ttt.backend = "reference"`
-    with `ttt.compile_glue`), 8-bit AdamW's update (torchao compiles it) in training."""
-    from tttvideo.models.backbone import backbone_of
-
-    if backbone_of(cfg.model.preset).compiles_glue(cfg.model):
-        return True
-    if cfg.model.use_ttt and cfg.ttt.backend == "reference" and cfg.ttt.compile_glue:
-        return True
-    return phase == "train" and cfg.train.optimizer == "adamw8bit"
-
-
-def compile_pool_bytes(cfg: Config, phase: Phase) -> int:
-    """Host memory of Inductor's compile workers for one process of `phase` on this machine (0 when it compiles
-    nothing or runs one worker, which compiles in the process itself)."""
-    workers = compile_workers()
-    if workers <= 1 or not compiles_on_gpu(cfg, phase):
-        return 0
-    return COMPILE_POOL_BASE + workers * COMPILE_WORKER_BYTES
 
 
 def process_host_bytes(cfg: Config) -> int:

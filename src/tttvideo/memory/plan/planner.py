@@ -40,11 +40,11 @@ from tttvideo.config.schema import Config
 from tttvideo.dtypes import sampling_dtype
 from tttvideo.errors import UserError
 from tttvideo.models.backbone import backbone_of, layout_of
+from tttvideo.memory.guard.compile_pool import compile_pool_bytes, compile_workers
 from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
                                               Geometry, Part, fits_block_model, train_peak)
 from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
-from tttvideo.memory.plan.count import (Counted, compile_pool_bytes, compile_workers, count,
-                                         fsdp_shard_degree, process_host_bytes)
+from tttvideo.memory.plan.count import Counted, count, fsdp_shard_degree, process_host_bytes
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
                                         FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
                                         SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, WINDOW_FORM, MemoryTechnique,
