@@ -15,9 +15,10 @@ It reads the H100 results (no GPU needed):
 - benchmarks/results/plan_calibration_h100.json and plan_check_h100.json: the per-token curves' setups (LoRA, fp32
   weights, block checkpointing, sampling), `tttv profile --steps 2`;
 - benchmarks/results/stage_chain_h100.json: the five stage configs as shipped, held out: a later step's time, the
-  process's memory peak (first step included), predicted as a training process; stage_chain_2gpu_<gpu>.json the same
-  for the two-GPU configs (the largest rank's peak, predicted per GPU; an H200 chain's memory only), whose rows fix
-  the FSDP reserve together (their allocated peaks held out);
+  process's memory peak (first step included), predicted as a training process; stage_chain_h200.json the same on
+  an H200 (memory only: the costs' step times are an H100's); stage_chain_2gpu_<gpu>.json the same for the two-GPU
+  configs (the largest rank's peak, predicted per GPU), whose rows fix the FSDP reserve together (their allocated
+  peaks held out);
 - benchmarks/results/fit_24gb_wan_h100.json: Wan2.1-1.3B under a 23 GiB cap, the process's peak of two steps;
 - one failure with no result file: 63 s, fp8 frozen weights, 8-bit AdamW, block inputs kept, out of memory under a
   79.2 GiB cap (issues 34 and 35): it must be predicted not to fit an 80 GB card.
@@ -114,7 +115,7 @@ def _chain_rows() -> list[Row]:
     rows = []
     # stage_chain.py --out ...: other setups (their --set), and --gpus 2 (stage_chain_2gpu_<gpu>.json). An H200 chain
     # holds memory rows only: the step times of the costs are an H100's
-    paths = sorted(RESULTS.glob("stage_chain*_h100.json")) + sorted(RESULTS.glob("stage_chain_*gpu_h200.json"))
+    paths = sorted(RESULTS.glob("stage_chain*_h100.json")) + sorted(RESULTS.glob("stage_chain*_h200.json"))
     for path in paths:
         chain = json.loads(path.read_text())
         if chain.get("configs", "configs/cogvideox-5b/{stage}-{gpus}gpu.toml").split("/")[1] != "cogvideox-5b":

@@ -319,6 +319,10 @@ def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], watch
             "first_step_s": metrics[0]["step_time"],
             "peak_allocated_gib": max(m["memory_gib"] for m in metrics),
             "peak_reserved_gib": max(m.get("memory_reserved_gib", 0.0) for m in metrics),
+            # each step's process peaks so far (torch's peak statistics are a process's whole run): which launch and
+            # step set the stage's peak (a killed stage's rows come from two processes)
+            "memory_by_step": [{"step": m["step"], "allocated_gib": m["memory_gib"],
+                                "reserved_gib": m.get("memory_reserved_gib", 0.0)} for m in metrics],
             "peak_host_gib": max(w.host_peak for w in watched),
             # by process (rank, launcher, compile workers), each launch of the stage in turn
             "host_by_process": [w.host_by_role for w in watched],
