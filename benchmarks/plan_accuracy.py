@@ -125,17 +125,29 @@ def _chain_rows() -> list[Row]:
         for r in chain["stages"]:
             if "error" in r:
                 continue
-            sets = list(r.get("overrides", chain.get("overrides", [])))  # each row its own run's (merged parts)
-            name = (f"chain {r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else "")
-                    + ("" if h100 else ", H200: memory only"))
+            row = _stage_row(r, chain, path, "cogvideox-5b", "chain ", r["median_step_s"] if h100 else None)
+            row.name += "" if h100 else ", H200: memory only"
             # the two-GPU rows (FSDP, no sp) fix the FSDP reserve together; their allocated peaks stay held out
-            fsdp = gpus > 1 and not sets
-            rows.append(Row(name, path.name, f"configs/cogvideox-5b/{r['config']}",
-                            NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets],
-                            "train", "calibration" if fsdp else "held out", r["peak_allocated_gib"],
-                            r["peak_reserved_gib"], None, r["median_step_s"] if h100 else None, gpus=gpus,
-                            calibrates=FSDP_RESERVE if fsdp else ""))
+            if gpus > 1 and not _run_overrides(r, chain):
+                row.role, row.calibrates = "calibration", FSDP_RESERVE
+            row.gpus = gpus
+            rows.append(row)
     return rows
+
+
+def _run_overrides(r: dict, chain: dict) -> list[str]:
+    """The --set overrides a chain stage ran with: each row its own run's (a chain run in parts merges them)."""
+    return list(r.get("overrides", chain.get("overrides", [])))
+
+
+def _stage_row(r: dict, chain: dict, path: Path, recipe: str, prefix: str, step_s: float | None) -> Row:
+    """A stage of a stage_chain.py result (`r`, one of `chain`'s stages) as a held-out row: its config as shipped
+    (configs/<recipe>/), the overrides its run was given, one video a micro-batch, the process's peaks."""
+    sets = _run_overrides(r, chain)
+    return Row(f"{prefix}{r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else ""), path.name,
+               f"configs/{recipe}/{r['config']}",
+               NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets], "train", "held out",
+               r["peak_allocated_gib"], r["peak_reserved_gib"], None, step_s)
 
 
 # the 63-s 24 GB Wan stage as fit_24gb_wan_h100.json measured it (commit c8307dc), before the window-wise form
@@ -195,12 +207,9 @@ def _wan_rows() -> list[Row]:
     for r in chain["stages"]:
         if "error" in r:
             continue
-        sets = list(r.get("overrides", chain.get("overrides", [])))
-        rows.append(Row(f"wan chain {r['duration_s']} s, {r['config']}", chain_path.name,
-                        f"configs/wan2.1-1.3b/{r['config']}",
-                        NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets], "train",
-                        "held out", r["peak_allocated_gib"], r["peak_reserved_gib"], None, h100_s(r),
-                        time_role="calibration" if r["duration_s"] == 3 else ""))
+        row = _stage_row(r, chain, chain_path, "wan2.1-1.3b", "wan chain ", h100_s(r))
+        row.time_role = "calibration" if r["duration_s"] == 3 else ""
+        rows.append(row)
     return rows
 
 
