@@ -7,9 +7,10 @@ Asserted: the captioned colour (chance 1/6) and shape (bar or pillar, chance 1/2
 and the overall score (the mean of the colour, background, direction and shape accuracies, chance 0.29) is at least
 `BAR` (0.9): with two scenes every one of the eight checks must pass, the direction of motion included (the demo
 scores 1.0; before bars, pillars and DPM-Solver++ it scored 0.75, both scenes called circles and one moving the
-wrong way). The direction is the least robust of the four: over 20 sampled scenes the demo's model draws it in 70 %
-(docs/training.md, the CPU demo). About 100 s on one core of a 2-core machine (the demo trains with
-train.cpu_threads = 1), beside the rest of the suite (conftest.py starts it when collection ends)."""
+wrong way; with the 16-channel `tiny` model its first scene was coloured noise that passed by chance). Over 20
+sampled scenes the demo's model draws the direction in 90-100 % (docs/training.md, the CPU demo). About 150 s on one
+core of a 2-core machine (the test trains with train.cpu_threads = 1, the demo with 2), beside the rest of the suite
+(conftest.py starts it when collection ends)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 
 # The allowed values of the choice fields: their annotations, and the loader's check (`choice`).
-Preset = Literal["tiny", "small", "cogvideox-5b", "wan-tiny", "wan2.1-t2v-1.3b"]
+Preset = Literal["tiny", "tiny-4ch", "small", "cogvideox-5b", "wan-tiny", "wan2.1-t2v-1.3b"]
 WeightDtype = Literal["fp32", "bf16", "fp16"]
 SampleDtype = Literal["auto", "fp32", "bf16", "fp16"]
 Adapter = Literal["sft", "qkvo", "lora"]
@@ -57,8 +57,8 @@ def listed(default_factory: Any, help: str = "", choices: tuple = (), lo: float 
 
 @dataclass
 class ModelConfig:
-    preset: Preset = choice("tiny", *get_args(Preset), help="backbone and size: CogVideoX (tiny, small, "
-                                                            "cogvideox-5b) or Wan2.1-T2V (wan-tiny, wan2.1-t2v-1.3b; "
+    preset: Preset = choice("tiny", *get_args(Preset), help="backbone and size: CogVideoX (tiny, tiny-4ch: the CPU "
+                                                            "demo's, small, cogvideox-5b) or Wan2.1-T2V (wan-tiny, wan2.1-t2v-1.3b; "
                                                             "docs/wan.md)")
     pretrained_path: str = field(default="", metadata={"help": "diffusers transformer/ folder ('' = random init)"})
     dtype: WeightDtype = choice("fp32", *get_args(WeightDtype), help="parameter dtype at load")
