@@ -179,24 +179,6 @@ PRESETS: dict[str, ModelSpec] = {
         sample_frames=49,
         max_text_seq_length=8,
     ),
-    # The CPU demo's model (configs/demo.toml): tiny with 4 latent channels, the demo set's RGB and one mix of it.
-    # Each 2x2 patch of 16 channels is 64 values, as wide as tiny's stream, which must carry their noise through to
-    # remove it: in the demo's two minutes tiny drew its first scene as coloured noise, this one draws the pillar.
-    "tiny-4ch": ModelSpec(
-        name="tiny-4ch",
-        num_layers=2,
-        num_attention_heads=2,
-        attention_head_dim=32,
-        in_channels=4,
-        out_channels=4,
-        text_embed_dim=64,
-        time_embed_dim=64,
-        patch_size=2,
-        sample_width=8,
-        sample_height=8,
-        sample_frames=49,
-        max_text_seq_length=24,
-    ),
     # The long-range benchmark at the paper's head size (configs/long-range-d64.toml): 4 blocks of 4 heads of 64,
     # so TTT-MLP's inner MLP is 64 -> 256 -> 64 as in the original; the demo's 64-d text features and 8x8 latents.
     "small": ModelSpec(
@@ -215,6 +197,11 @@ PRESETS: dict[str, ModelSpec] = {
         max_text_seq_length=24,
     ),
 }
+
+# The CPU demo's model (configs/demo.toml): tiny with 4 latent channels, the demo set's RGB and one mix of it. Each
+# 2x2 patch of 16 channels is 64 values, as wide as tiny's stream, which must carry their noise through to remove it:
+# in the demo's two minutes tiny drew its first scene as coloured noise, this one draws the pillar.
+PRESETS["tiny-4ch"] = dataclasses.replace(PRESETS["tiny"], name="tiny-4ch", in_channels=4, out_channels=4)
 
 # Other CogVideoX transformers people have on disk, named in the error when a folder holds one of them.
 KNOWN_OTHER_MODELS: dict[str, dict[str, Any]] = {
