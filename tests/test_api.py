@@ -49,7 +49,7 @@ def test_readme_snippet_runs(tmp_path):
 
 def test_config_object_and_lazy_exports():
     cfg = tttvideo.as_config(DEMO, ["train.steps=3"])
-    assert cfg.train.steps == 3 and cfg.model.preset == "tiny"
+    assert cfg.train.steps == 3 and cfg.model.preset == "tiny-4ch"
     again = tttvideo.as_config(cfg, ["train.steps=5"])
     assert again.train.steps == 5 and cfg.train.steps == 3  # overrides copy, never mutate
     assert set(tttvideo.__all__) >= {"VideoPipeline", "Video", "train", "as_config"}
@@ -59,13 +59,13 @@ def test_config_object_and_lazy_exports():
 
 @pytest.fixture(scope="module")
 def diffusers_folder(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A diffusers CogVideoX pipeline folder holding a random transformer of the tiny preset's shape."""
+    """A diffusers CogVideoX pipeline folder holding a random transformer of the demo config's preset's shape."""
     from diffusers import CogVideoXTransformer3DModel
 
     from tttvideo.models.backbone import get_preset
 
     torch.manual_seed(0)
-    ref = CogVideoXTransformer3DModel(**get_preset("tiny").to_diffusers_config())
+    ref = CogVideoXTransformer3DModel(**get_preset(tttvideo.as_config(DEMO).model.preset).to_diffusers_config())
     folder = tmp_path_factory.mktemp("cogvideox")
     ref.save_pretrained(folder / "transformer")
     return folder, {k: v.clone() for k, v in ref.state_dict().items()}

@@ -155,7 +155,7 @@ def toy_config(tmp_path, *extra):
 
 def test_the_registry_knows_cogvideox():
     spec = backbone_of("cogvideox-5b")
-    assert spec.name == "cogvideox" and set(spec.presets) == {"tiny", "small", "cogvideox-5b"}
+    assert spec.name == "cogvideox" and set(spec.presets) == {"tiny", "tiny-4ch", "small", "cogvideox-5b"}
     assert backbone_of(dataclasses.replace(get_preset("tiny"), num_layers=3)) is spec
     assert spec.layout == LayoutParams(window_frames=13, text_in_stream=True, patch_size=2, vae_spatial=8,
                                        vae_temporal=4)

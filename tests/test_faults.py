@@ -100,7 +100,7 @@ def test_weight_mistakes(capsys, tmp_path):
     run = tmp_path / "run"
     one_error_line(capsys, train_args(run, f"model.pretrained_path={tmp_path / 'nothing'}"), "model.pretrained_path")
     one_error_line(capsys, train_args(run, f"train.init_from={tmp_path / 'nothing'}"), "train.init_from")
-    # a checkpoint of another model (the tiny preset with TTT-Linear instead of TTT-MLP)
+    # a checkpoint of another model (the demo's preset with TTT-Linear instead of TTT-MLP)
     torch.manual_seed(0)
     other = save_checkpoint(build_model(load_config(DEMO, ["ttt.kind=linear"])), tmp_path / "linear.safetensors")
     one_error_line(capsys, train_args(run, f"train.init_from={other}"), str(other), "does not fit this model")
@@ -111,10 +111,10 @@ def test_weight_mistakes(capsys, tmp_path):
         bad.write_bytes(content)
         one_error_line(capsys, ["sample", "--checkpoint", str(bad), "--scenes", str(story), "--out",
                                str(tmp_path / "o.mp4")], str(bad), "not a readable safetensors file")
-    # a tiny checkpoint sampled with a 5B config: refused from the file's header, before 5B is built
+    # the demo model's checkpoint sampled with a 5B config: refused from the file's header, before 5B is built
     one_error_line(capsys, ["sample", "--checkpoint", str(other), "--scenes", str(story), "--out",
                            str(tmp_path / "o.mp4"), "--set", "model.preset=cogvideox-5b"],
-                  "saved from model 'tiny', not 'cogvideox-5b'", "model.preset")
+                  "saved from model 'tiny-4ch', not 'cogvideox-5b'", "model.preset")
     assert not (tmp_path / "o.mp4").exists()
 
 
@@ -205,7 +205,7 @@ def test_latents_only_sampling_needs_no_mp4_writer(capsys, tmp_path, tiny_model_
     story.write_text('[{"text": "a red circle moves right"}]')
     from tttvideo.cli import main
 
-    code = main(["sample", "--checkpoint", str(tiny_model_file), "--scenes", str(story), "--out",
+    code = main(["sample", str(DEMO), "--checkpoint", str(tiny_model_file), "--scenes", str(story), "--out",
                  str(tmp_path / "o.mp4"), "--set", "sample.write_video=false", "--set", "sample.save_latents=true",
                  "--set", "sample.steps=1"])
     assert code == 0, capsys.readouterr().err

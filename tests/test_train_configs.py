@@ -50,7 +50,7 @@ def test_stages_follow_the_recipe_and_chain(gpus):
 
 def test_demo_config_is_the_tiny_cpu_run():
     cfg = load_config("configs/demo.toml")
-    assert cfg.model.preset == "tiny" and cfg.train.device == "cpu" and cfg.train.precision == "fp32"
+    assert cfg.model.preset == "tiny-4ch" and cfg.train.device == "cpu" and cfg.train.precision == "fp32"
     assert cfg.data.manifest == "" and cfg.train.sample_at_end
     lay = VideoLayout.from_config(cfg.layout, cfg.ttt)
     assert lay.num_segments >= 2  # the demo video has scene cuts

@@ -52,7 +52,7 @@ def test_settings_the_wan_model_lacks_are_one_sentence(tmp_path, setting, messag
         layout_of(wan_config(tmp_path, setting))
     assert "\n" not in str(err.value)
     # and a flow sampler for CogVideoX the other way round
-    with pytest.raises(ConfigError, match="'v'-prediction of model.preset 'tiny'"):
+    with pytest.raises(ConfigError, match="'v'-prediction of model.preset 'tiny-4ch'"):
         layout_of(load_config("configs/demo.toml", ["sample.solver=unipc"]))
 
 
