@@ -58,8 +58,8 @@ def listed(default_factory: Any, help: str = "", choices: tuple = (), lo: float 
 @dataclass
 class ModelConfig:
     preset: Preset = choice("tiny", *get_args(Preset), help="backbone and size: CogVideoX (tiny, tiny-4ch: the CPU "
-                                                            "demo's, small, cogvideox-5b) or Wan2.1-T2V (wan-tiny, wan2.1-t2v-1.3b; "
-                                                            "docs/wan.md)")
+                                                            "demo's, small, cogvideox-5b) or Wan2.1-T2V (wan-tiny, "
+                                                            "wan2.1-t2v-1.3b; docs/wan.md)")
     pretrained_path: str = field(default="", metadata={"help": "diffusers transformer/ folder ('' = random init)"})
     dtype: WeightDtype = choice("fp32", *get_args(WeightDtype), help="parameter dtype at load")
     adapter: Adapter = choice("qkvo", *get_args(Adapter), help="what trains: sft = every weight; qkvo = attention "

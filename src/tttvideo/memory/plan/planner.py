@@ -105,7 +105,7 @@ class Prediction:
     # them), so that setups are ranked by time per video, not per step
     videos: int = 1
     # host bytes of a process beside what it offloads: libraries, the weights it loads, Inductor's compile workers
-    # (`count.process_host_bytes`, `count.compile_pool_bytes`)
+    # (`count.process_host_bytes`, `memory.guard.compile_pool.compile_pool_bytes`)
     host_process: int = 0
 
     @property
