@@ -188,6 +188,8 @@ class BackboneSpec:
       built model
     - compiles_glue: whether a model built with these `[model]` settings torch.compiles code of its own on CUDA (a
       process that compiles forks Inductor's pool of compile workers, whose host memory the planner counts)
+    - has_window_form: its blocks have a window-wise training form (checkpointing.attention_by_window with the TTT
+      passes over token chunks, ttt_chunk_tokens), the memory technique `WINDOW_FORM` that the planner tries
     - vae / text_encoder: the kinds of VAE its latents come from and of text encoder its text features come from,
       keys of `sample.decode.VAE_DECODERS` and `text.encoders.TEXT_ENCODERS` (the loaders live in the layers that
       load them); None: none can be loaded (a backbone trained on the demo set alone)
@@ -205,6 +207,7 @@ class BackboneSpec:
     objective: Objective = field(default_factory=Objective)
     configure: Callable[[nn.Module, "ModelConfig"], None] = lambda model, cfg: None
     compiles_glue: Callable[["ModelConfig"], bool] = lambda cfg: False
+    has_window_form: bool = False
     vae: str | None = None
     text_encoder: str | None = None
     check: Callable[["Config"], None] = lambda cfg: None

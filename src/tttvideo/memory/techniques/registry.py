@@ -547,19 +547,19 @@ def _window_options(cfg: Config, phase: Phase, gpus: int) -> tuple[Option, ...]:
 
     if phase != "train":
         return ()
-    if backbone_of(cfg.model.preset).name != "wan":
+    if not backbone_of(cfg.model.preset).has_window_form:
         # another backbone's settings stay the config's (CogVideoX has no window-wise form)
         return (Option("", lambda cfg: None, ()),)
     return _window_form(False), _window_form(True)
 
 
 def window_form(cfg: Config) -> bool:
-    """Whether a training step runs the window-wise form of a backbone that has one (Wan:
-    checkpointing.attention_by_window with the TTT passes over token chunks, ttt_chunk_tokens)."""
+    """Whether a training step runs the window-wise form of a backbone that has one (`BackboneSpec.has_window_form`,
+    Wan's: checkpointing.attention_by_window with the TTT passes over token chunks, ttt_chunk_tokens)."""
     from tttvideo.models.backbone import backbone_of
 
     ck = cfg.checkpointing
-    return backbone_of(cfg.model.preset).name == "wan" and ck.attention_by_window and ck.ttt_chunk_tokens > 0
+    return backbone_of(cfg.model.preset).has_window_form and ck.attention_by_window and ck.ttt_chunk_tokens > 0
 
 
 WINDOW_FORM = MemoryTechnique(

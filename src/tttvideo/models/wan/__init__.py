@@ -50,6 +50,8 @@ BACKBONE = register_backbone(BackboneSpec(
     vae="wan",
     text_encoder="umt5",
     check=check_config,
+    # both attentions one window at a time and the TTT passes over token chunks in training (WanBlock, TTTLayer)
+    has_window_form=True,
 ))
 
 __all__ = ["BACKBONE", "WAN_PRESETS", "WAN_TEXT_TOKENS", "WanSpec", "WanTTT", "from_pretrained_wan",
