@@ -408,8 +408,7 @@ def fit_wan(rows: list[Row], reference) -> dict:
 
             wcfg = config_of(timed_window)
             g = Geometry.of(wcfg)
-            plain = (Curve(tuple(map(tuple, time_points)))(g.tokens) * own.time_factor(wcfg)
-                     * (g.ffn_chunk_time() if g.ffn_rows < g.tokens else 1.0))
+            plain = Curve(tuple(map(tuple, time_points)))(g.tokens) * own.step_factor(wcfg, g)
             extra["window_time"] = timed_window.step_s / plain
     return {"stream_copies": copies, **extra, "time_points": time_points,
             "source": "benchmarks/plan_accuracy.py --fit: fit_24gb_wan_h100.json, the stream copies from the 3- and "

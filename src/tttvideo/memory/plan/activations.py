@@ -176,6 +176,11 @@ class BlockConstants:
             else 1.0
         return inputs * (self.window_time if window_form(cfg) else 1.0)
 
+    def step_factor(self, cfg: Config, g: Geometry) -> float:
+        """A step's time against the same step with its inputs kept: `time_factor`, and the FFN chunks' estimate
+        from the shapes where the MLP runs over chunks (`Geometry.ffn_chunk_time`)."""
+        return self.time_factor(cfg) * (g.ffn_chunk_time() if g.ffn_rows < g.tokens else 1.0)
+
 
 @dataclass(frozen=True)
 class Part:

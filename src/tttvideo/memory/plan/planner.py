@@ -250,9 +250,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             notes.append(f"block model measured with qkvo; {c.model.adapter}'s activations counted the same")
         # the block model's techniques scale the time of the step with the inputs kept; the FFN chunks by an
         # estimate from the shapes (one more forward of the MLP)
-        chunked = geometry.ffn_rows < geometry.tokens
-        time_factor = blocks.time_factor(c) * (geometry.ffn_chunk_time() if chunked else 1)
-        if chunked:
+        time_factor = blocks.step_factor(c, geometry)
+        if geometry.ffn_rows < geometry.tokens:
             notes.append(f"FFN chunks: x{geometry.ffn_chunk_time():.3f} step time estimated from the shapes, "
                          "not measured")
         if geometry.window_form and blocks.window_stream_copies:
