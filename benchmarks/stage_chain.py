@@ -402,12 +402,17 @@ def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, mani
 
 def sample_layouts(gpus: int, heads: int) -> list[tuple[str, int, list[str]]]:
     """(name, processes, overrides) of each sampling layout: one process; with several GPUs also parallel.sp over
-    as many of them as divide the model's `heads` and split guidance on two."""
+    as many of them as divide the model's `heads`, split guidance on two and, on four or more, both (sp over half
+    the GPUs, each half one of guidance's two passes)."""
     if gpus == 1:
         return [("1", 1, [])]
     sp = max(n for n in range(1, gpus + 1) if heads % n == 0)
-    return [("1", 1, ["parallel.sp=1"]), (f"sp{sp}", sp, [f"parallel.sp={sp}"]),
-            ("cfg2", 2, ["parallel.sp=1", "sample.split_guidance=true"])]
+    layouts = [("1", 1, ["parallel.sp=1"]), (f"sp{sp}", sp, [f"parallel.sp={sp}"]),
+               ("cfg2", 2, ["parallel.sp=1", "sample.split_guidance=true"])]
+    half = max((n for n in range(2, gpus // 2 + 1) if heads % n == 0), default=0)
+    if half:
+        layouts.append((f"sp{half}cfg2", 2 * half, [f"parallel.sp={half}", "sample.split_guidance=true"]))
+    return layouts
 
 
 def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str, gpus: int,

@@ -97,3 +97,11 @@ def test_steady_step_time_leaves_out_the_first_step_of_every_launch(tmp_path):
     row = stage_chain.stage_row(steps, stage_chain.steady_steps(steps, log), [launch])
     assert row["median_step_s"] is None and row["first_step_s"] == 87.0
     assert row["host_by_process"] == [by_role]
+
+
+def test_sample_layouts_combine_sp_and_split_guidance_on_four_gpus():
+    layouts = {name: (gpus, sets) for name, gpus, sets in stage_chain.sample_layouts(4, 48)}
+    assert set(layouts) == {"1", "sp4", "cfg2", "sp2cfg2"}
+    assert layouts["sp2cfg2"] == (4, ["parallel.sp=2", "sample.split_guidance=true"])
+    assert [name for name, _, _ in stage_chain.sample_layouts(2, 48)] == ["1", "sp2", "cfg2"]
+    assert [name for name, _, _ in stage_chain.sample_layouts(1, 48)] == ["1"]
