@@ -121,10 +121,25 @@ def test_changed_steps_on_resume_warns_with_the_learning_rate_jump(tmp_path, cap
     Trainer(tiny_config(tmp_path, "train.steps=2", "train.checkpoint_every=2", "train.decay=cosine"),
             quiet=True).run()
     with caplog.at_level(logging.WARNING, logger="tttvideo"):
-        Trainer(tiny_config(tmp_path, "train.steps=3", "train.checkpoint_every=3", "train.decay=cosine"),
+        Trainer(tiny_config(tmp_path, "train.steps=4", "train.checkpoint_every=4", "train.decay=cosine"),
                 quiet=True, if_exists="resume").run()
-    [line] = [r.getMessage() for r in caplog.records if "train.steps is 3" in r.getMessage()]
-    assert "a schedule of 2 steps" in line and "keep train.steps = 2" in line and "train.lr is" in line
+    [line] = [r.getMessage() for r in caplog.records if "train.steps is 4" in r.getMessage()]
+    assert "a schedule of 2 steps" in line and "keep train.steps = 2" in line
+    assert "so at step 3 train.lr is" in line and "instead of" in line
+
+
+def test_changed_steps_past_the_old_schedules_end_says_the_rate_stays():
+    import dataclasses
+
+    from tttvideo.config.schema import TrainConfig
+    from tttvideo.train.optim import schedule_change
+
+    train = TrainConfig(steps=3, lr=1e-4, lr_ssm=1e-3, lr_end=1e-6, warmup_steps=0, decay="linear", decay_ssm="cosine")
+    # step 3 is the last of the new schedule and past the old one's end: both give lr_end
+    line = schedule_change(2, train, step=2)
+    assert "train.lr stays 1e-06" in line and "train.lr_ssm stays 1e-06" in line and "instead of" not in line
+    longer = schedule_change(2, dataclasses.replace(train, steps=4), step=1)
+    assert "at step 2 train.lr is 6.7e-05 instead of 1e-06" in longer
 
 
 # ------------------------------------------------------------------------------------------------ precompute

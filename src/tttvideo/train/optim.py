@@ -201,10 +201,12 @@ def schedule_change(old_steps: int, train: TrainConfig, step: int) -> str | None
         end_ratio = train.lr_end / peak if peak > 0 else 1.0
         return peak * lr_multiplier(step, total, train.warmup_steps, decay, end_ratio)
 
+    def change(name: str, peak: float, decay: str) -> str:
+        new, old = lr(peak, decay, train.steps), lr(peak, decay, old_steps)
+        # both ends of a schedule are train.lr_end: there the rate does not move, and "x instead of x" misleads
+        return f"{name} stays {new:.3g}" if f"{new:.3g}" == f"{old:.3g}" else f"{name} is {new:.3g} instead of {old:.3g}"
+
     return (f"the learning rates ({train.decay} decay of train.lr, {train.decay_ssm} of train.lr_ssm, down to "
             f"train.lr_end at the last step) now follow a {train.steps}-step schedule, so at step {step + 1} "
-            f"train.lr is {lr(train.lr, train.decay, train.steps):.3g} instead of "
-            f"{lr(train.lr, train.decay, old_steps):.3g} and "
-            f"train.lr_ssm {lr(train.lr_ssm, train.decay_ssm, train.steps):.3g} instead of "
-            f"{lr(train.lr_ssm, train.decay_ssm, old_steps):.3g}; keep train.steps = {old_steps} to continue the old "
-            f"schedule")
+            f"{change('train.lr', train.lr, train.decay)} and {change('train.lr_ssm', train.lr_ssm, train.decay_ssm)}"
+            f"; keep train.steps = {old_steps} to continue the old schedule")
