@@ -18,7 +18,7 @@ It reads the H100 results (no GPU needed):
   process's memory peak (first step included), predicted as a training process; stage_chain_h200.json the same on
   an H200 (memory only: the costs' step times are an H100's); stage_chain_2gpu_<gpu>.json the same for the two-GPU
   configs (the largest rank's peak, predicted per GPU), whose rows fix the FSDP reserve together (their allocated
-  peaks held out);
+  peaks held out); stage_chain_4gpu_<gpu>.json the four-GPU configs, held out whole;
 - benchmarks/results/fit_24gb_wan_h100.json: Wan2.1-1.3B under a 23 GiB cap, the process's peak of two steps;
 - one failure with no result file: 63 s, fp8 frozen weights, 8-bit AdamW, block inputs kept, out of memory under a
   79.2 GiB cap (issues 34 and 35): it must be predicted not to fit an 80 GB card.
@@ -127,8 +127,9 @@ def _chain_rows() -> list[Row]:
                 continue
             row = _stage_row(r, chain, path, "cogvideox-5b", "chain ", r["median_step_s"] if h100 else None)
             row.name += "" if h100 else ", H200: memory only"
-            # the two-GPU rows (FSDP, no sp) fix the FSDP reserve together; their allocated peaks stay held out
-            if gpus > 1 and not _run_overrides(r, chain):
+            # the two-GPU rows (FSDP, no sp) fix the FSDP reserve together; their allocated peaks stay held out, and
+            # other GPU counts' rows (the four-GPU chain) are held out whole
+            if gpus == 2 and not _run_overrides(r, chain):
                 row.role, row.calibrates = "calibration", FSDP_RESERVE
             row.gpus = gpus
             rows.append(row)

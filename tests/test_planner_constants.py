@@ -129,6 +129,21 @@ def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(
     assert two["allocated_gib"] == pytest.approx(22.9, abs=0.2)  # the header of stage1-3s-2gpu.toml
 
 
+def test_two_gpu_chain_rows_fit_the_fsdp_reserve_and_four_gpu_rows_are_held_out(tmp_path):
+    from tests.benchmark_scripts import load_benchmark
+
+    accuracy = load_benchmark("plan_accuracy")
+    for gpus in (2, 4):
+        stage = {"duration_s": 3, "config": f"stage1-3s-{gpus}gpu.toml", "gpus": gpus, "median_step_s": None,
+                 "peak_allocated_gib": 15.2, "peak_reserved_gib": 19.2}
+        (tmp_path / f"stage_chain_{gpus}gpu_h200.json").write_text(json.dumps(
+            {"gpus": gpus, "overrides": [], "stages": [stage]}))
+    accuracy.RESULTS = tmp_path
+    roles = {row.gpus: (row.role, row.calibrates) for row in accuracy._chain_rows()}
+    assert roles[2] == ("calibration", accuracy.FSDP_RESERVE)
+    assert roles[4][0] == "held out" and roles[4][1] != accuracy.FSDP_RESERVE
+
+
 WAN_63S = "configs/wan2.1-1.3b/stage5-63s-24gb.toml"
 NO_WEIGHTS = ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0"]
 
