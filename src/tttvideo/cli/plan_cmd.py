@@ -25,6 +25,11 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--gpu-mem", default=None, metavar="SIZE",
                    help="memory of one GPU: 24GiB, 80GB, 24 (GiB); default: this machine's first CUDA GPU (its CUDA "
                         "context is counted apart); required without one")
+    p.add_argument("--host-mem", default=None, metavar="SIZE",
+                   help="host memory available to the launch's processes on one machine (the --gpus processes "
+                        "share it): offload pools are sized as the trainer sizes them there, and a setup whose "
+                        "processes need more does not fit; default: this machine's available memory when planning "
+                        "for this machine's GPU (no --gpu-mem), else not checked")
     p.add_argument("--margin", type=float, default=None, metavar="SHARE",
                    help="share of the card the chosen setup leaves free (default 0.05)")
     p.add_argument("--explain", action="store_true",
@@ -55,21 +60,27 @@ def run(args: argparse.Namespace) -> int:
     margin = MARGIN if args.margin is None else args.margin
     if not 0 <= margin < 1:
         raise UserError(f"--margin {args.margin} must be a share of the card from 0 to below 1, e.g. 0.05")
-    gpu_mem = parse_size(args.gpu_mem) if args.gpu_mem else this_gpu()
+    gpu_mem = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else this_gpu()
+    host_mem = parse_size(args.host_mem, "--host-mem") if args.host_mem else None
+    if host_mem is None and not args.gpu_mem:  # planning for this machine: its host memory too
+        from tttvideo.models.activation_offload import available_host_bytes
+
+        host_mem = available_host_bytes()
     cfg = config_from_args(args)
     extra = {}
     if args.duration:
         cfg.layout.duration = args.duration
         extra["layout.duration"] = args.duration
     costs = load_costs(args.gpu_kind, *([Path(args.costs)] if args.costs else []))
-    preds = plan(cfg, args.phase, gpu_mem, costs, args.gpus, margin, trace=args.trace)
-    print_plan(preds, gpu_mem, args, costs.device or costs.gpu, margin)
+    preds = plan(cfg, args.phase, gpu_mem, costs, args.gpus, margin, trace=args.trace, host_mem=host_mem)
+    print_plan(preds, gpu_mem, args, costs.device or costs.gpu, margin, host_mem)
     chosen = best(preds)
     if args.explain and preds:
-        print_parts(chosen or preds[0], gpu_mem, margin)
+        print_parts(chosen or preds[0], gpu_mem, margin, host_mem, args.gpus)
     if chosen is None:
-        print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU for this {args.phase} setup; "
-              "use more GPUs (--gpus), a shorter --duration, or a larger card", file=sys.stderr)
+        host = f" and {host_mem / 2**30:.1f} GiB of host memory" if host_mem is not None else ""
+        print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU{host} for this {args.phase} "
+              "setup; use more GPUs (--gpus), a shorter --duration, or a larger card", file=sys.stderr)
         return 1
     if args.out:
         out = Path(args.out)
@@ -91,7 +102,7 @@ def this_gpu() -> int:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def print_parts(pred, gpu_mem: int, margin: float) -> None:
+def print_parts(pred, gpu_mem: int, margin: float, host_mem: int | None = None, processes: int = 1) -> None:
     """The counted parts of one prediction, largest phase first: what `--explain` prints."""
     from tttvideo.memory.plan.planner import CUDA_CONTEXT, GIB
 
@@ -117,10 +128,15 @@ def print_parts(pred, gpu_mem: int, margin: float) -> None:
     if pred.reserved is not None:
         total = pred.reserved + CUDA_CONTEXT
         print(f"  {total / GIB:8.2f} GiB  of a card of {gpu_mem / GIB:.1f} GiB with {margin:.0%} left free "
-              f"({gpu_mem * (1 - margin) / GIB:.1f} GiB): {'fits' if pred.fits else 'does not fit'}")
+              f"({gpu_mem * (1 - margin) / GIB:.1f} GiB): "
+              f"{'fits' if pred.reserved + CUDA_CONTEXT <= gpu_mem * (1 - margin) else 'does not fit'}")
+    if host_mem is not None:
+        print(f"  {pred.host_total * processes / GIB:8.2f} GiB  host  {processes} process(es) of this plan on a host "
+              f"with {host_mem / GIB:.1f} GiB available: {'fits' if pred.host_fits else 'does not fit'}")
 
 
-def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str, margin: float = 0.0) -> None:
+def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str, margin: float = 0.0,
+               host_mem: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -129,14 +145,16 @@ def print_plan(preds, gpu_mem: int, args: argparse.Namespace, device: str, margi
     shown = preds if args.all else preds[:12]
     first = preds[0].config if preds else None
     title = (f"{args.phase} plan: {first.model.preset if first else ''}, {first.layout.duration if first else ''}, "
-             f"{args.gpus} GPU(s) of {gpu_mem / GIB:.1f} GiB, {margin:.0%} left free (costs measured on {device})")
+             f"{args.gpus} GPU(s) of {gpu_mem / GIB:.1f} GiB, {margin:.0%} left free, "
+             + (f"{host_mem / GIB:.0f} GiB of host memory" if host_mem is not None else "host memory not checked")
+             + f" (costs measured on {device})")
     t = Table(title=title)
     for col in ("#", "setup", "weights+grads+optim", "activations", "peak / GPU", "reserved", "host / process",
                 "step s", "fits", "activations from", "note"):
         t.add_column(col, justify="left" if col in ("setup", "note", "fits", "activations from") else "right",
                      overflow="fold" if col in ("setup", "note", "activations from") else None)
     for i, p in enumerate(shown, 1):
-        fits = {True: "yes", False: "no", None: "?"}[p.fits]
+        fits = "no (host)" if p.host_fits is False else {True: "yes", False: "no", None: "?"}[p.fits]
         t.add_row(str(i), p.candidate.label, f"{p.counted.total / GIB:.1f} GiB",
                   "" if p.activation is None else f"{p.activation / GIB:.1f} GiB",
                   "" if p.peak is None else f"{p.peak / GIB:.1f} GiB",

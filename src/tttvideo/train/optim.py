@@ -204,7 +204,9 @@ def schedule_change(old_steps: int, train: TrainConfig, step: int) -> str | None
     def change(name: str, peak: float, decay: str) -> str:
         new, old = lr(peak, decay, train.steps), lr(peak, decay, old_steps)
         # both ends of a schedule are train.lr_end: there the rate does not move, and "x instead of x" misleads
-        return f"{name} stays {new:.3g}" if f"{new:.3g}" == f"{old:.3g}" else f"{name} is {new:.3g} instead of {old:.3g}"
+        if f"{new:.3g}" == f"{old:.3g}":
+            return f"{name} stays {new:.3g}"
+        return f"{name} is {new:.3g} instead of {old:.3g}"
 
     return (f"the learning rates ({train.decay} decay of train.lr, {train.decay_ssm} of train.lr_ssm, down to "
             f"train.lr_end at the last step) now follow a {train.steps}-step schedule, so at step {step + 1} "

@@ -107,6 +107,8 @@ class Prediction:
     # host bytes of a process beside what it offloads: libraries, the weights it loads, Inductor's compile workers
     # (`count.process_host_bytes`, `memory.guard.compile_pool.compile_pool_bytes`)
     host_process: int = 0
+    # whether the launch's processes on one host fit its memory (None: not checked, no host size given)
+    host_fits: bool | None = None
 
     @property
     def host_total(self) -> int:
@@ -204,12 +206,15 @@ def _sample_candidates(cfg: Config, gpus: int) -> list[Candidate]:
 
 def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpus: int = 1,
             gpu_mem: int | None = None, margin: float = MARGIN, first_step_only: bool = False,
-            trace: bool = False) -> Prediction:
+            trace: bool = False, host_mem: int | None = None, processes_per_host: int | None = None) -> Prediction:
     """The prediction of one candidate: for training, of a process that runs several steps (the later steps'
     allocated peak, the optimizer state live in backward, and the largest reserve of any step, the first one's
     included: what must fit the card); `first_step_only`: of a process's first step alone (what a one-step
     benchmark measures); `trace`: for a backbone whose blocks were not measured, the block model's working sets
-    from a fake-tensor trace of the candidate's block unit (`memory.plan.traced`) instead of the counted ones."""
+    from a fake-tensor trace of the candidate's block unit (`memory.plan.traced`) instead of the counted ones.
+    `host_mem`: the host memory available to the launch's `processes_per_host` processes (default: all `gpus` on
+    one host); the offload pool is then the one the trainer makes there (`host_pool`) and a setup whose processes
+    do not fit it does not fit. None: host memory is not checked."""
     c = candidate.apply(cfg)
     if phase == "sample":  # as the sampler builds it on the GPU planned for (sample.dtype)
         c.model.dtype = sampling_dtype(c.model.dtype, c.sample.dtype, cuda=True)
@@ -219,6 +224,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     tokens = layout.total_tokens * batch // sp
     counted = count(c, phase, gpus)
     notes = []
+    local = processes_per_host or gpus
+    host_process, compile_host = process_host_bytes(c), compile_pool_bytes(c, phase)
     breakdown, reserved, host, time_factor = None, None, 0, 1.0
     if phase == "train" and costs.blocks and fits_block_model(c, gpus):
         geometry = Geometry.of(c, gpus)
@@ -228,7 +235,15 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             from tttvideo.memory.plan.traced import traced_working_sets
 
             traced = traced_working_sets(c)
-        breakdown = train_peak(c, counted, blocks, gpus, first_step_only, traced)
+        counted_as = c
+        if host_mem is not None and ACTIVATION_OFFLOAD.is_on(c) and c.checkpointing.offload_host_gib <= 0:
+            # the trainer's pool on this host (activation_offload.host_pool_for): what does not fit stays on the GPU
+            counted_as = copy.deepcopy(c)
+            pool = host_pool(host_mem, host_process + compile_host, local)
+            counted_as.checkpointing.offload_host_gib = max(pool, 1) / GIB
+            notes.append(f"host pool {pool / GIB:.1f} GiB a process (90 % of the {host_mem / GIB:.0f} GiB available "
+                         f"once {local} process(es) hold {(host_process + compile_host) / GIB:.1f} GiB each)")
+        breakdown = train_peak(counted_as, counted, blocks, gpus, first_step_only, traced)
         activation = breakdown.allocated - counted.total
         reserved, host = breakdown.reserved, breakdown.host
         if streams_weights(c):
@@ -288,6 +303,13 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     fits = None
     if reserved is not None and gpu_mem is not None:
         fits = reserved + CUDA_CONTEXT <= gpu_mem * (1 - margin)
+    host_fits = None
+    if host_mem is not None:
+        needed = (host + host_process + compile_host) * local
+        host_fits = needed <= host_mem
+        if not host_fits:
+            notes.append(f"host: {local} process(es) need {needed / GIB:.1f} GiB, {host_mem / GIB:.1f} GiB available")
+            fits = False if fits is not None else None
     if sp > 1 and breakdown is None:
         notes.append("sp: one-GPU per-token costs")
     if split > 1:
@@ -295,15 +317,21 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     videos = max(1, gpus // sp) if phase == "train" else 1
     if phase == "train" and gpus > 1 and step_s is not None:  # what the ranking compares (`rank`)
         notes.append(f"{videos} video(s) a step: {step_s / videos:.2f} s per video")
-    host_process, pool = process_host_bytes(c), compile_pool_bytes(c, phase)
     if breakdown is not None:
         breakdown.parts.append(Part("host: the process (libraries; the weights folder it reads)", host_process,
                                     "counted + measured", "host"))
-        if pool:
+        if compile_host:
             breakdown.parts.append(Part(f"host: Inductor's {compile_workers()} compile workers (this machine's cores)",
-                                        pool, "measured", "host"))
+                                        compile_host, "measured", "host"))
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
-                      time_factor, videos, host_process + pool)
+                      time_factor, videos, host_process + compile_host, host_fits)
+
+
+def host_pool(host_mem: int, held: int, processes: int) -> int:
+    """Bytes of the offload pool each of `processes` processes makes on a host with `host_mem` bytes available when
+    each holds `held` bytes besides (libraries, weights, compile workers): 90 % of the rest, shared, as
+    `models.activation_offload.host_pool_for` sizes it."""
+    return max(0, int((host_mem - held * processes) * 0.9 / processes))
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
@@ -326,9 +354,11 @@ def fits_in(peak: int, gpu_mem: int, streamed: bool = False, margin: float = 0.0
 
 
 def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
-         margin: float = MARGIN, trace: bool = False) -> list[Prediction]:
-    """Every candidate's prediction, best first (`rank`). `trace`: see `predict`."""
-    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin, trace=trace) for c in candidates(cfg, phase, gpus)]
+         margin: float = MARGIN, trace: bool = False, host_mem: int | None = None,
+         processes_per_host: int | None = None) -> list[Prediction]:
+    """Every candidate's prediction, best first (`rank`). `trace`, `host_mem`, `processes_per_host`: see `predict`."""
+    preds = [predict(cfg, phase, c, costs, gpus, gpu_mem, margin, trace=trace, host_mem=host_mem,
+                     processes_per_host=processes_per_host) for c in candidates(cfg, phase, gpus)]
     return sorted(preds, key=rank)
 
 
@@ -357,8 +387,8 @@ def best(preds: list[Prediction]) -> Prediction | None:
 
 
 # ------------------------------------------------------------------------------------------------ output
-def parse_size(text: str) -> int:
-    """'24GiB', '24 GiB', '80GB', '24' (GiB) -> bytes."""
+def parse_size(text: str, flag: str = "--gpu-mem") -> int:
+    """'24GiB', '24 GiB', '80GB', '24' (GiB) -> bytes; `flag` names the option in the error."""
     t = text.strip().replace(" ", "")
     units = {"gib": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
     for unit, size in sorted(units.items(), key=lambda u: -len(u[0])):
@@ -370,9 +400,9 @@ def parse_size(text: str) -> int:
     try:
         value = float(number)
     except ValueError:
-        raise UserError(f"--gpu-mem {text!r} is not a size; write it like 24GiB, 80GB or 24 (GiB)") from None
+        raise UserError(f"{flag} {text!r} is not a size; write it like 24GiB, 80GB or 24 (GiB)") from None
     if value <= 0:
-        raise UserError(f"--gpu-mem {text!r} must be positive")
+        raise UserError(f"{flag} {text!r} must be positive")
     return int(value * size)
 
 
@@ -450,6 +480,7 @@ def auto_fit_plan(cfg: Config, phase: str, config_path: str | None, duration: st
     import logging
 
     from tttvideo.memory.plan.costs import known_gpus, load_costs
+    from tttvideo.models.activation_offload import available_host_bytes
     from tttvideo.parallel.launch import launch_world_size
 
     log = logging.getLogger(__name__)
@@ -463,7 +494,10 @@ def auto_fit_plan(cfg: Config, phase: str, config_path: str | None, duration: st
         kind = "h100"
     if duration:
         cfg.layout.duration = duration
-    preds = plan(cfg, phase, gpu_mem, load_costs(kind), gpus)
+    # this host's memory, shared by the launch's processes on it (torchrun's LOCAL_WORLD_SIZE)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    preds = plan(cfg, phase, gpu_mem, load_costs(kind), gpus, host_mem=available_host_bytes(),
+                 processes_per_host=min(local, gpus))
     chosen = best(preds)
     if chosen is None:
         raise UserError(f"--auto-fit: no measured {phase} setup fits {gpu_mem / GIB:.1f} GiB per GPU on {gpus} "
@@ -494,7 +528,7 @@ def replan_after_oom(fit: AutoFit, needed: int) -> tuple[AutoFit, float]:
             continue
         activation = int(p.activation * scale)
         reserved = p.counted.total + int((p.reserved - p.counted.total) * scale)
-        fits = reserved + CUDA_CONTEXT <= fit.gpu_mem * (1 - margin)
+        fits = reserved + CUDA_CONTEXT <= fit.gpu_mem * (1 - margin) and p.host_fits is not False
         preds.append(dataclasses.replace(p, activation=activation, reserved=reserved, fits=fits,
                                          notes=p.notes + [f"activations x{scale:.2f} after an out-of-memory error"]))
     preds.sort(key=rank)

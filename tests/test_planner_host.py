@@ -1,0 +1,77 @@
+"""`tttv plan` checks host memory too: the offload pool is the one the trainer would make on the host (90 % of what
+the processes leave, shared), what it cannot take stays on the GPU and is counted there, and a setup whose processes
+need more host memory than the host has does not fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tttvideo.cli import main
+from tttvideo.config.loader import load_config
+from tttvideo.memory.plan.costs import load_costs
+from tttvideo.memory.plan.planner import Candidate, best, host_pool, plan, predict
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+STAGE5 = ROOT / "configs/cogvideox-5b/stage5-63s-1gpu.toml"
+
+
+@pytest.fixture(autouse=True)
+def _two_compile_workers(monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
+
+
+def test_the_planners_pool_is_the_trainers(monkeypatch):
+    """The runtime sizes its pool from what is available once each process holds its own memory (the planner's
+    `held`) and its compile workers (`held_back`): both give the same bytes."""
+    from tttvideo.models import activation_offload
+
+    host_mem, process, workers, ranks = 200 * GIB, 16 * GIB, 3 * GIB, 4
+    monkeypatch.setattr(activation_offload, "available_host_bytes", lambda: host_mem - process * ranks)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    pool = activation_offload.host_pool_for(0.0, pin=False, held_back=workers)
+    assert pool.capacity_bytes == pytest.approx(host_pool(host_mem, process + workers, ranks), abs=ranks)
+    assert host_pool(10 * GIB, 16 * GIB, 1) == 0
+
+
+def test_a_small_host_keeps_block_inputs_on_the_gpu_and_the_plan_moves_off_offload():
+    cfg = load_config(STAGE5, [])
+    costs = load_costs("h100")
+    shipped = Candidate("as configured", ())
+    unchecked = predict(cfg, "train", shipped, costs, gpu_mem=int(79.6 * GIB))
+    small = predict(cfg, "train", shipped, costs, gpu_mem=int(79.6 * GIB), host_mem=64 * GIB)
+    # the shipped 63-s stage offloads all 42 inputs (88 GiB); 64 GiB of host memory takes 19 of them
+    assert unchecked.host / GIB > 80 and unchecked.fits and unchecked.host_fits is None
+    assert small.host < 64 * GIB * 0.9 and small.host_fits
+    assert small.peak > unchecked.peak + 40 * GIB and not small.fits
+    assert any("host pool" in n for n in small.notes)
+    assert "offload" in best(plan(cfg, "train", int(79.6 * GIB), costs)).candidate.label
+    chosen = best(plan(cfg, "train", int(79.6 * GIB), costs, host_mem=64 * GIB))
+    assert chosen is not None and "offload" not in chosen.candidate.label and chosen.host_fits
+
+
+def test_processes_that_need_more_than_the_host_do_not_fit(tmp_path, capsys):
+    cfg = load_config(STAGE5, [])
+    preds = plan(cfg, "train", int(79.6 * GIB), load_costs("h100"), host_mem=8 * GIB)
+    assert preds and all(p.host_fits is False and not p.fits for p in preds)
+    assert any("host: 1 process(es) need" in n for n in preds[0].notes)
+    code = main(["plan", str(STAGE5), "--gpu-mem", "79.6GiB", "--host-mem", "8GiB"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "no (host)" in out and "8 GiB of host memory" in out
+    assert "and 8.0 GiB of host memory" in err
+    # planning for another machine's card without --host-mem leaves host memory unchecked
+    assert main(["plan", str(STAGE5), "--gpu-mem", "79.6GiB"]) == 0
+    assert "host memory not checked" in capsys.readouterr().out
+    assert main(["plan", str(STAGE5), "--gpu-mem", "79.6GiB", "--host-mem", "lots"]) == 2
+    assert "--host-mem 'lots' is not a size" in capsys.readouterr().err
+
+
+def test_two_processes_share_the_host():
+    cfg = load_config(ROOT / "configs/cogvideox-5b/stage5-63s-2gpu.toml", [])
+    costs, shipped = load_costs("h100"), Candidate("as configured", ())
+    one = predict(cfg, "train", shipped, costs, gpus=2, gpu_mem=int(79.6 * GIB), host_mem=160 * GIB,
+                  processes_per_host=1)
+    two = predict(cfg, "train", shipped, costs, gpus=2, gpu_mem=int(79.6 * GIB), host_mem=160 * GIB)
+    assert two.host < one.host and two.peak > one.peak
