@@ -496,7 +496,12 @@ def auto_fit_plan(cfg: Config, phase: str, config_path: str | None, duration: st
         cfg.layout.duration = duration
     # this host's memory, shared by the launch's processes on it (torchrun's LOCAL_WORLD_SIZE)
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    preds = plan(cfg, phase, gpu_mem, load_costs(kind), gpus, host_mem=available_host_bytes(),
+    host_mem = available_host_bytes()
+    if host_mem is not None and local > 1:
+        # every rank plans alone and their configs must agree (they are compared at the start): a coarse figure, so
+        # that ranks reading a little more or less available memory choose alike
+        host_mem = host_mem // (8 * GIB) * 8 * GIB
+    preds = plan(cfg, phase, gpu_mem, load_costs(kind), gpus, host_mem=host_mem,
                  processes_per_host=min(local, gpus))
     chosen = best(preds)
     if chosen is None:
