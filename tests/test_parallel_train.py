@@ -131,8 +131,12 @@ def test_sp_and_fsdp_on_two_processes_match_one(work, reference, sp_run):
     assert (sp_run / "checkpoints/step-000004/dcp/.metadata").is_file()
     # the model is written once, whole (model.safetensors); dcp/ holds the optimizer's shards
     assert not holds_model_state(sp_run / "checkpoints/step-000004")
-    assert_ok(launch(torchrun(work, 2, *settings(work, "fsdp2", "parallel.dp_shard=2"))))
+    cmd = torchrun(work, 2, *settings(work, "fsdp2", "parallel.dp_shard=2", "train.sample_at_end=true"))
+    assert_ok(launch(cmd))
     assert_same_run(work / "fsdp2", reference)
+    # no video of its own under torchrun: the main rank says how to make one, once
+    hint = f"torchrun --nproc_per_node 2 -m tttvideo sample --checkpoint {work / 'fsdp2'} --scenes STORY.json"
+    assert hint in said(rank_log(cmd, 0, "stdout")) and "sample_at_end" not in rank_log(cmd, 1, "stdout")
 
 
 def copy_at(run: Path, to: Path, step: int) -> Path:

@@ -350,9 +350,12 @@ class Trainer:
         # before its next checkpoint, or all of them at step 0) go; TensorBoard drops them by its purge_step
         if self.ranks.is_main:
             _truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
-        if self.ranks.distributed and (self.train.sample_at_end or self.train.validate_every):
-            self.console.print("train.sample_at_end / validate_every: multi-process runs make no videos yet; "
-                               "sample from a checkpoint with tttv sample")
+        if self.ranks.distributed and self.ranks.is_main and (self.train.sample_at_end or self.train.validate_every):
+            self.console.print(
+                "train.sample_at_end / validate_every: a multi-process run makes no videos itself; sample its "
+                f"checkpoint with: torchrun --nproc_per_node {self.ranks.world_size} -m tttvideo sample --checkpoint "
+                f"{self.output_dir} --scenes STORY.json --out video.mp4 (parallel.sp or sample.split_guidance share "
+                "the work; docs/sampling.md)", soft_wrap=True, markup=False)
         total = self.train.steps
         self.first_step = self.step  # an out-of-memory error here is one `tttv train --auto-fit` re-plans
         result = TrainResult(self.output_dir, self.step, math.nan, math.nan)
