@@ -23,7 +23,6 @@ path, testable on a CPU, saving nothing there.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import defaultdict
 
@@ -33,6 +32,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 
 from tttvideo.errors import ConfigError
+from tttvideo.parallel.launch import local_world_size
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
@@ -211,16 +211,21 @@ def available_host_bytes() -> int | None:
     return None
 
 
+def pool_share(available: int, held_back: int, processes: int) -> int:
+    """Bytes of host memory each of `processes` processes of one machine takes for its pool when `available` bytes
+    are free and each will take `held_back` more after making it: 90 % of the rest, split between them."""
+    return int(max(0, available - held_back * processes) * 0.9 / processes)
+
+
 def host_pool_for(max_host_gib: float, pin: bool = True, held_back: int = 0) -> HostPool:
     """The pool of `checkpointing.offload_host_gib`: that many GiB (0: 90 % of the host memory available now, shared
     by the processes torchrun starts on this machine). `held_back`: host bytes each process will take after its pool
     is made (Inductor's compile workers, forked at the first compile), left out of what is available. Asking for
     more than is available is a ConfigError before any step runs."""
-    available = available_host_bytes()
+    free = available_host_bytes()
     # every rank of this machine has its own pool: each counts what is available when all of them are full
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    if available is not None:
-        available = max(0, available - held_back * local)
+    local = local_world_size()
+    available = None if free is None else max(0, free - held_back * local)
     later = (f" once the compile workers take their {held_back * local / 2**30:.1f} GiB (TORCHINDUCTOR_COMPILE_THREADS "
              "sets how many)" if held_back else "")
     if max_host_gib > 0:
@@ -230,7 +235,7 @@ def host_pool_for(max_host_gib: float, pin: bool = True, held_back: int = 0) -> 
             raise ConfigError(
                 f"checkpointing.offload_host_gib = {max_host_gib:g}{each} but this machine has "
                 f"{available / 2**30:.1f} GiB of host memory available{later}; set it to at most "
-                f"{available / 2**30 * 0.9 / local:.0f} (or 0: 90 % of what is available, shared), and what does not "
-                "fit stays on the GPU")
+                f"{pool_share(free, held_back, local) / 2**30:.0f} (or 0: 90 % of what is available, shared), and what "
+                "does not fit stays on the GPU")
         return HostPool(want, pin=pin)
-    return HostPool(None if available is None else int(available * 0.9 / local), pin=pin)
+    return HostPool(None if free is None else pool_share(free, held_back, local), pin=pin)

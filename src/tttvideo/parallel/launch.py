@@ -55,6 +55,11 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size() -> int:
+    """The number of processes of a torchrun launch on this machine (1 without one)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
 def check_launch(command: str, activity: str) -> int:
     """The world size, after checking that a WORLD_SIZE above 1 comes with torchrun's other variables (a WORLD_SIZE
     exported by hand lacks them); `command` ("train") and `activity` ("training") word the message."""

@@ -329,9 +329,11 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
 
 def host_pool(host_mem: int, held: int, processes: int) -> int:
     """Bytes of the offload pool each of `processes` processes makes on a host with `host_mem` bytes available when
-    each holds `held` bytes besides (libraries, weights, compile workers): 90 % of the rest, shared, as
-    `models.activation_offload.host_pool_for` sizes it."""
-    return max(0, int((host_mem - held * processes) * 0.9 / processes))
+    each holds `held` bytes besides (libraries, weights, compile workers), as the trainer sizes it
+    (`models.activation_offload.pool_share`)."""
+    from tttvideo.models.activation_offload import pool_share
+
+    return pool_share(host_mem, held, processes)
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
@@ -481,7 +483,7 @@ def auto_fit_plan(cfg: Config, phase: str, config_path: str | None, duration: st
 
     from tttvideo.memory.plan.costs import known_gpus, load_costs
     from tttvideo.models.activation_offload import available_host_bytes
-    from tttvideo.parallel.launch import launch_world_size
+    from tttvideo.parallel.launch import launch_world_size, local_world_size
 
     log = logging.getLogger(__name__)
     gpus = launch_world_size()
@@ -494,8 +496,8 @@ def auto_fit_plan(cfg: Config, phase: str, config_path: str | None, duration: st
         kind = "h100"
     if duration:
         cfg.layout.duration = duration
-    # this host's memory, shared by the launch's processes on it (torchrun's LOCAL_WORLD_SIZE)
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    # this host's memory, shared by the launch's processes on it
+    local = local_world_size()
     host_mem = available_host_bytes()
     if host_mem is not None and local > 1:
         # every rank plans alone and their configs must agree (they are compared at the start): a coarse figure, so
