@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import resource
 import time
+
+# the allocator `tttv train` runs with (tttvideo.cli), so the reserved peaks are the trainer's; set before CUDA starts
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import model_step  # this script's folder is on sys.path when it runs: the trainer's model and step, shared
 import torch
 
 from tttvideo.layout import VideoLayout
-from tttvideo.models.presets import get_preset
+from tttvideo.models.backbone import get_preset
 from tttvideo.train.distributed import TrainRanks
 
 VARIANTS = {"kept": {}, "nested": {"nested_span": 6}, "offloaded": {"offload_activations": True}}
@@ -80,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     base = next((r["step_s"] for r in rows if r["variant"] == "kept"), None)
     result = {"benchmark": "memory_techniques", "device": model_step.device_name(device), "torch": torch.__version__,
-              "python": platform.python_version(), "git_commit": args.commit, "gpus": 1, "use_ttt": True, "preset": args.preset,
-              "duration_s": args.duration, "tokens": layout.total_tokens, "switches": SWITCHES, "results": rows}
+              "python": platform.python_version(), "git_commit": args.commit, "gpus": 1, "use_ttt": True,
+              "preset": args.preset,
+              "duration_s": args.duration, "tokens": layout.total_tokens, "switches": SWITCHES,
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "results": rows}
     out = args.out or f"benchmarks/results/memory_techniques_{_gpu(result['device'])}.json"
     model_step.write_result(result, out)
     print(f"\n{result['device']}, torch {torch.__version__}, {args.preset} at {args.duration} s "

@@ -9,7 +9,7 @@ It reads the H100 results (no GPU needed):
 - benchmarks/results/memory_techniques_h100.json: 9 s, block inputs kept / nested / offloaded in one process, the
   second step of each (optimizer state live, clean times; the reserved peak the variant's, its warm-up step
   included, compiled before by the variant ahead of it); memory_techniques_<D>s_h100.json at other lengths, held
-  out;
+  out; memory_techniques_h200.json (30 s on an H200) held out, memory only;
 - benchmarks/results/model_step_long_h100.json: 18 and 63 s, the first step of a fresh process (the optimizer state
   appears at its optimizer step; times include compilation, so they are not compared), predicted as first steps;
 - benchmarks/results/plan_calibration_h100.json and plan_check_h100.json: the per-token curves' setups (LoRA, fp32
@@ -80,18 +80,22 @@ def _step_rows() -> list[Row]:
     variant = {"kept": [], "nested": ["checkpointing.nested_span=6"],
                "offloaded": ["checkpointing.offload_activations=true"]}
     # memory_techniques_h100.json (9 s) calibrates; runs at other lengths (--out memory_techniques_<D>s_h100.json)
-    # are held out, their times clean as well
-    for path in sorted(RESULTS.glob("memory_techniques*_h100.json")):
+    # are held out, their times clean as well; an H200's (memory_techniques_h200.json) is held out, memory only (the
+    # costs' step times are an H100's)
+    paths = sorted(RESULTS.glob("memory_techniques*_h100.json")) + sorted(RESULTS.glob("memory_techniques*_h200.json"))
+    for path in paths:
         mt = json.loads(path.read_text())
+        h100 = path.name.endswith("_h100.json")
         role = "calibration" if path.name == "memory_techniques_h100.json" else "held out"
         for r in mt["results"]:
             if "peak_reserved_gib" not in r:
                 continue
             name = f"{mt['duration_s']} s, block inputs {r['variant']}"
             name += "" if role == "calibration" else " (2nd step)"
+            name += "" if h100 else ", H200: memory only"
             rows.append(Row(name, path.name, None, [f"layout.duration={mt['duration_s']}s", *variant[r["variant"]]],
                             "train", role, r["peak_allocated_gib"], r["peak_reserved_gib"], r["offloaded_gib"],
-                            r["step_s"]))
+                            r["step_s"] if h100 else None))
     long = json.loads((RESULTS / "model_step_long_h100.json").read_text())
     for r in long["runs"]:
         over = [f"layout.duration={r['duration_s']}s"] + [f"{k}={json.dumps(v)}" for k, v in r["overrides"].items()]

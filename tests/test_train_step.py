@@ -158,3 +158,20 @@ def test_model_step_benchmark_runs_the_step_on_cpu(tmp_path):
     row = result["results"][0]
     assert result["optimizer_step"] and result["config"]["model"]["adapter"] == "qkvo"
     assert row["tokens"] > 0 and row["median_step_s"] > 0 and row["ttt_backend"] == "reference"
+
+
+def test_memory_techniques_benchmark_runs_each_variant_on_cpu(tmp_path):
+    """benchmarks/memory_techniques.py as its docstring's CPU smoke run: each variant a row, under the allocator
+    settings `tttv train` uses (it imports the model and step from model_step.py, so a renamed import shows here)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "memory_techniques.json"
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    subprocess.run([sys.executable, str(root / "benchmarks" / "memory_techniques.py"), "--preset", "tiny", "--device",
+                    "cpu", "--dtype", "fp32", "--height", "32", "--width", "48", "--text-tokens", "8", "--duration",
+                    "3", "--variants", "kept", "offloaded", "--out", str(out)],
+                   check=True, cwd=root, env=env, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["results"]] == ["kept", "offloaded"]
+    assert all(r["step_s"] > 0 for r in result["results"])
+    assert result["alloc_conf"] == "expandable_segments:True"
