@@ -11,7 +11,7 @@ import pytest
 from tttvideo.cli import main
 from tttvideo.config.loader import load_config
 from tttvideo.memory.plan.costs import load_costs
-from tttvideo.memory.plan.planner import Candidate, best, host_pool, plan, predict
+from tttvideo.memory.plan.planner import CUDA_CONTEXT, MARGIN, Candidate, best, host_pool, plan, predict
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -57,6 +57,9 @@ def test_processes_that_need_more_than_the_host_do_not_fit(tmp_path, capsys):
     preds = plan(cfg, "train", int(79.6 * GIB), load_costs("h100"), host_mem=8 * GIB)
     assert preds and all(p.host_fits is False and not p.fits for p in preds)
     assert any("host: 1 process(es) need" in n for n in preds[0].notes)
+    # the card's verdict stays apart from the host's: what `--explain` prints on the GPU line
+    fitting = [p for p in preds if p.gpu_fits]
+    assert fitting and all(p.reserved + CUDA_CONTEXT <= 79.6 * GIB * (1 - MARGIN) for p in fitting)
     code = main(["plan", str(STAGE5), "--gpu-mem", "79.6GiB", "--host-mem", "8GiB"])
     out, err = capsys.readouterr()
     assert code == 1 and "no (host)" in out and "8 GiB of host memory" in out

@@ -129,7 +129,7 @@ def print_parts(pred, gpu_mem: int, margin: float, host_mem: int | None = None, 
         total = pred.reserved + CUDA_CONTEXT
         print(f"  {total / GIB:8.2f} GiB  of a card of {gpu_mem / GIB:.1f} GiB with {margin:.0%} left free "
               f"({gpu_mem * (1 - margin) / GIB:.1f} GiB): "
-              f"{'fits' if pred.reserved + CUDA_CONTEXT <= gpu_mem * (1 - margin) else 'does not fit'}")
+              f"{'fits' if pred.gpu_fits else 'does not fit'}")
     if host_mem is not None:
         print(f"  {pred.host_total * processes / GIB:8.2f} GiB  host  {processes} process(es) of this plan on a host "
               f"with {host_mem / GIB:.1f} GiB available: {'fits' if pred.host_fits else 'does not fit'}")

@@ -92,7 +92,7 @@ class Prediction:
     counted: Counted
     activation: int | None  # bytes; None when the regime was never measured
     step_s: float | None
-    fits: bool | None  # None: unknown (not measured)
+    fits: bool | None  # None: unknown (not measured); False also when the host cannot hold the launch (host_fits)
     notes: list[str] = field(default_factory=list)
     reserved: int | None = None  # the allocator's reserved peak (what must fit the card)
     host: int = 0  # host bytes of what is offloaded
@@ -109,6 +109,8 @@ class Prediction:
     host_process: int = 0
     # whether the launch's processes on one host fit its memory (None: not checked, no host size given)
     host_fits: bool | None = None
+    # whether the reserved peak and the CUDA context fit the card less the margin, the host aside (None: unknown)
+    gpu_fits: bool | None = None
 
     @property
     def host_total(self) -> int:
@@ -300,9 +302,9 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             notes.append(f"sp {sp} efficiency not measured")
     else:
         notes.append("time not measured")
-    fits = None
+    fits = gpu_fits = None
     if reserved is not None and gpu_mem is not None:
-        fits = reserved + CUDA_CONTEXT <= gpu_mem * (1 - margin)
+        fits = gpu_fits = card_holds(reserved, gpu_mem, margin)
     host_fits = None
     if host_mem is not None:
         needed = (host + host_process + compile_host) * local
@@ -324,7 +326,7 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             breakdown.parts.append(Part(f"host: Inductor's {compile_workers()} compile workers (this machine's cores)",
                                         compile_host, "measured", "host"))
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
-                      time_factor, videos, host_process + compile_host, host_fits)
+                      time_factor, videos, host_process + compile_host, host_fits, gpu_fits)
 
 
 def host_pool(host_mem: int, held: int, processes: int) -> int:
@@ -348,11 +350,16 @@ def streams_weights(cfg: Config) -> bool:
     return any(t.streams_weights and t.is_on(cfg) for t in REGISTRY)
 
 
+def card_holds(reserved: float, gpu_mem: int, margin: float = 0.0) -> bool:
+    """Whether a `reserved` peak and the CUDA context fit a card of `gpu_mem` bytes less `margin` of it."""
+    return reserved + CUDA_CONTEXT <= gpu_mem * (1 - margin)
+
+
 def fits_in(peak: int, gpu_mem: int, streamed: bool = False, margin: float = 0.0) -> bool:
     """Whether an allocated `peak` fits a card of `gpu_mem` bytes: its reserved memory (FRAGMENTATION above it) and
     the CUDA context within the card less `margin` of it."""
     fragmentation = FRAGMENTATION_STREAMED if streamed else FRAGMENTATION
-    return peak * (1 + fragmentation) + CUDA_CONTEXT <= gpu_mem * (1 - margin)
+    return card_holds(peak * (1 + fragmentation), gpu_mem, margin)
 
 
 def plan(cfg: Config, phase: str, gpu_mem: int, costs: CostTable, gpus: int = 1,
@@ -535,8 +542,9 @@ def replan_after_oom(fit: AutoFit, needed: int) -> tuple[AutoFit, float]:
             continue
         activation = int(p.activation * scale)
         reserved = p.counted.total + int((p.reserved - p.counted.total) * scale)
-        fits = reserved + CUDA_CONTEXT <= fit.gpu_mem * (1 - margin) and p.host_fits is not False
-        preds.append(dataclasses.replace(p, activation=activation, reserved=reserved, fits=fits,
+        gpu_fits = card_holds(reserved, fit.gpu_mem, margin)
+        preds.append(dataclasses.replace(p, activation=activation, reserved=reserved,
+                                         fits=gpu_fits and p.host_fits is not False, gpu_fits=gpu_fits,
                                          notes=p.notes + [f"activations x{scale:.2f} after an out-of-memory error"]))
     preds.sort(key=rank)
     chosen = best(preds)
