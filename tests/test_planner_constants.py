@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from tttvideo.cli import main
 from tttvideo.config.loader import load_config
 from tttvideo.memory.plan.activations import BlockConstants, Geometry, saved_input, train_peak
@@ -110,7 +111,6 @@ def test_committed_wan_constants_are_its_own_where_measured_and_explain_says_so(
 def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(tmp_path):
     """benchmarks/plan_accuracy.py reads stage_chain_2gpu_<gpu>.json (benchmarks/stage_chain.py --gpus 2) as held-out
     rows predicted on two GPUs (FSDP shards the weights and optimizer state), an H200 chain's without a step time."""
-    from tests.benchmark_scripts import load_benchmark
     from tttvideo.memory.plan.costs import load_costs
 
     accuracy = load_benchmark("plan_accuracy")
@@ -130,7 +130,6 @@ def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(
 
 
 def test_two_gpu_chain_rows_fit_the_fsdp_reserve_and_four_gpu_rows_are_held_out(tmp_path):
-    from tests.benchmark_scripts import load_benchmark
 
     accuracy = load_benchmark("plan_accuracy")
     for gpus in (2, 4):
@@ -145,7 +144,8 @@ def test_two_gpu_chain_rows_fit_the_fsdp_reserve_and_four_gpu_rows_are_held_out(
 
 
 WAN_63S = "configs/wan2.1-1.3b/stage5-63s-24gb.toml"
-NO_WEIGHTS = ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0"]
+# the overrides benchmarks/plan_calibration.py plans its setups with (no weights folder, no cap)
+NO_WEIGHTS = load_benchmark("plan_calibration").NO_WEIGHTS
 
 
 def test_the_window_wise_form_has_its_own_stream_copies_head_group_checkpoints_and_time():
