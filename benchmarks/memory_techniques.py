@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     base = next((r["step_s"] for r in rows if r["variant"] == "kept"), None)
     result = {"benchmark": "memory_techniques", "device": model_step.device_name(device), "torch": torch.__version__,
               "python": platform.python_version(), "git_commit": args.commit, "gpus": 1, "use_ttt": True,
-              "preset": args.preset,
-              "duration_s": args.duration, "tokens": layout.total_tokens, "switches": SWITCHES,
+              "preset": args.preset, "duration_s": args.duration, "tokens": layout.total_tokens, "switches": SWITCHES,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "results": rows}
     out = args.out or f"benchmarks/results/memory_techniques_{_gpu(result['device'])}.json"
     model_step.write_result(result, out)
