@@ -18,8 +18,10 @@ import platform
 import resource
 import time
 
-# the allocator `tttv train` runs with (tttvideo.cli), so the reserved peaks are the trainer's; set before CUDA starts
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+from tttvideo.memory.guard.allocator import use_tttv_allocator
+
+# the allocator `tttv train` runs with, so the reserved peaks are the trainer's; set before CUDA starts
+use_tttv_allocator()
 
 import model_step  # this script's folder is on sys.path when it runs: the trainer's model and step, shared
 import torch

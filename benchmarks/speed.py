@@ -43,9 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tttvideo.memory.guard.allocator import use_tttv_allocator
+
 # as `tttv` sets it: without it the 63-s guided step's profile, after the timed steps, failed for a 16 GiB block with
 # 19 GiB reserved and unused (fragmentation)
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+use_tttv_allocator()
 
 import torch  # noqa: E402
 

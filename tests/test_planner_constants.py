@@ -130,7 +130,6 @@ def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(
 
 
 def test_two_gpu_chain_rows_fit_the_fsdp_reserve_and_four_gpu_rows_are_held_out(tmp_path):
-
     accuracy = load_benchmark("plan_accuracy")
     for gpus in (2, 4):
         stage = {"duration_s": 3, "config": f"stage1-3s-{gpus}gpu.toml", "gpus": gpus, "median_step_s": None,

@@ -20,6 +20,7 @@ from tttvideo import __version__
 from tttvideo.cli.common import setup_logging
 from tttvideo.cli.library_noise import quiet_library_noise
 from tttvideo.errors import UserError
+from tttvideo.memory.guard.allocator import use_tttv_allocator
 
 # subcommand -> module; modules are imported lazily so `tttv layout` does not pay for diffusers.
 COMMANDS: dict[str, str] = {
@@ -48,9 +49,7 @@ UNWRAPPED_COLUMNS = 10_000
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Segments that grow in place keep a long video's varying activation sizes from fragmenting the cache; the
-    # planner's costs were measured with it. Read at the first CUDA allocation; a value the user set wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    use_tttv_allocator()
     quiet_library_noise()
     try:
         parser = build_parser()
