@@ -67,8 +67,11 @@ SAMPLE_VARIANTS = [
 
 
 def use_environment() -> None:
-    """What every subprocess inherits: the package from this checkout and the allocator setting."""
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    """What every subprocess inherits: the package from this checkout and the allocator setting `tttv` uses (set here,
+    not left to each command's default, so that a value from the shell does not change what is measured)."""
+    from tttvideo.memory.guard.allocator import ALLOC_CONF
+
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
     os.environ["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 
