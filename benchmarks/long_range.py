@@ -20,17 +20,17 @@ the run converged), the median step time, the peak GPU memory of training and th
 block (benchmarks/long_range_report.py).
 
 Device time: the ablations run at 9 s with seeds 0-2 only (--ablation-durations, --ablation-seeds), the main table at
-9 s and 18 s with seeds 0-4: 60 + 21 = 81 runs of 250 steps of batch 16 (the config). Runs go seed by seed (main
+9 s and 18 s with seeds 0-4: 60 + 21 = 81 runs of 1000 steps of batch 16 (the config). Runs go seed by seed (main
 rows and ablations of a seed, then the next seed), so that a table cut short holds whole comparisons with fewer
 seeds. Each run samples its 64 held-out stories 32 per forward (benchmarks/long_range_eval.py), not one by one. Before
 training it prints a run plan with an estimate of the wall time (--plan-step-s, the seconds of a run per training
-step with --jobs runs sharing the device, fitted with per-row factors to this config's runs with 8 jobs on an H200:
+step with --jobs runs sharing the device, fitted with per-row factors to this config's runs with 3 jobs on an H200:
 PLAN_ROW_STEP; --plan prints it alone); after each run, the measured rate and the time left. --budget-s starts no
 run that would end past that many seconds by its plan, scaled by how far the last finished runs were off theirs; the
 same command again continues from the results file, but a run planned longer than the budget stops the table there
-(the plan says which). 8 jobs: the tiny model's runs on the H100 were slower at 12 jobs than at 6 (the processes
-time-slice the GPU), and a batch-16 run of this model at 18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch
-recurrence, H200).
+(the plan says which). 3 jobs: the processes time-slice the GPU, so 8 jobs finished no more runs an hour than 3 on
+the H200, and the tiny model's runs on the H100 were slower at 12 jobs than at 6; a batch-16 run of this model at
+18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch recurrence, H200).
 
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
@@ -40,8 +40,8 @@ beside the JSON: accuracy by scene distance (<out>.png) and the loss curves (<ou
 them from a results file without training, and its table is the markdown docs/long_range.md shows.
 3-s videos have one scene, so nothing to carry: durations start at 6 s.
 
-    TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONPATH=src python3 benchmarks/long_range.py --jobs 8 --budget-s 520 \\
-        --out benchmarks/results/long_range_d64_h100.json                                      # GPU
+    TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONPATH=src python3 benchmarks/long_range.py --jobs 3 --budget-s 1500 \\
+        --out benchmarks/results/long_range_d64_h200.json                                      # GPU
     PYTHONPATH=src python3 benchmarks/long_range.py --config configs/long-range.toml --durations 6s --seeds 0 \\
         --ablations none --steps 3 --eval-videos 2 --set sample.steps=2 --out /tmp/lr.json    # a CPU smoke run
 """
@@ -103,31 +103,28 @@ DESCRIBED = {
 }
 LOSS_WINDOW = 50  # steps per point of a run's loss curve
 # The run plan: a run's wall time = PLAN_STARTUP_S + row factor x (segments / 3) x --plan-step-s x (training steps +
-# PLAN_SAMPLE_STEP x solver steps of its batches of held-out stories). Fitted to the default config's first table on
-# one NVIDIA H200 (one GPU of a 4-GPU host, another job on another GPU; commit 4847a47, --jobs 8, 250 steps of batch
-# 16, 64 stories of 20 solver steps 32 at a time; 13 runs of seed 0 finished before the 600-s command limit, wall s
-# per run: 9 s none 69, full attention 70, Mamba 2 92, Gated DeltaNet 111, TTT-Linear 220, TTT-MLP 580, 393 and 433
-# (the row and its base-lr ablations); 18 s none 85, full attention 120, Mamba 2 197, Gated DeltaNet 268, TTT-Linear
-# 379, TTT-MLP not done after 587; Mamba 2 and Gated DeltaNet on the PyTorch recurrence, fla not installed). The
-# earlier plan, from the tiny model's step on an H100, said 60-222 s a run and 1001 s for the 81 (16.7 min); 14 runs
-# ended (one failed at once) in the first 600 s. Packed in order on 8 slots, this plan ends 10 of those 11 first runs
-# within 20 s of their measured ends, TTT-MLP's at 482 s against 593, and says about 65 min for the 81.
-# Start-up: a run spent 9-14 s outside its training and sampling (process, imports, scoring) and 20-26 s of its
-# training outside its median step (data set, model, compile warm-up) where the row has no TTT kernels.
+# PLAN_SAMPLE_STEP x solver steps of its batches of held-out stories). Fitted to the default config's runs of seed 0
+# on one NVIDIA H200 (commit 740823e, --jobs 3, 1000 steps of batch 16, 64 stories of 20 solver steps 32 at a time;
+# wall s per run at 9 s: none 107, full attention 117, Mamba 2 177, Gated DeltaNet 206, TTT-Linear 229, TTT-MLP 472,
+# in two launches of three; at 18 s with 2 jobs none 141, full attention 159). More jobs do not finish more: the
+# 250-step runs of commit 4847a47 with 8 jobs took 0.50 s a step on the mean where 3 jobs take 0.18 (the processes
+# time-slice the GPU).
+# Start-up: a run spent 9-11 s outside its training and sampling (process, imports, scoring) and 9-19 s of its
+# training outside its median steps (data set, model, compile warm-up) where the row has no TTT kernels.
 PLAN_STARTUP_S = 30.0
-# a solver step of a batch of 32 held-out stories (one forward, guidance batched), in training steps: the 13 runs
-# sampled for 335 s in all, 40 forwards each, where 40 of their median training steps make 311 s
+# a solver step of a batch of 32 held-out stories (one forward, guidance batched), in training steps: the runs above
+# sampled for 3-8 s each (40 forwards), which this prices at 3-17 s
 PLAN_SAMPLE_STEP = 1.0
-# a row's seconds per step relative to the mean of the main rows' at 9 s (--plan-step-s, 0.50 s there): per row the
-# runs' (wall - start-up) / (segments / 3) / (250 + 40) step-equivalents, the mean over its runs (TTT-MLP: the three
-# at 9 s; none 0.135 and 0.095 s at 9 and 18 s, full attention 0.138 and 0.155, Mamba 2 0.214 and 0.288, Gated
-# DeltaNet 0.280 and 0.411, TTT-Linear 0.656 and 0.602, TTT-MLP 1.90, 1.25, 1.39). TTT-MLP's includes its kernels'
-# warm-up (the row's first run spent 222 s of its training outside 250 median steps of 1.15 s, its ablations 54 and
-# 77 s) and the ablations of TTT-MLP not listed are priced as TTT-MLP (mini-batch 16, gate 1, the D/2 inner MLP: not
-# measured). The reference learning-rate layout runs the PyTorch scan, one step per mini-batch (not measured:
-# assumed 3x the Triton scan's, as the earlier plan did).
-PLAN_ROW_STEP = {"none": 0.23, "full-attention": 0.29, "mamba2": 0.50, "gated-deltanet": 0.69, "ttt-linear": 1.26,
-                 "ttt-mlp": 3.03, "ttt-mlp-eta-reference": 9.1, "ttt-linear-eta-reference": 3.8}
+# a row's seconds per step relative to the mean of the main rows' at 9 s (--plan-step-s, 0.18 s there): per row the
+# run's (wall - start-up) / (segments / 3) / (1000 + 40) step-equivalents, fitted to the default config's 1000-step
+# runs of seed 0 at 9 s on an H200 with 3 jobs (commit 740823e: none 0.074 s, full attention 0.084, Mamba 2 0.141,
+# Gated DeltaNet 0.169, TTT-Linear 0.191, TTT-MLP 0.425; Mamba 2 and Gated DeltaNet on the PyTorch recurrence, fla
+# not installed). TTT-MLP's includes its kernels' warm-up (its 1000 training steps took 454 s, 302 s of them at the
+# median step). Its ablations not measured at 1000 steps are priced as TTT-MLP; the reference learning-rate layout
+# runs the PyTorch scan, one step per mini-batch (not measured: 3x the Triton scan's, as the first plan assumed).
+# The 18-s runs of none and full attention took 0.72 and 0.74 of the segment scaling (2 jobs): the plan errs long.
+PLAN_ROW_STEP = {"none": 0.41, "full-attention": 0.46, "mamba2": 0.78, "gated-deltanet": 0.94, "ttt-linear": 1.06,
+                 "ttt-mlp": 2.35, "ttt-mlp-eta-reference": 7.1, "ttt-linear-eta-reference": 3.2}
 
 
 def train_and_score(base: Path, variant: str, duration: str, seed: int, args, work: Path) -> dict:
@@ -267,11 +264,11 @@ def main(argv=None) -> int:
                          "scaled by how far the last finished runs were off their plan; 0 = no limit. The same "
                          "command again continues, but a run planned longer than the budget stops the table there "
                          "(the plan names such runs)")
-    ap.add_argument("--plan-step-s", type=float, default=0.5,
+    ap.add_argument("--plan-step-s", type=float, default=0.18,
                     help="the run plan's seconds of a run's wall time per training step (start-up aside, warm-up "
                          "in), the mean of the main rows at 9 s with --jobs runs sharing the device; each row and "
-                         "duration scales it (PLAN_ROW_STEP). 0.5: the default config with 8 jobs on an H200 (its "
-                         "first 13 runs: 69-580 s each); another config, --jobs or device needs its own")
+                         "duration scales it (PLAN_ROW_STEP). 0.18: the default config with 3 jobs on an H200 (its "
+                         "1000-step runs at 9 s: 107-472 s each); another config, --jobs or device needs its own")
     ap.add_argument("--plan", action="store_true", help="print the run plan and stop (nothing trains)")
     ap.add_argument("--no-report", action="store_true",
                     help="write the results file only, no table or plot (what --jobs passes to each run's process)")
