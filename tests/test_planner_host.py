@@ -11,7 +11,8 @@ import pytest
 from tttvideo.cli import main
 from tttvideo.config.loader import load_config
 from tttvideo.memory.plan.costs import load_costs
-from tttvideo.memory.plan.planner import CUDA_CONTEXT, MARGIN, Candidate, best, host_pool, plan, predict
+from tttvideo.memory.plan.planner import CUDA_CONTEXT, MARGIN, Candidate, best, plan, predict
+from tttvideo.models.activation_offload import pool_share
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -32,8 +33,8 @@ def test_the_planners_pool_is_the_trainers(monkeypatch):
     monkeypatch.setattr(activation_offload, "available_host_bytes", lambda: host_mem - process * ranks)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
     pool = activation_offload.host_pool_for(0.0, pin=False, held_back=workers)
-    assert pool.capacity_bytes == pytest.approx(host_pool(host_mem, process + workers, ranks), abs=ranks)
-    assert host_pool(10 * GIB, 16 * GIB, 1) == 0
+    assert pool.capacity_bytes == pytest.approx(pool_share(host_mem, process + workers, ranks), abs=ranks)
+    assert pool_share(10 * GIB, 16 * GIB, 1) == 0
 
 
 def test_a_small_host_keeps_block_inputs_on_the_gpu_and_the_plan_moves_off_offload():

@@ -39,7 +39,6 @@ from typing import Any
 from tttvideo.config.schema import Config
 from tttvideo.dtypes import sampling_dtype
 from tttvideo.errors import UserError
-from tttvideo.models.backbone import backbone_of, layout_of
 from tttvideo.memory.guard.compile_pool import compile_pool_bytes, compile_workers
 from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
                                               Geometry, Part, fits_block_model, train_peak)
@@ -49,6 +48,7 @@ from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOI
                                         FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
                                         SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, WINDOW_FORM, MemoryTechnique,
                                         Option)
+from tttvideo.models.backbone import backbone_of, layout_of
 
 GIB = 2**30
 FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (docs/memory.md: measured 2-8%)
@@ -215,8 +215,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     benchmark measures); `trace`: for a backbone whose blocks were not measured, the block model's working sets
     from a fake-tensor trace of the candidate's block unit (`memory.plan.traced`) instead of the counted ones.
     `host_mem`: the host memory available to the launch's `processes_per_host` processes (default: all `gpus` on
-    one host); the offload pool is then the one the trainer makes there (`host_pool`) and a setup whose processes
-    do not fit it does not fit. None: host memory is not checked."""
+    one host); the offload pool is then the one the trainer makes there (`activation_offload.pool_share`) and a setup
+    whose processes do not fit it does not fit. None: host memory is not checked."""
     c = candidate.apply(cfg)
     if phase == "sample":  # as the sampler builds it on the GPU planned for (sample.dtype)
         c.model.dtype = sampling_dtype(c.model.dtype, c.sample.dtype, cuda=True)
@@ -240,8 +240,10 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         counted_as = c
         if host_mem is not None and ACTIVATION_OFFLOAD.is_on(c) and c.checkpointing.offload_host_gib <= 0:
             # the trainer's pool on this host (activation_offload.host_pool_for): what does not fit stays on the GPU
+            from tttvideo.models.activation_offload import pool_share
+
             counted_as = copy.deepcopy(c)
-            pool = host_pool(host_mem, host_process + compile_host, local)
+            pool = pool_share(host_mem, host_process + compile_host, local)
             counted_as.checkpointing.offload_host_gib = max(pool, 1) / GIB
             notes.append(f"host pool {pool / GIB:.1f} GiB a process (90 % of the {host_mem / GIB:.0f} GiB available "
                          f"once {local} process(es) hold {(host_process + compile_host) / GIB:.1f} GiB each)")
@@ -327,15 +329,6 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
                                         compile_host, "measured", "host"))
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
                       time_factor, videos, host_process + compile_host, host_fits, gpu_fits)
-
-
-def host_pool(host_mem: int, held: int, processes: int) -> int:
-    """Bytes of the offload pool each of `processes` processes makes on a host with `host_mem` bytes available when
-    each holds `held` bytes besides (libraries, weights, compile workers), as the trainer sizes it
-    (`models.activation_offload.pool_share`)."""
-    from tttvideo.models.activation_offload import pool_share
-
-    return pool_share(host_mem, held, processes)
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
