@@ -344,7 +344,8 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     every = 1 if kill else steps
     t0 = time.perf_counter()
     child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus), log, REPO)
-    row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus,
+    # the steps asked of this stage: a chain run in parts merges rows of invocations with different --steps
+    row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus, "steps_asked": steps,
                            "global_batch": data_parallel(duration, args), **predicted(args, duration)}
     # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
     # next stage's init_from) take the frozen layers from the previous stage's, which must stay

@@ -32,10 +32,10 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
     assert killed["killed"] == "rank 1" and killed["launch_exit_s"] < 30
     # the survivor said one sentence naming the dead rank
     assert len(killed["sentences"]) == 1 and "rank 1 stopped answering: its process" in killed["sentences"][0]
-    assert killed["resumed_steps_once"] and killed["steps"] == [1, 2, 3]
+    assert killed["resumed_steps_once"] and killed["steps"] == [1, 2, 3] and killed["steps_asked"] == 3
     assert killed["reshard"]["gpus"] == 1 and killed["reshard"]["resumed_steps_once"]
     assert "resumed from" in killed["reshard"]["resumed_line"]
-    assert last["steps"] == [1, 2] and last["global_batch"] == 2
+    assert last["steps"] == [1, 2] and last["steps_asked"] == 2 and last["global_batch"] == 2
     # host memory by process: the launcher and each rank apart, each launch of the stage in turn
     first_launch = killed["host_by_process"][0]
     assert {"launch", "rank 0", "rank 1"} <= set(first_launch), first_launch
