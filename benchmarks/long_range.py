@@ -137,6 +137,7 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
     from tttvideo.config.loader import load_config
     from tttvideo.data.demo_score import latent_frames, score_persistence
     from tttvideo.device import resolve_device
+    from tttvideo.layout import parse_duration
     from tttvideo.models.backbone import get_preset
     from tttvideo.runs import find_model_file
 
@@ -170,11 +171,13 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
         first.append(score.first.colour_ok)
     per_distance = [statistics.mean(float(d[i]) for d in distances) for i in range(len(distances[0]))]
     params = sum(p.numel() for n, p in load_file(str(find_model_file(result.output_dir))).items() if ".ttt." in n)
-    return {"variant": variant, "duration": duration, "seed": seed, "steps": result.steps_done,
+    return {"variant": variant, "duration": duration, "duration_s": parse_duration(duration), "seed": seed,
+            "steps": result.steps_done,
             "first_loss": result.first_loss, "last_loss": result.last_loss, "train_s": result.seconds,
             "sample_s": sample_s,
             "median_step_s": statistics.median(step_s) if step_s else result.seconds / max(result.steps_done, 1),
-            "peak_allocated": peak, "long_range_params": params, "layer_params_per_block": params // spec.num_layers,
+            "peak_allocated_gib": peak / 2**30 if peak is not None else None, "long_range_params": params,
+            "layer_params_per_block": params // spec.num_layers,
             "loss_curve": loss_curve(metrics), "accuracy_by_distance": per_distance,
             "accuracy": statistics.mean(per_distance), "first_scene_colour": statistics.mean(map(float, first)),
             "eval_videos": len(samples), "recurrence": recurrence_kernels(variant, cfg.ttt.backend, cuda)}
@@ -585,7 +588,8 @@ def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dic
 
     commit = git_commit()
     result = {"benchmark": "long_range", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-              else platform.processor() or "cpu", "torch": torch.__version__, "git_commit": commit,
+              else platform.processor() or "cpu", "gpus": 1 if torch.cuda.is_available() else 0,
+              "torch": torch.__version__, "git_commit": commit,
               "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
               "settings": run_settings(args), "chance": 1 / 6, "probe": probes, "runs": runs,
               "failed": failed or [], "summary": rows or summarize(runs, list(ROWS))}

@@ -43,10 +43,11 @@ def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
         acc, ci = mean_ci([r["accuracy"] for r in rs])
         by = list(zip(*(r["accuracy_by_distance"] for r in rs)))
         by_ci = [mean_ci(list(d)) for d in by]
-        peaks = [r["peak_allocated"] for r in rs if r.get("peak_allocated") is not None]
+        peaks = [r["peak_allocated_gib"] for r in rs if r.get("peak_allocated_gib") is not None]
         curves = [r["loss_curve"]["mean_loss"] for r in rs if r.get("loss_curve")]
         curve = [statistics.mean(c[i] for c in curves) for i in range(min(map(len, curves)))] if curves else []
-        rows.append({"duration": duration, "variant": variant, "seeds": [r["seed"] for r in rs],
+        rows.append({"duration": duration, "duration_s": rs[0].get("duration_s"), "variant": variant,
+                     "seeds": [r["seed"] for r in rs],
                      "accuracy": acc, "accuracy_ci95": ci,
                      "accuracy_sd": statistics.stdev([r["accuracy"] for r in rs]) if len(rs) > 1 else 0.0,
                      "accuracy_per_seed": [r["accuracy"] for r in rs],
@@ -56,7 +57,7 @@ def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
                      "final_loss": curve[-1] if curve else statistics.mean(r["last_loss"] for r in rs),
                      "loss_change_last": loss_change(curve),
                      "median_step_s": statistics.median(r["median_step_s"] for r in rs),
-                     "peak_allocated": max(peaks) if peaks else None,
+                     "peak_allocated_gib": max(peaks) if peaks else None,
                      "long_range_params": rs[0]["long_range_params"],
                      "layer_params_per_block": rs[0].get("layer_params_per_block"),
                      "recurrence": rs[0].get("recurrence")})
@@ -85,7 +86,7 @@ def table(rows: list[dict], chance: float, described: dict[str, str], failed: li
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         by = ", ".join(f"{m:.2f}" for m in r["accuracy_by_distance"])  # their intervals: the JSON and the plot
-        peak = f"{r['peak_allocated'] / 2**30:.2f}" if r["peak_allocated"] else "-"
+        peak = f"{r['peak_allocated_gib']:.2f}" if r["peak_allocated_gib"] else "-"
         change = f" ({r['loss_change_last'] * 100:+.1f} %)" if r.get("loss_change_last") is not None else ""
         per_block = r.get("layer_params_per_block")
         params = f"{per_block:,}" if per_block is not None else f"{r['long_range_params']:,} (all blocks)"

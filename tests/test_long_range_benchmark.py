@@ -41,8 +41,10 @@ def test_every_variant_is_trained_sampled_and_scored(tmp_path, capsys):
     assert result["chance"] == pytest.approx(1 / 6)
     assert sorted(r["variant"] for r in result["runs"]) == sorted(lr.VARIANTS)
     assert result["failed"] == []
+    assert result["gpus"] == 0 and all(r["duration_s"] == 6 for r in result["summary"])  # the shared JSON keys
     for r in result["runs"]:
         assert r["steps"] == 2 and r["eval_videos"] == 2 and r["median_step_s"] > 0
+        assert r["duration_s"] == 6 and r["peak_allocated_gib"] is None  # CPU: no device peak to read
         assert r["loss_curve"]["every"] == 2 and len(r["loss_curve"]["mean_loss"]) == 1  # 2 steps: one window
         assert r["loss_curve"]["mean_loss"][0] == pytest.approx((r["first_loss"] + r["last_loss"]) / 2, rel=1e-6)
         assert r["layer_params_per_block"] * 2 == r["long_range_params"]  # the tiny model's 2 blocks
@@ -89,7 +91,7 @@ def fake_run(fail: set):
         if (variant, seed) in fail:
             raise RuntimeError(f"CUDA out of memory ({variant})")
         return {"variant": variant, "duration": duration, "seed": seed, "steps": 4, "first_loss": 1.0,
-                "last_loss": 0.5, "train_s": 0.1, "median_step_s": 0.01, "peak_allocated": None,
+                "last_loss": 0.5, "train_s": 0.1, "median_step_s": 0.01, "peak_allocated_gib": None,
                 "long_range_params": 8, "layer_params_per_block": 4,
                 "loss_curve": {"every": 2, "mean_loss": [0.8, 0.5]}, "accuracy_by_distance": [seed / 10],
                 "accuracy": seed / 10, "first_scene_colour": 1.0, "eval_videos": 2, "recurrence": None}
