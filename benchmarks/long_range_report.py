@@ -46,7 +46,7 @@ def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
         peaks = [r["peak_allocated_gib"] for r in rs if r.get("peak_allocated_gib") is not None]
         curves = [r["loss_curve"]["mean_loss"] for r in rs if r.get("loss_curve")]
         curve = [statistics.mean(c[i] for c in curves) for i in range(min(map(len, curves)))] if curves else []
-        rows.append({"duration": duration, "duration_s": rs[0].get("duration_s"), "variant": variant,
+        rows.append({"duration": duration, "duration_s": int(duration.rstrip("s")), "variant": variant,
                      "seeds": [r["seed"] for r in rs],
                      "accuracy": acc, "accuracy_ci95": ci,
                      "accuracy_sd": statistics.stdev([r["accuracy"] for r in rs]) if len(rs) > 1 else 0.0,
