@@ -25,12 +25,13 @@ rows and ablations of a seed, then the next seed), so that a table cut short hol
 seeds. Each run samples its 64 held-out stories 32 per forward (benchmarks/long_range_eval.py), not one by one. Before
 training it prints a run plan with an estimate of the wall time (--plan-step-s, the seconds of a run per training
 step with --jobs runs sharing the device, fitted with per-row factors to this config's runs with 3 jobs on an H200:
-PLAN_ROW_STEP; --plan prints it alone); after each run, the measured rate and the time left. --budget-s starts no
-run that would end past that many seconds by its plan, scaled by how far the last finished runs were off theirs; the
-same command again continues from the results file, but a run planned longer than the budget stops the table there
-(the plan says which). 3 jobs: the processes time-slice the GPU, so 8 jobs finished no more runs an hour than 3 on
-the H200, and the tiny model's runs on the H100 were slower at 12 jobs than at 6; a batch-16 run of this model at
-18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch recurrence, H200).
+PLAN_ROW_STEP; a row and duration the results file already holds runs of, made with as many jobs, is priced at
+their median wall time instead; --plan prints it alone); after each run, the measured rate and the time left.
+--budget-s starts no run that would end past that many seconds by its plan, scaled by how far the last finished runs
+were off theirs; the same command again continues from the results file, but a run planned longer than the budget
+stops the table there (the plan says which). 3 jobs: the processes time-slice the GPU, so 8 jobs finished no more
+runs an hour than 3 on the H200, and the tiny model's runs on the H100 were slower at 12 jobs than at 6; a batch-16
+run of this model at 18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch recurrence, H200).
 
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
     done = {(r["variant"], r["duration"], r["seed"]) for r in runs}
     pending = plan_runs(variants, args.durations, args.seeds, ablations, args.ablation_durations,
                         args.ablation_seeds, done)
-    estimate = print_plan(pending, len(done), args, mine["steps"], load_config(args.config, args.overrides))
+    estimate = print_plan(pending, runs, args, mine["steps"], load_config(args.config, args.overrides))
     if args.plan:
         return 0
     probes = held.get("probe", {})
@@ -376,17 +377,33 @@ def estimate_run_s(cfg, steps: int, step_s: float, eval_videos: int, eval_batch:
     return PLAN_STARTUP_S + scale * step_s * (steps + PLAN_SAMPLE_STEP * forwards)
 
 
-def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int, cfg) -> dict:
-    """What will run and how long it should take, before anything trains; returns each run's estimate (s)."""
+def held_run_s(runs: list[dict], jobs: int) -> dict[tuple[str, str], float]:
+    """(row, duration) -> the median wall time (s) of the held runs of it made with `jobs` runs at once: what the
+    plan prices such a run at. A run's time depends on what shares the device (seed 1's 18-s TTT-MLP run took
+    1,106 s beside TTT-Linear and Gated DeltaNet, seed 0's 904 s beside lighter rows), which the row factors,
+    fitted to one seed's mix, do not see."""
+    walls: dict[tuple[str, str], list[float]] = {}
+    for r in runs:
+        if r.get("concurrent_jobs") == jobs and r.get("wall_s"):
+            walls.setdefault((r["variant"], r["duration"]), []).append(float(r["wall_s"]))
+    return {key: statistics.median(w) for key, w in walls.items()}
+
+
+def print_plan(pending: list[tuple[str, str, int]], runs: list[dict], args, steps: int, cfg) -> dict:
+    """What will run and how long it should take, before anything trains; returns each run's estimate (s): the
+    median of the held runs of its row and duration made with as many jobs, else the factor model."""
     from tttvideo.config.loader import load_config
 
     if not pending:
-        print(f"run plan: nothing to train ({held} runs held in {args.out})")
+        print(f"run plan: nothing to train ({len(runs)} runs held in {args.out})")
         return {}
     segments = {d: num_segments(load_config(args.config, [f"layout.duration={d}"] + args.overrides))
                 for d in {d for _, d, _ in pending}}
-    runs_s = [estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos, args.eval_batch, segments[d], v)
+    measured = held_run_s(runs, args.jobs)
+    runs_s = [measured.get((v, d)) or estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos,
+                                                     args.eval_batch, segments[d], v)
               for v, d, _ in pending]
+    priced = sum((v, d) in measured for v, d, _ in pending)
     # the runs in their order on --jobs slots, each started when a slot frees: the last to end sets the total
     spans = pack(runs_s, args.jobs)
     total = max(end for _, end in spans)
@@ -397,11 +414,16 @@ def print_plan(pending: list[tuple[str, str, int]], held: int, args, steps: int,
     if args.budget_s:  # the budget's rule by the plan: runs start in order until the first that would end past it
         fit = next((i for i, (_, end) in enumerate(spans) if end > args.budget_s), len(spans))
         budget = f"; --budget-s {args.budget_s:.0f} starts no run past it: by the plan, the first {fit} runs"
-    print(f"run plan: {len(pending)} runs ({held} held already), {args.jobs} at once, {steps} steps of batch "
+    pricing = f"at a step of {args.plan_step_s} s (--plan-step-s, the main rows' mean at 9 s)"
+    held_median = f"at the median of the held runs of their row and duration with {args.jobs} jobs"
+    if priced == len(pending):
+        pricing = f"each {held_median}"
+    elif priced:
+        pricing = f"{priced} of them {held_median}, the rest {pricing}"
+    print(f"run plan: {len(pending)} runs ({len(runs)} held already), {args.jobs} at once, {steps} steps of batch "
           f"{cfg.train.batch_size} each, {args.eval_videos} stories of {cfg.sample.steps} denoising steps sampled "
-          f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s at a step of {args.plan_step_s} s "
-          f"(--plan-step-s, the main rows' mean at 9 s): about {total:.0f} s ({total / 60:.1f} min) in all"
-          + budget, flush=True)
+          f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s, {pricing}: about {total:.0f} s "
+          f"({total / 60:.1f} min) in all" + budget, flush=True)
     print("  runs per row: " + ", ".join(f"{v} {n}" for v, n in by_row.items()), flush=True)
     over = [(s, f"{d} {v}") for (v, d, _), s in zip(pending, runs_s) if args.budget_s and s > args.budget_s]
     if over:

@@ -292,6 +292,24 @@ def test_the_run_plan_of_the_default_config_is_its_measured_runs(tmp_path, capsy
     assert "--budget-s 520 starts no run past it: by the plan, the first 6 runs" in printed
     assert "run(s) planned longer than --budget-s 520" in printed
 
+    # a row and duration the file holds runs of, made with as many jobs, is priced at their median wall time
+    held = [{"variant": "ttt-mlp", "duration": "18s", "wall_s": w, "concurrent_jobs": j}
+            for w, j in ((904.0, 3), (1106.0, 3), (2000.0, 3), (300.0, 2))]
+    assert lr.held_run_s(held, 3) == {("ttt-mlp", "18s"): 1106.0}
+    assert lr.held_run_s(held, 2) == {("ttt-mlp", "18s"): 300.0}
+    import argparse
+
+    args = argparse.Namespace(out=str(tmp_path / "lr.json"), config=str(lr.ROOT / "configs" / "long-range-d64.toml"),
+                              overrides=[], plan_step_s=step_s, eval_videos=64, eval_batch=32, jobs=3, budget_s=0.0)
+    pending = [("ttt-mlp", "18s", 2), ("none", "18s", 2)]
+    estimate = lr.print_plan(pending, held, args, 1000, cfg)
+    assert estimate[pending[0]] == 1106.0  # measured
+    assert estimate[pending[1]] == lr.estimate_run_s(cfg, 1000, step_s, 64, 32, 6, "none")  # none held: the model
+    printed = capsys.readouterr().out
+    assert "run plan: 2 runs (4 held already)" in printed
+    assert f"1 of them at the median of the held runs of their row and duration with 3 jobs, the rest at a step of " \
+           f"{step_s} s" in printed
+
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_jobs_end_with_the_benchmark_that_started_them(tmp_path):
