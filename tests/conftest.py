@@ -50,9 +50,22 @@ def start_demo_run() -> tuple[Path, subprocess.Popen]:
     return out, proc
 
 
+# Modules whose tests start several processes that work at once (torchrun launches, spawned ranks), or wait on the
+# demo run below: the `launches` marker. `make test` runs the rest on every core with pytest-xdist (each of those
+# tests uses one: torch's intra-op threads are 1 there), then these one at a time, each given the machine's cores.
+LAUNCHES = {"test_dcp_device.py", "test_demo_learns.py", "test_faults_local.py", "test_faults_torchrun.py",
+            "test_memory_matrix.py", "test_parallel.py", "test_parallel_sample.py", "test_parallel_train.py",
+            "test_pipeline_profile.py", "test_sample_parallel_benchmark.py", "test_stage_chain_cpu.py",
+            "test_train_ranks_peaks.py"}
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """tests/test_demo_learns.py waits for the demo run started below: run it last, so that the run overlaps the
-    suite instead of being waited for (in file order it would come early and wait the run's whole length)."""
+    """Mark the tests of LAUNCHES `launches`; tests/test_demo_learns.py waits for the demo run started below: run it
+    last, so that the run overlaps the suite instead of being waited for (in file order it would come early and
+    wait the run's whole length)."""
+    for item in items:
+        if item.path.name in LAUNCHES:
+            item.add_marker(pytest.mark.launches)
     items.sort(key=lambda item: item.path.name == "test_demo_learns.py")  # stable: the rest keep their order
 
 
