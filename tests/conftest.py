@@ -51,8 +51,8 @@ def start_demo_run() -> tuple[Path, subprocess.Popen]:
 
 
 # Modules whose tests start several processes that work at once (torchrun launches, spawned ranks), or wait on the
-# demo run below: the `launches` marker. `make test` runs the rest on every core with pytest-xdist (each of those
-# tests uses one: torch's intra-op threads are 1 there), then these one at a time, each given the machine's cores.
+# demo run below: the `launches` marker. `make test` runs the rest on every core with pytest-xdist (most of them
+# work on one core: tiny tensors, and one intra-op thread where a module asks for it), then these one at a time.
 LAUNCHES = {"test_dcp_device.py", "test_demo_learns.py", "test_faults_local.py", "test_faults_torchrun.py",
             "test_memory_matrix.py", "test_parallel.py", "test_parallel_sample.py", "test_parallel_train.py",
             "test_pipeline_profile.py", "test_sample_parallel_benchmark.py", "test_stage_chain_cpu.py",
