@@ -288,6 +288,7 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.long_range_eval import eval_stories, probe_check
+    from benchmarks.long_range_report import label_seconds
     from tttvideo.config.loader import load_config
 
     variants = [v for v in args.variants.split(",") if v]
@@ -315,7 +316,7 @@ def main(argv=None) -> int:
     if args.plan:
         return 0
     probes = held.get("probe", {})
-    for duration in sorted({d for _, d, _ in pending} | set(args.durations.split(",")), key=lambda d: int(d[:-1])):
+    for duration in sorted({d for _, d, _ in pending} | set(args.durations.split(",")), key=label_seconds):
         cfg = load_config(args.config, [f"layout.duration={duration}"] + args.overrides)
         segments = num_segments(cfg)
         if segments < 2:

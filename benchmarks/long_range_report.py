@@ -15,6 +15,11 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
+def label_seconds(label: str) -> int:
+    """A run's duration label ("9s", as the benchmark writes it) in seconds: the sort key of rows and panels."""
+    return int(label.rstrip("s"))
+
+
 def t95(df: int) -> float:
     """The 97.5 % quantile of Student's t with `df` degrees of freedom (the nearest tabled df at or below it)."""
     if df < 1:
@@ -36,7 +41,7 @@ def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
     for r in runs:
         groups.setdefault((r["duration"], r["variant"]), []).append(r)
     rank = {name: i for i, name in enumerate(order or [])}
-    keys = sorted(groups, key=lambda k: (int(k[0].rstrip("s")), rank.get(k[1], len(rank)), k[1]))
+    keys = sorted(groups, key=lambda k: (label_seconds(k[0]), rank.get(k[1], len(rank)), k[1]))
     rows = []
     for duration, variant in keys:
         rs = sorted(groups[(duration, variant)], key=lambda r: r["seed"])
@@ -46,7 +51,7 @@ def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
         peaks = [r["peak_allocated_gib"] for r in rs if r.get("peak_allocated_gib") is not None]
         curves = [r["loss_curve"]["mean_loss"] for r in rs if r.get("loss_curve")]
         curve = [statistics.mean(c[i] for c in curves) for i in range(min(map(len, curves)))] if curves else []
-        rows.append({"duration": duration, "duration_s": int(duration.rstrip("s")), "variant": variant,
+        rows.append({"duration": duration, "duration_s": label_seconds(duration), "variant": variant,
                      "seeds": [r["seed"] for r in rs],
                      "accuracy": acc, "accuracy_ci95": ci,
                      "accuracy_sd": statistics.stdev([r["accuracy"] for r in rs]) if len(rs) > 1 else 0.0,
@@ -123,7 +128,7 @@ def plot_accuracy(rows: list[dict], chance: float, groups: dict[str, tuple[list[
     plt = _pyplot()
     if plt is None:
         return None
-    durations = sorted({r["duration"] for r in rows}, key=lambda d: int(d.rstrip("s")))
+    durations = sorted({r["duration"] for r in rows}, key=label_seconds)
     panels = [(g, d, [r for r in rows if r["duration"] == d and r["variant"] in own + beside])
               for g, (own, beside) in groups.items() for d in durations
               if any(r["duration"] == d and r["variant"] in own for r in rows)]
@@ -158,7 +163,7 @@ def plot_losses(runs: list[dict], path: Path) -> Path | None:
     runs = [r for r in runs if r.get("loss_curve")]
     if not runs:
         return None
-    durations = sorted({r["duration"] for r in runs}, key=lambda d: int(d.rstrip("s")))
+    durations = sorted({r["duration"] for r in runs}, key=label_seconds)
     names = list(dict.fromkeys(r["variant"] for r in runs))
     colours = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, len(durations), figsize=(6 * len(durations), 4.5), squeeze=False)
