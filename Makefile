@@ -36,10 +36,11 @@ setup: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/tttv train configs/demo.toml
 
-# Two passes: the tests that run in one process on every core at once (pytest-xdist; each uses one core), then those
-# that start several working processes (the `launches` marker, tests/conftest.py), one at a time with all the cores.
-# A launch's wall time is mostly its processes' imports, on every core: beside the first pass it would only slow
-# both. On a 2-core machine: 316 s + 607 s against 1,052 s in one pass. TEST_WORKERS: auto = one per core, at most 8.
+# Two passes: the tests that run in one process, on every core at once (pytest-xdist; most work on one core), then
+# those that start several working processes (the `launches` marker, tests/conftest.py), one at a time with all the
+# cores. A launch's wall time is mostly its processes' imports, on every core: beside the first pass it would only
+# slow both. On a 2-core machine: 316-357 s + 607-632 s against 1,052 s in one pass. TEST_WORKERS: auto = one per
+# core, at most 8.
 # --dist loadfile: a module's tests stay on one worker, so its module-scoped fixtures (the Triton interpreter runs,
 # the reference trainings) run once: 574 s of CPU for the first pass against 592 s split by test, 709 s by worksteal.
 TEST_WORKERS ?= auto
