@@ -23,15 +23,18 @@ Device time: the ablations run at 9 s with seeds 0-2 only (--ablation-durations,
 9 s and 18 s with seeds 0-4: 60 + 21 = 81 runs of 1000 steps of batch 16 (the config). Runs go seed by seed (main
 rows and ablations of a seed, then the next seed), so that a table cut short holds whole comparisons with fewer
 seeds. Each run samples its 64 held-out stories 32 per forward (benchmarks/long_range_eval.py), not one by one. Before
-training it prints a run plan with an estimate of the wall time (--plan-step-s, the seconds of a run per training
-step with --jobs runs sharing the device, fitted with per-row factors to this config's runs with 3 jobs on an H200:
-PLAN_ROW_STEP; a row and duration the results file already holds runs of, made with as many jobs, is priced at
-their median wall time instead; --plan prints it alone); after each run, the measured rate and the time left.
+training it prints a run plan with an estimate of the wall time (benchmarks/long_range_plan.py: --plan-step-s, the
+seconds of a run per training step with --jobs runs sharing the device, fitted with per-row factors to this config's
+runs with 3 jobs on an H200; a row and duration the results file already holds runs of, made with as many jobs, is
+priced at their median wall time instead; --plan prints it alone); after each run, the measured rate and the time left.
 --budget-s starts no run that would end past that many seconds by its plan, scaled by how far the last finished runs
-were off theirs; the same command again continues from the results file, but a run planned longer than the budget
-stops the table there (the plan says which). 3 jobs: the processes time-slice the GPU, so 8 jobs finished no more
-runs an hour than 3 on the H200, and the tiny model's runs on the H100 were slower at 12 jobs than at 6; a batch-16
-run of this model at 18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch recurrence, H200).
+were off theirs: a freed slot takes the first run in order that fits, so a long run past the budget leaves its slot to
+shorter ones behind it; the same command again continues from the results file (a run planned longer than the budget
+never starts under it: the plan says which). --merge adds the runs of other results files of the same settings, device
+and torch (a second command's, run beside the first on one GPU) to --out. 3 jobs: the processes time-slice the GPU,
+so 8 jobs finished no more runs an hour than 3 on the H200, and the tiny model's runs on the H100 were slower at 12
+jobs than at 6; a batch-16 run of this model at 18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch recurrence,
+H200).
 
 Before training anything it checks that the probe is live on the held-out stories themselves: their own latents
 score 1.0 and the same stories with every later scene recoloured score 0.0. The results JSON is rewritten after each
@@ -50,7 +53,6 @@ them from a results file without training, and its table is the markdown docs/lo
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import os
 import platform
@@ -63,6 +65,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: benchmarks.long_range_report from the repository
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.long_range_plan import fits_budget, num_segments, plan_runs, print_plan  # noqa: E402 - after the path
+
 # the main table: the layer each variant puts after local attention; TTT-Linear takes the original's inner rate
 VARIANTS = {
     "ttt-mlp": ["model.sequence_layer=ttt", "ttt.kind=mlp"],
@@ -103,31 +108,6 @@ DESCRIBED = {
     "ttt-linear-eta-reference": "TTT-Linear, the reference system's learning-rate layout",
 }
 LOSS_WINDOW = 50  # steps per point of a run's loss curve
-# The run plan: a run's wall time = PLAN_STARTUP_S + row factor x (segments / 3) x --plan-step-s x (training steps +
-# PLAN_SAMPLE_STEP x solver steps of its batches of held-out stories). Fitted to the default config's runs of seed 0
-# on one NVIDIA H200 (commit 740823e, --jobs 3, 1000 steps of batch 16, 64 stories of 20 solver steps 32 at a time;
-# wall s per run at 9 s: none 107, full attention 117, Mamba 2 177, Gated DeltaNet 206, TTT-Linear 229, TTT-MLP 472,
-# in two launches of three; at 18 s with 2 jobs none 141, full attention 159). More jobs do not finish more: the
-# 250-step runs of commit 4847a47 with 8 jobs took 0.50 s a step on the mean where 3 jobs take 0.18 (the processes
-# time-slice the GPU).
-# Start-up: a run spent 9-11 s outside its training and sampling (process, imports, scoring) and 9-19 s of its
-# training outside its median steps (data set, model, compile warm-up) where the row has no TTT kernels.
-PLAN_STARTUP_S = 30.0
-# a solver step of a batch of 32 held-out stories (one forward, guidance batched), in training steps: the runs above
-# sampled for 3-8 s each (40 forwards), which this prices at 3-17 s
-PLAN_SAMPLE_STEP = 1.0
-# a row's seconds per step relative to the mean of the main rows' at 9 s (--plan-step-s, 0.18 s there): per row the
-# run's (wall - start-up) / (segments / 3) / (1000 + 40) step-equivalents, fitted to the default config's 1000-step
-# runs of seed 0 at 9 s on an H200 with 3 jobs (commit 740823e: none 0.074 s, full attention 0.084, Mamba 2 0.141,
-# Gated DeltaNet 0.169, TTT-Linear 0.191, TTT-MLP 0.425; Mamba 2 and Gated DeltaNet on the PyTorch recurrence, fla
-# not installed). TTT-MLP's includes its kernels' warm-up (its 1000 training steps took 454 s, 302 s of them at the
-# median step). Its ablations not measured at 1000 steps are priced as TTT-MLP; the reference learning-rate layout
-# runs the PyTorch scan, one step per mini-batch (not measured: 3x the Triton scan's, as the first plan assumed).
-# The 18-s runs of none and full attention took 0.72 and 0.74 of the segment scaling (2 jobs): the plan errs long.
-PLAN_ROW_STEP = {"none": 0.41, "full-attention": 0.46, "mamba2": 0.78, "gated-deltanet": 0.94, "ttt-linear": 1.06,
-                 "ttt-mlp": 2.35, "ttt-mlp-eta-reference": 7.1, "ttt-linear-eta-reference": 3.2}
-
-
 def train_and_score(base: Path, variant: str, duration: str, seed: int, args, work: Path) -> dict:
     """One run: train, sample the held-out stories from its checkpoint, score them."""
     import torch
@@ -215,12 +195,6 @@ def recurrence_kernels(variant: str, backend: str, cuda: bool) -> str | None:
     return f"fla to sample, PyTorch reference to train: {refused}" if refused else "fla"
 
 
-def num_segments(cfg) -> int:
-    from tttvideo.layout import VideoLayout
-
-    return VideoLayout.from_config(cfg.layout, cfg.ttt).num_segments
-
-
 def row_overrides(variant: str, head_dim: int) -> list[str]:
     """The config overrides of a row at a model of this head dim."""
     return [o.format(half_head_dim=head_dim // 2) for o in ROWS[variant]]
@@ -265,14 +239,15 @@ def main(argv=None) -> int:
                          "times are then measured side by side, recorded as concurrent_jobs)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no run that would end after this many seconds from the start: its planned time "
-                         "scaled by how far the last finished runs were off their plan; 0 = no limit. The same "
-                         "command again continues, but a run planned longer than the budget stops the table there "
-                         "(the plan names such runs)")
+                         "scaled by how far the last finished runs were off their plan; a freed slot takes the "
+                         "first run in order that fits; 0 = no limit. The same command again continues (a run "
+                         "planned longer than the budget never starts under it: the plan names such runs)")
     ap.add_argument("--plan-step-s", type=float, default=0.18,
                     help="the run plan's seconds of a run's wall time per training step (start-up aside, warm-up "
                          "in), the mean of the main rows at 9 s with --jobs runs sharing the device; each row and "
-                         "duration scales it (PLAN_ROW_STEP). 0.18: the default config with 3 jobs on an H200 (its "
-                         "1000-step runs at 9 s: 107-472 s each); another config, --jobs or device needs its own")
+                         "duration scales it (PLAN_ROW_STEP in benchmarks/long_range_plan.py). 0.18: the default "
+                         "config with 3 jobs on an H200 (its 1000-step runs at 9 s: 107-472 s each); another config, "
+                         "--jobs or device needs its own")
     ap.add_argument("--plan", action="store_true", help="print the run plan and stop (nothing trains)")
     ap.add_argument("--no-report", action="store_true",
                     help="write the results file only, no table or plot (what --jobs passes to each run's process)")
@@ -280,9 +255,15 @@ def main(argv=None) -> int:
                     help="skip the probe's live check (what --jobs passes to each run's process: it checked it)")
     ap.add_argument("--report", action="store_true",
                     help="train nothing: rebuild the summary, table and plots of the --out file from its runs")
+    ap.add_argument("--merge", nargs="+", metavar="FILE", default=[],
+                    help="train nothing: add to the --out file the runs of these results files that it lacks (same "
+                         "settings, device and torch: e.g. a second command's runs beside the first on one GPU), "
+                         "then rebuild its report as --report does")
     args = ap.parse_args(argv)
     start = time.perf_counter()  # --budget-s counts from here: the probe check and the plan are in it
-    if args.report:
+    if args.merge:
+        merge_files(Path(args.out), [Path(f) for f in args.merge])
+    if args.report or args.merge:
         return rebuild_report(Path(args.out))
 
     import torch
@@ -290,6 +271,7 @@ def main(argv=None) -> int:
     from benchmarks.long_range_eval import eval_stories, probe_check
     from benchmarks.long_range_report import label_seconds
     from tttvideo.config.loader import load_config
+    from tttvideo.memory.profile.profiler import git_commit
 
     variants = [v for v in args.variants.split(",") if v]
     ablations = [a for a in args.ablations.split(",") if a and a != "none"]
@@ -329,6 +311,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"the probe is not live at {duration}: {probes[duration]} (want kept 1.0, forgotten "
                              f"0.0); fix tttvideo.data.demo_score before trusting any score")
     ratios: list[float] = []  # each finished run's wall time over its planned time
+    commit = git_commit()
     for row in (run_parallel(pending, args, work, start, estimate, ratios) if args.jobs > 1
                 else run_serial(pending, args, work, start, estimate, ratios)):
         key = (row["variant"], row["duration"], row["seed"])
@@ -336,7 +319,7 @@ def main(argv=None) -> int:
             failed.append(row)
             print(f"{row['duration']} {row['variant']} seed {row['seed']}: FAILED: {row['error']}", flush=True)
         else:
-            runs.append(row)
+            runs.append({**row, "git_commit": row.get("git_commit") or commit})  # the file's own is the last rerun's
             ratios.append(row["wall_s"] / estimate[key])
             print(f"{row['duration']} {row['variant']} seed {row['seed']}: accuracy {row['accuracy']:.2f} "
                   f"{[round(a, 2) for a in row['accuracy_by_distance']]}, loss {row['last_loss']:.4f} "
@@ -350,110 +333,6 @@ def main(argv=None) -> int:
     rows = summarize(runs, list(ROWS))  # every run the file holds: one setting, so all comparable
     write(out, runs, probes, args, torch, rows, failed)
     return 0 if args.no_report else report(out, rows, runs, failed)
-
-
-def plan_runs(variants: list[str], durations: str, seeds: str, ablations: list[str], ablation_durations: str,
-              ablation_seeds: str, done: set) -> list[tuple[str, str, int]]:
-    """The runs to make, seed by seed (each seed's main rows at every duration, then its ablations): a table cut
-    short holds whole comparisons over fewer seeds, not some rows over every seed."""
-    main = {int(s) for s in seeds.split(",") if s}
-    abl = {int(s) for s in ablation_seeds.split(",") if s} if ablations else set()
-    plan = []
-    for seed in sorted(main | abl):
-        if seed in main:
-            plan += [(v, d, seed) for d in durations.split(",") for v in variants]
-        if seed in abl:
-            plan += [(a, d, seed) for d in ablation_durations.split(",") for a in ablations]
-    return [run for run in plan if run not in done]
-
-
-def estimate_run_s(cfg, steps: int, step_s: float, eval_videos: int, eval_batch: int, segments: int,
-                   row: str) -> float:
-    """The run plan's seconds for one run: start-up, the training steps, the sampling (a solver step of a batch of
-    stories priced as a training step); a step costs in proportion to the video's segments (the default config's
-    18-s runs took 1.2-2.4x the wall time of its 9-s ones on the H200; after start-up 1.4-2.9x,
-    2.2x on the mean)."""
-    scale = segments / 3 * PLAN_ROW_STEP.get(row, PLAN_ROW_STEP["ttt-mlp"])
-    forwards = -(-eval_videos // eval_batch) * cfg.sample.steps
-    return PLAN_STARTUP_S + scale * step_s * (steps + PLAN_SAMPLE_STEP * forwards)
-
-
-def held_run_s(runs: list[dict], jobs: int) -> dict[tuple[str, str], float]:
-    """(row, duration) -> the median wall time (s) of the held runs of it made with `jobs` runs at once: what the
-    plan prices such a run at. A run's time depends on what shares the device (seed 1's 18-s TTT-MLP run took
-    1,106 s beside TTT-Linear and Gated DeltaNet, seed 0's 904 s beside lighter rows), which the row factors,
-    fitted to one seed's mix, do not see."""
-    walls: dict[tuple[str, str], list[float]] = {}
-    for r in runs:
-        if r.get("concurrent_jobs") == jobs and r.get("wall_s"):
-            walls.setdefault((r["variant"], r["duration"]), []).append(float(r["wall_s"]))
-    return {key: statistics.median(w) for key, w in walls.items()}
-
-
-def print_plan(pending: list[tuple[str, str, int]], runs: list[dict], args, steps: int, cfg) -> dict:
-    """What will run and how long it should take, before anything trains; returns each run's estimate (s): the
-    median of the held runs of its row and duration made with as many jobs, else the factor model."""
-    from tttvideo.config.loader import load_config
-
-    if not pending:
-        print(f"run plan: nothing to train ({len(runs)} runs held in {args.out})")
-        return {}
-    segments = {d: num_segments(load_config(args.config, [f"layout.duration={d}"] + args.overrides))
-                for d in {d for _, d, _ in pending}}
-    measured = held_run_s(runs, args.jobs)
-    runs_s = [measured.get((v, d)) or estimate_run_s(cfg, steps, args.plan_step_s, args.eval_videos,
-                                                     args.eval_batch, segments[d], v)
-              for v, d, _ in pending]
-    priced = sum((v, d) in measured for v, d, _ in pending)
-    # the runs in their order on --jobs slots, each started when a slot frees: the last to end sets the total
-    spans = pack(runs_s, args.jobs)
-    total = max(end for _, end in spans)
-    by_row: dict[str, int] = {}
-    for v, _, _ in pending:
-        by_row[v] = by_row.get(v, 0) + 1
-    budget = ""
-    if args.budget_s:  # the budget's rule by the plan: runs start in order until the first that would end past it
-        fit = next((i for i, (_, end) in enumerate(spans) if end > args.budget_s), len(spans))
-        budget = f"; --budget-s {args.budget_s:.0f} starts no run past it: by the plan, the first {fit} runs"
-    pricing = f"at a step of {args.plan_step_s} s (--plan-step-s, the main rows' mean at 9 s)"
-    held_median = f"at the median of the held runs of their row and duration with {args.jobs} jobs"
-    if priced == len(pending):
-        pricing = f"each {held_median}"
-    elif priced:
-        pricing = f"{priced} of them {held_median}, the rest {pricing}"
-    print(f"run plan: {len(pending)} runs ({len(runs)} held already), {args.jobs} at once, {steps} steps of batch "
-          f"{cfg.train.batch_size} each, {args.eval_videos} stories of {cfg.sample.steps} denoising steps sampled "
-          f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s, {pricing}: about {total:.0f} s "
-          f"({total / 60:.1f} min) in all" + budget, flush=True)
-    print("  runs per row: " + ", ".join(f"{v} {n}" for v, n in by_row.items()), flush=True)
-    over = [(s, f"{d} {v}") for (v, d, _), s in zip(pending, runs_s) if args.budget_s and s > args.budget_s]
-    if over:
-        s, name = max(over)
-        print(f"  {len(over)} run(s) planned longer than --budget-s {args.budget_s:.0f} (the longest: {name}, "
-              f"{s:.0f} s): the first of them starts only if the runs before it beat their plan by that much; "
-              f"otherwise the table stops there, in every rerun with this budget (a larger --budget-s or fewer "
-              f"--steps)", flush=True)
-    return dict(zip(pending, runs_s))
-
-
-def pack(runs_s: list[float], jobs: int) -> list[tuple[float, float]]:
-    """Start and end (s) of each run, in their order on `jobs` slots, each started when the first slot frees."""
-    slots = [0.0] * max(1, jobs)
-    spans = []
-    for run_s in runs_s:
-        t = heapq.heappop(slots)
-        spans.append((t, t + run_s))
-        heapq.heappush(slots, t + run_s)
-    return spans
-
-
-def fits_budget(args, start: float, planned: float, ratios: list[float]) -> bool:
-    """Whether a run planned to take `planned` seconds, started now, ends within --budget-s: its plan scaled by
-    the slowest of the last --jobs finished runs' wall time over their plan's (the plan alone before any)."""
-    if not args.budget_s:
-        return True
-    expected = planned * (max(ratios[-args.jobs:]) if ratios else 1.0)
-    return time.perf_counter() - start + expected <= args.budget_s
 
 
 def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | None = None) -> int:
@@ -473,6 +352,25 @@ def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | N
             print(f"plot: {png}")
     print(f"results: {out} ({sum(len(r['seeds']) for r in rows)} runs)")
     return 0
+
+
+def merge_files(out: Path, others: list[Path]) -> None:
+    """--merge: the runs of `others` that `out` lacks, added to it (written atomically before the report)."""
+    from benchmarks.long_range_report import merge_runs
+    from tttvideo.data.cache import atomic_write_text
+
+    for path in [out, *others]:
+        if not path.is_file():
+            raise SystemExit(f"--merge: {path} does not exist; give results files written with --out")
+    held = json.loads(out.read_text())
+    for path in others:
+        other = json.loads(path.read_text())
+        try:
+            added, kept = merge_runs(held, other, held_settings(held), held_settings(other), str(path))
+        except ValueError as err:
+            raise SystemExit(f"--merge: {err}; merge only files of one setting on one device") from None
+        print(f"--merge: {path}: {added} run(s) added, {kept} held already (the ones in {out} kept)")
+    atomic_write_text(out, json.dumps(held, indent=1))
 
 
 def rebuild_report(out: Path) -> int:
@@ -521,9 +419,9 @@ def run_serial(pending: list[tuple[str, str, int]], args, work: Path, start: flo
     """Each run in this process, one after the other; a run that raises is yielded as its error."""
     for variant, duration, seed in pending:
         if not fits_budget(args, start, estimate[(variant, duration, seed)], ratios):
-            print(f"--budget-s {args.budget_s:.0f}: {variant} {duration} seed {seed} and the runs after it not "
-                  f"started; a rerun continues", flush=True)
-            return
+            print(f"--budget-s {args.budget_s:.0f}: {variant} {duration} seed {seed} not started (planned "
+                  f"{estimate[(variant, duration, seed)]:.0f} s); a rerun continues", flush=True)
+            continue
         t0 = time.perf_counter()
         try:
             row = train_and_score(Path(args.config), variant, duration, seed, args, work)
@@ -549,12 +447,15 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: f
         threads = ["--set", f"train.cpu_threads={max(1, (os.cpu_count() or 1) // args.jobs)}"]
     while queue or active:
         while queue and len(active) < args.jobs:
-            if not fits_budget(args, start, estimate[queue[0]], ratios):
-                print(f"--budget-s {args.budget_s:.0f}: {len(queue)} run(s) not started; a rerun continues",
-                      flush=True)
-                queue.clear()
+            # the first queued run that fits: a long run past the budget leaves its slot to shorter ones after it
+            fit = next((i for i, run in enumerate(queue) if fits_budget(args, start, estimate[run], ratios)), None)
+            if fit is None:
+                if not active:  # nothing runs whose end could change the rate: none of them will fit
+                    print(f"--budget-s {args.budget_s:.0f}: {len(queue)} run(s) not started; a rerun continues",
+                          flush=True)
+                    queue.clear()
                 break
-            variant, duration, seed = queue.pop(0)
+            variant, duration, seed = queue.pop(fit)
             name = f"{duration}-{variant}-seed{seed}"
             cmd = [sys.executable, __file__, "--config", args.config, "--variants", variant if variant in VARIANTS
                    else "", "--ablations", variant if variant in ABLATIONS else "none", "--durations", duration,

@@ -20,6 +20,30 @@ def label_seconds(label: str) -> int:
     return int(label.rstrip("s"))
 
 
+def merge_runs(held: dict, other: dict, settings: dict, other_settings: dict, name: str) -> tuple[int, int]:
+    """Add to the results `held` the runs of `other` (the file `name`) that it lacks; returns (added, already held:
+    `held`'s kept). Refused (ValueError) unless both ran the same settings on the same device and torch with the same
+    probe verdict: only then are their runs one table. Each added run keeps the commit it was made at."""
+    for key in ("device", "torch"):
+        if other.get(key) != held.get(key):
+            raise ValueError(f"{name} ran on {key} {other.get(key)!r}, this file on {held.get(key)!r}: not one table")
+    if other_settings != settings:
+        raise ValueError(f"{name} holds runs made with {other_settings}, this file {settings}: not one table")
+    probes = held.setdefault("probe", {})
+    for duration, verdict in other.get("probe", {}).items():
+        if probes.setdefault(duration, verdict) != verdict:
+            raise ValueError(f"{name}'s probe at {duration} was {verdict}, this file's {probes[duration]}")
+    have = {(r["variant"], r["duration"], r["seed"]) for r in held.setdefault("runs", [])}
+    added = 0
+    for run in other.get("runs", []):
+        if (run["variant"], run["duration"], run["seed"]) not in have:
+            held["runs"].append({**run, "git_commit": run.get("git_commit", other.get("git_commit"))})
+            added += 1
+    have = {(r["variant"], r["duration"], r["seed"]) for r in held["runs"]}
+    held["failed"] = [f for f in held.get("failed", []) if (f["variant"], f["duration"], f["seed"]) not in have]
+    return added, len(other.get("runs", [])) - added
+
+
 def t95(df: int) -> float:
     """The 97.5 % quantile of Student's t with `df` degrees of freedom (the nearest tabled df at or below it)."""
     if df < 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import long_range_plan as plan
 from tests.benchmark_scripts import load_benchmark
 
 # the tiny model's config (the benchmark's default is the `small` model, seconds per step on a CPU)
@@ -128,25 +129,62 @@ def test_a_failed_run_is_recorded_the_rest_go_on_and_a_rerun_tries_it_again(tmp_
     assert "run plan: 1 runs (6 held already)" in capsys.readouterr().out
 
 
+def test_merge_adds_the_runs_a_file_lacks_and_refuses_other_settings(tmp_path, capsys, monkeypatch):
+    """--merge: two commands' files (seeds 0-1 and 1-2, as two processes beside each other on one GPU write them)
+    become one table: the runs --out lacks are added with the commit they were made at, the ones it holds are kept,
+    and a file of other settings is refused with a sentence naming it."""
+    lr = benchmark()
+    lr.train_and_score = fake_run(set())
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    base = [*SMOKE[:8], "--eval-videos", "2", "--variants", "ttt-mlp,none", "--work", str(tmp_path / "work")]
+    monkeypatch.setenv("GIT_COMMIT", "a" * 40)
+    assert lr.main([*base, "--seeds", "0,1", "--out", str(a)]) == 0
+    monkeypatch.setenv("GIT_COMMIT", "b" * 40)
+    assert lr.main([*base, "--seeds", "1,2", "--out", str(b)]) == 0
+    held_seed1 = [r for r in json.loads(a.read_text())["runs"] if r["seed"] == 1]
+    capsys.readouterr()
+    assert lr.main(["--merge", str(b), "--out", str(a)]) == 0
+    printed = capsys.readouterr().out
+    assert f"--merge: {b}: 2 run(s) added, 2 held already" in printed and "(6 runs)" in printed
+    merged = json.loads(a.read_text())
+    assert sorted((r["variant"], r["seed"]) for r in merged["runs"]) == sorted(
+        (v, seed) for v in ("ttt-mlp", "none") for seed in (0, 1, 2))
+    assert [r for r in merged["runs"] if r["seed"] == 1] == held_seed1  # a's own runs of seed 1 kept
+    assert {r["seed"]: r["git_commit"][0] for r in merged["runs"]} == {0: "a", 1: "a", 2: "b"}
+    row = next(r for r in merged["summary"] if r["variant"] == "ttt-mlp")
+    assert row["seeds"] == [0, 1, 2] and row["accuracy"] == pytest.approx(0.1)
+    # merging again adds nothing
+    assert lr.main(["--merge", str(b), "--out", str(a)]) == 0
+    assert "0 run(s) added, 4 held already" in capsys.readouterr().out
+    assert lr.main([*base, "--seeds", "3", "--steps", "5", "--out", str(c)]) == 0
+    with pytest.raises(SystemExit, match=f"--merge: {c} holds runs made with"):
+        lr.main(["--merge", str(c), "--out", str(a)])
+    with pytest.raises(SystemExit, match="does not exist"):
+        lr.main(["--merge", str(tmp_path / "missing.json"), "--out", str(a)])
+    assert len(json.loads(a.read_text())["runs"]) == 6  # a refused merge leaves the file as it was
+
+
 def test_the_budget_starts_no_run_that_would_end_past_it(tmp_path, capsys):
     lr = benchmark()
     out = tmp_path / "lr.json"
     lr.train_and_score = fake_run(set())
-    # the plan's estimate of one run (start-up alone is lr.PLAN_STARTUP_S) is past a budget of 1 s
+    # the plan's estimate of one run (start-up alone is plan.PLAN_STARTUP_S) is past a budget of 1 s
     assert lr.main([*SMOKE[:8], "--eval-videos", "2", "--budget-s", "1", "--out", str(out),
                     "--work", str(tmp_path / "work")]) == 0
     assert json.loads(out.read_text())["runs"] == []
-    assert "--budget-s 1: ttt-mlp 6s seed 0 and the runs after it not started" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    # each run is tried in its turn: none fits, none starts, every one is named
+    assert all(f"--budget-s 1: {v} 6s seed 0 not started (planned " in printed for v in lr.VARIANTS)
     # once runs have finished: a run's plan scaled by the slowest of the last --jobs runs' wall over plan
     import argparse
     import time
 
     args = argparse.Namespace(budget_s=100.0, jobs=2)
     now = time.perf_counter()
-    assert lr.fits_budget(args, now, 30.0, [])  # the plan alone: 30 s
-    assert lr.fits_budget(args, now, 30.0, [4.0, 1.0, 2.0])  # the last two ran at most 2x their plan: 60 s
-    assert not lr.fits_budget(args, now, 30.0, [1.0, 4.0])  # one ran 4x its plan: 120 s
-    assert lr.fits_budget(argparse.Namespace(budget_s=0.0, jobs=2), now, 1e9, [])  # 0: no budget
+    assert plan.fits_budget(args, now, 30.0, [])  # the plan alone: 30 s
+    assert plan.fits_budget(args, now, 30.0, [4.0, 1.0, 2.0])  # the last two ran at most 2x their plan: 60 s
+    assert not plan.fits_budget(args, now, 30.0, [1.0, 4.0])  # one ran 4x its plan: 120 s
+    assert plan.fits_budget(argparse.Namespace(budget_s=0.0, jobs=2), now, 1e9, [])  # 0: no budget
 
 
 def test_every_row_builds_at_the_paper_head_size():
@@ -275,28 +313,37 @@ def test_the_run_plan_of_the_default_config_is_its_measured_runs(tmp_path, capsy
     assert cfg.train.steps == 1000
     step_s = 0.18  # --plan-step-s's default, which the printed plan below must show
     for row, wall in MEASURED_H200_9S.items():
-        assert lr.estimate_run_s(cfg, 1000, step_s, 64, 32, 3, row) == pytest.approx(wall, rel=0.05), row
+        assert plan.estimate_run_s(cfg, 1000, step_s, 64, 32, 3, row) == pytest.approx(wall, rel=0.05), row
     for row, wall in MEASURED_H200_18S.items():
-        assert 1.0 < lr.estimate_run_s(cfg, 1000, step_s, 64, 32, 6, row) / wall < 1.4, row
+        assert 1.0 < plan.estimate_run_s(cfg, 1000, step_s, 64, 32, 6, row) / wall < 1.4, row
     # in order on the slots, each run started when one frees
-    assert lr.pack([3.0, 1.0, 1.0, 1.0], 2) == [(0.0, 3.0), (0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    assert plan.pack([3.0, 1.0, 1.0, 1.0], 2) == [(0.0, 3.0), (0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    # under a budget a freed slot takes the first run that ends within it: the 3-s run past it leaves its slot to
+    # the short ones behind it, and a slot whose next fitting run would end late stays idle
+    assert plan.pack([1.0, 3.0, 1.0, 1.0], 1, budget_s=2.5) == [(0.0, 1.0), None, (1.0, 2.0), None]
+    assert plan.pack([1.0, 3.0, 1.0, 1.0], 2, budget_s=3.0) == [(0.0, 1.0), (0.0, 3.0), (1.0, 2.0), (2.0, 3.0)]
     assert lr.main(["--plan", "--jobs", "3", "--budget-s", "520", "--out", str(tmp_path / "lr.json")]) == 0
     printed = capsys.readouterr().out
-    pending = lr.plan_runs(list(lr.VARIANTS), "9s,18s", "0,1,2,3,4", list(lr.ABLATIONS), "9s", "0,1,2", set())
+    pending = plan.plan_runs(list(lr.VARIANTS), "9s,18s", "0,1,2,3,4", list(lr.ABLATIONS), "9s", "0,1,2", set())
     segments = {"9s": 3, "18s": 6}
-    total = max(end for _, end in lr.pack([lr.estimate_run_s(cfg, 1000, step_s, 64, 32, segments[d], v)
+    total = max(end for _, end in plan.pack([plan.estimate_run_s(cfg, 1000, step_s, 64, 32, segments[d], v)
                                            for v, d, _ in pending], 3))
     assert "run plan: 81 runs (0 held already), 3 at once" in printed and f"about {total:.0f} s" in printed
     assert f"at a step of {step_s} s" in printed
-    # the first six: the 9-s main rows; the seventh, 18 s TTT-MLP, would end past 520 s
-    assert "--budget-s 520 starts no run past it: by the plan, the first 6 runs" in printed
+    # the six 9-s main rows, then of the runs behind the 18-s TTT-MLP (past 520 s) the first that fits: seed 1's 9-s
+    # local attention
+    spans = plan.pack([plan.estimate_run_s(cfg, 1000, step_s, 64, 32, segments[d], v) for v, d, _ in pending], 3, 520.0)
+    started = [run for run, span in zip(pending, spans) if span]
+    assert started == [(v, "9s", 0) for v in lr.VARIANTS] + [("none", "9s", 1)]
+    end = max(span[1] for span in spans if span)
+    assert f"--budget-s 520 starts no run past it: by the plan, 7 of the 81 runs, in {end:.0f} s" in printed
     assert "run(s) planned longer than --budget-s 520" in printed
 
     # a row and duration the file holds runs of, made with as many jobs, is priced at their median wall time
     held = [{"variant": "ttt-mlp", "duration": "18s", "wall_s": w, "concurrent_jobs": j}
             for w, j in ((904.0, 3), (1106.0, 3), (2000.0, 3), (300.0, 2))]
-    assert lr.held_run_s(held, 3) == {("ttt-mlp", "18s"): 1106.0}
-    assert lr.held_run_s(held, 2) == {("ttt-mlp", "18s"): 300.0}
+    assert plan.held_run_s(held, 3) == {("ttt-mlp", "18s"): 1106.0}
+    assert plan.held_run_s(held, 2) == {("ttt-mlp", "18s"): 300.0}
     import argparse
 
     args = argparse.Namespace(out=str(tmp_path / "lr.json"), config=str(lr.ROOT / "configs" / "long-range-d64.toml"),
@@ -304,7 +351,7 @@ def test_the_run_plan_of_the_default_config_is_its_measured_runs(tmp_path, capsy
     pending = [("ttt-mlp", "18s", 2), ("none", "18s", 2)]
     estimate = lr.print_plan(pending, held, args, 1000, cfg)
     assert estimate[pending[0]] == 1106.0  # measured
-    assert estimate[pending[1]] == lr.estimate_run_s(cfg, 1000, step_s, 64, 32, 6, "none")  # none held: the model
+    assert estimate[pending[1]] == plan.estimate_run_s(cfg, 1000, step_s, 64, 32, 6, "none")  # none held: the model
     printed = capsys.readouterr().out
     assert "run plan: 2 runs (4 held already)" in printed
     assert f"1 of them at the median of the held runs of their row and duration with 3 jobs, the rest at a step of " \
