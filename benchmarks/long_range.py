@@ -165,18 +165,16 @@ def train_and_score(base: Path, variant: str, duration: str, seed: int, args, wo
 
 
 def demo_dir(work: Path, cfg, duration: str, seed: int) -> Path:
-    """The demo set's folder of a run: one per demo set, named by the settings that make the set (those of
-    `tttvideo.data.demo.DemoSpec`, whose fingerprint the trainer checks before it uses a folder: the training layout,
-    the model's channels and text width, data.demo_videos, train.seed, the text encoder setting, data.demo_kind). The
+    """The demo set's folder of a run: one per demo set, named by the fingerprint of the settings that make the set
+    (`tttvideo.train.runfolder.demo_settings`; the trainer checks the set's own stamp before it uses a folder). The
     runs of a (duration, seed) share one folder, so the set is built once, except a row whose settings make another
     set: ttt-mlp-mb16's mini-batch of 16 changes the layout's TTT padding, and in the folder of the others (held by
     their runs) it found a set of other settings and failed."""
     from tttvideo.data.demo import DemoSpec
     from tttvideo.models.backbone import get_preset, layout_of
+    from tttvideo.train.runfolder import demo_settings
 
-    spec = get_preset(cfg.model.preset)
-    demo = DemoSpec(layout_of(cfg).summary(), spec.in_channels, spec.text_embed_dim, cfg.data.demo_videos,
-                    cfg.train.seed, cfg.data.demo_text_encoder, kind=cfg.data.demo_kind)
+    demo = DemoSpec.of(**demo_settings(cfg, layout_of(cfg), get_preset(cfg.model.preset)))
     return work / "data" / f"{duration}-seed{seed}-{demo.fingerprint()[:8]}"
 
 

@@ -101,3 +101,22 @@ def test_features_do_not_depend_on_the_batch_and_empty_is_zero(kind):
     batch, counts = enc.encode(["", "a red circle moves right on a black background", "a blue square"])
     torch.testing.assert_close(batch[1], alone[0], rtol=1e-5, atol=1e-5)
     assert torch.all(batch[0] == 0) and counts[0] == 0  # the unconditional input text dropout trains with
+
+
+def test_a_configs_demo_settings_fingerprint_the_set_it_builds(tmp_path):
+    """`runfolder.demo_settings` is the one list of what makes a run's demo set: the set `build_demo_cache` writes
+    from it is stamped with the fingerprint of `DemoSpec.of` those settings (what benchmarks/long_range.py names its
+    shared folders by), and a setting that changes the set changes the fingerprint."""
+    from tttvideo.config.loader import load_config
+    from tttvideo.data.demo import DemoSpec
+    from tttvideo.models.backbone import get_preset, layout_of
+    from tttvideo.train.runfolder import demo_settings
+
+    cfg = load_config(None, ["data.demo_text_encoder=table", "data.demo_videos=2"])
+    settings = demo_settings(cfg, layout_of(cfg), get_preset(cfg.model.preset))
+    build_demo_cache(tmp_path, **settings)
+    stamp = json.loads((tmp_path / "demo.json").read_text())
+    assert stamp["fingerprint"] == DemoSpec.of(**settings).fingerprint()
+    other = load_config(None, ["data.demo_text_encoder=table", "data.demo_videos=2", "data.demo_kind=long-range"])
+    assert DemoSpec.of(**demo_settings(other, layout_of(other), get_preset(other.model.preset))).fingerprint() \
+        != stamp["fingerprint"]

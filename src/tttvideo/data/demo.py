@@ -206,6 +206,12 @@ class DemoSpec:
     version: int = DEMO_VERSION
     kind: str = "scenes"
 
+    @classmethod
+    def of(cls, layout: VideoLayout, channels: int, text_dim: int, videos: int, seed: int, text_encoder: str,
+           kind: str = "scenes") -> DemoSpec:
+        """The spec of `build_demo_cache`'s settings (its stamp resolves `text_encoder` to the encoder it used)."""
+        return cls(layout.summary(), channels, text_dim, videos, seed, text_encoder, kind=kind)
+
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
@@ -219,7 +225,7 @@ def build_demo_cache(out: str | Path, layout: VideoLayout, channels: int, text_d
     "long-range" (`long_range_video`)."""
     out = Path(out)
     encoder = DemoTextEncoder(layout.text_tokens, text_dim, text_encoder, seed)
-    spec = DemoSpec(layout.summary(), channels, text_dim, videos, seed, encoder.kind, kind=kind)
+    spec = DemoSpec.of(layout, channels, text_dim, videos, seed, encoder.kind, kind)
     stamp = out / "demo.json"
     manifest = out / "manifest.jsonl"
     if stamp.is_file() and manifest.is_file():

@@ -45,16 +45,14 @@ def open_dataset(cfg: Config, layout: VideoLayout, spec: BackboneConfig, output_
         lock = DataLock(demo_dir)
         if stack is not None:
             stack.callback(lock.release)
-        args = (demo_dir, layout, spec.in_channels, spec.text_embed_dim, cfg.data.demo_videos)
-        kwargs = dict(seed=cfg.train.seed, text_encoder=cfg.data.demo_text_encoder, console=console,
-                      kind=cfg.data.demo_kind)
+        settings = demo_settings(cfg, layout, spec)
         try:
             if lock.try_exclusive():
-                manifest = build_demo_cache(*args, **kwargs)
+                manifest = build_demo_cache(demo_dir, **settings, console=console)
                 lock.shared()
             else:  # another run is writing it, or training on it: use it as it is, never rewrite it under them
                 lock.shared()
-                manifest = build_demo_cache(*args, **kwargs, may_write=False)
+                manifest = build_demo_cache(demo_dir, **settings, console=console, may_write=False)
                 if manifest is None:
                     raise UserError(
                         f"data.demo_dir {demo_dir} holds a demo set of other settings (layout, data.demo_videos, "
@@ -67,6 +65,14 @@ def open_dataset(cfg: Config, layout: VideoLayout, spec: BackboneConfig, output_
             if stack is None:
                 lock.release()
     return LatentCache(manifest, layout, spec.in_channels, spec.text_embed_dim)
+
+
+def demo_settings(cfg: Config, layout: VideoLayout, spec: BackboneConfig) -> dict:
+    """The settings that make a run's demo set (`build_demo_cache`'s keywords; `DemoSpec.of` fingerprints them):
+    the training layout, the model's channels and text width, data.demo_videos, train.seed, the text encoder
+    setting and data.demo_kind. Two runs with equal settings can train on one folder."""
+    return dict(layout=layout, channels=spec.in_channels, text_dim=spec.text_embed_dim, videos=cfg.data.demo_videos,
+                seed=cfg.train.seed, text_encoder=cfg.data.demo_text_encoder, kind=cfg.data.demo_kind)
 
 
 def demo_folder(cfg: Config, output_dir: Path) -> Path:
