@@ -4,8 +4,8 @@ kernels need CUDA) trains a few steps on the long-range set (in the benchmark's 
 own processes), samples held-out stories and is scored by the probe, which is checked live first;
 the JSON, the table and the plots come out, a rerun resumes instead of retraining, and a rerun of other settings is
 refused. Then the table's bookkeeping with the training replaced (fast): a failed run is recorded and the others go
-on, a rerun tries it again, --budget-s starts no run past it, and the t-intervals; every row builds at the default
-config's size (on the meta device: no weights)."""
+on, a rerun tries it again, --merge joins two commands' files, --budget-s starts no run past it, and the
+t-intervals; every row builds at the default config's size (on the meta device: no weights)."""
 
 from __future__ import annotations
 
@@ -304,8 +304,8 @@ MEASURED_H200_18S = {"none": 141.1, "full-attention": 159.1}
 def test_the_run_plan_of_the_default_config_is_its_measured_runs(tmp_path, capsys):
     """The plan's estimate of each 9-s run the default config made with 3 jobs on an H200 is within 5 % of its wall
     time (its fit: a mistyped factor or default step fails here), and of the held-out 18-s runs long by at most 40 %
-    (never short: a budget then stops early rather than late); --plan packs the runs on --jobs slots and says where
-    --budget-s stops the table, naming the runs planned longer than it."""
+    (never short: a budget then stops early rather than late); --plan packs the runs on --jobs slots and says which
+    of them --budget-s starts (a freed slot takes the first run that fits), naming the runs planned longer than it."""
     from tttvideo.config.loader import load_config
 
     lr = benchmark()
