@@ -67,6 +67,7 @@ def launch_resume_command(args: argparse.Namespace, output_dir: str, configured_
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # first: a mistake in the config is reported before the trainer's imports (~2 s)
     from rich.console import Console
 
     from tttvideo.errors import UserError
@@ -77,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
     from tttvideo.train.trainer import Trainer
 
     console = Console()
-    cfg = config_from_args(args)
     fit = None
     if args.auto_fit:
         from tttvideo.memory.plan.planner import auto_fit_plan
