@@ -42,6 +42,8 @@ CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
 HASH_CHUNK = 1 << 20  # 1 MiB reads: a 20 GB model file is hashed in constant memory
+# the flag that lets a command read a pickle (a legacy state file, a DCP index): pickles can run code when read
+TRUST_FLAG = "--trust-checkpoint"
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

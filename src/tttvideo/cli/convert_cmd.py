@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tttvideo.cli.common import add_config_arguments, config_from_args
-from tttvideo.convert.sources import TRUST_FLAG
-from tttvideo.layout import parse_duration
+from tttvideo.runs import TRUST_FLAG
 
 SOURCES = ("ttt-video-dit",)
 
@@ -31,6 +30,7 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tttvideo.convert.importer import convert_ttt_video_dit
+    from tttvideo.layout import parse_duration
 
     cfg = config_from_args(args)
     seconds = parse_duration(args.duration) if args.duration is not None else None

@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
-from tttvideo.layout import VideoLayout
-
 DEFAULT_DURATIONS = ["3s", "9s", "18s", "30s", "63s"]
 
 
@@ -25,6 +20,12 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # here, not at the top: every command's parser registers this module, and tttvideo.layout imports torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from tttvideo.layout import VideoLayout
+
     console = Console()
     for duration in args.duration or DEFAULT_DURATIONS:
         lay = VideoLayout.create(

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from tttvideo.errors import UserError
+from tttvideo.runs import TRUST_FLAG
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 DCP_METADATA = ".metadata"
-TRUST_FLAG = "--trust-checkpoint"
 
 
 class Checkpoint:

@@ -50,7 +50,8 @@ from tttvideo.errors import UserError
 from tttvideo.parallel.launch import SharedError
 from tttvideo.runs import is_inside_name
 from tttvideo.train.checkpoint import publish_checkpoint, staging_folder
-from tttvideo.train.statefile import TRUST_FLAG, refused_global
+from tttvideo.runs import TRUST_FLAG
+from tttvideo.train.statefile import refused_global
 
 if TYPE_CHECKING:
     from tttvideo.models.backbone import BackboneConfig

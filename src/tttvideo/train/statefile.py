@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from tttvideo.errors import UserError
+from tttvideo.runs import TRUST_FLAG
 
 STATE_KEY = "tttvideo.training_state"  # the safetensors metadata entry holding the JSON
 STATE_FORMAT = "1"
-TRUST_FLAG = "--trust-checkpoint"
 
 # tensor subclasses a state may hold, by module and class name: torchao's 8-bit optimizer state
 SUBCLASSES = {
