@@ -48,9 +48,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from tttvideo.errors import UserError
 from tttvideo.parallel.launch import SharedError
-from tttvideo.runs import is_inside_name
+from tttvideo.runs import TRUST_FLAG, is_inside_name
 from tttvideo.train.checkpoint import publish_checkpoint, staging_folder
-from tttvideo.runs import TRUST_FLAG
 from tttvideo.train.statefile import refused_global
 
 if TYPE_CHECKING:
