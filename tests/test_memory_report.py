@@ -26,6 +26,33 @@ class MLPBlock(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x), approximate="tanh"))
 
 
+HELD_HEAP = """
+import torch
+from tttvideo.memory.profile.backends import make_backend
+
+big = torch.ones(6 * 2**20); del big                # a freed 24 MiB mmap raises glibc's mmap threshold to 24 MiB
+freed = [torch.ones(2 * 2**20) for _ in range(60)]  # 8 MiB blocks, now on the heap
+kept = freed[-1]; del freed                         # freed, the top one kept: resident, not trimmed
+backend = make_backend("cpu", trace_python=False)
+before = backend.read().allocated
+held = [torch.ones(2 * 2**20) for _ in range(3)]
+print((backend.read().allocated - before) / 2**20)
+"""
+
+
+def test_cpu_rss_counts_tensors_in_memory_freed_before_the_profile():
+    """A process whose earlier work freed big tensors keeps that memory resident in the heap (glibc); the CPU
+    backend hands it back when made, so tensors that reuse it show in RSS as new ones would. Before, 3 x 8 MiB
+    allocated in such a process showed as 0 MiB, and the report test below failed when a worker had run other tests
+    first (measured in a fresh process here, whose heap this test fills on purpose)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", HELD_HEAP], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) >= 0.9 * 24, run.stdout
+
+
 def test_cpu_profile_writes_a_complete_report(tmp_path):
     torch.manual_seed(0)
     dim, tokens, n_blocks = 256, 2048, 3

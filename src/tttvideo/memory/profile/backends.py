@@ -223,13 +223,18 @@ def _mmap_large_buffers() -> bool:
     """Have glibc serve every allocation of 128 KiB or more by mmap and return it at free, for this process, so
     that RSS follows the tensors alive. By default glibc raises its mmap threshold to the largest block freed so far
     (up to 32 MiB): after one big tensor is freed, later ones of that size come from the heap, whose freed memory
-    stays resident, and a phase that allocates them shows no growth. False where this is not glibc."""
+    stays resident, and a phase that allocates them shows no growth. The threshold only decides where memory comes
+    from when no free heap chunk fits, so the heap's free memory is handed back to the system too (malloc_trim):
+    a chunk freed before the profile began (by the work that ran earlier in the process) and reused by it then counts
+    when touched, as a new one would. False where this is not glibc."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD; a fixed value also stops the adjustment
+        fixed = bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD; a fixed value also stops the adjustment
+        libc.malloc_trim(0)
+        return fixed
     except (OSError, AttributeError):
         return False
 
