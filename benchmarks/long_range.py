@@ -260,8 +260,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     start = time.perf_counter()  # --budget-s counts from here: the probe check and the plan are in it
     if args.merge:
-        merge_files(Path(args.out), [Path(f) for f in args.merge])
-    if args.report or args.merge:
+        return rebuild_report(Path(args.out), merge_files(Path(args.out), [Path(f) for f in args.merge]))
+    if args.report:
         return rebuild_report(Path(args.out))
 
     import torch
@@ -352,10 +352,9 @@ def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | N
     return 0
 
 
-def merge_files(out: Path, others: list[Path]) -> None:
-    """--merge: the runs of `others` that `out` lacks, added to it (written atomically before the report)."""
+def merge_files(out: Path, others: list[Path]) -> dict:
+    """--merge: `out`'s results with the runs of `others` that it lacks added (`rebuild_report` writes them)."""
     from benchmarks.long_range_report import merge_runs
-    from tttvideo.data.cache import atomic_write_text
 
     for path in [out, *others]:
         if not path.is_file():
@@ -368,15 +367,16 @@ def merge_files(out: Path, others: list[Path]) -> None:
         except ValueError as err:
             raise SystemExit(f"--merge: {err}; merge only files of one setting on one device") from None
         print(f"--merge: {path}: {added} run(s) added, {kept} held already (the ones in {out} kept)")
-    atomic_write_text(out, json.dumps(held, indent=1))
+    return held
 
 
-def rebuild_report(out: Path) -> int:
+def rebuild_report(out: Path, held: dict | None = None) -> int:
     """--report: the summary, table and plots of a results file again, from its runs (no training; the file's
-    device, versions and settings stay as they are)."""
-    if not out.is_file():
-        raise SystemExit(f"--report: {out} does not exist; give the results file of a run with --out")
-    held = json.loads(out.read_text())
+    device, versions and settings stay as they are); `held`: its results as --merge left them, written here."""
+    if held is None:
+        if not out.is_file():
+            raise SystemExit(f"--report: {out} does not exist; give the results file of a run with --out")
+        held = json.loads(out.read_text())
     runs = held.get("runs", [])
     rows = summarize(runs, list(ROWS))
     if not rows:

@@ -36,10 +36,11 @@ def merge_runs(held: dict, other: dict, settings: dict, other_settings: dict, na
     have = {(r["variant"], r["duration"], r["seed"]) for r in held.setdefault("runs", [])}
     added = 0
     for run in other.get("runs", []):
-        if (run["variant"], run["duration"], run["seed"]) not in have:
+        key = (run["variant"], run["duration"], run["seed"])
+        if key not in have:
             held["runs"].append({**run, "git_commit": run.get("git_commit", other.get("git_commit"))})
+            have.add(key)
             added += 1
-    have = {(r["variant"], r["duration"], r["seed"]) for r in held["runs"]}
     held["failed"] = [f for f in held.get("failed", []) if (f["variant"], f["duration"], f["seed"]) not in have]
     return added, len(other.get("runs", [])) - added
 
