@@ -1,7 +1,7 @@
 """One guided denoising step of CogVideoX-5B + TTT-MLP under torchrun on 1, 2 and 4 GPUs, in one run: the speedup of
 sequence parallelism and of splitting classifier-free guidance across ranks (`tttv sample`'s multi-process step).
 
-    PYTHONPATH=src python3 benchmarks/sample_parallel.py --duration 63s --layouts 1,sp2,cfg2,sp4,sp2cfg2 \\
+    PYTHONPATH=src python3 benchmarks/sample_parallel.py --duration 63s --layouts 1,1b,sp2,sp2b,cfg2 \\
         --out benchmarks/results/sample_parallel_h200.json
 
 Each layout is one `torchrun --standalone` launch of this file in worker mode, so every GPU count starts from a
@@ -12,14 +12,15 @@ fresh process group and CUDA context:
   prediction);
 - `cfg2`: 2 ranks, `sample.split_guidance` (one rank the unconditional pass, the other the conditional one, one
   all-gather);
-- `spNcfg2`: 2N ranks, both.
+- `spNcfg2`: 2N ranks, both;
+- a trailing `b` (`1b`, `spNb`): without a guidance split, both guided passes in one forward at batch 2
+  (`sample.cfg_batched`) instead of two passes of batch 1, so one run times both beside the same baseline.
 
 The step is the sampler's (`tttvideo.sample.guidance.GuidedPrediction` at guidance 4 over the ranks' groups, as
 `tttv sample` builds them with `tttvideo.sample.distributed.start_sample_ranks`): random-init weights (bf16, the
 same on every rank), random latents and text features, one warm-up step (it compiles and autotunes the kernels),
-then `--steps` timed steps; a step's time is the slowest rank's, the median is reported. Without a GPU split the
-guidance is one forward at batch 2 (`--cfg-batched`, the fastest on one GPU when it fits; `false`: two passes of
-batch 1). Per layout: step time, speedup and efficiency against `1`, the peak allocated memory of the busiest rank,
+then `--steps` timed steps; a step's time is the slowest rank's, the median is reported. Per layout: step time,
+speedup and efficiency against `1` (two passes of batch 1 on one GPU), the peak allocated memory of the busiest rank,
 and how far its prediction is from layout `1`'s (relative max difference: bf16 summation order). The JSON is
 rewritten after every layout and a rerun skips the layouts it holds.
 """
@@ -37,24 +38,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYOUT = re.compile(r"^(?:1|sp(?P<sp>\d+)(?P<both>cfg2)?|(?P<cfg>cfg2))$")
+LAYOUT = re.compile(r"^(?:(?:1|sp(?P<sp>\d+))(?P<batched>b)?|sp(?P<both_sp>\d+)cfg2|(?P<cfg>cfg2))$")
 
 
-def parse_layout(name: str) -> tuple[int, int, bool]:
-    """(ranks, sp, split guidance) of a layout name."""
+def parse_layout(name: str) -> tuple[int, int, bool, bool]:
+    """(ranks, sp, split guidance, batch-2 guidance) of a layout name."""
     m = LAYOUT.match(name)
     if not m:
-        raise SystemExit(f"--layouts: {name!r} is not a layout; use 1, spN, cfg2 or spNcfg2 (e.g. 1,sp2,cfg2,sp4)")
-    sp = int(m["sp"] or 1)
-    split = bool(m["both"] or m["cfg"])
-    return sp * (2 if split else 1), sp, split
+        raise SystemExit(f"--layouts: {name!r} is not a layout; use 1, spN, cfg2 or spNcfg2, with a trailing b for "
+                         "batch-2 guidance without a split (1b, spNb; e.g. 1,1b,sp2,sp2b,cfg2)")
+    sp = int(m["sp"] or m["both_sp"] or 1)
+    split = bool(m["both_sp"] or m["cfg"])
+    return sp * (2 if split else 1), sp, split, bool(m["batched"])
 
 
-def config_overrides(args, sp: int, split: bool) -> list[str]:
+def config_overrides(args, sp: int, split: bool, batched: bool) -> list[str]:
     return [f'model.preset="{args.preset}"', f'model.dtype="{args.dtype}"', f"layout.duration={args.duration}",
             f"layout.height={args.height}", f"layout.width={args.width}", "ttt.scan_checkpoint_group_size=0",
             f"parallel.sp={sp}", f"sample.split_guidance={'true' if split else 'false'}",
-            f"sample.cfg_batched={'true' if args.cfg_batched else 'false'}", f'sample.device="{args.device}"',
+            f"sample.cfg_batched={'true' if batched else 'false'}", f'sample.device="{args.device}"',
             *args.overrides]
 
 
@@ -81,15 +83,15 @@ def run_layout(args) -> int:
     from tttvideo.sample.distributed import start_sample_ranks
     from tttvideo.sample.guidance import GuidedPrediction
 
-    _, sp, split = parse_layout(args.worker)
-    cfg = load_config(None, config_overrides(args, sp, split))
+    _, sp, split, batched = parse_layout(args.worker)
+    cfg = load_config(None, config_overrides(args, sp, split, batched))
     spec = get_preset(cfg.model.preset)
     ranks = start_sample_ranks(cfg, spec.num_attention_heads)
     device = ranks.device
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     row = {"layout": args.worker, "gpus": ranks.degrees.world_size, "sp": sp, "split_guidance": split,
-           "cfg_batched": bool(args.cfg_batched and not split)}
+           "cfg_batched": batched}
     try:
         torch.manual_seed(0)
         model = build_model(cfg, device=device).eval().requires_grad_(False)
@@ -99,7 +101,7 @@ def run_layout(args) -> int:
                         generator=gen).to(device, dtype)
         text = torch.randn(1, layout.num_segments, layout.text_tokens, spec.text_embed_dim,
                            generator=gen).to(device, dtype)
-        step = GuidedPrediction(model, layout, text, torch.zeros_like(text), batched=args.cfg_batched,
+        step = GuidedPrediction(model, layout, text, torch.zeros_like(text), batched=batched,
                                 fall_back_on_oom=False, sp=ranks.sequence, split=ranks.split)
         seconds = []
         for _ in range(1 + args.steps):
@@ -130,7 +132,7 @@ def run_layout(args) -> int:
 
 def launch(layout: str, args, work: Path) -> dict:
     """Run one layout under torchrun; its row, or a failed row with the log's tail."""
-    ranks, _, _ = parse_layout(layout)
+    ranks = parse_layout(layout)[0]
     row_path, log = work / f"{layout}.json", work / f"{layout}.log"
     for stale in [row_path, *work.glob(f"{layout}.json.rank*.err")]:
         stale.unlink(missing_ok=True)
@@ -138,8 +140,7 @@ def launch(layout: str, args, work: Path) -> dict:
            str(Path(__file__).resolve()), "--worker", layout, "--row", str(row_path),
            "--prediction", str(work / f"{layout}.pt"), "--preset", args.preset, "--dtype", args.dtype,
            "--duration", args.duration, "--height", str(args.height), "--width", str(args.width),
-           "--steps", str(args.steps), "--device", args.device,
-           "--cfg-batched", "true" if args.cfg_batched else "false", *[x for s in args.overrides for x in ("--set", s)]]
+           "--steps", str(args.steps), "--device", args.device, *[x for s in args.overrides for x in ("--set", s)]]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if args.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -179,8 +180,13 @@ def compare(rows: list[dict], work: Path) -> None:
             r["max_rel_diff_vs_1"] = float((v - ref).abs().max() / ref.abs().max())
 
 
+def guidance(row: dict) -> str:
+    """How a row runs its two guided passes."""
+    return "split" if row["split_guidance"] else "batch 2" if row["cfg_batched"] else "2 passes"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | GPUs | sp | guidance split | step s (median) | speedup | efficiency | peak / GPU GiB | "
+    lines = ["| layout | GPUs | sp | guidance | step s (median) | speedup | efficiency | peak / GPU GiB | "
              "max rel. diff vs 1 GPU |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("status") != "ok":
@@ -188,7 +194,7 @@ def table(rows: list[dict]) -> str:
                          f"{r.get('error', '').splitlines()[-1] if r.get('error') else ''} | | | | |")
             continue
         peak = f"{r['peak_allocated'] / 2**30:.1f}" if r.get("peak_allocated") else "-"
-        lines.append(f"| {r['layout']} | {r['gpus']} | {r['sp']} | {'yes' if r['split_guidance'] else 'no'} | "
+        lines.append(f"| {r['layout']} | {r['gpus']} | {r['sp']} | {guidance(r)} | "
                      f"{r['median_step_s']:.3f} | {r.get('speedup', float('nan')):.2f}x | "
                      f"{100 * r.get('efficiency', float('nan')):.0f}% | {peak} | "
                      f"{r.get('max_rel_diff_vs_1', float('nan')):.1e} |")
@@ -208,15 +214,14 @@ def environment(device: str) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default="1,sp2,cfg2,sp4,sp2cfg2", help="comma separated: 1, spN, cfg2, spNcfg2")
+    ap.add_argument("--layouts", default="1,1b,sp2,sp2b,cfg2,sp4,sp2cfg2",
+                    help="comma separated: 1, spN, cfg2, spNcfg2; a trailing b (1b, spNb): batch-2 guidance")
     ap.add_argument("--duration", default="63s")
     ap.add_argument("--preset", default="cogvideox-5b")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--height", type=int, default=480)
     ap.add_argument("--width", type=int, default=720)
     ap.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up step")
-    ap.add_argument("--cfg-batched", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
-                    help="true: without a guidance split, both passes in one batch-2 forward; false: two passes")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every rank")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per layout")

@@ -1,6 +1,7 @@
 """benchmarks/sample_parallel.py on CPU (gloo) with the tiny model: one torchrun launch per layout (one process,
-sp = 2, guidance split over 2), each row timed, compared with the one-process row (speedup, efficiency) and its
-prediction checked against the one-process prediction; a rerun launches nothing."""
+sp = 2 with two guided passes and with one batch-2 pass, guidance split over 2), each row timed, compared with the
+one-process row (speedup, efficiency) and its prediction checked against the one-process prediction; a rerun
+launches nothing."""
 
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ def test_layouts_run_under_torchrun_and_match_one_process(tmp_path, capsys):
     bench = benchmark()
     out = tmp_path / "out.json"
     argv = ["--preset", "tiny", "--dtype", "fp32", "--duration", "3s", "--height", "32", "--width", "48",
-            "--device", "cpu", "--layouts", "1,sp2,cfg2", "--steps", "1", "--work", str(tmp_path / "work"),
+            "--device", "cpu", "--layouts", "1,sp2,sp2b,cfg2", "--steps", "1", "--work", str(tmp_path / "work"),
             "--out", str(out)]
     assert bench.main(argv) == 0
     rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["1", "sp2", "cfg2"]
-    for name, gpus in (("1", 1), ("sp2", 2), ("cfg2", 2)):
+    assert list(rows) == ["1", "sp2", "sp2b", "cfg2"]
+    for name, gpus in (("1", 1), ("sp2", 2), ("sp2b", 2), ("cfg2", 2)):
         r = rows[name]
         assert r["status"] == "ok", r.get("error")
         assert r["gpus"] == gpus and len(r["step_s"]) == 1 and r["median_step_s"] > 0
@@ -39,7 +40,8 @@ def test_layouts_run_under_torchrun_and_match_one_process(tmp_path, capsys):
         # the same function on every layout: fp32, only the guidance pair's batch 1 vs batch 2 differs
         assert r["max_rel_diff_vs_1"] < 1e-5
     assert rows["1"]["speedup"] == 1.0 and rows["cfg2"]["split_guidance"] and rows["sp2"]["sp"] == 2
-    assert "| sp2 | 2 | 2 | no |" in capsys.readouterr().out
+    assert rows["sp2b"]["cfg_batched"] and not rows["sp2"]["cfg_batched"]
+    assert "| sp2 | 2 | 2 | 2 passes |" in capsys.readouterr().out
 
     assert bench.main(argv) == 0  # every layout is held: nothing is launched again
     assert "process(es)" not in capsys.readouterr().out
@@ -48,7 +50,11 @@ def test_layouts_run_under_torchrun_and_match_one_process(tmp_path, capsys):
 def test_a_layout_name_that_is_not_one_says_so():
     with pytest.raises(SystemExit, match="is not a layout"):
         benchmark().parse_layout("sp2x")
-    assert benchmark().parse_layout("sp2cfg2") == (4, 2, True)
+    assert benchmark().parse_layout("sp2cfg2") == (4, 2, True, False)
+    assert benchmark().parse_layout("sp2b") == (2, 2, False, True)
+    assert benchmark().parse_layout("1b") == (1, 1, False, True)
+    with pytest.raises(SystemExit, match="is not a layout"):
+        benchmark().parse_layout("cfg2b")  # a split has no batch-2 pass to make
 
 
 def test_a_failing_layout_row_says_why(tmp_path, capsys):
