@@ -57,6 +57,12 @@ FRAGMENTATION = 0.05  # reserved above allocated at the peak, as a fraction (doc
 FRAGMENTATION_STREAMED = 0.10
 CUDA_CONTEXT = int(0.8 * GIB)  # measured 0.5-0.8 GiB outside PyTorch on H100 / H200 with torch 2.11
 MARGIN = 0.05  # the share of the card the chosen setup leaves free (`tttv plan --margin`)
+# Sampling on two H200s at 63 s against one GPU's batch-2 guided forward, the forward whose time the sample costs hold
+# (benchmarks/results/sample_parallel_h200.json, one run): the two guided passes split over two GPUs take 34.1 s
+# against 55.9 s (1.64x; against two passes of batch 1 it is the whole 2.01x), the batch-2 forward under sp = 2
+# 38.6 s (1.45x: 72 % efficiency, where training's sp = 2 step measured 75 %)
+SPLIT_GUIDANCE_SPEEDUP = 1.64
+SAMPLE_SP_EFFICIENCY = {2: 0.724}
 
 
 @dataclass(frozen=True)
@@ -296,15 +302,15 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             reserved = int((counted.total + activation) * (1 + share))
         time_cost = costs.time.get(time_key(c, phase))
     step_s = None
-    # each half of the ranks runs one of the two guided passes: measured 2.01x on two H200s at 63 s
-    # (benchmarks/results/sample_parallel_h200.json), so no loss is counted
+    # each half of the ranks runs one of the two guided passes
     split = 2 if phase == "sample" and gpus > 1 and c.sample.split_guidance else 1
+    sp_efficiency = SAMPLE_SP_EFFICIENCY if phase == "sample" else costs.sp_efficiency
     if time_cost is not None:
-        one = time_cost(layout.total_tokens * batch) / split * time_factor
+        one = time_cost(layout.total_tokens * batch) / (SPLIT_GUIDANCE_SPEEDUP if split > 1 else 1) * time_factor
         if sp == 1:
             step_s = one
-        elif sp in costs.sp_efficiency:
-            step_s = one / (sp * costs.sp_efficiency[sp])
+        elif sp in sp_efficiency:
+            step_s = one / (sp * sp_efficiency[sp])
         else:
             notes.append(f"sp {sp} efficiency not measured")
     else:
