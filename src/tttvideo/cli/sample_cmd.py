@@ -87,15 +87,19 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tttvideo.parallel.launch import exit_on_rank, launch_rank
-    from tttvideo.parallel.watchdog import advise, peer_failure
+    from tttvideo.parallel.launch import exit_on_rank, launch_rank, launch_world_size
 
     rank = launch_rank()
     if rank != 0:  # one voice: the other ranks print only errors of their own
         logging.getLogger("tttvideo").setLevel(logging.ERROR)
+    # one process: a mistake in the inputs is said before torch and the sampler load (seconds); under torchrun the
+    # ranks check them in _sample, where rank 0 alone says so
+    checked = _checked_inputs(args) if launch_world_size() == 1 else None
+    from tttvideo.parallel.watchdog import advise, peer_failure
+
     advise(lambda: f"the videos written before it are in {args.out}; run the same command again for the others")
     try:
-        return _sample(args, quiet=rank != 0)
+        return _sample(args, quiet=rank != 0, checked=checked)
     except UserError as err:  # a SharedError is the same sentence on every rank: rank 0 prints it once
         return exit_on_rank(err, "sample")
     except Exception as err:  # under torchrun: a peer that died closed its connections mid-collective
@@ -108,10 +112,8 @@ def run(args: argparse.Namespace) -> int:
 def _checked_inputs(args: argparse.Namespace):
     """The stories and the config, every input checked before anything heavy is loaded."""
     from tttvideo.config.loader import load_config
-    from tttvideo.outputs import check_writable_file
-    from tttvideo.sample.pipeline import output_paths
-    from tttvideo.sample.scenes import load_stories
-    from tttvideo.sample.video import check_mp4_writer
+    from tttvideo.outputs import check_mp4_writer, check_writable_file
+    from tttvideo.sample.scenes import load_stories, output_paths
 
     if not Path(args.checkpoint).exists():
         raise UserError(f"checkpoint {args.checkpoint} does not exist; give a model file, checkpoint folder or run "
@@ -145,7 +147,8 @@ def _check_one_process(cfg, cfg_path: str | None) -> None:
                           f"parallel.sp=1")
 
 
-def _sample(args: argparse.Namespace, quiet: bool) -> int:
+def _sample(args: argparse.Namespace, quiet: bool, checked: tuple | None = None) -> int:
+    """The stories sampled; `checked`: what _checked_inputs returned already (one process), else checked here."""
     from rich.console import Console
 
     from tttvideo.models.backbone import get_preset
@@ -153,13 +156,14 @@ def _sample(args: argparse.Namespace, quiet: bool) -> int:
     from tttvideo.outputs import output_lock
     from tttvideo.sample.distributed import start_sample_ranks
     from tttvideo.parallel.watchdog import active_watch
-    from tttvideo.sample.pipeline import output_paths, sample_stories
+    from tttvideo.sample.pipeline import sample_stories
+    from tttvideo.sample.scenes import output_paths
 
     # status and progress on stdout; stderr carries only problems (a bad input or a warning is one line there)
     console = Console(quiet=quiet)
     launched = launch_world_size() > 1
     try:
-        stories, cfg_path, cfg = _checked_inputs(args)
+        stories, cfg_path, cfg = checked or _checked_inputs(args)
     except UserError as err:
         if not launched:
             raise

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from tttvideo.errors import UserError
+
+if TYPE_CHECKING:  # the rest of this module needs no torch: a command reads its rank before torch loads
+    import torch
 
 
 class SharedError(UserError):
@@ -76,6 +78,8 @@ def rank_device(device: torch.device) -> torch.device:
     """The device of this rank: under torchrun each rank takes the GPU LOCAL_RANK ('cuda' means 'the GPUs of this
     host'); CPU stays CPU. Always indexed on CUDA, since torch.cuda.set_device refuses a bare 'cuda'."""
     if device.type == "cuda" and (launch_world_size() > 1 or device.index is None):
+        import torch
+
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
 

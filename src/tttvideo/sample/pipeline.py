@@ -46,7 +46,7 @@ from tttvideo.outputs import atomic_target, write_failure
 from tttvideo.runs import resolve_checkpoint
 from tttvideo.sample.guidance import denoise
 from tttvideo.sample.model import load_model, warn_beyond_training
-from tttvideo.sample.scenes import Story, check_duration, check_token_counts, encode_story
+from tttvideo.sample.scenes import Story, check_duration, check_token_counts, encode_story, output_paths
 from tttvideo.sample.video import Mp4Writer, to_uint8_frames, write_scenes
 from tttvideo.text.encoders import make_text_encoder
 
@@ -64,19 +64,6 @@ class SampleResult:
     denoise_s: float
     decode_s: float
     latents: Path | None = None  # with sample.save_latents
-
-
-def output_paths(stories: list[Story], out: str | Path) -> list[Path]:
-    """One story: `out` itself (or out/<name>.mp4 for a folder); several: out must be a folder."""
-    out = Path(out)
-    if out.suffix.lower() == ".mp4":
-        if len(stories) > 1:
-            raise UserError(f"the scenes hold {len(stories)} stories but --out {out} names one video; give a folder "
-                            f"and each story is written to <folder>/<story name>.mp4")
-        return [out]
-    if out.suffix and not out.is_dir():
-        raise UserError(f"--out {out} must end in .mp4 (one story) or name a folder")
-    return [out / f"{s.name}.mp4" for s in stories]
 
 
 def free_memory() -> None:

@@ -108,6 +108,19 @@ def check_token_counts(encoder: TextEncoder, story: Story, text_tokens: int, dur
                 )
 
 
+def output_paths(stories: list[Story], out: str | Path) -> list[Path]:
+    """One story: `out` itself (or out/<name>.mp4 for a folder); several: out must be a folder."""
+    out = Path(out)
+    if out.suffix.lower() == ".mp4":
+        if len(stories) > 1:
+            raise UserError(f"the scenes hold {len(stories)} stories but --out {out} names one video; give a folder "
+                            f"and each story is written to <folder>/<story name>.mp4")
+        return [out]
+    if out.suffix and not out.is_dir():
+        raise UserError(f"--out {out} must end in .mp4 (one story) or name a folder")
+    return [out / f"{s.name}.mp4" for s in stories]
+
+
 def encode_story(encoder: TextEncoder, story: Story) -> tuple[torch.Tensor, torch.Tensor]:
     """(conditional, unconditional) features, each [segments, text_tokens, text_dim] float32 on the CPU."""
     prompts, negatives = story.prompts(), story.negative_prompts()

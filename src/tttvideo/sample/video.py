@@ -22,22 +22,13 @@ import torch
 
 from tttvideo.data.video import scenes_path
 from tttvideo.errors import UserError
-from tttvideo.outputs import atomic_target, remove_stale_temporaries, temporary_name
+from tttvideo.outputs import atomic_target, check_mp4_writer, remove_stale_temporaries, temporary_name
 
 
 def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
     """[n, 3, H, W] in [-1, 1] (the VAE's range) -> [n, H, W, 3] uint8, rounding to the nearest level."""
     frames = ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return frames.permute(0, 2, 3, 1).contiguous().cpu().numpy()
-
-
-def check_mp4_writer(what: str = "writing the mp4") -> None:
-    """The mp4 writer's package is installed, checked before the work whose result it writes."""
-    try:
-        import imageio_ffmpeg  # noqa: F401
-    except ImportError:
-        raise UserError(f"{what} needs the imageio-ffmpeg package: pip install imageio-ffmpeg (it comes with "
-                        f"pip install 'tttvideo[models]')") from None
 
 
 class Mp4Writer:

@@ -158,7 +158,7 @@ class Trainer:
         # an FSDP-sharded model samples only if every rank runs the sampler with it: not wired up yet
         self.videos = bool(self.train.sample_at_end or self.train.validate_every) and not self.ranks.distributed
         if self.videos:
-            from tttvideo.sample.video import check_mp4_writer
+            from tttvideo.outputs import check_mp4_writer
 
             check_mp4_writer("train.sample_at_end / train.validate_every (set them to false and 0 to train without "
                              "videos)")
