@@ -149,6 +149,31 @@ def test_cli_layout_prints_spec_numbers(capsys):
     assert "351,168" in out and "51,456" in out and "341,550" in out
 
 
+def test_cli_layout_of_a_config_is_its_backbones(capsys):
+    """With a config the tables are its model's layout (layout_of): Wan's 9-s stage keeps the text out of the stream
+    (57,720 video tokens are the whole stream); a CogVideoX config's sampling phase scans mini-batches of 16."""
+    assert main(["layout", "configs/wan2.1-1.3b/stage2-9s-24gb.toml", "--windows"]) == 0
+    out = capsys.readouterr().out
+    assert "wan2.1-t2v-1.3b" in out and "cross-attended" in out and out.count("57,720") == 2  # video = total
+    assert "20,280" in out  # a window: 13 latent frames of 1,560 tokens
+    assert main(["layout", "configs/cogvideox-5b/stage2-9s.toml", "--phase", "sample", "--duration", "63s",
+                 "--set", "ttt.kind=mlp"]) == 0
+    out = capsys.readouterr().out
+    assert "351,168" in out and "TTT mini-batches of 16" in out and "sample" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["configs/demo.toml", "--height", "64"], "--set layout.height=..."),
+    (["configs/demo.toml", "--mini-batch", "16"], "--set ttt.mini_batch_size=..."),
+    (["--set", "layout.height=64"], "--set needs a CONFIG"),
+    (["configs/demo.toml", "--set", "layout.nope=1"], "unknown key 'layout.nope'"),
+])
+def test_cli_layout_mistakes_are_one_sentence(argv, needle, capsys):
+    assert main(["layout", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_layout_bad_duration_exits_2(capsys):
     assert main(["layout", "--duration", "10s"]) == 2
     err = capsys.readouterr().err
