@@ -63,6 +63,11 @@ MARGIN = 0.05  # the share of the card the chosen setup leaves free (`tttv plan 
 # 38.6 s (1.45x: 72 % efficiency, where training's sp = 2 step measured 75 %)
 SPLIT_GUIDANCE_SPEEDUP = 1.64
 SAMPLE_SP_EFFICIENCY = {2: 0.724}
+# ... and their activations (peak allocated less the 13.6 GiB of weights) against the one-GPU batch-2 forward's 53.0
+# GiB: one batch-1 pass a rank (split) 26.5 GiB, 0.50; the batch-2 forward under sp = 2 38.8 GiB, 0.73 (not 0.5: the
+# all-to-all buffers and the whole-sequence tensors each rank holds beside its half)
+SPLIT_GUIDANCE_ACTIVATION = 0.50
+SAMPLE_SP_ACTIVATION = {2: 0.73}
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     local = processes_per_host or gpus
     host_process, compile_host = process_host_bytes(c), compile_pool_bytes(c, phase)
     breakdown, reserved, host, time_factor = None, None, 0, 1.0
+    # each half of the ranks runs one of the two guided passes
+    split = 2 if phase == "sample" and gpus > 1 and c.sample.split_guidance else 1
     if phase == "train" and costs.blocks and fits_block_model(c, gpus):
         geometry = Geometry.of(c, gpus)
         blocks = BlockConstants.for_backbone(costs.blocks, geometry.backbone)
@@ -291,8 +298,10 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         time_cost = Curve(blocks.time_points) if blocks.time_points else None
     else:
         act_cost = costs.activation.get(activation_key(c, phase))
-        activation = None if act_cost is None else max(0, int(act_cost(tokens)))
-        basis = "not measured" if act_cost is None else _curve_basis(act_cost, tokens)
+        share, per = curve_share(phase, sp, split, notes)
+        curve_tokens = layout.total_tokens * batch // per
+        activation = None if act_cost is None else max(0, int(act_cost(curve_tokens) * share))
+        basis = "not measured" if act_cost is None else _curve_basis(act_cost, curve_tokens)
         if act_cost is None:
             notes.append("activation regime not measured")
         else:
@@ -302,8 +311,6 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             reserved = int((counted.total + activation) * (1 + share))
         time_cost = costs.time.get(time_key(c, phase))
     step_s = None
-    # each half of the ranks runs one of the two guided passes
-    split = 2 if phase == "sample" and gpus > 1 and c.sample.split_guidance else 1
     sp_efficiency = SAMPLE_SP_EFFICIENCY if phase == "sample" else costs.sp_efficiency
     if time_cost is not None:
         one = time_cost(layout.total_tokens * batch) / (SPLIT_GUIDANCE_SPEEDUP if split > 1 else 1) * time_factor
@@ -325,10 +332,6 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if not host_fits:
             notes.append(f"host: {local} process(es) need {needed / GIB:.1f} GiB, {host_mem / GIB:.1f} GiB available")
             fits = False if fits is not None else None
-    if sp > 1 and breakdown is None:
-        notes.append("sp: one-GPU per-token costs")
-    if split > 1:
-        notes.append("activations of a batch-2 guided forward: an upper bound (one pass a rank)")
     videos = max(1, gpus // sp) if phase == "train" else 1
     if phase == "train" and gpus > 1 and step_s is not None:  # what the ranking compares (`rank`)
         notes.append(f"{videos} video(s) a step: {step_s / videos:.2f} s per video")
@@ -340,6 +343,25 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
                                         compile_host, "measured", "host"))
     return Prediction(candidate, c, tokens, counted, activation, step_s, fits, notes, reserved, host, breakdown, basis,
                       time_factor, videos, host_process + compile_host, host_fits, gpu_fits)
+
+
+def curve_share(phase: str, sp: int, split: int, notes: list[str]) -> tuple[float, int]:
+    """(share of a measured curve's activations, the sp degree its tokens are divided by) for a setup on the
+    measured-curve path. Sampling under sp or with a split guidance is counted from the one-GPU batch-2 forward over
+    the whole sequence by the shares measured at 63 s; anything else (or an sp degree not measured) at the tokens a
+    GPU holds, by the one-GPU per-token costs."""
+    share = 1.0
+    if phase == "sample" and split > 1:
+        share = SPLIT_GUIDANCE_ACTIVATION
+        notes.append(f"one guided pass a rank: x{SPLIT_GUIDANCE_ACTIVATION:.2f} the batch-2 forward's activations "
+                     "(measured at 63 s)")
+    if sp == 1:
+        return share, 1
+    if phase == "sample" and sp in SAMPLE_SP_ACTIVATION:
+        notes.append(f"sp {sp}: x{SAMPLE_SP_ACTIVATION[sp]:.2f} one GPU's activations (measured at 63 s)")
+        return share * SAMPLE_SP_ACTIVATION[sp], 1
+    notes.append("sp: one-GPU per-token costs")
+    return share, sp
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
