@@ -167,6 +167,7 @@ def test_cli_layout_of_a_config_is_its_backbones(capsys):
     (["configs/demo.toml", "--mini-batch", "16"], "--set ttt.mini_batch_size=..."),
     (["--set", "layout.height=64"], "--set needs a CONFIG"),
     (["configs/demo.toml", "--set", "layout.nope=1"], "unknown key 'layout.nope'"),
+    (["63s"], "give --duration 63s"),
 ])
 def test_cli_layout_mistakes_are_one_sentence(argv, needle, capsys):
     assert main(["layout", *argv]) == 2

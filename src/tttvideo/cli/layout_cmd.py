@@ -7,6 +7,8 @@ factors (Wan keeps the text out of the stream), its `[layout]` and `[ttt]` keys,
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 from tttvideo.cli.common import SET_HELP
 
@@ -58,6 +60,8 @@ def _layouts(args: argparse.Namespace) -> tuple[str, list]:
     from tttvideo.config.loader import load_config
     from tttvideo.models.backbone import layout_of
 
+    if re.fullmatch(r"\d+(\.\d+)?\s*s?", args.config.strip().lower()) and not Path(args.config).exists():
+        raise UserError(f"CONFIG is a TOML file; for the layout of a {args.config} video give --duration {args.config}")
     cfg = load_config(args.config, args.overrides or [])
     return (f"{cfg.model.preset} ({args.config}, {args.phase})",
             [layout_of(cfg, d, phase=args.phase) for d in args.duration or [cfg.layout.duration]])
