@@ -31,7 +31,8 @@ priced at their median wall time instead; --plan prints it alone); after each ru
 were off theirs: a freed slot takes the first run in order that fits, so a long run past the budget leaves its slot to
 shorter ones behind it; the same command again continues from the results file (a run planned longer than the budget
 never starts under it: the plan says which). --merge adds the runs of other results files of the same settings, device
-and torch (a second command's, run beside the first on one GPU) to --out. 3 jobs: the processes time-slice the GPU,
+and torch (a second command's, run beside the first on one GPU) to --out. --gpus N spreads the runs over N GPUs of
+the host, --jobs on each (a run's process sees its GPU alone). 3 jobs: the processes time-slice the GPU,
 so 8 jobs finished no more runs an hour than 3 on the H200, and the tiny model's runs on the H100 were slower at 12
 jobs than at 6; a batch-16 run of this model at 18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch recurrence,
 H200).
@@ -66,7 +67,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: benchmarks.long_range_report from the repository
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.long_range_plan import fits_budget, num_segments, plan_runs, print_plan  # noqa: E402 - after the path
+from benchmarks.long_range_plan import (fits_budget, num_segments, plan_runs, print_plan,  # noqa: E402 - after the path
+                                        slots)
 
 # the main table: the layer each variant puts after local attention; TTT-Linear takes the original's inner rate
 VARIANTS = {
@@ -235,6 +237,10 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at once, each in its own process (the small models leave a GPU mostly idle; step "
                          "times are then measured side by side, recorded as concurrent_jobs)")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="GPUs of this host to spread the runs over, --jobs runs on each (each run's process sees "
+                         "its GPU alone, CUDA_VISIBLE_DEVICES): the same step times as --jobs on one GPU, the runs "
+                         "done that many times sooner")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no run that would end after this many seconds from the start: its planned time "
                          "scaled by how far the last finished runs were off their plan; a freed slot takes the "
@@ -295,6 +301,7 @@ def main(argv=None) -> int:
     estimate = print_plan(pending, runs, args, mine["steps"], load_config(args.config, args.overrides))
     if args.plan:
         return 0
+    args.gpu_ids = check_gpus(args.gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     probes = held.get("probe", {})
     for duration in sorted({d for _, d, _ in pending} | set(args.durations.split(",")), key=label_seconds):
         cfg = load_config(args.config, [f"layout.duration={duration}"] + args.overrides)
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
                              f"0.0); fix tttvideo.data.demo_score before trusting any score")
     ratios: list[float] = []  # each finished run's wall time over its planned time
     commit = git_commit()
-    for row in (run_parallel(pending, args, work, start, estimate, ratios) if args.jobs > 1
+    for row in (run_parallel(pending, args, work, start, estimate, ratios) if slots(args) > 1
                 else run_serial(pending, args, work, start, estimate, ratios)):
         key = (row["variant"], row["duration"], row["seed"])
         if "error" in row:
@@ -439,12 +446,13 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: f
     parts = work / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     queue, active = list(pending), {}
+    gpus = args.gpu_ids
     threads = []
     if not torch.cuda.is_available() and not any(o.startswith("train.cpu_threads=") for o in args.overrides):
         # on the CPU the jobs share the cores: each its share, not all of them (oversubscribed, every job crawls)
         threads = ["--set", f"train.cpu_threads={max(1, (os.cpu_count() or 1) // args.jobs)}"]
     while queue or active:
-        while queue and len(active) < args.jobs:
+        while queue and len(active) < slots(args):
             # the first queued run that fits: a long run past the budget leaves its slot to shorter ones after it
             fit = next((i for i, run in enumerate(queue) if fits_budget(args, start, estimate[run], ratios)), None)
             if fit is None:
@@ -466,10 +474,12 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: f
             cmd += threads
             (parts / f"{name}.json").unlink(missing_ok=True)  # scratch: an earlier part may have other settings
             log = open(parts / f"{name}.log", "w")
-            active[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent),
-                            log, time.perf_counter(), (variant, duration, seed))
+            gpu = least_busy([run[4] for run in active.values()], len(gpus))
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[gpu]} if len(gpus) > 1 else None
+            active[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                             env=env), log, time.perf_counter(), (variant, duration, seed), gpu)
         time.sleep(1.0)
-        for name, (proc, log, t0, (variant, duration, seed)) in list(active.items()):
+        for name, (proc, log, t0, (variant, duration, seed), _) in list(active.items()):
             if proc.poll() is None:
                 continue
             log.close()
@@ -485,6 +495,20 @@ def run_parallel(pending: list[tuple[str, str, int]], args, work: Path, start: f
                 continue
             (row,) = held["runs"]
             yield {**row, "wall_s": time.perf_counter() - t0, "concurrent_jobs": args.jobs}
+
+
+def check_gpus(gpus: int, visible: int) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES value of each of --gpus GPUs (this process's own numbering mapped through its
+    CUDA_VISIBLE_DEVICES, if set); one sentence when the host has fewer."""
+    if gpus < 1 or gpus > max(visible, 1):
+        raise SystemExit(f"--gpus {gpus}: this host has {visible} visible CUDA GPU(s); give 1 to {max(visible, 1)}")
+    own = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return [own[i] if i < len(own) else str(i) for i in range(gpus)]
+
+
+def least_busy(busy: list[int], gpus: int) -> int:
+    """The GPU with the fewest runs on it (`busy`: the GPU of each active run), the lowest on a tie."""
+    return min(range(gpus), key=lambda g: (busy.count(g), g))
 
 
 def die_with_parent() -> None:

@@ -92,14 +92,15 @@ def print_plan(pending: list[tuple[str, str, int]], runs: list[dict], args, step
                                                      args.eval_batch, segments[d], v)
               for v, d, _ in pending]
     priced = sum((v, d) in measured for v, d, _ in pending)
-    # the runs in their order on --jobs slots, each started when a slot frees: the last to end sets the total
-    total = max(end for _, end in pack(runs_s, args.jobs))
+    # the runs in their order on the slots (--jobs a GPU), each started when a slot frees: the last to end sets the
+    # total
+    total = max(end for _, end in pack(runs_s, slots(args)))
     by_row: dict[str, int] = {}
     for v, _, _ in pending:
         by_row[v] = by_row.get(v, 0) + 1
     budget = ""
     if args.budget_s:  # the budget's rule by the plan: a freed slot takes the first run that ends within it
-        within = [span for span in pack(runs_s, args.jobs, args.budget_s) if span]
+        within = [span for span in pack(runs_s, slots(args), args.budget_s) if span]
         budget = (f"; --budget-s {args.budget_s:.0f} starts no run past it: by the plan, {len(within)} of the "
                   f"{len(pending)} runs, in {max((end for _, end in within), default=0):.0f} s")
     pricing = f"at a step of {args.plan_step_s} s (--plan-step-s, the main rows' mean at 9 s)"
@@ -108,7 +109,9 @@ def print_plan(pending: list[tuple[str, str, int]], runs: list[dict], args, step
         pricing = f"each {held_median}"
     elif priced:
         pricing = f"{priced} of them {held_median}, the rest {pricing}"
-    print(f"run plan: {len(pending)} runs ({len(runs)} held already), {args.jobs} at once, {steps} steps of batch "
+    gpus = getattr(args, "gpus", 1)
+    at_once = f"{args.jobs} at once" + (f" on each of {gpus} GPUs" if gpus > 1 else "")
+    print(f"run plan: {len(pending)} runs ({len(runs)} held already), {at_once}, {steps} steps of batch "
           f"{cfg.train.batch_size} each, {args.eval_videos} stories of {cfg.sample.steps} denoising steps sampled "
           f"{args.eval_batch} at a time; a run {min(runs_s):.0f}-{max(runs_s):.0f} s, {pricing}: about {total:.0f} s "
           f"({total / 60:.1f} min) in all" + budget, flush=True)
@@ -120,6 +123,11 @@ def print_plan(pending: list[tuple[str, str, int]], runs: list[dict], args, step
               f"{s:.0f} s): such a run starts only if the runs before it beat their plan by that much, in no "
               f"rerun with this budget otherwise (a larger --budget-s or fewer --steps)", flush=True)
     return dict(zip(pending, runs_s))
+
+
+def slots(args) -> int:
+    """Runs at once: --jobs on each of --gpus GPUs."""
+    return args.jobs * getattr(args, "gpus", 1)
 
 
 def pack(runs_s: list[float], jobs: int, budget_s: float = 0.0) -> list[tuple[float, float] | None]:
@@ -141,8 +149,9 @@ def pack(runs_s: list[float], jobs: int, budget_s: float = 0.0) -> list[tuple[fl
 
 def fits_budget(args, start: float, planned: float, ratios: list[float]) -> bool:
     """Whether a run planned to take `planned` seconds, started now, ends within --budget-s: its plan scaled by
-    the slowest of the last --jobs finished runs' wall time over their plan's (the plan alone before any)."""
+    the slowest of the last finished runs (as many as run at once) wall time over their plan's (the plan alone before
+    any)."""
     if not args.budget_s:
         return True
-    expected = planned * (max(ratios[-args.jobs:]) if ratios else 1.0)
+    expected = planned * (max(ratios[-slots(args):]) if ratios else 1.0)
     return time.perf_counter() - start + expected <= args.budget_s

@@ -358,6 +358,31 @@ def test_the_run_plan_of_the_default_config_is_its_measured_runs(tmp_path, capsy
            f"{step_s} s" in printed
 
 
+def test_runs_spread_over_the_gpus_of_a_host(tmp_path, capsys, monkeypatch):
+    """--gpus N: --jobs runs on each GPU, a new run on the GPU with the fewest (each run's process sees its GPU alone,
+    numbered through this process's CUDA_VISIBLE_DEVICES); the plan packs the runs on jobs x GPUs slots; a host with
+    fewer GPUs is one sentence."""
+    lr = benchmark()
+    assert lr.least_busy([], 2) == 0 and lr.least_busy([0], 2) == 1 and lr.least_busy([0, 1, 1], 2) == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert lr.check_gpus(2, 2) == ["0", "1"] and lr.check_gpus(1, 0) == ["0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert lr.check_gpus(2, 2) == ["3", "5"]
+    with pytest.raises(SystemExit, match="--gpus 2: this host has 0 visible CUDA GPU"):
+        lr.check_gpus(2, 0)
+    from tttvideo.config.loader import load_config
+
+    cfg = load_config(lr.ROOT / "configs" / "long-range-d64.toml")
+    argv = ["--plan", "--jobs", "3", "--durations", "9s", "--seeds", "0,1", "--ablations", "none",
+            "--out", str(tmp_path / "lr.json")]
+    assert lr.main([*argv, "--gpus", "2"]) == 0
+    printed = capsys.readouterr().out
+    runs_s = [plan.estimate_run_s(cfg, 1000, 0.18, 64, 32, 3, v) for v in lr.VARIANTS] * 2  # seed 0, then 1
+    total = max(end for _, end in plan.pack(runs_s, 6))
+    assert "12 runs (0 held already), 3 at once on each of 2 GPUs" in printed and f"about {total:.0f} s" in printed
+    assert total < max(end for _, end in plan.pack(runs_s, 3))
+
+
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_jobs_end_with_the_benchmark_that_started_them(tmp_path):
     """A job started as run_jobs starts it ends when its parent is SIGKILLed (it trained on without die_with_parent)."""
