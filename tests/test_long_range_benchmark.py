@@ -87,7 +87,8 @@ def test_a_duration_without_a_later_scene_is_refused(tmp_path):
 
 
 def fake_run(fail: set):
-    """train_and_score without training: a row whose accuracy is the seed's tenth; raises for runs in `fail`."""
+    """train_and_score without training: a row whose accuracy is the seed's tenth and first-scene control 0.5 above
+    it; raises for runs in `fail`."""
     def run(base, variant, duration, seed, args, work):
         if (variant, seed) in fail:
             raise RuntimeError(f"CUDA out of memory ({variant})")
@@ -95,7 +96,7 @@ def fake_run(fail: set):
                 "last_loss": 0.5, "train_s": 0.1, "median_step_s": 0.01, "peak_allocated_gib": None,
                 "long_range_params": 8, "layer_params_per_block": 4,
                 "loss_curve": {"every": 2, "mean_loss": [0.8, 0.5]}, "accuracy_by_distance": [seed / 10],
-                "accuracy": seed / 10, "first_scene_colour": 1.0, "eval_videos": 2, "recurrence": None}
+                "accuracy": seed / 10, "first_scene_colour": 0.5 + seed / 10, "eval_videos": 2, "recurrence": None}
     return run
 
 
@@ -120,6 +121,9 @@ def test_a_failed_run_is_recorded_the_rest_go_on_and_a_rerun_tries_it_again(tmp_
     row = next(r for r in result["summary"] if r["variant"] == "ttt-mlp")
     assert row["accuracy"] == pytest.approx(0.1) and row["accuracy_ci95"] == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
     assert row["loss_curve"] == [0.8, 0.5] and row["loss_change_last"] == pytest.approx(0.5 / 0.8 - 1)
+    # what a run keeps of its own first scene: later / first, per seed and on the mean
+    assert row["retention_per_seed"] == pytest.approx([0.0, 0.1 / 0.6, 0.2 / 0.7])
+    assert row["retention"] == pytest.approx((0.1 / 0.6 + 0.2 / 0.7) / 3)
     assert "| 6s | ttt-mlp | " in printed and "0.10 ± 0.25" in printed
     # the rerun trains the failed run only
     lr.train_and_score = fake_run(set())
