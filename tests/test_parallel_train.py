@@ -30,7 +30,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tttvideo.config.loader import load_config
+from tttvideo.data.video import read_frames
 from tttvideo.errors import UserError
+from tttvideo.models.backbone import layout_of
 from tttvideo.train.dcp import holds_model_state
 from tttvideo.train.trainer import Trainer
 
@@ -131,12 +133,27 @@ def test_sp_and_fsdp_on_two_processes_match_one(work, reference, sp_run):
     assert (sp_run / "checkpoints/step-000004/dcp/.metadata").is_file()
     # the model is written once, whole (model.safetensors); dcp/ holds the optimizer's shards
     assert not holds_model_state(sp_run / "checkpoints/step-000004")
-    cmd = torchrun(work, 2, *settings(work, "fsdp2", "parallel.dp_shard=2", "train.sample_at_end=true"))
+    cmd = torchrun(work, 2, *settings(work, "fsdp2", "parallel.dp_shard=2", "train.sample_at_end=true",
+                                      "sample.steps=2"))
     assert_ok(launch(cmd))
     assert_same_run(work / "fsdp2", reference)
-    # no video of its own under torchrun: the main rank says how to make one, once
-    hint = f"torchrun --nproc_per_node 2 -m tttvideo sample --checkpoint {work / 'fsdp2'} --scenes STORY.json"
-    assert hint in said(rank_log(cmd, 0, "stdout")) and "sample_at_end" not in rank_log(cmd, 1, "stdout")
+    # the end-of-run video under torchrun: both ranks run the sampler with the FSDP-sharded model (its forward
+    # gathers from both), rank 0 alone decodes and writes it and says where
+    videos = sorted((work / "fsdp2" / "samples").glob("*.mp4"))
+    assert [v.name for v in videos] == ["step-000004.mp4"]
+    assert f"video {videos[0]}" in said(rank_log(cmd, 0, "stdout"))
+    assert "video" not in rank_log(cmd, 1, "stdout")
+    frames = read_frames(videos[0])
+    layout = layout_of(load_config(DEMO, settings(work, "fsdp2")))
+    assert frames.shape[0] == layout.num_frames and frames.shape[1:3] == (32, 32)
+    # trained with sp = 2, sampled without it (each rank's forward takes the whole sequence), a validation video in
+    # mid-run as well as the last
+    assert_ok(launch(torchrun(work, 2, *settings(work, "sp2video", "parallel.sp=2", "train.steps=3",
+                                                 "train.validate_every=2", "train.sample_at_end=true",
+                                                 "sample.steps=2"))))
+    videos = sorted((work / "sp2video" / "samples").glob("*.mp4"))
+    assert [v.name for v in videos] == ["step-000002.mp4", "step-000003.mp4"]
+    assert all(read_frames(v).shape == frames.shape for v in videos)
 
 
 def copy_at(run: Path, to: Path, step: int) -> Path:

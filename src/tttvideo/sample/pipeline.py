@@ -239,9 +239,11 @@ def save_latents(latents: torch.Tensor, video: Path) -> Path:
 # ---------------------------------------------------------------------------------------------------------- driver
 def sample_stories(cfg: Config, stories: list[Story], out: str | Path, checkpoint: str | Path | None = None,
                    duration: str | int | None = None, model: torch.nn.Module | None = None, console: Any = None,
-                   progress: bool = True, ranks: SampleRanks | None = None) -> list[SampleResult]:
+                   progress: bool = True, ranks: SampleRanks | None = None, writes: bool = True) -> list[SampleResult]:
     """Sample every story into its mp4. Pass a loaded `model` (the trainer's end-of-run video; it is sampled where
-    it lives and kept) or a `checkpoint` (loaded after the text phase and released before decoding). `ranks`
+    it lives and kept) or a `checkpoint` (loaded after the text phase and released before decoding). `writes`
+    False (with a `model`): denoise without decoding or writing anything, as the ranks of an FSDP-sharded model
+    other than the one that writes do (each forward gathers the weights from all of them). `ranks`
     (`tttv sample` under torchrun, with a `checkpoint`): this rank samples its story group's share of the stories,
     and every rank returns the results of all of them (a UserError on any rank is raised on all as one
     SharedError, so that none waits for a rank that stopped)."""
@@ -249,13 +251,13 @@ def sample_stories(cfg: Config, stories: list[Story], out: str | Path, checkpoin
 
     console = console or Console()
     if ranks is None:
-        return _sample_share(cfg, stories, out, checkpoint, duration, model, console, progress)
+        return _sample_share(cfg, stories, out, checkpoint, duration, model, console, progress, writes=writes)
     return ranks.gather(lambda: _sample_share(cfg, stories, out, checkpoint, duration, None, console, progress, ranks))
 
 
 def _sample_share(cfg: Config, stories: list[Story], out: str | Path, checkpoint: str | Path | None,
                   duration: str | int | None, model: torch.nn.Module | None, console: Any, progress: bool,
-                  ranks: SampleRanks | None = None) -> list[SampleResult]:
+                  ranks: SampleRanks | None = None, writes: bool = True) -> list[SampleResult]:
     """The results this rank writes: every story with one process, its story group's share (or none, on a rank
     that does not write) under torchrun."""
     from tttvideo.models.backbone import get_preset
@@ -281,7 +283,8 @@ def _sample_share(cfg: Config, stories: list[Story], out: str | Path, checkpoint
     texts, described = encode_stories(cfg, stories, layouts, spec.text_embed_dim, device)
     console.print(f"text: {described}; {len(stories)} story(ies) encoded, encoder released")
 
-    writer = StoryWriter(cfg, checkpoint, device, len(stories)) if ranks is None or ranks.writes else None
+    writes = ranks.writes if ranks is not None else writes
+    writer = StoryWriter(cfg, checkpoint, device, len(stories)) if writes else None
 
     def write(i: int, latents: torch.Tensor, seconds: float) -> None:
         if writer is not None:  # under torchrun only the first rank of a story group writes

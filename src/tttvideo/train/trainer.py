@@ -155,8 +155,8 @@ class Trainer:
             raise ConfigError(f"if_exists {self.if_exists!r}: expected one of {', '.join(runfolder.IF_EXISTS)}")
         # run() takes the run folder's lock and decides again under it
         self.ranks.on_main(lambda: runfolder.check_before_work(cfg, self.output_dir, self.if_exists))
-        # an FSDP-sharded model samples only if every rank runs the sampler with it: not wired up yet
-        self.videos = bool(self.train.sample_at_end or self.train.validate_every) and not self.ranks.distributed
+        # under torchrun every rank runs the sampler (an FSDP-sharded model's forward gathers from all); rank 0 writes
+        self.videos = bool(self.train.sample_at_end or self.train.validate_every)
         if self.videos:
             from tttvideo.outputs import check_mp4_writer
 
@@ -350,12 +350,6 @@ class Trainer:
         # before its next checkpoint, or all of them at step 0) go; TensorBoard drops them by its purge_step
         if self.ranks.is_main:
             _truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
-        if self.ranks.distributed and self.ranks.is_main and (self.train.sample_at_end or self.train.validate_every):
-            self.console.print(
-                "train.sample_at_end / validate_every: a multi-process run makes no videos itself; sample its "
-                f"checkpoint with: torchrun --nproc_per_node {self.ranks.world_size} -m tttvideo sample --checkpoint "
-                f"{self.output_dir} --scenes STORY.json --out video.mp4 (parallel.sp or sample.split_guidance share "
-                "the work; docs/sampling.md)", soft_wrap=True, markup=False)
         total = self.train.steps
         self.first_step = self.step  # an out-of-memory error here is one `tttv train --auto-fit` re-plans
         result = TrainResult(self.output_dir, self.step, math.nan, math.nan)
@@ -431,7 +425,8 @@ class Trainer:
                 every = self.train.validate_every
                 if self.videos and every and self.step % every == 0 and self.step < total:
                     video = self._sample_video(f"step-{self.step:06d}", monitor)
-                    monitor.note(f"validation video {video}")
+                    if video is not None:
+                        monitor.note(f"validation video {video}")
         if self.videos:
             result.video = self._sample_video(f"step-{self.step:06d}", None)
         result.steps_done = self.step
@@ -442,9 +437,12 @@ class Trainer:
         result.seconds = time.perf_counter() - t_start
         return result
 
-    def _sample_video(self, tag: str, monitor: TrainMonitor | None) -> Path:
+    def _sample_video(self, tag: str, monitor: TrainMonitor | SilentMonitor | None) -> Path | None:
         """One video from the current weights with the captions (and scene cuts) of the data set's first sample:
-        a prompt the model has trained on, so the video shows what it learned."""
+        a prompt the model has trained on, so the video shows what it learned. Under torchrun every rank runs the
+        sampler on the whole sequence (the forward of an FSDP-sharded model gathers each block's weights from all
+        of them) and rank 0 alone decodes and writes: its path there, None on the others."""
+        from tttvideo.parallel.watchdog import active_watch
         from tttvideo.sample.pipeline import sample_stories
         from tttvideo.sample.scenes import Scene, Story
 
@@ -456,17 +454,23 @@ class Trainer:
                             f"validation videos need them (set train.sample_at_end = false)")
         story = Story(name=tag, source=str(self.dataset.manifest), scenes=scenes)
         out = self.output_dir / "samples" / f"{tag}.mp4"
-        if monitor is not None:  # the sampler draws its own bar; ours pauses meanwhile
-            monitor.progress.stop()
+        # the sampler draws its own bar; ours pauses meanwhile (a rank other than 0 has none: SilentMonitor)
+        bar = monitor.progress if isinstance(monitor, TrainMonitor) else None
+        if bar is not None:
+            bar.stop()
         averaged = self.ema is not None and self.cfg.sample.use_ema
+        watch = active_watch()
         try:
-            with self.ema.swapped_in() if averaged else contextlib.nullcontext():
-                result = sample_stories(self.cfg, [story], out, model=self.model, console=self.console,
-                                        progress=not self.quiet)[0]
+            # not bounded: a long video takes minutes, and the ranks that do not decode wait for rank 0 after it
+            with (self.ema.swapped_in() if averaged else contextlib.nullcontext(),
+                  watch.phase("sampling a video", bounded=False) if watch else contextlib.nullcontext()):
+                results = sample_stories(self.cfg, [story], out, model=self.model, console=self.console,
+                                         progress=not self.quiet, writes=self.ranks.is_main)
+                self.ranks.barrier()
         finally:
-            if monitor is not None:
-                monitor.progress.start()
-        return result.video
+            if bar is not None:
+                bar.start()
+        return results[0].video if results else None
 
     def _handle_nonfinite(self, loss: float, monitor: TrainMonitor | SilentMonitor) -> None:
         step = self.step + 1
