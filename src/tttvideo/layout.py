@@ -40,12 +40,14 @@ WINDOW_FRAMES = 13
 ORIGINAL_TEXT_TOKENS: dict[int, int] = {1: 498, 3: 502, 6: 471, 10: 497, 21: 458}
 # Upper bound used when choosing a text length for durations the original did not train.
 MAX_AUTO_TEXT_TOKENS = 512
+# A duration as written: seconds, optionally with an 's' ('63s', '63', '63 s'), lower-cased and stripped
+DURATION_TEXT = re.compile(r"(\d+(?:\.\d+)?)\s*s?")
 
 
 def parse_duration(value: str | int | float) -> int:
     """'63s', '63', 63 -> 63 (seconds); anything that is not 3 + 3n seconds is an error."""
     text = str(value).strip().lower()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*s?", text)
+    match = DURATION_TEXT.fullmatch(text)
     if match is None:
         raise LayoutError(f"duration {value!r} is not a number of seconds; give it as e.g. '9s' or 9")
     seconds = float(match.group(1))

@@ -7,7 +7,6 @@ factors (Wan keeps the text out of the stream), its `[layout]` and `[ttt]` keys,
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from tttvideo.cli.common import SET_HELP
@@ -41,7 +40,7 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
 def _layouts(args: argparse.Namespace) -> tuple[str, list]:
     """(what the tables show, one layout per duration)."""
     from tttvideo.errors import UserError
-    from tttvideo.layout import VideoLayout
+    from tttvideo.layout import DURATION_TEXT, VideoLayout
 
     if args.config is None:
         if args.overrides:
@@ -60,7 +59,7 @@ def _layouts(args: argparse.Namespace) -> tuple[str, list]:
     from tttvideo.config.loader import load_config
     from tttvideo.models.backbone import layout_of
 
-    if re.fullmatch(r"\d+(\.\d+)?\s*s?", args.config.strip().lower()) and not Path(args.config).exists():
+    if DURATION_TEXT.fullmatch(args.config.strip().lower()) and not Path(args.config).exists():
         raise UserError(f"CONFIG is a TOML file; for the layout of a {args.config} video give --duration {args.config}")
     cfg = load_config(args.config, args.overrides or [])
     return (f"{cfg.model.preset} ({args.config}, {args.phase})",
