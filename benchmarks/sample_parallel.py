@@ -119,7 +119,8 @@ def run_layout(args) -> int:
                             device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         row.update(status="ok", tokens=layout.total_tokens, warmup_s=seconds[0], step_s=seconds[1:],
-                   median_step_s=statistics.median(seconds[1:]), peak_allocated=int(peak) if cuda else None)
+                   median_step_s=statistics.median(seconds[1:]),
+                   peak_allocated_gib=float(peak) / 2**30 if cuda else None)
         if ranks.is_main and args.prediction:
             torch.save(v.to("cpu", torch.float32), args.prediction)
     except torch.OutOfMemoryError as err:
@@ -193,7 +194,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['layout']} | {r['gpus']} | | | {r.get('status')}: "
                          f"{r.get('error', '').splitlines()[-1] if r.get('error') else ''} | | | | |")
             continue
-        peak = f"{r['peak_allocated'] / 2**30:.1f}" if r.get("peak_allocated") else "-"
+        peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else "-"
         lines.append(f"| {r['layout']} | {r['gpus']} | {r['sp']} | {guidance(r)} | "
                      f"{r['median_step_s']:.3f} | {r.get('speedup', float('nan')):.2f}x | "
                      f"{100 * r.get('efficiency', float('nan')):.0f}% | {peak} | "
@@ -241,6 +242,8 @@ def main(argv=None) -> int:
     layouts = args.layouts.split(",")
     for name in layouts:
         parse_layout(name)
+    from tttvideo.layout import parse_duration
+
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     held = json.loads(out.read_text()) if out.is_file() else {}
@@ -253,7 +256,8 @@ def main(argv=None) -> int:
         compare(rows, work)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"benchmark": "sample_parallel", **environment(args.device),
-                                   "duration": args.duration, "preset": args.preset, "dtype": args.dtype,
+                                   "duration": args.duration, "duration_s": parse_duration(args.duration),
+                                   "preset": args.preset, "dtype": args.dtype,
                                    "resolution": [args.height, args.width], "timed_steps": args.steps,
                                    "rows": rows}, indent=1))
     print(table(rows))
