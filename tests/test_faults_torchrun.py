@@ -287,6 +287,28 @@ def test_with_four_ranks_only_the_first_to_decide_speaks_and_followers_are_not_b
     assert last.sentence("x", last.suspects()).startswith("rank 1 (and rank(s) 2) stopped answering")
 
 
+def test_a_rank_says_the_sentence_once_and_its_last_heartbeat_stays_last(watch):
+    """Two sentences came from one launch of four CPU processes (CI, tests/test_stage_chain_cpu.py): a rank's
+    collective failed while its thread was stopping the run too, or the thread beat once more after the rank's last
+    heartbeat, erasing the `spoke` a later deciding peer reads. Whichever path decides first decides alone, and no
+    heartbeat follows the last one."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    as_peer(watch, 1, dead.pid, "backward", 2)
+    watch._fired.acquire()  # the thread is in `fire`: it says the sentence, the main thread's failure stays quiet
+    sentence, speaks = watch.failure(RuntimeError("Connection reset by peer"))
+    assert (sentence, speaks) == ("", False)
+    watch._fired.release()
+
+    watch._leaving(True, follower=True)
+    watch._heartbeat({"beat": watch._beat + 1, "phase": "forward", "step": 3})  # the thread, one beat late
+    watch.stop()  # and the end of the run
+    last = PeerWatch(1, 2, 2.0, 4.0, "train", watch.store)
+    last._listen(time.monotonic())
+    assert last.peers[0].spoke and last.peers[0].left and not last.peers[0].done
+    assert not last.speaks([last.peers[0]])
+
+
 def test_a_peer_that_finished_and_exited_is_not_a_lost_one(watch):
     finished = subprocess.Popen(["true"])
     finished.wait()

@@ -19,8 +19,10 @@ Then the lowest rank that is still answering prints one sentence (`tttv COMMAND:
 in, the phase this rank waited in and for how long, and what the command advises (for training: why no checkpoint
 can be saved now, the newest one, the command that resumes). Every rank exits with status `EXIT_PEER_LOST` at once:
 its main thread is blocked inside a collective that will not return. Before it does, it writes a last heartbeat
-that says it left because of a peer and whether it spoke: a rank that decides later (with four ranks, the last
-survivor sees the first ones gone) neither blames the ranks that only followed nor says the sentence again.
+that says it left because of a peer and whether it spoke, and no heartbeat follows it: a rank that decides later
+(with four ranks, the last survivor sees the first ones gone) neither blames the ranks that only followed nor says
+the sentence again. Within a rank the thread and the main thread (a collective that failed) may both see the loss;
+whichever decides first decides alone.
 
 The process group's own timeout is set above the watch's budgets (`backstop_timeout`), so that torch's error comes
 only if the watch could not run.
@@ -201,6 +203,7 @@ class PeerWatch:
         # one store connection, used by the thread and (waits, the end) the main thread: one request at a time
         self._store_lock = threading.Lock()
         self._failed_in: tuple[str, int | None] | None = None
+        self._left = False  # the last heartbeat is out (`_leaving`): no other follows it
 
     # ------------------------------------------------------------------ the main thread's side
     @contextlib.contextmanager
@@ -244,7 +247,7 @@ class PeerWatch:
         if self._thread is not None:
             self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
-            self._publish("hb", {"beat": self._beat + 1, "done": True})
+            self._heartbeat({"beat": self._beat + 1, "done": True}, last=True)
         if _active is self:
             _active = None
 
@@ -274,6 +277,18 @@ class PeerWatch:
         if self.store is not None:
             self._ask(lambda store: store.set(f"{self.prefix}{kind}/{self.rank}", json.dumps(value)))
 
+    def _heartbeat(self, value: dict, last: bool = False) -> None:
+        """Publish this rank's heartbeat, unless it has published its last one (`_leaving`): a beat the thread
+        sends after that would erase what the last one said (left, spoke), and a peer deciding later would speak
+        again."""
+        with self._store_lock:
+            if self._left:
+                return
+            self._left = last
+            if self.store is None:
+                raise ConnectionError("no store")
+            self.store.set(f"{self.prefix}hb/{self.rank}", json.dumps(value))
+
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
             self._beat += 1
@@ -285,7 +300,7 @@ class PeerWatch:
                     self.store = None
                 os.kill(os.getpid(), signal.SIGTERM)
             try:
-                self._publish("hb", {"beat": self._beat, "phase": top[0] if top else "", "step": self._step})
+                self._heartbeat({"beat": self._beat, "phase": top[0] if top else "", "step": self._step})
             except Exception:  # a store that does not answer: the peers' silence shows it
                 pass
             now = time.monotonic()
@@ -411,8 +426,8 @@ class PeerWatch:
         top = self._phases[-1] if self._phases else None
         self._beat += 1
         with contextlib.suppress(Exception):  # a store that is gone: the peers decide without it
-            self._publish("hb", {"beat": self._beat, "phase": top[0] if top else "", "step": self._step,
-                                 "left": follower, "spoke": spoke})
+            self._heartbeat({"beat": self._beat, "phase": top[0] if top else "", "step": self._step,
+                             "left": follower, "spoke": spoke}, last=True)
 
     def failure(self, err: BaseException) -> tuple[str, bool]:
         """(the sentence, whether this rank says it) for a collective that raised `err` in the main thread (a peer
@@ -420,6 +435,9 @@ class PeerWatch:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)  # its store connection is this thread's from now on
+        if not self._fired.acquire(blocking=False):
+            # the thread is stopping the process (`fire`): it decides whether this rank speaks, and says it
+            return "", False
         here = self._failed_in or self._where_tuple()
         # a peer on another host shows itself by its silence: give it a few heartbeats
         deadline = time.monotonic() + 3 * self.tick_s + 1.5
