@@ -280,18 +280,16 @@ def test_wrong_launches_are_one_sentence(work, reference):
     assert err.strip().count("\n") == 0 and "Traceback" not in err, err
     assert "parallel.sp = 3 does not divide the model's 2 attention heads" in err
 
-    # a one-process checkpoint cannot be resumed on several processes, but can start their run
-    shutil.copytree(reference, work / "one-on-2")
-    cmd = torchrun(work, 2, *settings(work, "one-on-2", "train.steps=6"), flags=("--resume",))
-    run = launch(cmd)
-    assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stderr[-4000:]
-    err = rank_log(cmd, 0)
-    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
-    assert "was written by a one-process run" in err and "train.init_from" in err
-    start = reference / "checkpoints/step-000004"
-    cmd = torchrun(work, 2, *settings(work, "from-one", f"train.init_from={start}", "train.steps=1"))
+
+def test_one_process_checkpoint_resumes_on_two_processes(work, reference):
+    """Saved at step 2 by the one-process run, resumed with FSDP on 2 (dp_shard = 2, the global batch kept): the
+    model read whole before sharding, each rank's part of the whole optimizer state copied into its shards. The same
+    steps 3 and 4 as the uninterrupted run (fresh Adam moments would move the weights by about lr = 5e-3)."""
+    copy_at(reference, work / "one-on-2", 2)
+    cmd = torchrun(work, 2, *settings(work, "one-on-2", "parallel.dp_shard=2"), flags=("--resume",))
     assert_ok(launch(cmd))
-    assert f"initialised from {start}" in said(rank_log(cmd, 0, "stdout"))
+    assert "resumed from" in said(rank_log(cmd, 0, "stdout"))
+    assert_same_run(work / "one-on-2", reference)
 
 
 def test_eight_bit_adamw_under_fsdp_tracks_one_process_and_resumes_bitwise(work, reference):
@@ -307,6 +305,14 @@ def test_eight_bit_adamw_under_fsdp_tracks_one_process_and_resumes_bitwise(work,
     # the 8-bit state did run: its quantisation moves the losses 4e-6 relative from fp32 AdamW's by step 3, beyond
     # the 2e-7 that summation order alone gives a parallel run
     assert whole != pytest.approx(losses(reference), rel=1e-6)
+
+    # the one-process run's checkpoint resumed on two: its 8-bit moments quantised again in the shards' blocks
+    copy_at(work / "one-8bit", work / "one-8bit-on-2", 2)
+    assert_ok(launch(torchrun(work, 2, *settings(work, "one-8bit-on-2", eight, "parallel.dp_shard=2"),
+                              flags=("--resume",))))
+    assert losses(work / "one-8bit-on-2") == pytest.approx(losses(work / "one-8bit"), rel=1e-4)
+    for name, tensor in weights(work / "one-8bit").items():
+        torch.testing.assert_close(weights(work / "one-8bit-on-2")[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
     copy_at(work / "fsdp-8bit", work / "fsdp-8bit-resumed", 2)
     run = launch(torchrun(work, 2, *settings(work, "fsdp-8bit-resumed", eight, "parallel.dp_shard=2"),

@@ -180,6 +180,50 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
             set_model_state_dict(model, loaded[BUFFERS], options=StateDictOptions(strict=False))
 
 
+def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                               whole: dict[str, Any]) -> None:
+    """A one-process checkpoint's optimizer state (`whole`: keyed by parameter index, whole tensors, as
+    `Optimizer.state_dict` gives it) into this run's sharded optimizer: every rank copies its shard's part of each
+    state tensor. Parameter i of the saved groups is parameter i of this optimizer's (both are built in the model's
+    module order, `tttvideo.train.optim.param_groups`): the groups' sizes and every shape must agree. torchao's 8-bit
+    moments are dequantised and quantised again in the shard's blocks of 256 values, as a run on these processes
+    groups them (a shard under 4096 values keeps plain moments there): the state then differs from the saved one by
+    one 8-bit rounding, not more."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sharded = get_optimizer_state_dict(model, optimizer)  # initialises the state: every tensor to copy into
+    saved_groups, groups = whole["param_groups"], sharded["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+        raise SharedError(
+            f"{folder}'s optimizer has parameter groups of {[len(g['params']) for g in saved_groups]} tensors, "
+            f"this config's {[len(g['params']) for g in groups]}: resume with the model settings the run was trained "
+            f"with (model.adapter, the TTT layers), or start a new stage from it with train.init_from = '{folder}'")
+    for saved_group, group in zip(saved_groups, groups):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        for index, name in zip(saved_group["params"], group["params"]):
+            saved, state = whole["state"].get(index, {}), sharded["state"].get(name, {})
+            if saved and set(saved) != set(state):
+                raise SharedError(f"{folder}'s optimizer state of {name} holds {sorted(saved)}, this run's "
+                                  f"{sorted(state)}: resume with the train.optimizer the run was trained with")
+            for key, value in saved.items():
+                target = state[key]
+                if type(value) is not torch.Tensor and hasattr(value, "dequantize"):  # torchao's 8-bit moments
+                    value = value.dequantize()
+                if tuple(value.shape) != tuple(target.shape):
+                    raise SharedError(f"{folder}'s optimizer state of {name} has shape {tuple(value.shape)}, this "
+                                      f"model's {tuple(target.shape)}: resume with the model settings the run was "
+                                      f"trained with")
+                if isinstance(target, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                          target.placements)
+                    value = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                    target = target.to_local()
+                with torch.no_grad():
+                    target.copy_(value.to(target.device))
+    set_optimizer_state_dict(model, optimizer, sharded)
+
+
 # ---------------------------------------------------------------------------------------------------- safe reading
 METADATA_FILE = ".metadata"
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}

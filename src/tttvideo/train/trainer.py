@@ -57,7 +57,7 @@ from tttvideo.train.stop import StopSignals, TrainingStopped, uninterrupted
 from tttvideo.train.loss import NoiseSource, TimestepDensity
 from tttvideo.train.ema import WeightAverage
 from tttvideo.train.dcp import (holds_model_state, is_sharded_checkpoint, load_sharded_checkpoint,
-                                save_sharded_checkpoint)
+                                load_whole_optimizer_state, save_sharded_checkpoint)
 from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
@@ -189,6 +189,12 @@ class Trainer:
             # a sharded checkpoint keeps the model's parameters once, whole, in its model file: read before FSDP
             # shards the model; dcp/ holds the optimizer's shards and the buffers (fp8 codes) the file leaves out
             load_checkpoint(self.model, self.resume_from / ckpt.MODEL_FILE)
+        elif self.resume_from is not None and self.ranks.distributed:
+            # a one-process checkpoint resumed by several: its model file read before FSDP shards the model (a
+            # partial file, fp8 frozen weights, gets its frozen layers from where the run started), the optimizer's
+            # whole state into the shards in `_restore`
+            runs.load_trained(self.model, self.resume_from / ckpt.MODEL_FILE,
+                              has_base=bool(self.cfg.model.pretrained_path))
         self.model.train()
         self.ranks.shard(self.model, None if self.train.precision == "fp32" else torch_dtype(self.train.precision))
         self.noise = NoiseSource(self.train.seed, self.device, TimestepDensity.from_config(self.train))
@@ -263,17 +269,21 @@ class Trainer:
     def _restore(self, folder: Path) -> None:
         from tttvideo.models.weights import trained_duration
 
-        if is_sharded_checkpoint(folder):
+        sharded = is_sharded_checkpoint(folder)
+        if sharded:
             load_sharded_checkpoint(folder, self.model, self.optimizer, trust=self.trust_checkpoint)
-        elif self.ranks.distributed:
-            raise SharedError(f"{folder} was written by a one-process run, which a multi-process run cannot resume "
-                              f"yet; resume it with one process, or start a new stage from it with "
-                              f"train.init_from = '{folder}'")
-        else:  # a partial file (fp8 frozen weights) gets its frozen layers from where the run started
+        elif not self.ranks.distributed:  # a partial file (fp8 frozen weights) gets its frozen layers from the base
             runs.load_trained(self.model, folder / ckpt.MODEL_FILE, has_base=bool(self.cfg.model.pretrained_path))
         self.trained_duration_s = max(self.layout.duration_s, trained_duration(folder / ckpt.MODEL_FILE) or 0)
-        # rank 0 alone reads it: an earlier version's state.pt is converted in place
-        state = self.ranks.on_main(lambda: ckpt.load_state(folder, trust=self.trust_checkpoint))
+
+        def read_state() -> dict[str, Any]:
+            state = ckpt.load_state(folder, trust=self.trust_checkpoint)
+            if self.ranks.distributed:  # a one-process checkpoint's whole optimizer state: each rank reads it below
+                state.pop("optimizer", None)
+            return state
+
+        # rank 0 alone reads it (an earlier version's state.pt is converted in place) and gives it to every rank
+        state = self.ranks.on_main(read_state)
         if "imported" in state:  # tttv convert's: weights only
             raise UserError(f"{folder} was imported by tttv convert and holds no training state to resume; start "
                             f"a new run from it with train.init_from = '{folder.parent.parent}'")
@@ -284,6 +294,9 @@ class Trainer:
             )
         if "optimizer" in state:  # a sharded checkpoint's is in dcp/
             self.optimizer.load_state_dict(state["optimizer"])
+        elif self.ranks.distributed and not sharded:
+            whole = ckpt.load_state(folder, trust=self.trust_checkpoint)["optimizer"]
+            load_whole_optimizer_state(folder, self.model, self.optimizer, whole)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
