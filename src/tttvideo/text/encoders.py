@@ -45,13 +45,13 @@ TEXT_ENCODERS: dict[str, Callable[[str, int, torch.device], TextEncoder]] = {"t5
 def make_text_encoder(cfg: Config, text_tokens: int, text_dim: int, device: torch.device) -> TextEncoder:
     """The text encoder of the model's backbone (T5 for CogVideoX, umT5 for Wan) from sample.text_encoder_path /
     data.text_encoder_path, else the demo encoder."""
+    path = cfg.sample.text_encoder_path or cfg.data.text_encoder_path
+    if not path:
+        return DemoSceneEncoder(text_tokens, text_dim, kind=cfg.data.demo_text_encoder, seed=cfg.train.seed)
     # transformers' per-load progress bars would interleave with ours and turn one-sentence errors into many lines
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    path = cfg.sample.text_encoder_path or cfg.data.text_encoder_path
-    if not path:
-        return DemoSceneEncoder(text_tokens, text_dim, kind=cfg.data.demo_text_encoder, seed=cfg.train.seed)
     backbone = backbone_of(cfg.model.preset)
     if backbone.text_encoder not in TEXT_ENCODERS:
         raise UserError(f"a text encoder folder is set ({path}), but the {backbone.name!r} backbone of model.preset "
