@@ -16,7 +16,8 @@ from tttvideo.train.optim import build_optimizer, lr_multiplier
 from tttvideo.train.trainer import Trainer, TrainingDiverged, batch_plan
 
 TINY = [
-    "train.if_exists=refuse", "layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=table", "train.batch_size=1",
+    "train.if_exists=refuse", "layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=table",
+    "train.batch_size=1",
     "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=2", "train.log_every=1",
     "train.sample_at_end=false", "train.tensorboard=false", "train.warmup_steps=1",
 ]
@@ -261,10 +262,10 @@ def test_weight_average_follows_its_formula_with_the_warm_up():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def test_ema_checkpoints_sampling_and_init_from(tmp_path, monkeypatch, capsys):
+def test_ema_checkpoints_sampling_and_init_from(tmp_path):
     """train.ema_decay: every checkpoint holds ema.safetensors (fp32, the trainable parameters, listed in the
-    manifest); the sampler loads it over the model file unless sample.use_ema = false; the next stage starts from it;
-    more than one process is refused before anything is built."""
+    manifest); the sampler loads it over the model file unless sample.use_ema = false; the next stage starts from it
+    (under torchrun: tests/test_parallel_train.py)."""
     from safetensors.torch import load_file
 
     from tttvideo.models import build_model, load_checkpoint
@@ -298,10 +299,3 @@ def test_ema_checkpoints_sampling_and_init_from(tmp_path, monkeypatch, capsys):
     load_checkpoint(b, tmp_path / "stage2/checkpoints/step-000001/model.safetensors")
     for n, p in b.named_parameters():
         assert torch.equal(p, ema[n]), n  # lr 0: stage 2 holds stage 1's averaged weights
-
-    # under torchrun (WORLD_SIZE 2): one sentence before anything is built
-    from tests.cli_errors import one_error_line
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    sets = [x for a in TINY + [f"train.output_dir={tmp_path / 'b'}", "train.ema_decay=0.9"] for x in ("--set", a)]
-    one_error_line(capsys, ["train", "configs/demo.toml", *sets], "train.ema_decay > 0 works with one process only")

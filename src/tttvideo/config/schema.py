@@ -202,7 +202,7 @@ class TrainConfig:
         "exponential moving average of the trainable weights, kept in fp32 beside them and updated after every "
         "optimizer step at min(ema_decay, (1 + n) / (10 + n)) after n updates (a warm-up, so early weights fade "
         "out); saved as ema.safetensors in each checkpoint, sampled from by default (sample.use_ema) and started "
-        "from by train.init_from; 0 = off. One process only (not under torchrun)"))
+        "from by train.init_from; 0 = off. Under torchrun each rank averages its shards of the weights"))
     # loss
     text_dropout: float = bounded(0.1, 0.0, 1.0, help="probability of zeroing a sample's text (for CFG)")
     timestep_sampling: TimestepSampling = choice("uniform", *get_args(TimestepSampling), help=(

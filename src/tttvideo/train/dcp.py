@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from tttvideo.models.backbone import BackboneConfig
     from tttvideo.models.backbone import Backbone
     from tttvideo.train.distributed import TrainRanks
+    from tttvideo.train.ema import WeightAverage
 
 DCP_DIR = "dcp"
 BUFFERS = "buffers"  # dcp/'s key of the model's buffers
@@ -87,16 +88,20 @@ class _WholeWeights:
 
 def save_sharded_checkpoint(output_dir: str | Path, step: int, model: Backbone,
                             optimizer: torch.optim.Optimizer, state: dict[str, Any], config_text: str, keep: int,
-                            meta: dict[str, Any], trained_duration_s: int | None, ranks: TrainRanks) -> Path:
-    """Write checkpoint `step` from every rank (a collective: all ranks call it) and return its folder."""
+                            meta: dict[str, Any], trained_duration_s: int | None, ranks: TrainRanks,
+                            ema: WeightAverage | None = None) -> Path:
+    """Write checkpoint `step` from every rank (a collective: all ranks call it) and return its folder; `ema`, the
+    average of the sharded weights, gathered and written whole as a one-process run writes it."""
     with ranks.phase("checkpoint save", step - 1, slow=True):  # the watch counts steps from 0, as the loop
         tmp = ranks.on_main(lambda: staging_folder(output_dir, step))
         buffers = _buffers(model)
         dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer), **({BUFFERS: buffers} if buffers else {})},
                  checkpoint_id=tmp / DCP_DIR)
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        average = ema.whole(keep=ranks.is_main) if ema is not None else None
         return ranks.on_main(lambda: publish_checkpoint(output_dir, step, _WholeWeights(model, whole), state,
-                                                        config_text, keep, meta, trained_duration_s, tmp))
+                                                        config_text, keep, meta, trained_duration_s, tmp,
+                                                        ema=average))
 
 
 def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -189,8 +194,7 @@ def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: 
     moments are dequantised and quantised again in the shard's blocks of 256 values, as a run on these processes
     groups them (a shard under 4096 values keeps plain moments there): the state then differs from the saved one by
     one 8-bit rounding, not more."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from tttvideo.parallel.shards import local, local_part
 
     sharded = get_optimizer_state_dict(model, optimizer)  # initialises the state: every tensor to copy into
     saved_groups, groups = whole["param_groups"], sharded["param_groups"]
@@ -214,13 +218,8 @@ def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: 
                     raise SharedError(f"{folder}'s optimizer state of {name} has shape {tuple(value.shape)}, this "
                                       f"model's {tuple(target.shape)}: resume with the model settings the run was "
                                       f"trained with")
-                if isinstance(target, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                          target.placements)
-                    value = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-                    target = target.to_local()
                 with torch.no_grad():
-                    target.copy_(value.to(target.device))
+                    local(target).copy_(local_part(value, target).to(target.device))
     set_optimizer_state_dict(model, optimizer, sharded)
 
 

@@ -14,7 +14,10 @@ training state: a resumed run continues the average bit for bit. `tttvideo.sampl
 `train.init_from` load it over the checkpoint's model file (`sample.use_ema`); the trainer's own videos swap it in
 for the time of the sample.
 
-One process only: under torchrun the parameters are FSDP2 shards, and the trainer refuses train.ema_decay > 0.
+Under torchrun the parameters are FSDP2 shards (DTensors): each rank averages its own shard (the fp32 average
+costs a GPU its share of 4 bytes per trainable parameter), a checkpoint gathers the shards one tensor at a time and
+rank 0 writes the whole average, the same file a one-process run writes, and a resume on any number of processes
+reads each rank's part back from it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from tttvideo.parallel.shards import gather_whole, local, local_part, reshard
 
 WARMUP = 10  # d = min(decay, (1 + n) / (WARMUP + n))
 
@@ -36,7 +41,8 @@ class WeightAverage:
             raise ValueError(f"EMA decay {decay} is not in (0, 1)")
         self.decay = decay
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.average = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
+        # this rank's part: the local shard of a sharded parameter
+        self.average = {n: local(p).detach().to(torch.float32, copy=True) for n, p in self.params.items()}
         self.updates = 0
         self._spec = model  # save_checkpoint reads spec / use_ttt / sequence_layer from it
 
@@ -51,10 +57,11 @@ class WeightAverage:
         names = list(self.average)
         averages = [self.average[n] for n in names]
         # lerp: e + w (p - e), the same average as d e + (1 - d) p in one pass over each tensor
-        torch._foreach_lerp_(averages, [self.params[n].detach().float() for n in names], weight)
+        torch._foreach_lerp_(averages, [local(self.params[n]).detach().float() for n in names], weight)
         self.updates += 1
 
     def nbytes(self) -> int:
+        """This rank's bytes of the average."""
         return sum(t.numel() * t.element_size() for t in self.average.values())
 
     # ------------------------------------------------------------------ checkpoints
@@ -62,11 +69,22 @@ class WeightAverage:
         """What the training state holds besides the tensors (those go to ema.safetensors)."""
         return {"updates": self.updates, "decay": self.decay}
 
-    def save(self, path: Path) -> Path:
-        """The average as a partial model file (`tttvideo.models.save_checkpoint`'s format)."""
-        from tttvideo.models import save_checkpoint
+    def whole(self, keep: bool = True) -> "_AverageWeights | None":
+        """The whole average, ready to save, for the rank that writes it (`keep`; None elsewhere). Sharded
+        parameters' averages are gathered one tensor at a time into host memory: a collective, every rank calls
+        it."""
+        from torch.distributed.tensor import DTensor
 
-        return save_checkpoint(_AverageWeights(self._spec, self.average), path, trainable_only=True)
+        if any(isinstance(p, DTensor) for p in self.params.values()):
+            tensors = {n: gather_whole(self.average[n], p, keep) for n, p in self.params.items()}
+        else:
+            tensors = self.average
+        return _AverageWeights(self._spec, tensors) if keep else None
+
+    def save(self, path: Path) -> Path:
+        """The average as a partial model file (`tttvideo.models.save_checkpoint`'s format). With sharded
+        parameters every rank calls `whole` instead, and the writer saves what it returns."""
+        return self.whole().save(path)
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
         """Restore the average of a checkpoint (`save`'s file and `state`'s counters), exactly."""
@@ -80,7 +98,12 @@ class WeightAverage:
             raise UserError(f"{path} does not hold the EMA of this model's trainable parameters (missing "
                             f"{missing[:4]}, unexpected {extra[:4]}); resume with the adapter the run trained with")
         for n, t in tensors.items():
-            self.average[n].copy_(t)
+            try:
+                part = local_part(t, self.params[n])
+            except ValueError as err:
+                raise UserError(f"{path} holds the EMA of {n} as {err}; resume with the model settings the run "
+                                f"trained with") from None
+            self.average[n].copy_(part)
         self.updates = int(state["updates"])
 
     # ------------------------------------------------------------------ sampling from it
@@ -89,15 +112,17 @@ class WeightAverage:
         """The average in the model's parameters for the `with` block, the trained weights back after it (exactly:
         they wait in host memory meanwhile, so the swap needs no second copy on the GPU)."""
         with torch.no_grad():
-            kept = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+            reshard(self._spec)  # sharded parameters: write into the shards every forward gathers from
+            kept = {n: local(p).detach().to("cpu", copy=True) for n, p in self.params.items()}
             for n, p in self.params.items():
-                p.copy_(self.average[n])
+                local(p).copy_(self.average[n])
         try:
             yield
         finally:
             with torch.no_grad():
+                reshard(self._spec)
                 for n, p in self.params.items():
-                    p.copy_(kept[n])
+                    local(p).copy_(kept[n])
 
 
 class _AverageWeights:
@@ -112,3 +137,8 @@ class _AverageWeights:
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         # requires_grad is what save_checkpoint's trainable_only keeps: every tensor here is a trainable's average
         return iter((n, t.detach().requires_grad_(True)) for n, t in self._tensors.items())
+
+    def save(self, path: Path) -> Path:
+        from tttvideo.models import save_checkpoint
+
+        return save_checkpoint(self, path, trainable_only=True)

@@ -135,9 +135,6 @@ class Trainer:
             raise ConfigError("train.precision 'fp16' needs a GPU (the gradient scaler is CUDA only); use 'bf16' or "
                               "'fp32' on CPU")
         check_techniques(cfg, launch_world_size())
-        if self.train.ema_decay > 0 and launch_world_size() > 1:
-            raise ConfigError("train.ema_decay > 0 works with one process only (the EMA of FSDP-sharded weights is "
-                              "not implemented); set train.ema_decay = 0 under torchrun, or train with one process")
         if self.train.cpu_threads:
             torch.set_num_threads(self.train.cpu_threads)
         # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
@@ -314,7 +311,10 @@ class Trainer:
     def _restore_ema(self, folder: Path, state: dict[str, Any]) -> None:
         ema_file = folder / ckpt.EMA_FILE
         if "ema" in state and ema_file.is_file():
-            self.ema.load(ema_file, state["ema"])
+            try:
+                self.ema.load(ema_file, state["ema"])
+            except UserError as err:  # every rank reads the same file: rank 0 says it
+                raise (SharedError(str(err)) if self.ranks.distributed else err) from None
             if state["ema"]["decay"] != self.ema.decay:
                 log.warning("train.ema_decay is %g but %s averaged with %g; the average continues at %g",
                             self.ema.decay, folder, state["ema"]["decay"], self.ema.decay)
@@ -332,7 +332,7 @@ class Trainer:
             meta["processes"] = self.ranks.world_size
             self.last_good = save_sharded_checkpoint(
                 self.output_dir, self.step, self.model, self.optimizer, self._state(), dump_toml(self.cfg),
-                self.train.keep_checkpoints, meta, self.trained_duration_s, self.ranks)
+                self.train.keep_checkpoints, meta, self.trained_duration_s, self.ranks, ema=self.ema)
             return self.last_good
         path = ckpt.save_training_checkpoint(self.output_dir, self.step, self.model, self._state(),
                                              dump_toml(self.cfg), self.train.keep_checkpoints, meta,
