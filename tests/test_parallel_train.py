@@ -1,7 +1,7 @@
 """`tttv train` under torchrun on CPU (gloo): FSDP2, Ulysses sp and both against the one-process run at the same
-global batch, DCP checkpoints resumed on another number of processes (4 and 1) and a one-process checkpoint on 2, the
-EMA of sharded weights, a rank frozen mid-run and a launcher killed mid-run (tests/test_faults_torchrun.py has the rest of those faults), and the
-sentences a wrong launch gets.
+global batch, DCP checkpoints resumed on another number of processes (4 and 1) and a one-process checkpoint on 2,
+the EMA of sharded weights, a rank frozen mid-run and a launcher killed mid-run (tests/test_faults_torchrun.py has
+the rest of those faults), and the sentences a wrong launch gets.
 
 Every run trains the tiny model (fp32) for 4 steps on a 3-s, 32x32 layout (76 tokens: no sp padding here;
 tests/test_parallel.py covers it at the model level) with a global batch of 2 (one sample per micro-batch:
@@ -179,6 +179,13 @@ def test_two_process_checkpoint_resumes_on_four_and_on_one(work, reference, sp_r
     result = Trainer(load_config(DEMO, settings(work, "on1")), quiet=True, if_exists="resume").run()
     assert result.steps_done == 4
     assert_same_run(work / "on1", reference)
+    # another train.optimizer: the shards hold the other's state (AdamW's into the 8-bit one loaded, the other way
+    # stopped in DCP with a traceback); one sentence (a one-process checkpoint converts: tests/test_train_loop.py)
+    copy_at(sp_run, work / "on1-8bit", 2)
+    with pytest.raises(UserError, match=r"holds the state of train.optimizer = 'adamw' in shards, this config has "
+                                        r"'adamw8bit'.*train.init_from"):
+        Trainer(load_config(DEMO, settings(work, "on1-8bit", "train.optimizer=adamw8bit")), quiet=True,
+                if_exists="resume").run()
 
 
 def test_four_processes_sp_and_dp_shard_match_one(work, reference):

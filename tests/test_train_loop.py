@@ -299,3 +299,30 @@ def test_ema_checkpoints_sampling_and_init_from(tmp_path):
     load_checkpoint(b, tmp_path / "stage2/checkpoints/step-000001/model.safetensors")
     for n, p in b.named_parameters():
         assert torch.equal(p, ema[n]), n  # lr 0: stage 2 holds stage 1's averaged weights
+
+
+def test_resume_with_the_other_optimizer_converts_its_state(tmp_path, capsys):
+    """A checkpoint of AdamW resumed with train.optimizer = "adamw8bit" goes on with 8-bit moments (they stayed
+    AdamW's full ones before, so the memory the switch was for was not saved), and an 8-bit checkpoint resumed with
+    AdamW goes on with AdamW's (it stopped with a traceback in AdamW's update); both end near the uninterrupted
+    run. A sharded (DCP) checkpoint refuses the change in one sentence (tests/test_parallel_train.py)."""
+    import json
+    import shutil
+
+    pytest.importorskip("torchao.optim")
+    for first, then in (("adamw", "adamw8bit"), ("adamw8bit", "adamw")):
+        full, switched = tmp_path / first, tmp_path / f"{first}-to-{then}"
+        Trainer(tiny_config(tmp_path, f"train.output_dir={full}", f"train.optimizer={first}"), quiet=True).run()
+        shutil.copytree(full, switched)
+        shutil.rmtree(switched / "checkpoints" / "step-000004")
+        trainer = Trainer(tiny_config(tmp_path, f"train.output_dir={switched}", f"train.optimizer={then}"),
+                          if_exists="resume")
+        trainer.run()
+        assert f"train.optimizer = '{first}'" in " ".join(capsys.readouterr().out.split())
+        kinds = {type(v).__name__ for state in trainer.optimizer.state.values() for v in state.values()}
+        assert ("OptimState8bit" in kinds) == (then == "adamw8bit"), kinds
+
+        def losses(run):
+            return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+        assert losses(switched) == pytest.approx(losses(full), rel=1e-3)

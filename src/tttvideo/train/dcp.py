@@ -188,12 +188,13 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
 def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                whole: dict[str, Any]) -> None:
     """A one-process checkpoint's optimizer state (`whole`: keyed by parameter index, whole tensors, as
-    `Optimizer.state_dict` gives it) into this run's sharded optimizer: every rank copies its shard's part of each
-    state tensor. Parameter i of the saved groups is parameter i of this optimizer's (both are built in the model's
-    module order, `tttvideo.train.optim.param_groups`): the groups' sizes and every shape must agree. torchao's 8-bit
-    moments are dequantised and quantised again in the shard's blocks of 256 values, as a run on these processes
-    groups them (a shard under 4096 values keeps plain moments there): the state then differs from the saved one by
-    one 8-bit rounding, not more."""
+    `Optimizer.state_dict` gives it) into this run's optimizer, sharded or not: every rank copies its shard's part of
+    each state tensor into the state the optimizer initialises, so the state also passes between train.optimizer
+    kinds (AdamW's moments and torchao's 8-bit ones). Parameter i of the saved groups is parameter i of this
+    optimizer's (both are built in the model's module order, `tttvideo.train.optim.param_groups`): the groups' sizes
+    and every shape must agree. torchao's 8-bit moments are dequantised and quantised again in the shard's blocks of
+    256 values, as a run on these processes groups them (a shard under 4096 values keeps plain moments there): the
+    state then differs from the saved one by one 8-bit rounding, not more."""
     from tttvideo.parallel.shards import local, local_part
 
     sharded = get_optimizer_state_dict(model, optimizer)  # initialises the state: every tensor to copy into
@@ -204,7 +205,7 @@ def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: 
             f"this config's {[len(g['params']) for g in groups]}: resume with the model settings the run was trained "
             f"with (model.adapter, the TTT layers), or start a new stage from it with train.init_from = '{folder}'")
     for saved_group, group in zip(saved_groups, groups):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        group.update({k: v for k, v in saved_group.items() if k != "params" and k in group})
         for index, name in zip(saved_group["params"], group["params"]):
             saved, state = whole["state"].get(index, {}), sharded["state"].get(name, {})
             if saved and set(saved) != set(state):

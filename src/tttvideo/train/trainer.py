@@ -267,6 +267,13 @@ class Trainer:
         from tttvideo.models.weights import trained_duration
 
         sharded = is_sharded_checkpoint(folder)
+        saved_optimizer = _saved_optimizer(folder)
+        converts = saved_optimizer not in (None, self.train.optimizer)
+        if converts and sharded:
+            raise (SharedError if self.ranks.distributed else UserError)(
+                f"{folder} holds the state of train.optimizer = '{saved_optimizer}' in shards, this config has "
+                f"'{self.train.optimizer}': resume it with train.optimizer = '{saved_optimizer}', or start a new "
+                f"stage from it with train.init_from = '{folder}' (the optimizer state starts fresh)")
         if sharded:
             load_sharded_checkpoint(folder, self.model, self.optimizer, trust=self.trust_checkpoint)
         elif not self.ranks.distributed:  # a partial file (fp8 frozen weights) gets its frozen layers from the base
@@ -289,11 +296,14 @@ class Trainer:
                 f"{folder} was trained with a global batch of {state['global_batch']}, this config has "
                 f"{self.global_batch}; resuming would change the data order, keep the batch settings of the run"
             )
-        if "optimizer" in state:  # a sharded checkpoint's is in dcp/
+        if "optimizer" in state and not converts:  # a sharded checkpoint's is in dcp/
             self.optimizer.load_state_dict(state["optimizer"])
-        elif self.ranks.distributed and not sharded:
-            whole = ckpt.load_state(folder, trust=self.trust_checkpoint)["optimizer"]
-            load_whole_optimizer_state(folder, self.model, self.optimizer, whole)
+        elif not sharded:  # several processes share it out, or another optimizer's state is converted
+            whole = (state if "optimizer" in state else ckpt.load_state(folder, trust=self.trust_checkpoint))
+            load_whole_optimizer_state(folder, self.model, self.optimizer, whole["optimizer"])
+            if converts:
+                self.console.print(f"the optimizer state of train.optimizer = '{saved_optimizer}' in {folder} "
+                                   f"continues as '{self.train.optimizer}''s (its moments converted)")
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
@@ -509,14 +519,30 @@ class Trainer:
         raise TrainingDiverged(f"loss is {loss} at step {step}{extra}; {where}{samples}")
 
 
-def _warn_changed_schedule(folder: Path, train: TrainConfig, step: int) -> None:
-    """One warning when train.steps differs from the steps the checkpoint's run was scheduled for: resuming is
-    allowed (training a run for longer is common), but the learning rates jump to the new schedule's."""
+def _saved_train_config(folder: Path) -> dict[str, Any]:
+    """The [train] table of the config saved in checkpoint `folder`; empty when there is none to read."""
     import tomllib
 
     try:
-        before = int(tomllib.loads((folder / runs.CONFIG_FILE).read_text(encoding="utf-8"))["train"]["steps"])
+        table = tomllib.loads((folder / runs.CONFIG_FILE).read_text(encoding="utf-8"))["train"]
     except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _saved_optimizer(folder: Path) -> str | None:
+    """The train.optimizer checkpoint `folder` was written with (the default when its config does not say), or
+    None without a readable config."""
+    table = _saved_train_config(folder)
+    return str(table.get("optimizer", TrainConfig().optimizer)) if table else None
+
+
+def _warn_changed_schedule(folder: Path, train: TrainConfig, step: int) -> None:
+    """One warning when train.steps differs from the steps the checkpoint's run was scheduled for: resuming is
+    allowed (training a run for longer is common), but the learning rates jump to the new schedule's."""
+    try:
+        before = int(_saved_train_config(folder)["steps"])
+    except (ValueError, KeyError, TypeError):
         return  # no readable config beside the checkpoint: nothing to compare with
     change = schedule_change(before, train, step)
     if change:
