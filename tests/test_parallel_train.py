@@ -186,6 +186,11 @@ def test_two_process_checkpoint_resumes_on_four_and_on_one(work, reference, sp_r
                                         r"'adamw8bit'.*train.init_from"):
         Trainer(load_config(DEMO, settings(work, "on1-8bit", "train.optimizer=adamw8bit")), quiet=True,
                 if_exists="resume").run()
+    # other trainable parameters (DCP stopped with "Missing key in checkpoint state_dict" and a traceback)
+    copy_at(sp_run, work / "on1-qkvo", 2)
+    with pytest.raises(UserError, match=r"holds the optimizer state of \d+ trained tensors, this config trains \d+"):
+        Trainer(load_config(DEMO, settings(work, "on1-qkvo", "model.adapter=qkvo")), quiet=True,
+                if_exists="resume").run()
 
 
 def test_four_processes_sp_and_dp_shard_match_one(work, reference):

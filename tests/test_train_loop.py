@@ -306,7 +306,6 @@ def test_resume_with_the_other_optimizer_converts_its_state(tmp_path, capsys):
     AdamW's full ones before, so the memory the switch was for was not saved), and an 8-bit checkpoint resumed with
     AdamW goes on with AdamW's (it stopped with a traceback in AdamW's update); both end near the uninterrupted
     run. A sharded (DCP) checkpoint refuses the change in one sentence (tests/test_parallel_train.py)."""
-    import json
     import shutil
 
     pytest.importorskip("torchao.optim")
@@ -326,3 +325,35 @@ def test_resume_with_the_other_optimizer_converts_its_state(tmp_path, capsys):
             return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
         assert losses(switched) == pytest.approx(losses(full), rel=1e-3)
+
+
+def test_resume_with_another_adapter_is_one_sentence_and_another_lr_takes_effect(tmp_path, caplog):
+    """--resume with another model.adapter (other trainable parameters) stopped with a ValueError traceback in
+    Optimizer.load_state_dict: now one sentence. With another train.lr the checkpoint's optimizer groups and scheduler
+    carried the old peak, which replaced the new one without a word: now the schedule goes on with this config's
+    peaks and a warning names the change (a sharded checkpoint: tests/test_parallel_train.py)."""
+    import logging
+    import shutil
+
+    full = tmp_path / "full"
+    Trainer(tiny_config(tmp_path, f"train.output_dir={full}"), quiet=True).run()
+
+    def resumed(name: str, *extra: str):
+        out = tmp_path / name
+        shutil.copytree(full, out)
+        shutil.rmtree(out / "checkpoints" / "step-000004")
+        Trainer(tiny_config(tmp_path, f"train.output_dir={out}", *extra), quiet=True, if_exists="resume").run()
+        return out
+
+    with pytest.raises(UserError, match=r"holds the optimizer state of \d+ trained tensors, this config trains \d+: "
+                                        r"resume with the model settings .*model.adapter.*train.init_from"):
+        resumed("qkvo", "model.adapter=qkvo")
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    with caplog.at_level(logging.WARNING, logger="tttvideo"):
+        faster = resumed("faster", "train.lr=1e-2")
+    assert "other learning-rate peaks (train.lr 0.005 -> 0.01): from step 3 on" in caplog.text
+    assert losses(faster)[:3] == losses(full)[:3] and losses(faster)[3] != pytest.approx(losses(full)[3], rel=1e-3)
+    assert losses(resumed("same")) == losses(full)  # unchanged: the exact resume

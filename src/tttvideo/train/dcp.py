@@ -165,6 +165,11 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
         loaded = {"model": model_sd, "optimizer": optim_sd}
     else:
         loaded = {"optimizer": get_optimizer_state_dict(model, optimizer), **({BUFFERS: buffers} if buffers else {})}
+    # the parameters whose state dcp/ holds ("optimizer.state.<name>.<key>"), against those this optimizer has
+    saved = {k[len("optimizer.state."):].rsplit(".", 1)[0] for k in metadata.state_dict_metadata
+             if k.startswith("optimizer.state.")}
+    if saved and saved != set(loaded["optimizer"]["state"]):
+        check_trained_parameters(folder, [len(saved)], [len(loaded["optimizer"]["state"])])
     reader, planner = ((None, _DeviceLoadPlanner()) if trust
                        else (_SafeReader(path, metadata), _SafeLoadPlanner(path)))
     with warnings.catch_warnings():
@@ -185,6 +190,18 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
             set_model_state_dict(model, loaded[BUFFERS], options=StateDictOptions(strict=False))
 
 
+def check_trained_parameters(folder: Path, saved: list[int], here: list[int]) -> None:
+    """The sizes of the optimizer's parameter groups in checkpoint `folder` against this config's: other trainable
+    parameters (another model.adapter, TTT layers on or off) cannot take its state. One sentence (every rank reads
+    the same checkpoint: under torchrun rank 0 says it)."""
+    if saved != here:
+        raise (SharedError if torch.distributed.is_initialized() else UserError)(
+            f"{folder} holds the optimizer state of {sum(saved)} trained tensors, this config trains {sum(here)}"
+            + (f" (parameter groups of {saved} and {here})" if len(saved) > 1 and sum(saved) == sum(here) else "")
+            + f": resume with the model settings the run was trained with (model.adapter, the TTT layers), or start "
+            f"a new stage from it with train.init_from = '{folder}'")
+
+
 def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                whole: dict[str, Any]) -> None:
     """A one-process checkpoint's optimizer state (`whole`: keyed by parameter index, whole tensors, as
@@ -199,11 +216,7 @@ def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: 
 
     sharded = get_optimizer_state_dict(model, optimizer)  # initialises the state: every tensor to copy into
     saved_groups, groups = whole["param_groups"], sharded["param_groups"]
-    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
-        raise SharedError(
-            f"{folder}'s optimizer has parameter groups of {[len(g['params']) for g in saved_groups]} tensors, "
-            f"this config's {[len(g['params']) for g in groups]}: resume with the model settings the run was trained "
-            f"with (model.adapter, the TTT layers), or start a new stage from it with train.init_from = '{folder}'")
+    check_trained_parameters(folder, [len(g["params"]) for g in saved_groups], [len(g["params"]) for g in groups])
     for saved_group, group in zip(saved_groups, groups):
         group.update({k: v for k, v in saved_group.items() if k != "params" and k in group})
         for index, name in zip(saved_group["params"], group["params"]):

@@ -56,13 +56,13 @@ from tttvideo.train import runfolder
 from tttvideo.train.stop import StopSignals, TrainingStopped, uninterrupted
 from tttvideo.train.loss import NoiseSource, TimestepDensity
 from tttvideo.train.ema import WeightAverage
-from tttvideo.train.dcp import (holds_model_state, is_sharded_checkpoint, load_sharded_checkpoint,
-                                load_whole_optimizer_state, save_sharded_checkpoint)
+from tttvideo.train.dcp import (check_trained_parameters, holds_model_state, is_sharded_checkpoint,
+                                load_sharded_checkpoint, load_whole_optimizer_state, save_sharded_checkpoint)
 from tttvideo.memory.techniques import FP8_STREAMING, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
 from tttvideo.train.monitor import SilentMonitor, TrainMonitor, host_gib, memory_gib, reserved_gib
-from tttvideo.train.optim import group_lr, schedule_change
+from tttvideo.train.optim import group_lr, is_ssm_group, schedule_change
 from tttvideo.train.step import build_train_step
 from tttvideo.device import resolve_device
 from tttvideo.dtypes import torch_dtype
@@ -266,6 +266,7 @@ class Trainer:
     def _restore(self, folder: Path) -> None:
         from tttvideo.models.weights import trained_duration
 
+        peaks = [group["initial_lr"] for group in self.optimizer.param_groups]  # this config's; loading replaces them
         sharded = is_sharded_checkpoint(folder)
         saved_optimizer = _saved_optimizer(folder)
         converts = saved_optimizer not in (None, self.train.optimizer)
@@ -297,6 +298,8 @@ class Trainer:
                 f"{self.global_batch}; resuming would change the data order, keep the batch settings of the run"
             )
         if "optimizer" in state and not converts:  # a sharded checkpoint's is in dcp/
+            check_trained_parameters(folder, [len(g["params"]) for g in state["optimizer"]["param_groups"]],
+                                     [len(g["params"]) for g in self.optimizer.param_groups])
             self.optimizer.load_state_dict(state["optimizer"])
         elif not sharded:  # several processes share it out, or another optimizer's state is converted
             whole = (state if "optimizer" in state else ckpt.load_state(folder, trust=self.trust_checkpoint))
@@ -305,6 +308,7 @@ class Trainer:
                 self.console.print(f"the optimizer state of train.optimizer = '{saved_optimizer}' in {folder} "
                                    f"continues as '{self.train.optimizer}''s (its moments converted)")
         self.scheduler.load_state_dict(state["scheduler"])
+        self._keep_configured_peaks(folder, peaks)
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
         self.noise.load_state(state["noise"])
@@ -317,6 +321,24 @@ class Trainer:
         self.console.print(f"resumed from {folder} at step {self.step} (data position {state['data_position']})")
         if self.ranks.is_main:
             _warn_changed_schedule(folder, self.train, self.step)
+
+    def _keep_configured_peaks(self, folder: Path, peaks: list[float]) -> None:
+        """This config's learning-rate peaks (train.lr, train.lr_ssm) for the resumed schedule: the checkpoint's
+        optimizer groups and scheduler carry the peaks its run was started with, which replaced a changed train.lr
+        without a word. One warning naming the change."""
+        saved = list(self.scheduler.base_lrs)
+        if saved == peaks:
+            return
+        step = self.scheduler.last_epoch
+        self.scheduler.base_lrs = list(peaks)
+        for group, peak, multiplier in zip(self.optimizer.param_groups, peaks, self.scheduler.lr_lambdas):
+            group["initial_lr"], group["lr"] = peak, peak * multiplier(step)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        if self.ranks.is_main:
+            changes = sorted({f"{'train.lr_ssm' if is_ssm_group(g) else 'train.lr'} {old:g} -> {new:g}"
+                              for g, old, new in zip(self.optimizer.param_groups, saved, peaks) if old != new})
+            log.warning("%s was trained with other learning-rate peaks (%s): from step %d on the rates follow this "
+                        "config's schedule", folder, ", ".join(changes), step + 1)
 
     def _restore_ema(self, folder: Path, state: dict[str, Any]) -> None:
         ema_file = folder / ckpt.EMA_FILE
