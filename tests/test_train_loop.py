@@ -317,7 +317,9 @@ def test_resume_with_the_other_optimizer_converts_its_state(tmp_path, capsys):
         trainer = Trainer(tiny_config(tmp_path, f"train.output_dir={switched}", f"train.optimizer={then}"),
                           if_exists="resume")
         trainer.run()
-        assert f"train.optimizer = '{first}'" in " ".join(capsys.readouterr().out.split())
+        said = " ".join(capsys.readouterr().out.split())
+        assert f"train.optimizer = '{first}'" in said
+        assert f'settings other than the run\'s: train.optimizer "{first}" -> "{then}"' in said
         kinds = {type(v).__name__ for state in trainer.optimizer.state.values() for v in state.values()}
         assert ("OptimState8bit" in kinds) == (then == "adamw8bit"), kinds
 
@@ -327,7 +329,7 @@ def test_resume_with_the_other_optimizer_converts_its_state(tmp_path, capsys):
         assert losses(switched) == pytest.approx(losses(full), rel=1e-3)
 
 
-def test_resume_with_another_adapter_is_one_sentence_and_another_lr_takes_effect(tmp_path, caplog):
+def test_resume_with_another_adapter_is_one_sentence_and_another_lr_takes_effect(tmp_path, caplog, capsys):
     """--resume with another model.adapter (other trainable parameters) stopped with a ValueError traceback in
     Optimizer.load_state_dict: now one sentence. With another train.lr the checkpoint's optimizer groups and scheduler
     carried the old peak, which replaced the new one without a word: now the schedule goes on with this config's
@@ -342,7 +344,7 @@ def test_resume_with_another_adapter_is_one_sentence_and_another_lr_takes_effect
         out = tmp_path / name
         shutil.copytree(full, out)
         shutil.rmtree(out / "checkpoints" / "step-000004")
-        Trainer(tiny_config(tmp_path, f"train.output_dir={out}", *extra), quiet=True, if_exists="resume").run()
+        Trainer(tiny_config(tmp_path, f"train.output_dir={out}", *extra), if_exists="resume").run()
         return out
 
     with pytest.raises(UserError, match=r"holds the optimizer state of \d+ trained tensors, this config trains \d+: "
@@ -352,8 +354,12 @@ def test_resume_with_another_adapter_is_one_sentence_and_another_lr_takes_effect
     def losses(run):
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
+    capsys.readouterr()
     with caplog.at_level(logging.WARNING, logger="tttvideo"):
         faster = resumed("faster", "train.lr=1e-2")
     assert "other learning-rate peaks (train.lr 0.005 -> 0.01): from step 3 on" in caplog.text
     assert losses(faster)[:3] == losses(full)[:3] and losses(faster)[3] != pytest.approx(losses(full)[3], rel=1e-3)
-    assert losses(resumed("same")) == losses(full)  # unchanged: the exact resume
+    # the resume names every setting that differs from the checkpoint's (its folder moved: not one of them)
+    assert "settings other than the run's: train.lr 0.005 -> 0.01 " in " ".join(capsys.readouterr().out.split())
+    assert losses(resumed("same")) == losses(full)  # unchanged: the exact resume, and nothing named
+    assert "settings other than" not in capsys.readouterr().out

@@ -236,3 +236,44 @@ def resolve_init_from(path: str | Path) -> Path:
         raise UserError(f"train.init_from {str(path)!r} is neither a model file, a checkpoint folder nor a run folder "
                         f"with checkpoints; point it at the previous stage's output_dir")
     return found
+
+
+# not settings of the training: how the run folder was opened, and where it is (a run folder moved or copied)
+_RESUME_KEYS = ("train.if_exists", "train.output_dir")
+
+
+def saved_config(folder: Path) -> dict[str, Any]:
+    """The config saved in checkpoint `folder`, as TOML tables; empty when there is none to read."""
+    import tomllib
+
+    try:
+        data = tomllib.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def config_changes(folder: Path, config_text: str) -> list[str]:
+    """The settings of `config_text` (this run's config as `dump_toml` writes it) that differ from the config saved
+    in checkpoint `folder`, each as 'key old -> new' ('(not set)' for a key only one of them has); none when the
+    checkpoint saved no config. Both go through TOML, so a value compares as the file holds it."""
+    import tomllib
+
+    saved = saved_config(folder)
+    if not saved:
+        return []
+    before, now = _flat(saved), _flat(tomllib.loads(config_text))
+    unset = "(not set)"
+    return [f"{key} {before.get(key, unset)} -> {now.get(key, unset)}" for key in sorted(set(before) | set(now))
+            if before.get(key) != now.get(key) and key not in _RESUME_KEYS]
+
+
+def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in table.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            out.update(_flat(value, name))
+        else:
+            out[name] = json.dumps(value, sort_keys=True, default=str)
+    return out

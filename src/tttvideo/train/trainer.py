@@ -70,6 +70,7 @@ from tttvideo.models.backbone import get_preset, layout_of
 
 
 log = logging.getLogger(__name__)
+CHANGES_SHOWN = 8  # settings changed since the checkpoint, named when a run resumes
 
 class TrainingDiverged(SharedError):
     """The loss became NaN or Inf. Under torchrun every rank raises it after the same step (they agree whether a
@@ -320,6 +321,11 @@ class Trainer:
             self._restore_ema(folder, state)
         self.console.print(f"resumed from {folder} at step {self.step} (data position {state['data_position']})")
         if self.ranks.is_main:
+            changes = ckpt.config_changes(folder, dump_toml(self.cfg))
+            if changes:
+                shown = "; ".join(changes[:CHANGES_SHOWN]) + (f"; and {len(changes) - CHANGES_SHOWN} more"
+                                                              if len(changes) > CHANGES_SHOWN else "")
+                self.console.print(f"settings other than the run's: {shown}")
             _warn_changed_schedule(folder, self.train, self.step)
 
     def _keep_configured_peaks(self, folder: Path, peaks: list[float]) -> None:
@@ -543,12 +549,7 @@ class Trainer:
 
 def _saved_train_config(folder: Path) -> dict[str, Any]:
     """The [train] table of the config saved in checkpoint `folder`; empty when there is none to read."""
-    import tomllib
-
-    try:
-        table = tomllib.loads((folder / runs.CONFIG_FILE).read_text(encoding="utf-8"))["train"]
-    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
-        return {}
+    table = ckpt.saved_config(folder).get("train")
     return table if isinstance(table, dict) else {}
 
 
