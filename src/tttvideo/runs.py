@@ -307,7 +307,7 @@ def load_trained(model: Any, model_file: Path, has_base: bool, _seen: tuple[Path
 
     model_file = Path(model_file)
     if not is_full_checkpoint(model_file):
-        trained = _its_run(model_file)
+        trained = saved_config(model_file)
         only = f"{model_file} holds the trained weights only (its frozen layers were stored in fp8, not saved)"
         start = str(trained.get("train", {}).get("init_from") or "")
         source, missing = (_run_start(start, model_file) if start else (None, None))
@@ -350,14 +350,15 @@ def _run_start(start: str, model_file: Path) -> tuple[Path | None, str | None]:
     return None, first_error
 
 
-def _its_run(model_file: Path) -> dict[str, Any]:
-    """The TOML tables of the config a model file was trained with ({} without a readable one)."""
-    import tomllib
+def saved_config(path: str | Path) -> dict[str, Any]:
+    """The TOML tables of the config a model file, checkpoint folder or run was trained with
+    (`config_for_checkpoint`); {} without a readable one."""
+    from tttvideo.config.loader import tomllib
 
-    config = config_for_checkpoint(model_file)
+    config = config_for_checkpoint(path)
     try:
         return tomllib.loads(config.read_text(encoding="utf-8")) if config is not None else {}
-    except (OSError, tomllib.TOMLDecodeError):
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return {}
 
 

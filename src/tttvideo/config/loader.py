@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -373,6 +374,19 @@ def _strip_optional(tp: Any) -> Any:
 def config_to_dict(cfg: Any) -> dict:
     """Plain nested dicts/lists/scalars, tuples as lists and None values left out (TOML has no null)."""
     return _to_plain(cfg)
+
+
+def flat_keys(table: dict, prefix: str = "") -> dict[str, str]:
+    """{'train.lr': '0.001', ...}: the keys of nested tables (`config_to_dict`'s, or a TOML file's) dotted, each
+    value as JSON text, so that two configs compare key by key."""
+    out: dict[str, str] = {}
+    for key, value in table.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            out.update(flat_keys(value, name))
+        else:
+            out[name] = json.dumps(value, sort_keys=True, default=str)
+    return out
 
 
 def _to_plain(value: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tttvideo.config.loader import config_to_dict
+from tttvideo.config.loader import config_to_dict, flat_keys
 from tttvideo.parallel.launch import SharedError, follow_launcher
 from tttvideo.parallel.watchdog import PeerWatch, backstop_timeout
 
@@ -28,18 +28,8 @@ def started_group() -> bool:
 
 
 def flat_config(cfg: Any) -> dict[str, str]:
-    """{'train.lr': '0.001', ...}: every resolved key as TOML-like text, nested sections dotted."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else k, v)
-        else:
-            out[prefix] = json.dumps(value, sort_keys=True)
-
-    walk("", config_to_dict(cfg))
-    return out
+    """{'train.lr': '0.001', ...}: every resolved key as JSON text, nested sections dotted."""
+    return flat_keys(config_to_dict(cfg))
 
 
 def config_hash(flat: dict[str, str]) -> str:

@@ -242,38 +242,15 @@ def resolve_init_from(path: str | Path) -> Path:
 _RESUME_KEYS = ("train.if_exists", "train.output_dir")
 
 
-def saved_config(folder: Path) -> dict[str, Any]:
-    """The config saved in checkpoint `folder`, as TOML tables; empty when there is none to read."""
-    import tomllib
+def config_changes(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The settings of `config` (this run's, as `config_to_dict` gives it) that differ from `saved` (a checkpoint's,
+    `tttvideo.runs.saved_config`), each as 'key old -> new' ('(not set)' for a key only one of them has); none when
+    the checkpoint saved no config."""
+    from tttvideo.config.loader import flat_keys
 
-    try:
-        data = tomllib.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def config_changes(folder: Path, config_text: str) -> list[str]:
-    """The settings of `config_text` (this run's config as `dump_toml` writes it) that differ from the config saved
-    in checkpoint `folder`, each as 'key old -> new' ('(not set)' for a key only one of them has); none when the
-    checkpoint saved no config. Both go through TOML, so a value compares as the file holds it."""
-    import tomllib
-
-    saved = saved_config(folder)
     if not saved:
         return []
-    before, now = _flat(saved), _flat(tomllib.loads(config_text))
+    before, now = flat_keys(saved), flat_keys(config)
     unset = "(not set)"
     return [f"{key} {before.get(key, unset)} -> {now.get(key, unset)}" for key in sorted(set(before) | set(now))
             if before.get(key) != now.get(key) and key not in _RESUME_KEYS]
-
-
-def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in table.items():
-        name = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict):
-            out.update(_flat(value, name))
-        else:
-            out[name] = json.dumps(value, sort_keys=True, default=str)
-    return out

@@ -269,7 +269,8 @@ class Trainer:
 
         peaks = [group["initial_lr"] for group in self.optimizer.param_groups]  # this config's; loading replaces them
         sharded = is_sharded_checkpoint(folder)
-        saved_optimizer = _saved_optimizer(folder)
+        saved_config = runs.saved_config(folder)  # what the run was trained with, to compare this config with
+        saved_optimizer = _saved_optimizer(saved_config)
         converts = saved_optimizer not in (None, self.train.optimizer)
         if converts and sharded:
             raise (SharedError if self.ranks.distributed else UserError)(
@@ -282,10 +283,12 @@ class Trainer:
             runs.load_trained(self.model, folder / ckpt.MODEL_FILE, has_base=bool(self.cfg.model.pretrained_path))
         self.trained_duration_s = max(self.layout.duration_s, trained_duration(folder / ckpt.MODEL_FILE) or 0)
 
+        kept: dict[str, Any] = {}  # rank 0's whole optimizer state of a one-process checkpoint, not sent
+
         def read_state() -> dict[str, Any]:
             state = ckpt.load_state(folder, trust=self.trust_checkpoint)
-            if self.ranks.distributed:  # a one-process checkpoint's whole optimizer state: each rank reads it below
-                state.pop("optimizer", None)
+            if self.ranks.distributed and "optimizer" in state:  # the other ranks read it themselves below
+                kept["optimizer"] = state.pop("optimizer")
             return state
 
         # rank 0 alone reads it (an earlier version's state.pt is converted in place) and gives it to every rank
@@ -303,8 +306,9 @@ class Trainer:
                                      [len(g["params"]) for g in self.optimizer.param_groups])
             self.optimizer.load_state_dict(state["optimizer"])
         elif not sharded:  # several processes share it out, or another optimizer's state is converted
-            whole = (state if "optimizer" in state else ckpt.load_state(folder, trust=self.trust_checkpoint))
-            load_whole_optimizer_state(folder, self.model, self.optimizer, whole["optimizer"])
+            whole = (state.get("optimizer") or kept.get("optimizer")
+                     or ckpt.load_state(folder, trust=self.trust_checkpoint)["optimizer"])
+            load_whole_optimizer_state(folder, self.model, self.optimizer, whole)
             if converts:
                 self.console.print(f"the optimizer state of train.optimizer = '{saved_optimizer}' in {folder} "
                                    f"continues as '{self.train.optimizer}''s (its moments converted)")
@@ -321,12 +325,12 @@ class Trainer:
             self._restore_ema(folder, state)
         self.console.print(f"resumed from {folder} at step {self.step} (data position {state['data_position']})")
         if self.ranks.is_main:
-            changes = ckpt.config_changes(folder, dump_toml(self.cfg))
+            changes = ckpt.config_changes(saved_config, config_to_dict(self.cfg))
             if changes:
                 shown = "; ".join(changes[:CHANGES_SHOWN]) + (f"; and {len(changes) - CHANGES_SHOWN} more"
                                                               if len(changes) > CHANGES_SHOWN else "")
                 self.console.print(f"settings other than the run's: {shown}")
-            _warn_changed_schedule(folder, self.train, self.step)
+            _warn_changed_schedule(folder, saved_config, self.train, self.step)
 
     def _keep_configured_peaks(self, folder: Path, peaks: list[float]) -> None:
         """This config's learning-rate peaks (train.lr, train.lr_ssm) for the resumed schedule: the checkpoint's
@@ -547,24 +551,25 @@ class Trainer:
         raise TrainingDiverged(f"loss is {loss} at step {step}{extra}; {where}{samples}")
 
 
-def _saved_train_config(folder: Path) -> dict[str, Any]:
-    """The [train] table of the config saved in checkpoint `folder`; empty when there is none to read."""
-    table = ckpt.saved_config(folder).get("train")
+def _train_table(saved: dict[str, Any]) -> dict[str, Any]:
+    """The [train] table of a checkpoint's saved config (`runs.saved_config`); empty when it has none."""
+    table = saved.get("train")
     return table if isinstance(table, dict) else {}
 
 
-def _saved_optimizer(folder: Path) -> str | None:
-    """The train.optimizer checkpoint `folder` was written with (the default when its config does not say), or
-    None without a readable config."""
-    table = _saved_train_config(folder)
+def _saved_optimizer(saved: dict[str, Any]) -> str | None:
+    """The train.optimizer of a checkpoint's saved config (the default when it does not say), or None without
+    one."""
+    table = _train_table(saved)
     return str(table.get("optimizer", TrainConfig().optimizer)) if table else None
 
 
-def _warn_changed_schedule(folder: Path, train: TrainConfig, step: int) -> None:
-    """One warning when train.steps differs from the steps the checkpoint's run was scheduled for: resuming is
-    allowed (training a run for longer is common), but the learning rates jump to the new schedule's."""
+def _warn_changed_schedule(folder: Path, saved: dict[str, Any], train: TrainConfig, step: int) -> None:
+    """One warning when train.steps differs from the steps the checkpoint's run was scheduled for (`saved`, its
+    config): resuming is allowed (training a run for longer is common), but the learning rates jump to the new
+    schedule's."""
     try:
-        before = int(_saved_train_config(folder)["steps"])
+        before = int(_train_table(saved)["steps"])
     except (ValueError, KeyError, TypeError):
         return  # no readable config beside the checkpoint: nothing to compare with
     change = schedule_change(before, train, step)
