@@ -363,3 +363,17 @@ def test_resume_with_another_adapter_is_one_sentence_and_another_lr_takes_effect
     assert "settings other than the run's: train.lr 0.005 -> 0.01 " in " ".join(capsys.readouterr().out.split())
     assert losses(resumed("same")) == losses(full)  # unchanged: the exact resume, and nothing named
     assert "settings other than" not in capsys.readouterr().out
+
+
+def test_other_trained_parameters_of_the_same_count_are_refused(tmp_path):
+    """The check compares what it is given (a sharded checkpoint's parameter names, a one-process one's group
+    sizes), not only their number: as many tensors, other ones, is one sentence too (it was let through to DCP's
+    'Missing key' traceback)."""
+    from tttvideo.train.dcp import check_trained_parameters
+
+    check_trained_parameters(tmp_path, ["a.weight", "b.weight"], ["a.weight", "b.weight"])
+    with pytest.raises(UserError, match=r"holds the optimizer state of 2 trained tensors, this config trains 2 other "
+                                        r"ones: resume with the model settings"):
+        check_trained_parameters(tmp_path, ["a.weight", "b.weight"], ["a.weight", "c.weight"])
+    with pytest.raises(UserError, match=r"of 3 trained tensors, this config trains 3 other ones"):
+        check_trained_parameters(tmp_path, [2, 1], [1, 2])

@@ -168,8 +168,8 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
     # the parameters whose state dcp/ holds ("optimizer.state.<name>.<key>"), against those this optimizer has
     saved = {k[len("optimizer.state."):].rsplit(".", 1)[0] for k in metadata.state_dict_metadata
              if k.startswith("optimizer.state.")}
-    if saved and saved != set(loaded["optimizer"]["state"]):
-        check_trained_parameters(folder, [len(saved)], [len(loaded["optimizer"]["state"])])
+    if saved:
+        check_trained_parameters(folder, sorted(saved), sorted(loaded["optimizer"]["state"]))
     reader, planner = ((None, _DeviceLoadPlanner()) if trust
                        else (_SafeReader(path, metadata), _SafeLoadPlanner(path)))
     with warnings.catch_warnings():
@@ -190,16 +190,21 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
             set_model_state_dict(model, loaded[BUFFERS], options=StateDictOptions(strict=False))
 
 
-def check_trained_parameters(folder: Path, saved: list[int], here: list[int]) -> None:
-    """The sizes of the optimizer's parameter groups in checkpoint `folder` against this config's: other trainable
-    parameters (another model.adapter, TTT layers on or off) cannot take its state. One sentence (every rank reads
-    the same checkpoint: under torchrun rank 0 says it)."""
-    if saved != here:
-        raise (SharedError if torch.distributed.is_initialized() else UserError)(
-            f"{folder} holds the optimizer state of {sum(saved)} trained tensors, this config trains {sum(here)}"
-            + (f" (parameter groups of {saved} and {here})" if len(saved) > 1 and sum(saved) == sum(here) else "")
-            + f": resume with the model settings the run was trained with (model.adapter, the TTT layers), or start "
-            f"a new stage from it with train.init_from = '{folder}'")
+def check_trained_parameters(folder: Path, saved: list, here: list) -> None:
+    """The parameters whose optimizer state checkpoint `folder` holds against this optimizer's (the sizes of the
+    parameter groups, or the parameters' names): other trainable parameters (another model.adapter, TTT layers on or
+    off) cannot take its state. One sentence (every rank reads the same checkpoint: under torchrun rank 0 says it)."""
+    if saved == here:
+        return
+
+    def count(tensors: list) -> int:
+        return sum(tensors) if all(isinstance(n, int) for n in tensors) else len(tensors)
+
+    before, now = count(saved), count(here)
+    raise (SharedError if torch.distributed.is_initialized() else UserError)(
+        f"{folder} holds the optimizer state of {before} trained tensors, this config trains {now}"
+        + (" other ones" if before == now else "") + ": resume with the model settings the run was trained with "
+        f"(model.adapter, the TTT layers), or start a new stage from it with train.init_from = '{folder}'")
 
 
 def load_whole_optimizer_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
