@@ -280,14 +280,14 @@ class PeerWatch:
     def _heartbeat(self, value: dict, last: bool = False) -> None:
         """Publish this rank's heartbeat, unless it has published its last one (`_leaving`): a beat the thread
         sends after that would erase what the last one said (left, spoke), and a peer deciding later would speak
-        again."""
-        with self._store_lock:
+        again. Checked and sent under the store's lock (`_ask`), so that no beat passes the last one."""
+        def send(store: dist.Store) -> None:
             if self._left:
                 return
             self._left = last
-            if self.store is None:
-                raise ConnectionError("no store")
-            self.store.set(f"{self.prefix}hb/{self.rank}", json.dumps(value))
+            store.set(f"{self.prefix}hb/{self.rank}", json.dumps(value))
+
+        self._ask(send)
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
