@@ -80,7 +80,7 @@ def load_pipeline_profile(path: str | Path | None, overrides: Iterable[str] = ()
 
 def is_pipeline_profile(path: str | Path) -> bool:
     """A config file (or one it includes) with a [pipeline] table is a pipeline profile."""
-    import tomllib
+    from tttvideo.config.loader import tomllib
 
     p = Path(path)
     try:
