@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,19 +303,27 @@ def test_ema_checkpoints_sampling_and_init_from(tmp_path):
         assert torch.equal(p, ema[n]), n  # lr 0: stage 2 holds stage 1's averaged weights
 
 
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def stopped_after_step_2(run: Path, to: Path) -> Path:
+    """A copy of a 4-step `run` as if it had stopped after its step-2 checkpoint."""
+    shutil.copytree(run, to)
+    shutil.rmtree(to / "checkpoints" / "step-000004")
+    return to
+
+
 def test_resume_with_the_other_optimizer_converts_its_state(tmp_path, capsys):
     """A checkpoint of AdamW resumed with train.optimizer = "adamw8bit" goes on with 8-bit moments (they stayed
     AdamW's full ones before, so the memory the switch was for was not saved), and an 8-bit checkpoint resumed with
     AdamW goes on with AdamW's (it stopped with a traceback in AdamW's update); both end near the uninterrupted
     run. A sharded (DCP) checkpoint refuses the change in one sentence (tests/test_parallel_train.py)."""
-    import shutil
-
     pytest.importorskip("torchao.optim")
     for first, then in (("adamw", "adamw8bit"), ("adamw8bit", "adamw")):
-        full, switched = tmp_path / first, tmp_path / f"{first}-to-{then}"
+        full = tmp_path / first
         Trainer(tiny_config(tmp_path, f"train.output_dir={full}", f"train.optimizer={first}"), quiet=True).run()
-        shutil.copytree(full, switched)
-        shutil.rmtree(switched / "checkpoints" / "step-000004")
+        switched = stopped_after_step_2(full, tmp_path / f"{first}-to-{then}")
         trainer = Trainer(tiny_config(tmp_path, f"train.output_dir={switched}", f"train.optimizer={then}"),
                           if_exists="resume")
         trainer.run()
@@ -322,10 +332,6 @@ def test_resume_with_the_other_optimizer_converts_its_state(tmp_path, capsys):
         assert f'settings other than the run\'s: train.optimizer "{first}" -> "{then}"' in said
         kinds = {type(v).__name__ for state in trainer.optimizer.state.values() for v in state.values()}
         assert ("OptimState8bit" in kinds) == (then == "adamw8bit"), kinds
-
-        def losses(run):
-            return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
         assert losses(switched) == pytest.approx(losses(full), rel=1e-3)
 
 
@@ -335,24 +341,18 @@ def test_resume_with_another_adapter_is_one_sentence_and_another_lr_takes_effect
     carried the old peak, which replaced the new one without a word: now the schedule goes on with this config's
     peaks and a warning names the change (a sharded checkpoint: tests/test_parallel_train.py)."""
     import logging
-    import shutil
 
     full = tmp_path / "full"
     Trainer(tiny_config(tmp_path, f"train.output_dir={full}"), quiet=True).run()
 
-    def resumed(name: str, *extra: str):
-        out = tmp_path / name
-        shutil.copytree(full, out)
-        shutil.rmtree(out / "checkpoints" / "step-000004")
+    def resumed(name: str, *extra: str) -> Path:
+        out = stopped_after_step_2(full, tmp_path / name)
         Trainer(tiny_config(tmp_path, f"train.output_dir={out}", *extra), if_exists="resume").run()
         return out
 
     with pytest.raises(UserError, match=r"holds the optimizer state of \d+ trained tensors, this config trains \d+: "
                                         r"resume with the model settings .*model.adapter.*train.init_from"):
         resumed("qkvo", "model.adapter=qkvo")
-
-    def losses(run):
-        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     capsys.readouterr()
     with caplog.at_level(logging.WARNING, logger="tttvideo"):
