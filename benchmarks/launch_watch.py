@@ -70,6 +70,14 @@ def gpu_used_gib() -> list[float]:
     return [float(v) / 1024 for v in out.split()] if out.strip() else []
 
 
+def higher_of(peak: list[float], used: list[float]) -> list[float]:
+    """Each GPU's peak so far and a new reading merged. A reading that failed ([]: nvidia-smi timed out under a
+    loaded host) keeps the peak: replacing it would leave only what the GPUs held after the launch ended."""
+    if not used:
+        return peak
+    return [max(a, b) for a, b in zip(used, peak)] if peak else used
+
+
 def process_role(pid: int, launch: int) -> str:
     """What a process of a launch is: "launch" (the command started: torchrun's agent, or the one `tttv`
     process), "rank N" (a torchrun worker), "compile workers" (Inductor's pool, which inherits a rank's
@@ -127,8 +135,7 @@ class Watched:
         self._read_host()
         if time.monotonic() - self._smi_at > 2.0:
             self._smi_at = time.monotonic()
-            used = gpu_used_gib()
-            self.gpu_peak = [max(a, b) for a, b in zip(used, self.gpu_peak)] if self.gpu_peak else used
+            self.gpu_peak = higher_of(self.gpu_peak, gpu_used_gib())
         return self.proc.poll()
 
     def wait(self, until: Any = None) -> int | None:

@@ -566,12 +566,12 @@ def print_table(result: dict[str, Any]) -> None:
             rs = r["reshard"]
             notes.append(f"resumed on {rs['gpus']} GPU(s): " + (f"failed: {rs['error']}" if "error" in rs else
                                                                 f"step {rs['steps'][-1]} {rs['step_s']:.1f} s"))
-        smi = max(r["peak_gpu_used_gib"]) if r["peak_gpu_used_gib"] else 0.0
+        smi = f"{max(r['peak_gpu_used_gib']):>8.1f}" if r["peak_gpu_used_gib"] else f"{'-':>8}"
         step = f"{r['median_step_s']:>8.2f}" if r["median_step_s"] is not None else f"{'-':>8}"
         # "-" where the planner has no step time for this GPU (an H200 row keeps the H100 figure as h100_step_s)
         plan_s = f"{r['predicted_step_s']:>7.1f}" if r.get("predicted_step_s") is not None else f"{'-':>7}"
         print(f"{r['duration_s']:>5}s {step} {r['peak_allocated_gib']:>9.1f} "
-              f"{r['peak_reserved_gib']:>9.1f} {smi:>8.1f} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
+              f"{r['peak_reserved_gib']:>9.1f} {smi} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
               f"{r['checkpoint_save_s'] or 0:>7.1f} {r.get('predicted_reserved_gib') or 0:>9.1f} "
               f"{r.get('predicted_host_gib') or 0:>9.1f} {plan_s}  {'; '.join(notes)}")
     for s in result["samples"]:
