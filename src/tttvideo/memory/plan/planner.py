@@ -278,9 +278,11 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
                 else "the reserve is one GPU's (FSDP's not measured)"))
             if sp == 1 and fsdp_shard_degree(c, gpus) > 2 and ACTIVATION_OFFLOAD.is_on(c) and phase == "train":
                 # held out, the one row past 20 %: one reserve fraction does not follow FSDP's with offload as shards
-                # shrink (one GPU's offload reserves 1.12x, two GPUs' 1.28x, four GPUs' 1.51x at 30 s)
+                # shrink (one GPU's offload reserves 1.12x, two GPUs' 1.28x, four GPUs' 1.51x at 30 s; at 63 s four
+                # GPUs' 1.21x, under the prediction)
                 notes.append("FSDP over more than two GPUs with block inputs offloaded: the four-GPU 30-s config "
-                             "reserved 9 GiB (22 %) above this prediction (docs/parallel.md); leave that room")
+                             "reserved 9 GiB (22 %) above this prediction, the 63-s one 1 % under it "
+                             "(docs/parallel.md); leave that room")
         basis = ("counted (block model, traced)" if traced else "counted (block model, extrapolated)"
                  if blocks.extrapolated else "counted (block model)")
         if geometry.measured and c.model.adapter not in MEASURED_ADAPTERS:
