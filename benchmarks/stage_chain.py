@@ -448,7 +448,7 @@ def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str,
         row["error"] = failure(log)
     denoise = [line.split("denoise ", 1)[1].split(" s", 1)[0] for line in log.read_text(errors="replace").splitlines()
                if "frames (" in line and "denoise " in line]
-    if denoise:  # the sampler's own time, without loading and compiling
+    if denoise:  # the sampler's own time, without loading; the first step's compiling and tuning are in it
         row["denoise_s"] = float(denoise[-1])
     return row
 
