@@ -162,16 +162,25 @@ def test_model_step_benchmark_runs_the_step_on_cpu(tmp_path):
 
 def test_memory_techniques_benchmark_runs_each_variant_on_cpu(tmp_path):
     """benchmarks/memory_techniques.py as its docstring's CPU smoke run: each variant a row, under the allocator
-    settings `tttv train` uses (it imports the model and step from model_step.py, so a renamed import shows here)."""
+    settings `tttv train` uses (it imports the model and step from model_step.py, so a renamed import shows here);
+    a second run with --merge keeps the first run's rows of the variants it did not run."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "memory_techniques.json"
     env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    subprocess.run([sys.executable, str(root / "benchmarks" / "memory_techniques.py"), "--preset", "tiny", "--device",
-                    "cpu", "--dtype", "fp32", "--height", "32", "--width", "48", "--text-tokens", "8", "--duration",
-                    "3", "--variants", "kept", "offloaded", "--out", str(out)],
-                   check=True, cwd=root, env=env, capture_output=True, text=True)
-    result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["results"]] == ["kept", "offloaded"]
+
+    def run(*extra: str) -> dict:
+        subprocess.run([sys.executable, str(root / "benchmarks" / "memory_techniques.py"), "--preset", "tiny",
+                        "--device", "cpu", "--dtype", "fp32", "--height", "32", "--width", "48", "--text-tokens", "8",
+                        "--duration", "3", "--out", str(out), *extra],
+                       check=True, cwd=root, env=env, capture_output=True, text=True)
+        return json.loads(out.read_text())
+
+    result = run("--variants", "kept", "offloaded-block", "--commit", "first")
+    assert [r["variant"] for r in result["results"]] == ["kept", "offloaded-block"]
     assert all(r["step_s"] > 0 for r in result["results"])
+    assert result["results"][1]["unchecked_parts"] == ["attention", "forward_ttt", "reverse_ttt", "mlp"]
     assert result["alloc_conf"] == "expandable_segments:True"
+    merged = run("--variants", "offloaded-attn", "--commit", "second", "--merge")["results"]
+    assert [(r["variant"], r["git_commit"]) for r in merged] == [
+        ("kept", "first"), ("offloaded-attn", "second"), ("offloaded-block", "first")]
