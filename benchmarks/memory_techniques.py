@@ -8,7 +8,8 @@ benchmarks/results/memory_techniques_<gpu>.json.
 The `offloaded-*` variants also stop checkpointing some of a block's parts (the block itself stays checkpointed, its
 input offloaded): their outputs are then kept while that block's backward runs instead of recomputed a second time,
 which is what the sub-module checkpoints cost. `offloaded-attn`: attention's part runs unchecked;
-`offloaded-attn-mlp`: attention and the MLP; `offloaded-block`: none of the four parts (whole-block checkpointing).
+`offloaded-attn-mlp`: attention and the MLP; `offloaded-block`: none of the four parts (whole-block checkpointing);
+`kept-block`: whole blocks with their inputs kept on the GPU.
 A variant that runs out of memory is a row with its error. `--merge` keeps the rows of variants not run now from the
 existing output file (same duration), each row naming its commit.
 
@@ -50,6 +51,7 @@ VARIANTS = {
     "offloaded-attn": {**OFFLOADED, "unchecked": ("attention",)},
     "offloaded-attn-mlp": {**OFFLOADED, "unchecked": ("attention", "mlp")},
     "offloaded-block": {**OFFLOADED, "unchecked": PARTS},
+    "kept-block": {"unchecked": PARTS},
 }
 SWITCHES = [*(f"checkpointing.{part}=true" for part in PARTS), "train.optimizer=adamw8bit"]
 

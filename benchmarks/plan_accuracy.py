@@ -75,27 +75,40 @@ class Row:
     gpus: int = 1  # the launch's GPUs (the memory figures are per GPU, the largest rank's)
 
 
+PARTS_UNCHECKED = [f"checkpointing.{p}=false" for p in ("attention", "forward_ttt", "reverse_ttt", "mlp")]
+# what the whole-block rows fix (`BlockConstants.block_stream_copies` and `block_time`)
+WHOLE_BLOCK = "whole blocks: the parts' stream copies and time factor (with the offloaded row)"
+
+
 def _step_rows() -> list[Row]:
     rows = []
-    variant = {"kept": [], "nested": ["checkpointing.nested_span=6"],
-               "offloaded": ["checkpointing.offload_activations=true"]}
+    offloaded = ["checkpointing.offload_activations=true"]
+    # memory_techniques.py's variants that the planner proposes (the ones leaving only some parts unchecked are a
+    # policy it does not: they have no row)
+    variant = {"kept": [], "nested": ["checkpointing.nested_span=6"], "offloaded": offloaded,
+               "offloaded-block": offloaded + PARTS_UNCHECKED, "kept-block": PARTS_UNCHECKED}
     # memory_techniques_h100.json (9 s) calibrates; runs at other lengths (--out memory_techniques_<D>s_h100.json)
     # are held out, their times clean as well; an H200's (memory_techniques_h200.json) is held out, memory only (the
-    # costs' step times are an H100's)
+    # costs' step times are an H100's), but for its whole-block row, which with the offloaded row beside it fixes the
+    # whole-block constants (their time factor the ratio of the two H200 times, `_with_whole_block`)
     paths = sorted(RESULTS.glob("memory_techniques*_h100.json")) + sorted(RESULTS.glob("memory_techniques*_h200.json"))
     for path in paths:
         mt = json.loads(path.read_text())
         h100 = path.name.endswith("_h100.json")
         role = "calibration" if path.name == "memory_techniques_h100.json" else "held out"
         for r in mt["results"]:
-            if "peak_reserved_gib" not in r:
+            if "step_s" not in r or r["variant"] not in variant:
                 continue
+            # the whole-block constants' calibration: the H200's 30-s run (memory_techniques_h200.json); whole-block
+            # rows of other runs are held out
+            whole = r["variant"] == "offloaded-block" and path.name == "memory_techniques_h200.json"
             name = f"{mt['duration_s']} s, block inputs {r['variant']}"
             name += "" if role == "calibration" else " (2nd step)"
             name += "" if h100 else ", H200: memory only"
             rows.append(Row(name, path.name, None, [f"layout.duration={mt['duration_s']}s", *variant[r["variant"]]],
-                            "train", role, r["peak_allocated_gib"], r["peak_reserved_gib"], r["offloaded_gib"],
-                            r["step_s"] if h100 else None))
+                            "train", "calibration" if whole else role, r["peak_allocated_gib"],
+                            r["peak_reserved_gib"], r["offloaded_gib"], r["step_s"] if h100 else None,
+                            calibrates=WHOLE_BLOCK if whole else ""))
     long = json.loads((RESULTS / "model_step_long_h100.json").read_text())
     for r in long["runs"]:
         over = [f"layout.duration={r['duration_s']}s"] + [f"{k}={json.dumps(v)}" for k, v in r["overrides"].items()]
@@ -109,6 +122,24 @@ def _step_rows() -> list[Row]:
         rows.append(Row(f"63 s, fp8 frozen, block inputs kept (OOM under {cap:g} GiB)", "issues 34/35 (no result file)",
                         None, ["layout.duration=63s", "model.frozen_weights=fp8"], "train", "held out",
                         first_step=True, oom_under=cap))
+    return rows
+
+
+def _parallel_step_rows() -> list[Row]:
+    """model_step.py under torchrun on two H200s (model_step_parallel_h200.json): the runs that record their
+    overrides, held out, memory only (their second step: the optimizer state live, the first step's reserve kept),
+    the largest rank's peak predicted per GPU."""
+    path = RESULTS / "model_step_parallel_h200.json"
+    rows = []
+    for run in json.loads(path.read_text())["runs"] if path.is_file() else []:
+        if "overrides" not in run:
+            continue
+        r = run["results"][0]
+        row = Row(f"{r['duration_s']} s, {run['gpus']} GPUs (FSDP {run['parallel']['dp_shard']}, sp "
+                  f"{run['parallel']['sp']}), {run['checkpointing_policy']}, H200: memory only", path.name, None,
+                  run["overrides"], "train", "held out", r["peak_allocated_gib"], r["peak_reserved_gib"])
+        row.gpus = run["gpus"]
+        rows.append(row)
     return rows
 
 
@@ -354,12 +385,30 @@ def fit_cogvideox(rows: list[Row]):
         """Reserved memory beyond the fraction, in saved inputs; none where the fraction holds it all."""
         return max(0.0, (row.reserved * GIB - alloc(row, k) * (1 + fraction)) / alloc.saved_input(row, k))
 
-    return BlockConstants(copies, extra, fraction, offload_units(off), nested.step_s / kept.step_s,
-                          off.step_s / kept.step_s, ((float(g.tokens), float(kept.step_s)),),
-                          "benchmarks/plan_accuracy.py --fit: memory_techniques_h100.json (9 s; the later steps' "
-                          "offload reserve from its offloaded row) and the 18-s offload row of "
-                          "model_step_long_h100.json (the first step's offload reserve)",
-                          first_step_offload_reserved_units=offload_units(off18))
+    fitted = BlockConstants(copies, extra, fraction, offload_units(off), nested.step_s / kept.step_s,
+                            off.step_s / kept.step_s, ((float(g.tokens), float(kept.step_s)),),
+                            "benchmarks/plan_accuracy.py --fit: memory_techniques_h100.json (9 s; the later steps' "
+                            "offload reserve from its offloaded row) and the 18-s offload row of "
+                            "model_step_long_h100.json (the first step's offload reserve)",
+                            first_step_offload_reserved_units=offload_units(off18))
+    return _with_whole_block(fitted, rows)
+
+
+def _with_whole_block(k, rows: list[Row]):
+    """`k` with the whole-block constants from the whole-block row and the sub-block row of the same run (one
+    process, the same length, block inputs offloaded in both): the parts' activations are the difference of the two
+    allocated peaks in stream-sized tensors, the time factor the ratio of the two steps."""
+    from tttvideo.memory.plan.activations import Geometry
+
+    whole = next((r for r in rows if r.calibrates == WHOLE_BLOCK), None)
+    if whole is None:
+        return k
+    measured = {r["variant"]: r for r in json.loads((RESULTS / whole.source).read_text())["results"]}
+    sub, block = measured["offloaded"], measured["offloaded-block"]
+    copies = (block["peak_allocated_gib"] - sub["peak_allocated_gib"]) * GIB / Geometry.of(config_of(whole)).stream
+    return dataclasses.replace(k, block_stream_copies=copies, block_time=block["step_s"] / sub["step_s"],
+                               source=f"{k.source}; the whole-block constants from the offloaded and offloaded-block "
+                                      f"rows of {whole.source} (one H200, one process, {whole.name.split(',')[0]})")
 
 
 def _minimum(loss, lo: float = 0.0, hi: float = 60.0) -> float:
@@ -428,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the block model's constants first (costs.json)")
     ap.add_argument("--out", default=str(RESULTS / "plan_accuracy_h100.json"))
     args = ap.parse_args(argv)
-    rows = _step_rows() + _profile_rows() + _chain_rows() + _wan_rows()
+    rows = _step_rows() + _parallel_step_rows() + _profile_rows() + _chain_rows() + _wan_rows()
     if args.fit:
         fit(rows)
     from tttvideo.memory.plan.costs import load_costs

@@ -1,6 +1,6 @@
 """A training step's GPU memory as a sum of counted parts, phase by phase, for the setups whose every block and
-every sub-module is checkpointed (the stage configs' policy), with their block inputs kept, nested or offloaded, and
-the MLP whole or over token chunks. The shapes come from the backbone's preset and layout (`Geometry.of`), so it
+every sub-module is checkpointed (the stage configs' policy) or, for CogVideoX, whose whole blocks are (their parts
+unchecked), with their block inputs kept, nested or offloaded, and the MLP whole or over token chunks. The shapes come from the backbone's preset and layout (`Geometry.of`), so it
 serves every backbone; its constants were measured on CogVideoX-5B and, where its rows allow, on another backbone
 (Wan); a part that uses a constant carried over from CogVideoX-5B says it is extrapolated (`BlockConstants.how`).
 
@@ -20,7 +20,10 @@ sp (`working_set`):
 - in Wan's window-wise form (attention one window at a time, the TTT passes over token chunks and their scans over
   groups of heads), which makes neither attention's tensors nor the fp32 upcasts whole: that form's own measured
   number of stream-sized tensors (`window_stream_copies`) and one head group's scan checkpoints, its step
-  `window_time` times the plain form's.
+  `window_time` times the plain form's;
+- with whole-block checkpointing (the block's parts not checkpointed on their own), the parts' activations, kept
+  through the block's backward instead of recomputed a second time: a measured number of stream-sized tensors
+  (`block_stream_copies`), its step `block_time` times the sub-block step's.
 
 Where the peak falls depends on the policy, so each phase is counted and the largest wins (`train_peak`):
 the end of forward (every saved input, no gradients yet), each unit's backward recompute (the inputs still saved,
@@ -57,6 +60,9 @@ GIB = 2**30
 
 # the setup the block model is measured for: every block and each of its four parts checkpointed, one block a unit
 BLOCK_MODEL_POLICY = "sub-block"
+# whole blocks checkpointed, their parts not: counted as the sub-block model plus the parts' measured activations
+# (`BlockConstants.block_stream_copies`), on the measured backbones only
+WHOLE_BLOCK_POLICY = "block"
 MEASURED_ADAPTERS = ("qkvo",)
 # adapters whose activations are the measured ones': full fine-tuning saves the same block inputs and runs the same
 # working sets (its extra gradients and optimizer state are counted parts); LoRA adds low-rank activations
@@ -114,6 +120,10 @@ class BlockConstants:
     # that form's step time against the same step without it (its per-window checkpoints, the TTT layer's chunks
     # and head groups recompute and serialise what the plain form runs at once)
     window_time: float = 1.0
+    # whole-block checkpointing (the parts unchecked): the stream-sized tensors the block's parts keep through its
+    # backward beyond the sub-block working set, and the step time against the sub-block step's; 0: not measured
+    block_stream_copies: float = 0.0
+    block_time: float = 1.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockConstants":
@@ -126,7 +136,9 @@ class BlockConstants:
                    sp_reserved_fraction=float(d.get("sp_reserved_fraction", 0.0)),
                    fsdp_reserved_fraction=float(d.get("fsdp_reserved_fraction", 0.0)),
                    window_stream_copies=float(d.get("window_stream_copies", 0.0)),
-                   window_time=float(d.get("window_time", 1.0)))
+                   window_time=float(d.get("window_time", 1.0)),
+                   block_stream_copies=float(d.get("block_stream_copies", 0.0)),
+                   block_time=float(d.get("block_time", 1.0)))
 
     @classmethod
     def for_backbone(cls, table: dict, backbone: str) -> "BlockConstants":
@@ -152,7 +164,9 @@ class BlockConstants:
                 "sp_reserved_fraction": self.sp_reserved_fraction,
                 "fsdp_reserved_fraction": self.fsdp_reserved_fraction,
                 **({"window_stream_copies": self.window_stream_copies, "window_time": self.window_time}
-                   if self.window_stream_copies else {})}
+                   if self.window_stream_copies else {}),
+                **({"block_stream_copies": self.block_stream_copies, "block_time": self.block_time}
+                   if self.block_stream_copies else {})}
 
     def how(self, what: str, *constants: str) -> str:
         """A part's basis `what` ("measured", "counted x measured") from `constants`, naming the backbone they were
@@ -174,7 +188,8 @@ class BlockConstants:
         # offloading a short video (nothing to gain) above keeping its inputs
         inputs = self.nested_time if ck.nested_span > 1 else max(1.0, self.offload_time) if ck.offload_activations \
             else 1.0
-        return inputs * (self.window_time if window_form(cfg) else 1.0)
+        whole = self.block_time if _whole_block(cfg) else 1.0
+        return inputs * whole * (self.window_time if window_form(cfg) else 1.0)
 
     def step_factor(self, cfg: Config, g: Geometry) -> float:
         """A step's time against the same step with its inputs kept: `time_factor`, and the FFN chunks' estimate
@@ -237,6 +252,8 @@ class Geometry:
     # TTT heads whose scan runs at once in backward: all, or one group's (checkpointing.ttt_head_groups, each
     # group checkpointed on its own; with ttt_chunk_tokens only)
     scan_heads: int = 0
+    # whole-block checkpointing: the parts' activations live through the block's backward (`whole_block_parts`)
+    whole_block: bool = False
 
     @classmethod
     def of(cls, cfg: Config, gpus: int = 1) -> "Geometry":
@@ -263,7 +280,8 @@ class Geometry:
         groups = ck.ttt_head_groups if ck.ttt_chunk_tokens > 0 else 1
         return cls(spec.num_layers, dim, heads, hd, act, per_gpu * batch, cfg.ttt.mini_batch_size,
                    max(1, cfg.ttt.scan_checkpoint_group_size), state, getattr(spec, "ffn_dim", 4 * dim), rows,
-                   batch * text, backbone.name, layout.window_tokens, window_form(cfg), math.ceil(heads / groups))
+                   batch * text, backbone.name, layout.window_tokens, window_form(cfg), math.ceil(heads / groups),
+                   _whole_block(cfg))
 
     @property
     def stream(self) -> int:
@@ -325,6 +343,22 @@ def working_set(g: Geometry, k: BlockConstants) -> list[Part]:
     return parts
 
 
+def whole_block_parts(g: Geometry, k: BlockConstants) -> list[Part]:
+    """With whole-block checkpointing: what the block's parts keep for its backward (their activations, recomputed
+    once with the block instead of twice), beyond the sub-block working set."""
+    if not g.whole_block:
+        return []
+    return [Part(f"working set: the parts' activations, kept through the block's backward (whole-block "
+                 f"checkpointing: {k.block_stream_copies:.1f} x tokens x dim)", int(k.block_stream_copies * g.stream),
+                 "counted x measured")]
+
+
+def _whole_block(cfg: Config) -> bool:
+    from tttvideo.memory.techniques import checkpoint_policy
+
+    return checkpoint_policy(cfg) == WHOLE_BLOCK_POLICY
+
+
 def nested_span_of(cfg: Config) -> int:
     return cfg.checkpointing.nested_span if cfg.checkpointing.nested_span > 1 else 1
 
@@ -349,6 +383,7 @@ def _step_peak(cfg: Config, counted: Counted, k: BlockConstants, g: Geometry, op
     ws_forward = ws = working_set(g, k)
     if traced is not None:
         ws_forward, ws = traced
+    ws = ws + whole_block_parts(g, k)  # forward runs each block without saving; its backward keeps the parts'
     n = g.units
     grad_per_unit = counted.gradients // max(1, n)
     opt = counted.optimizer if optimizer_state_live else 0
@@ -452,7 +487,7 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
     return Breakdown(phase, parts, allocated, reserved, host, notes, first_reserved)
 
 
-def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
+def fits_block_model(cfg: Config, gpus: int = 1, k: BlockConstants | None = None) -> bool:
     """Whether the block model counts this setup: every block and sub-module checkpointed, one block a unit, no
     kept outputs, the TTT-MLP layer (or none), and either
 
@@ -460,7 +495,9 @@ def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
       gradients and state), weights stored and computed in bf16, nested checkpointing and
       offload not both on. Other CogVideoX setups keep their measured per-token curves: the model's constants,
       fitted on this kind, under-predict LoRA with fp8 weights (its 18-s profile by 20%) and over-predict fp32
-      weights under autocast (by 18% at 9 s), benchmarks/results/plan_accuracy_h100.json; or
+      weights under autocast (by 18% at 9 s), benchmarks/results/plan_accuracy_h100.json. This kind with whole blocks
+      checkpointed and their parts not is counted too, where `k` (the constants at hand; None: assumed) holds the
+      parts' measured activations (`BlockConstants.block_stream_copies`); or
     - another backbone (Wan), which has no measured curves at all: its parts are counted from its preset and layout
       with its own measured constants where it has them and CogVideoX-5B's carried over for the rest
       (`BlockConstants.for_backbone`), every adapter and weight dtype, and both nested checkpointing and offload at
@@ -476,8 +513,12 @@ def fits_block_model(cfg: Config, gpus: int = 1) -> bool:
     from tttvideo.models.backbone import backbone_of
 
     ck = cfg.checkpointing
-    common = not long_range_tag(cfg) and checkpoint_policy(cfg) == BLOCK_MODEL_POLICY
+    policy = checkpoint_policy(cfg)
+    if long_range_tag(cfg):
+        return False
     if backbone_of(cfg.model.preset).name not in MEASURED_BACKBONES:
-        return common
-    return (common and cfg.model.preset in MEASURED_PRESETS and cfg.model.adapter in BLOCK_MODEL_ADAPTERS
-            and cfg.model.dtype == "bf16" and not (ck.nested_span > 1 and ck.offload_activations))
+        return policy == BLOCK_MODEL_POLICY
+    whole = policy == WHOLE_BLOCK_POLICY and (k is None or k.block_stream_copies > 0)
+    return ((policy == BLOCK_MODEL_POLICY or whole) and cfg.model.preset in MEASURED_PRESETS
+            and cfg.model.adapter in BLOCK_MODEL_ADAPTERS and cfg.model.dtype == "bf16"
+            and not (ck.nested_span > 1 and ck.offload_activations))

@@ -173,9 +173,11 @@ def _train_candidates(cfg: Config, gpus: int) -> list[Candidate]:
         if c.checkpointing.nested_span > 1 and (c.checkpointing.keep or (c.checkpointing.offload_activations
                                                                          and not nest_offloaded)):
             continue  # nesting spans of selective blocks, or nesting what is offloaded anyway: nothing to gain
-        if c.checkpointing.ffn_chunk_tokens and (not fits_block_model(c, gpus)
+        if c.checkpointing.ffn_chunk_tokens and (not fits_block_model(c, gpus) or Geometry.of(c, gpus).whole_block
                                                  or Geometry.of(c, gpus).ffn_rows == Geometry.of(c, gpus).tokens):
-            continue  # only the block model counts the chunks (no chunked curve is measured); one chunk: no change
+            # only the block model counts the chunks (no chunked curve is measured), and not beside whole blocks
+            # (their measured parts' activations hold the MLP's whole); one chunk: no change
+            continue
         if window.label and (c.checkpointing.keep or not fits_block_model(c, gpus)):
             continue  # the window-wise form is counted by the block model only (its constants are measured there)
         extra = ", ".join(o.label for o in (offload, nested, ffn, window) if o.label)
@@ -242,9 +244,9 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
     breakdown, reserved, host, time_factor = None, None, 0, 1.0
     # each half of the ranks runs one of the two guided passes
     split = 2 if phase == "sample" and gpus > 1 and c.sample.split_guidance else 1
-    if phase == "train" and costs.blocks and fits_block_model(c, gpus):
+    blocks = BlockConstants.for_backbone(costs.blocks, backbone_of(c.model.preset).name) if costs.blocks else None
+    if phase == "train" and blocks is not None and fits_block_model(c, gpus, blocks):
         geometry = Geometry.of(c, gpus)
-        blocks = BlockConstants.for_backbone(costs.blocks, geometry.backbone)
         traced = None
         if trace and not geometry.measured:
             from tttvideo.memory.plan.traced import traced_working_sets
@@ -293,6 +295,9 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if geometry.ffn_rows < geometry.tokens:
             notes.append(f"FFN chunks: x{geometry.ffn_chunk_time():.3f} step time estimated from the shapes, "
                          "not measured")
+        if geometry.whole_block:
+            notes.append(f"whole blocks: x{blocks.block_time:.3f} the sub-block step's time, their parts' activations "
+                         f"{blocks.block_stream_copies:.1f} stream copies (measured on one H200 at 30 s)")
         if geometry.window_form and blocks.window_stream_copies:
             notes.append(f"window-wise form: x{blocks.window_time:.2f} step time (measured at 63 s)")
         # the step time of the backbone's own measured steps; a backbone without them has none (its setups are
