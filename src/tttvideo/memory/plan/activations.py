@@ -1,8 +1,9 @@
 """A training step's GPU memory as a sum of counted parts, phase by phase, for the setups whose every block and
 every sub-module is checkpointed (the stage configs' policy) or, for CogVideoX, whose whole blocks are (their parts
-unchecked), with their block inputs kept, nested or offloaded, and the MLP whole or over token chunks. The shapes come from the backbone's preset and layout (`Geometry.of`), so it
-serves every backbone; its constants were measured on CogVideoX-5B and, where its rows allow, on another backbone
-(Wan); a part that uses a constant carried over from CogVideoX-5B says it is extrapolated (`BlockConstants.how`).
+unchecked), with their block inputs kept, nested or offloaded, and the MLP whole or over token chunks. The shapes
+come from the backbone's preset and layout (`Geometry.of`), so it serves every backbone; its constants were measured
+on CogVideoX-5B and, where its rows allow, on another backbone (Wan); a part that uses a constant carried over from
+CogVideoX-5B says it is extrapolated (`BlockConstants.how`).
 
 What grows with the video is countable: every checkpointed block unit saves its input for backward (batch x
 tokens/sp x dim in the stream's dtype, plus a few bytes a token of other saved tensors: measured 296 B/token from
