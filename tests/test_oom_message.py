@@ -72,7 +72,14 @@ def test_switches_already_on_are_not_suggested():
                                                     "checkpointing.block=true", "memory.max_gpu_gib=24"])
     model = build_model(cfg)
     found = [s.switch for s in train_savings(cfg, model, gpus=2)]
-    assert found == ["checkpointing.offload_activations = true", "parallel.sp = 2 under torchrun"]
+    # whole blocks (the parts unchecked): checkpointing the parts too frees their activations (not counted)
+    assert found == ["checkpointing.offload_activations = true",
+                     "checkpointing.attention, forward_ttt, reverse_ttt and mlp = true",
+                     "parallel.sp = 2 under torchrun"]
+    everything = load_config("configs/demo.toml", TRAIN + [
+        "model.frozen_weights=fp8", "train.optimizer=adamw8bit", "checkpointing.block=true",
+        *(f"checkpointing.{p}=true" for p in ("attention", "forward_ttt", "reverse_ttt", "mlp"))])
+    assert "checkpointing.attention" not in " ".join(s.switch for s in train_savings(everything, model, gpus=2))
 
 
 def test_kept_outputs_are_suggested_away_with_their_size():

@@ -107,6 +107,12 @@ def _checkpoint_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -
     if not ck.block:
         found.append(Saving("checkpointing.block = true", "of activations: each block is recomputed in backward and "
                                                           "keeps only its input"))
+    elif checkpoint_policy(cfg) == "block":
+        # not counted here (the measured size is the planner's, a layer above): about 27 block inputs' worth for
+        # CogVideoX (docs/memory.md, "Whole blocks or every sub-module")
+        found.append(Saving("checkpointing.attention, forward_ttt, reverse_ttt and mlp = true",
+                            "of the parts' activations in each block's backward, about 27 times a block input for "
+                            "CogVideoX: each part recomputed once more, about 1.17x the step"))
     return found
 
 

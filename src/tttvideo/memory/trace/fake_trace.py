@@ -7,10 +7,10 @@ makes the fake CPU tensors allocate as a CUDA step would (`gpu_stand_ins.cuda_li
 operators, the fused attention kernels' buffers, the Triton TTT wrappers' buffers) and runs, under bf16 autocast as
 `train.precision` says, one checkpointed block unit of the model (`checkpointing` as configured: block, sub-module
 and FFN-chunk checkpointing) on stream-sized inputs: its forward, then its backward with the recompute (its
-output, the next unit's input, is not counted in backward). `LiveBytes` counts the bytes alive op by op; the table lists what was alive at each phase's peak, grouped by where it was
-made. The inputs (the stream x, the text features, the time projection) are counted; weights are not (the planner
-counts them), nor are the other units' saved inputs, gradients and optimizer state, nor the allocator's
-fragmentation.
+output, the next unit's input, is not counted in backward). `LiveBytes` counts the bytes alive op by op; the table
+lists what was alive at each phase's peak, grouped by where it was made. The inputs (the stream x, the text
+features, the time projection) are counted; weights are not (the planner counts them), nor are the other units'
+saved inputs, gradients and optimizer state, nor the allocator's fragmentation.
 """
 
 from __future__ import annotations
