@@ -489,8 +489,8 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
 
 
 def fits_block_model(cfg: Config, gpus: int = 1, k: BlockConstants | None = None) -> bool:
-    """Whether the block model counts this setup: every block and sub-module checkpointed, one block a unit, no
-    kept outputs, the TTT-MLP layer (or none), and either
+    """Whether the block model counts this setup: every block and sub-module checkpointed (or, for the measured kind
+    below, whole blocks alone), one block a unit, no kept outputs, the TTT-MLP layer (or none), and either
 
     - the measured kind: CogVideoX-5B, qkvo adapter (or sft: the same activations, more counted
       gradients and state), weights stored and computed in bf16, nested checkpointing and
