@@ -38,6 +38,7 @@ use_tttv_allocator()
 import model_step  # this script's folder is on sys.path when it runs: the trainer's model and step, shared
 import torch
 
+from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.checkpointing import apply_checkpointing
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_variant(name: str, cfg: Any, model: torch.nn.Module, layout: VideoLayout, ranks: TrainRanks,
+def _run_variant(name: str, cfg: Config, model: torch.nn.Module, layout: VideoLayout, ranks: TrainRanks,
                  batch: dict[str, torch.Tensor], device: torch.device, commit: str) -> dict[str, Any]:
     """A warm-up step and a timed one of the trainer's step under the variant's settings (already applied)."""
     step = model_step.make_step(cfg, model, device, layout, ranks)

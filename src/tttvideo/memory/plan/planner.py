@@ -173,11 +173,12 @@ def _train_candidates(cfg: Config, gpus: int) -> list[Candidate]:
         if c.checkpointing.nested_span > 1 and (c.checkpointing.keep or (c.checkpointing.offload_activations
                                                                          and not nest_offloaded)):
             continue  # nesting spans of selective blocks, or nesting what is offloaded anyway: nothing to gain
-        if c.checkpointing.ffn_chunk_tokens and (not fits_block_model(c, gpus) or Geometry.of(c, gpus).whole_block
-                                                 or Geometry.of(c, gpus).ffn_rows == Geometry.of(c, gpus).tokens):
-            # only the block model counts the chunks (no chunked curve is measured), and not beside whole blocks
-            # (their measured parts' activations hold the MLP's whole); one chunk: no change
-            continue
+        if c.checkpointing.ffn_chunk_tokens:
+            g = Geometry.of(c, gpus)
+            if not fits_block_model(c, gpus) or g.whole_block or g.ffn_rows == g.tokens:
+                # only the block model counts the chunks (no chunked curve is measured), and not beside whole blocks
+                # (their measured parts' activations hold the MLP's whole); one chunk: no change
+                continue
         if window.label and (c.checkpointing.keep or not fits_block_model(c, gpus)):
             continue  # the window-wise form is counted by the block model only (its constants are measured there)
         extra = ", ".join(o.label for o in (offload, nested, ffn, window) if o.label)
