@@ -182,8 +182,9 @@ def inputs_made_apart(args: argparse.Namespace, work: Path) -> Path:
     random 5B model on the GPU here would leave this process's CUDA context and the allocator's cached blocks (the
     model's 10.5 GB) on GPU 0 for the whole chain, beside rank 0."""
     cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(work), "--make-cache-only",
-           "--preset", args.preset, "--configs", args.configs, "--device", args.device, "--videos", str(args.videos),
-           "--durations", *map(str, args.durations), *sum((["--set", s] for s in args.overrides), [])]
+           "--preset", args.preset, "--configs", args.configs, "--gpus", str(args.gpus), "--device", args.device,
+           "--videos", str(args.videos), "--durations", *map(str, args.durations),
+           *sum((["--set", s] for s in args.overrides), [])]
     subprocess.run(cmd, cwd=REPO, check=True)
     return work / "weights"
 
