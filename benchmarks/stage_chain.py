@@ -108,7 +108,7 @@ def stage_config(duration: int, gpus: int = 1, pattern: str = COGVIDEOX_CONFIGS)
     return REPO / pattern.format(stage=STAGES.get(duration, "stage5-63s"), gpus=gpus)
 
 
-def resolved(duration: int, args: argparse.Namespace, gpus: int = 1) -> Any:
+def resolved(duration: int, args: argparse.Namespace, gpus: int) -> Any:
     from tttvideo.config.loader import load_config
 
     return load_config(stage_config(duration, gpus, args.configs),
@@ -128,7 +128,7 @@ def make_weights(args: argparse.Namespace, work: Path) -> Path:
     folder = work / "weights" / "transformer"
     if (folder / "config.json").is_file():
         return folder.parent
-    cfg = resolved(args.durations[0], args)
+    cfg = resolved(args.durations[0], args, args.gpus)
     cfg.model.pretrained_path = ""
     # the folder holds the plain backbone, whatever the first stage stores its frozen weights as (the one-GPU 63-s
     # config's fp8 storage renames them), so without fp8 products either
@@ -152,7 +152,7 @@ def make_cache(args: argparse.Namespace, work: Path, duration: int) -> Path:
     manifest = root / "manifest.jsonl"
     if manifest.is_file():
         return manifest
-    cfg = resolved(duration, args)
+    cfg = resolved(duration, args, args.gpus)
     layout = layout_of(cfg)
     spec = get_preset(cfg.model.preset)
     g = torch.Generator().manual_seed(duration)
