@@ -484,12 +484,14 @@ def merged(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     if not same:
         return result
     run = {k: old.get(k) for k in ("git_commit", "overrides")}
-    redone = {r["duration_s"] for r in result["stages"]}
+    # a stage is its length and config: a run of another config set (--configs) at the same length adds a row
+    redone = {(r["duration_s"], r.get("config")) for r in result["stages"]}
     # a sampled length's layouts are compared with this run's one-process latents: an earlier run's go with them
     resampled = {s["duration_s"] for s in result["samples"]}
-    stages = [{**run, **r} for r in old.get("stages", []) if r["duration_s"] not in redone] + result["stages"]
+    stages = [{**run, **r} for r in old.get("stages", [])
+              if (r["duration_s"], r.get("config")) not in redone] + result["stages"]
     samples = [{**run, **s} for s in old.get("samples", []) if s["duration_s"] not in resampled]
-    return {**result, "stages": sorted(stages, key=lambda r: r["duration_s"]), "samples": samples + result["samples"]}
+    return {**result, "stages": sorted(stages, key=lambda r: (r["duration_s"], r.get("config") or "")), "samples": samples + result["samples"]}
 
 
 def main(argv: list[str] | None = None) -> int:

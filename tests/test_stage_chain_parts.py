@@ -76,6 +76,15 @@ def test_a_chain_run_in_parts_merges_into_one_file(tmp_path):
     assert [(r["duration_s"], r["git_commit"]) for r in merged["stages"]] == [(3, "aaa"), (63, "bbb")]
     assert merged["stages"][0]["overrides"] == [] and merged["git_commit"] == "bbb"
     assert merged["samples"] == second["samples"]
+    # another config at a length already held (e.g. --configs '{stage}-{gpus}gpu-141gb.toml') is a row beside it
+    out.write_text(json.dumps({**head, "git_commit": "ccc", "overrides": [], "samples": [], "stages": [
+        {"duration_s": 63, "config": "stage5-63s-2gpu.toml", "median_step_s": 131.7}]}))
+    third = {**head, "git_commit": "ddd", "overrides": [], "samples": [], "stages": [
+        {"duration_s": 63, "config": "stage5-63s-2gpu-141gb.toml", "median_step_s": 113.0}]}
+    assert [r["config"] for r in stage_chain.merged(out, third)["stages"]] == [
+        "stage5-63s-2gpu-141gb.toml", "stage5-63s-2gpu.toml"]
+    rerun = {**third, "stages": [{**third["stages"][0], "config": "stage5-63s-2gpu.toml"}]}
+    assert [r["median_step_s"] for r in stage_chain.merged(out, rerun)["stages"]] == [113.0]
     # another machine's file is replaced, not merged
     other = {**second, "device": "NVIDIA H100 80GB HBM3"}
     assert stage_chain.merged(out, other)["stages"] == second["stages"]
