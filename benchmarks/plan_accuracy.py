@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ STEP_SETUP = ["model.preset=cogvideox-5b", 'model.pretrained_path=""', "model.dt
               "layout.height=480", "layout.width=720", "layout.text_tokens=0", "train.precision=fp32",
               "train.batch_size=1", "checkpointing.attention=true", "checkpointing.forward_ttt=true",
               "checkpointing.reverse_ttt=true", "checkpointing.mlp=true", "train.optimizer=adamw8bit"]
+SHIPPED_2GPU = re.compile(r"stage\d-\d+s-2gpu\.toml")  # the two-GPU stage configs the FSDP reserve is fitted on
 NO_WEIGHTS = ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0"]
 
 
@@ -162,9 +164,10 @@ def _chain_rows() -> list[Row]:
                 continue
             row = _stage_row(r, chain, path, "cogvideox-5b", "chain ", r["median_step_s"] if h100 else None)
             row.name += "" if h100 else ", H200: memory only"
-            # the two-GPU rows (FSDP, no sp) fix the FSDP reserve together; their allocated peaks stay held out, and
-            # other GPU counts' rows (the four-GPU chain) are held out whole
-            if gpus == 2 and not _run_overrides(r, chain):
+            # the two-GPU rows (FSDP, no sp) of the shipped two-GPU configs fix the FSDP reserve together; their
+            # allocated peaks stay held out, and other GPU counts' rows (the four-GPU chain) and other configs at a
+            # length (e.g. stage5-63s-2gpu-141gb.toml's whole blocks) are held out whole
+            if gpus == 2 and not _run_overrides(r, chain) and SHIPPED_2GPU.fullmatch(r["config"]):
                 row.role, row.calibrates = "calibration", FSDP_RESERVE
             row.gpus = gpus
             rows.append(row)

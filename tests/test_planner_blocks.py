@@ -302,3 +302,31 @@ def test_committed_whole_block_constants_predict_the_held_out_63s_fsdp_step():
                           ["model.pretrained_path=", "train.init_from="])
     assert shipped.checkpointing == chosen.config.checkpointing and shipped.parallel == chosen.config.parallel
     assert best(plan(stage, "train", int(79.6 * GIB), costs, gpus=2)).candidate.label.startswith("ckpt sub-block")
+
+
+@pytest.mark.parametrize("stage", ["stage1-3s", "stage2-9s", "stage3-18s", "stage4-30s"])
+def test_shipped_whole_block_configs_are_the_80gb_pick_and_predict_their_chain(stage):
+    """configs/cogvideox-5b/<stage>-1gpu-wholeblock.toml is `tttv plan <stage>-1gpu.toml --gpu-mem 79.6GiB`'s first
+    choice (whole blocks, their four parts unchecked), and the planner's peak for it is within 5 % of what the
+    one-GPU chain measured with it under a 79-GiB cap (stage_chain_wholeblock_80gb_h200.json, held out)."""
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import Candidate, best, plan, predict
+
+    costs = load_costs("h100")
+    none = ["model.pretrained_path=", "train.init_from="]
+    base = load_config(ROOT / f"configs/cogvideox-5b/{stage}-1gpu.toml", none)
+    chosen = best(plan(base, "train", int(79.6 * GIB), costs, gpus=1))
+    shipped = load_config(ROOT / f"configs/cogvideox-5b/{stage}-1gpu-wholeblock.toml", none)
+    assert chosen.candidate.label.startswith("ckpt block")
+    assert shipped.checkpointing == chosen.config.checkpointing
+    assert shipped.model.frozen_weights == chosen.config.model.frozen_weights
+    parts = shipped.checkpointing
+    assert parts.block and not (parts.attention or parts.forward_ttt or parts.reverse_ttt or parts.mlp)
+    # either config of a stage follows the other's output
+    assert (shipped.train.output_dir, shipped.train.init_from) == (base.train.output_dir, base.train.init_from)
+    chain = json.loads((ROOT / "benchmarks/results/stage_chain_wholeblock_80gb_h200.json").read_text())
+    row = next(r for r in chain["stages"] if r["config"] == f"{stage}-1gpu-wholeblock.toml")
+    p = predict(shipped, "train", Candidate("as configured", ()), costs, gpus=1)
+    assert abs(p.peak / GIB / row["peak_allocated_gib"] - 1) < 0.05
+    assert abs(p.reserved / GIB / row["peak_reserved_gib"] - 1) < 0.05
+    assert row["peak_reserved_gib"] < 79.0
