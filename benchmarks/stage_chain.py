@@ -491,7 +491,8 @@ def merged(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     stages = [{**run, **r} for r in old.get("stages", [])
               if (r["duration_s"], r.get("config")) not in redone] + result["stages"]
     samples = [{**run, **s} for s in old.get("samples", []) if s["duration_s"] not in resampled]
-    return {**result, "stages": sorted(stages, key=lambda r: (r["duration_s"], r.get("config") or "")), "samples": samples + result["samples"]}
+    stages.sort(key=lambda r: (r["duration_s"], r.get("config") or ""))
+    return {**result, "stages": stages, "samples": samples + result["samples"]}
 
 
 def main(argv: list[str] | None = None) -> int:
