@@ -155,7 +155,8 @@ def _chain_rows() -> list[Row]:
     paths = sorted(RESULTS.glob("stage_chain*_h100.json")) + sorted(RESULTS.glob("stage_chain*_h200.json"))
     for path in paths:
         chain = json.loads(path.read_text())
-        if chain.get("configs", "configs/cogvideox-5b/{stage}-{gpus}gpu.toml").split("/")[1] != "cogvideox-5b":
+        patterns = chain.get("configs", "configs/cogvideox-5b/{stage}-{gpus}gpu.toml")  # a list from 2026-11-29 on
+        if (patterns if isinstance(patterns, str) else patterns[0]).split("/")[1] != "cogvideox-5b":
             continue  # another recipe's chain (stage_chain --configs): its rows name configs outside cogvideox-5b
         gpus = int(chain.get("gpus", 1))
         h100 = path.name.endswith("_h100.json")

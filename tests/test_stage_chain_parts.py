@@ -125,3 +125,18 @@ def test_a_failed_nvidia_smi_reading_keeps_the_gpus_peak():
     peak = higher_of(peak, [60.0, 58.0])
     peak = higher_of(peak, [])
     assert higher_of(peak, [0.1, 0.1]) == [60.0, 58.0]
+
+
+def test_several_config_patterns_take_the_first_file_that_exists():
+    # the fastest 80-GB chain: whole blocks where a stage ships them (3-30 s), every sub-module at 63 s
+    args = stage_chain.parse_args(["--workdir", "/tmp/x", "--configs",
+                                   "configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml",
+                                   "configs/cogvideox-5b/{stage}-{gpus}gpu.toml", "--durations", "3", "63"])
+    assert [stage_chain.stage_config(d, 1, args.configs).name for d in args.durations] == [
+        "stage1-3s-1gpu-wholeblock.toml", "stage5-63s-1gpu.toml"]
+    assert stage_chain.stage_config(63, 2, ["configs/cogvideox-5b/{stage}-{gpus}gpu-141gb.toml",
+                                            "configs/cogvideox-5b/{stage}-{gpus}gpu.toml"]).name == \
+        "stage5-63s-2gpu-141gb.toml"
+    # no file of any pattern: the first, so that loading it names what is missing
+    missing = stage_chain.stage_config(63, 1, ["configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml"])
+    assert missing.name == "stage5-63s-1gpu-wholeblock.toml" and not missing.exists()
