@@ -38,23 +38,22 @@ use_tttv_allocator()
 import model_step  # this script's folder is on sys.path when it runs: the trainer's model and step, shared
 import torch
 
-from tttvideo.config.schema import Config
+from tttvideo.config.schema import CHECKPOINT_PARTS, Config
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.checkpointing import apply_checkpointing
 from tttvideo.train.distributed import TrainRanks
 
-PARTS = ("attention", "forward_ttt", "reverse_ttt", "mlp")
 OFFLOADED = {"offload_activations": True}
 VARIANTS = {
     "kept": {}, "nested": {"nested_span": 6}, "offloaded": OFFLOADED,
     # the block's parts left unchecked (their outputs kept through the block's backward instead of recomputed)
     "offloaded-attn": {**OFFLOADED, "unchecked": ("attention",)},
     "offloaded-attn-mlp": {**OFFLOADED, "unchecked": ("attention", "mlp")},
-    "offloaded-block": {**OFFLOADED, "unchecked": PARTS},
-    "kept-block": {"unchecked": PARTS},
+    "offloaded-block": {**OFFLOADED, "unchecked": CHECKPOINT_PARTS},
+    "kept-block": {"unchecked": CHECKPOINT_PARTS},
 }
-SWITCHES = [*(f"checkpointing.{part}=true" for part in PARTS), "train.optimizer=adamw8bit"]
+SWITCHES = [*(f"checkpointing.{part}=true" for part in CHECKPOINT_PARTS), "train.optimizer=adamw8bit"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         variant = VARIANTS[name]
         cfg.checkpointing.nested_span = variant.get("nested_span", 0)
         cfg.checkpointing.offload_activations = variant.get("offload_activations", False)
-        for part in PARTS:
+        for part in CHECKPOINT_PARTS:
             setattr(cfg.checkpointing, part, part not in variant.get("unchecked", ()))
         apply_checkpointing(model, cfg.checkpointing)  # the part switches and nested_span
         rows.append(_run_variant(name, cfg, model, layout, ranks, batch, device, args.commit))

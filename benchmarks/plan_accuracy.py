@@ -77,18 +77,19 @@ class Row:
     gpus: int = 1  # the launch's GPUs (the memory figures are per GPU, the largest rank's)
 
 
-PARTS_UNCHECKED = [f"checkpointing.{p}=false" for p in ("attention", "forward_ttt", "reverse_ttt", "mlp")]
 # what the whole-block rows fix (`BlockConstants.block_stream_copies` and `block_time`)
 WHOLE_BLOCK = "whole blocks: the parts' stream copies and time factor (with the offloaded row)"
 
 
 def _step_rows() -> list[Row]:
+    from tttvideo.memory.techniques.registry import BLOCK  # whole blocks checkpointed, their four parts not
+
     rows = []
     offloaded = ["checkpointing.offload_activations=true"]
     # memory_techniques.py's variants that the planner proposes (the ones leaving only some parts unchecked are a
     # policy it does not: they have no row)
     variant = {"kept": [], "nested": ["checkpointing.nested_span=6"], "offloaded": offloaded,
-               "offloaded-block": offloaded + PARTS_UNCHECKED, "kept-block": PARTS_UNCHECKED}
+               "offloaded-block": offloaded + list(BLOCK), "kept-block": list(BLOCK)}
     # memory_techniques_h100.json (9 s) calibrates; runs at other lengths (--out memory_techniques_<D>s_h100.json)
     # are held out, their times clean as well; an H200's (memory_techniques_h200.json) is held out, memory only (the
     # costs' step times are an H100's), but for its whole-block row, which with the offloaded row beside it fixes the

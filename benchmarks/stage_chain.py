@@ -114,16 +114,17 @@ def stage_config(duration: int, gpus: int = 1, patterns: tuple[str, ...] | list[
     return next((p for p in paths if p.is_file()), paths[0])
 
 
-def resolved(duration: int, args: argparse.Namespace, gpus: int) -> Any:
+def resolved(duration: int, args: argparse.Namespace) -> Any:
+    """The stage's config for this launch's GPUs (--gpus), as `tttv train` will read it."""
     from tttvideo.config.loader import load_config
 
-    return load_config(stage_config(duration, gpus, args.configs),
+    return load_config(stage_config(duration, args.gpus, args.configs),
                        [f"model.preset={args.preset}", f"layout.duration={duration}s", *args.overrides])
 
 
 def data_parallel(duration: int, args: argparse.Namespace) -> int:
     """How many videos one optimizer step of the stage takes at one micro-batch per rank: its global batch."""
-    return args.gpus // max(1, resolved(duration, args, args.gpus).parallel.sp)
+    return args.gpus // max(1, resolved(duration, args).parallel.sp)
 
 
 # ------------------------------------------------------------------------------------------ inputs, made once
@@ -134,7 +135,7 @@ def make_weights(args: argparse.Namespace, work: Path) -> Path:
     folder = work / "weights" / "transformer"
     if (folder / "config.json").is_file():
         return folder.parent
-    cfg = resolved(args.durations[0], args, args.gpus)
+    cfg = resolved(args.durations[0], args)
     cfg.model.pretrained_path = ""
     # the folder holds the plain backbone, whatever the first stage stores its frozen weights as (the one-GPU 63-s
     # config's fp8 storage renames them), so without fp8 products either
@@ -158,7 +159,7 @@ def make_cache(args: argparse.Namespace, work: Path, duration: int) -> Path:
     manifest = root / "manifest.jsonl"
     if manifest.is_file():
         return manifest
-    cfg = resolved(duration, args, args.gpus)
+    cfg = resolved(duration, args)
     layout = layout_of(cfg)
     spec = get_preset(cfg.model.preset)
     g = torch.Generator().manual_seed(duration)
@@ -255,7 +256,7 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
     measured = kind in known_gpus()
     if not measured and "h100" not in known_gpus():
         return {}
-    p = predict(resolved(duration, args, args.gpus), "train", Candidate("as configured", ()),
+    p = predict(resolved(duration, args), "train", Candidate("as configured", ()),
                 load_costs(kind if measured else "h100"), gpus=args.gpus)
     gib = 2**30
     return {"predicted_allocated_gib": p.peak / gib if p.peak is not None else None,
@@ -356,7 +357,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
                            "global_batch": data_parallel(duration, args), **predicted(args, duration)}
     # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
     # next stage's init_from) take the frozen layers from the previous stage's, which must stay
-    partial = resolved(duration, args, args.gpus).model.frozen_weights == "fp8"
+    partial = resolved(duration, args).model.frozen_weights == "fp8"
     prune = prune_when_started(child, out, None if args.keep_stages or partial else previous)
     watched = [child]
     if kill:
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in row:
             break
         start = [f"train.init_from={work / f'stage-{duration}s'}"]
-        if i + 1 < len(args.durations) and resolved(args.durations[i + 1], args, args.gpus).model.pretrained_path:
+        if i + 1 < len(args.durations) and resolved(args.durations[i + 1], args).model.pretrained_path:
             # a recipe whose later stages read the base weights too (Wan's): this chain's base folder
             start.append(f"model.pretrained_path={weights}")
     if "error" not in rows[-1] and not args.no_sample:

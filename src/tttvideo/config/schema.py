@@ -363,6 +363,10 @@ class CheckpointSwitches:
         "rest of the region is still recomputed"))
 
 
+# a block's four parts, each checkpointed apart by its CheckpointSwitches field
+CHECKPOINT_PARTS = ("attention", "forward_ttt", "reverse_ttt", "mlp")
+
+
 @dataclass
 class CheckpointRule(CheckpointSwitches):
     """Activation checkpointing of a range of layers; replaces the section's settings for those layers."""

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from tttvideo.config.schema import CheckpointingConfig, CheckpointRule
+from tttvideo.config.schema import CHECKPOINT_PARTS, CheckpointingConfig, CheckpointRule
 from tttvideo.errors import ConfigError
 from tttvideo.models.layers import MLP
 
@@ -134,7 +134,7 @@ class LayerPolicy:
 
     def label(self) -> str:
         parts = [f"block x{self.group_size}"] if self.block else []
-        parts += [name for name in ("attention", "forward_ttt", "reverse_ttt", "mlp") if getattr(self, name)]
+        parts += [name for name in CHECKPOINT_PARTS if getattr(self, name)]
         if parts and self.keep:
             parts.append("keeping " + " and ".join(self.keep))
         return ", ".join(parts) or "none"

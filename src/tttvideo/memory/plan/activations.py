@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from tttvideo.config.schema import Config
 from tttvideo.memory.plan.count import Counted, fsdp_shard_degree
-from tttvideo.memory.techniques import window_form
+from tttvideo.memory.techniques import checkpoint_policy, window_form
 
 GIB = 2**30
 
@@ -355,8 +355,6 @@ def whole_block_parts(g: Geometry, k: BlockConstants) -> list[Part]:
 
 
 def _whole_block(cfg: Config) -> bool:
-    from tttvideo.memory.techniques import checkpoint_policy
-
     return checkpoint_policy(cfg) == WHOLE_BLOCK_POLICY
 
 
@@ -510,7 +508,6 @@ def fits_block_model(cfg: Config, gpus: int = 1, k: BlockConstants | None = None
     GiB per GPU on two H200s, counted 75.2), and the reserve is the one measured with sp (that run reserved 1.28x
     what it allocated, against 1.07x on one GPU: `BlockConstants.sp_reserved_fraction`)."""
     from tttvideo.memory.plan.costs import long_range_tag
-    from tttvideo.memory.techniques import checkpoint_policy
     from tttvideo.models.backbone import backbone_of
 
     ck = cfg.checkpointing

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tttvideo.config.schema import Config
+from tttvideo.config.schema import CHECKPOINT_PARTS, Config
 from tttvideo.errors import ConfigError
 from tttvideo.memory.techniques.technique import (CalibrationSetup, Footprint, MemoryTechnique, ModelBytes, Option,
                                                   Phase, Saving)
@@ -28,8 +28,8 @@ QKVO = "configs/cogvideox-5b/stage2-9s-1gpu.toml"  # qkvo, sub-block
 FP32_AUTOCAST = ("model.dtype=fp32", "train.precision=bf16", "train.bf16_stochastic_round=false",
                  "train.optimizer=adamw")
 SAMPLE = "configs/cogvideox-5b/24gb-sample-63s.toml"
-BLOCK = ("checkpointing.attention=false", "checkpointing.forward_ttt=false", "checkpointing.reverse_ttt=false",
-         "checkpointing.mlp=false")
+# whole blocks checkpointed, their four parts not
+BLOCK = tuple(f"checkpointing.{part}=false" for part in CHECKPOINT_PARTS)
 BF16_PLAIN = ("model.frozen_weights=dtype", "train.optimizer=adamw", "checkpointing.offload_activations=false")
 SAMPLE_PLAIN = ("memory.chunked_inference=false", "sample.cfg_batched=true", "sample.offload_blocks=false",
                 "model.frozen_weights=dtype")
@@ -62,9 +62,8 @@ def _all_block_inputs(cfg: Config, model: nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------- activation checkpointing
-_CHECKPOINT_PARTS = ("checkpointing.attention", "checkpointing.forward_ttt", "checkpointing.reverse_ttt",
-                     "checkpointing.mlp")
-_CHECKPOINT_KEYS = ("checkpointing.block", "checkpointing.group_size", *_CHECKPOINT_PARTS, "checkpointing.layers",
+_CHECKPOINT_KEYS = ("checkpointing.block", "checkpointing.group_size",
+                    *(f"checkpointing.{part}" for part in CHECKPOINT_PARTS), "checkpointing.layers",
                     "checkpointing.keep")
 
 
@@ -72,7 +71,8 @@ def _checkpoint(parts: bool, keep: tuple[str, ...] = ()):
     def apply(cfg: Config) -> None:
         ck = cfg.checkpointing
         ck.block, ck.group_size, ck.layers, ck.keep = True, 1, [], list(keep)
-        ck.attention = ck.forward_ttt = ck.reverse_ttt = ck.mlp = parts
+        for part in CHECKPOINT_PARTS:
+            setattr(ck, part, parts)
 
     return apply
 
@@ -82,7 +82,7 @@ def checkpoint_policy(cfg: Config) -> str:
     those outputs), 'sub-block' (blocks and their four parts, as the stage configs), or 'custom' (per-layer rules or
     another mix: not a regime the planner proposes)."""
     ck = cfg.checkpointing
-    parts = (ck.attention, ck.forward_ttt, ck.reverse_ttt, ck.mlp)
+    parts = [getattr(ck, part) for part in CHECKPOINT_PARTS]
     if ck.layers or (ck.block and ck.group_size != 1):
         return "custom"
     if ck.keep:
