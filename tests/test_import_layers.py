@@ -20,8 +20,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what every layer may use: errors, config, layout arithmetic, devices and dtypes, the diffusion schedule, and
     # the process-group plumbing the model's layers are handed (the sequence shards, the device mesh, the group
-    # start, the launcher and the liveness watch it sets up); the run-folder locks
-    ("base", ("errors", "locks", "outputs", "device", "dtypes", "config", "layout", "rope", "diffusion",
+    # start, the launcher and the liveness watch it sets up); the run-folder locks; weight initialisation
+    ("base", ("errors", "locks", "outputs", "device", "dtypes", "initializers", "config", "layout", "rope", "diffusion",
               "parallel.sequence", "parallel.mesh", "parallel.group", "parallel.launch", "parallel.watchdog")),
     # the long-range layers: TTT and the baselines beside it, which share its gated bidirectional wrapper
     ("ttt", ("ttt", "sequence")),

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tttvideo import initializers as init
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 from tttvideo.sequence.recurrent import no_sequence_parallel
@@ -45,7 +46,7 @@ class FullAttentionPass(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         for lin in (self.qkv, self.out):
-            nn.init.normal_(lin.weight, std=0.02)
+            init.normal_(lin.weight, std=0.02)
             nn.init.zeros_(lin.bias)
         self.norm_q.reset_parameters()
         self.norm_k.reset_parameters()

@@ -47,7 +47,10 @@ class GatedRMSNorm(nn.Module):
 @torch.no_grad()
 def init_decay(a_log: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
     """Mamba 2's initialisation: A = -U(1, 16) per head (stored as log(-A)), and the step size dt = softplus(raw +
-    dt_bias) starting log-uniform in [dt_min, dt_max] (dt_bias the softplus inverse of that draw)."""
+    dt_bias) starting log-uniform in [dt_min, dt_max] (dt_bias the softplus inverse of that draw). Nothing on the
+    meta device (tttvideo.initializers says why)."""
+    if a_log.is_meta:
+        return
     a_log.copy_(torch.empty_like(a_log).uniform_(1, 16).log())
     dt = torch.exp(torch.rand_like(dt_bias) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tttvideo import initializers as init
 from tttvideo.errors import UserError
 from tttvideo.layout import VideoLayout
 from tttvideo.sequence.bidirectional import gather_tokens, scan_permutations
@@ -48,7 +49,7 @@ class GatedRecurrentPass(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         for lin in (self.in_proj, self.out_proj):
-            nn.init.normal_(lin.weight, std=0.02)
+            init.normal_(lin.weight, std=0.02)
             nn.init.zeros_(lin.bias)
         self.conv.reset_parameters()
         init_decay(self.A_log, self.dt_bias)

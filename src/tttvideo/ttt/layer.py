@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tttvideo import initializers as init
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import rope_cos_sin
@@ -177,17 +178,17 @@ class TTTLayer(nn.Module):
     def reset_parameters(self) -> None:
         """As the original initialises them: projections and inner weights N(0, 0.02), biases 0, ttt_norm identity."""
         for lin in (self.wq, self.wk, self.wv, self.wo):
-            nn.init.normal_(lin.weight, std=0.02)
+            init.normal_(lin.weight, std=0.02)
             nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.learnable_ttt_lr_weight, std=0.02)
+        init.normal_(self.learnable_ttt_lr_weight, std=0.02)
         nn.init.zeros_(self.learnable_ttt_lr_bias)
         nn.init.ones_(self.ttt_norm_weight)
         nn.init.zeros_(self.ttt_norm_bias)
         self.post_norm.reset_parameters()
-        nn.init.normal_(self.W1, std=0.02)
+        init.normal_(self.W1, std=0.02)
         nn.init.zeros_(self.b1)
         if self.kind == "mlp":
-            nn.init.normal_(self.W2, std=0.02)
+            init.normal_(self.W2, std=0.02)
             nn.init.zeros_(self.b2)
 
     def inner_params(self) -> tuple[torch.Tensor, ...]:

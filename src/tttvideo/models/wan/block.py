@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tttvideo import initializers as init
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
@@ -54,7 +55,7 @@ class ModulationTable(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.table.normal_().div_(self.table.shape[-1] ** 0.5)
+        init.normal_(self.table).div_(self.table.shape[-1] ** 0.5)
 
     def forward(self, projection: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """projection [B, rows, dim] -> rows tensors [B, 1, dim] in fp32."""
