@@ -11,7 +11,9 @@ Text features come from a real sentence encoder when it is installed: all-MiniLM
 random word vectors stands in. Either way the empty prompt maps to all zeros, the "no text" input that text dropout
 trains, so classifier-free guidance against an empty negative prompt samples against what the model learned.
 `data.demo_text_encoder` picks ("auto" = MiniLM if installed and its weights check out); the demo cache records
-which one made it, and sampling uses the same kind and seed.
+which one made it, and sampling uses the same kind and seed. MiniLM encodes each prompt alone (so its features do not
+depend on the batch) and keeps them on disk (`tttvideo.text.minilm_cache`): a later process reads them without
+loading transformers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tttvideo.errors import UserError
+from tttvideo.text.minilm_cache import MiniLMFeatureCache
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,9 @@ class DemoTextEncoder:
         self.kind = kind
         self.path = path
         self._model = None
+        self._projection: torch.Tensor | None = None
+        self._rows: dict[str, tuple[torch.Tensor, int]] = {}  # this process's prompts, each read or encoded once
+        self._cache = MiniLMFeatureCache(MINILM_SHA256, text_tokens) if kind == "minilm" else None
 
     def describe(self) -> str:
         if self.kind == "minilm":
@@ -112,32 +118,46 @@ class DemoTextEncoder:
             hf_logging.disable_progress_bar()  # its per-load bar would cut through ours
             tok = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
             model = AutoModel.from_pretrained(str(self.path), local_files_only=True).eval()
-            proj = orthogonal_projection(model.config.hidden_size, self.text_dim, self.seed)
-            self._model = (tok, model, proj)
+            self._model = (tok, model)
         return self._model
+
+    def _minilm_rows(self, prompt: str) -> tuple[torch.Tensor, int]:
+        """MiniLM's rows of the prompt's real tokens [n, 384] (padded to text_tokens, padding dropped) and its token
+        count before truncation: from the on-disk cache (`tttvideo.text.minilm_cache`), else encoded alone, so the
+        rows never depend on which prompts share a call, and kept there."""
+        cached = self._rows.get(prompt) or self._cache.get(prompt)
+        if cached is not None:
+            self._rows[prompt] = cached
+            return cached
+        tok, model = self._minilm()
+        enc = tok([prompt], padding="max_length", max_length=self.text_tokens, truncation=True, return_tensors="pt")
+        real = int(enc["attention_mask"][0].sum())
+        rows = model(**enc).last_hidden_state[0, :real].clone()
+        count = len(tok(prompt)["input_ids"])
+        self._cache.put(prompt, rows, count)
+        self._rows[prompt] = rows, count
+        return rows, count
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, list[int]]:
         """Features [n, L, D] and the real token count of each prompt (before padding / truncation)."""
-        if self.kind == "minilm":
-            tok, model, proj = self._minilm()
-            enc = tok(prompts, padding="max_length", max_length=self.text_tokens, truncation=True,
-                      return_tensors="pt")
-            hidden = model(**enc).last_hidden_state  # [n, L, 384]
-            mask = enc["attention_mask"][..., None].float()
-            feats = (hidden @ proj) * mask  # padding positions carry nothing, like a zeroed (dropped) prompt
-            counts = [len(ids) for ids in tok(prompts)["input_ids"]]
-        else:
-            feats = torch.zeros(len(prompts), self.text_tokens, self.text_dim)
-            counts = []
-            for i, prompt in enumerate(prompts):
+        feats = torch.zeros(len(prompts), self.text_tokens, self.text_dim)  # padding positions carry nothing
+        counts = []
+        for i, prompt in enumerate(prompts):
+            if self.kind == "minilm":
+                rows, count = self._minilm_rows(prompt)
+                if self._projection is None:
+                    self._projection = orthogonal_projection(rows.shape[-1], self.text_dim, self.seed)
+                feats[i, : rows.shape[0]] = rows @ self._projection
+            else:
                 words = re.findall(r"<\w+>|\w+", prompt.lower())
-                counts.append(len(words))
+                count = len(words)
                 for j, word in enumerate(words[: self.text_tokens]):
                     gen = torch.Generator().manual_seed(zlib.crc32(word.encode()) + (self.seed << 32))
                     feats[i, j] = torch.randn(self.text_dim, generator=gen)
-        # every token to unit RMS (the scale the model's init expects); per token, so a prompt's features do not
-        # depend on which other prompts share the call
+            counts.append(count)
+        # every token to unit RMS (the scale the model's init expects); per token, as everything above is per
+        # prompt, so a prompt's features do not depend on which other prompts share the call
         feats = feats / feats.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
         # the empty prompt is all zeros: exactly the "no text" input text dropout trains (and CFG samples against)
         for i, prompt in enumerate(prompts):

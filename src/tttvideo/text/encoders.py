@@ -61,6 +61,6 @@ def make_text_encoder(cfg: Config, text_tokens: int, text_dim: int, device: torc
     enc = TEXT_ENCODERS[backbone.text_encoder](path, text_tokens, enc_device)
     if enc.text_dim != text_dim:
         enc.release()
-        raise UserError(f"the {backbone.text_encoder} in {path} gives {enc.text_dim}-d features but the model takes {text_dim}-d; "
-                        f"use the text encoder the model was trained with")
+        raise UserError(f"the {backbone.text_encoder} in {path} gives {enc.text_dim}-d features but the model takes "
+                        f"{text_dim}-d; use the text encoder the model was trained with")
     return enc
