@@ -21,6 +21,8 @@ GPU memory beside the stages):
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain              # the GPU run (full size)
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 2 --kill-at 3 --reshard-gpus 1 \
         --sample-steps 1                                                                   # two GPUs
+    PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 4 --no-kill --no-sample \
+        --cap-at-plan 0.05 --out /tmp/capped.json      # each stage under its predicted reserved peak + 5 %
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --make-cache-only --durations 63
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --configs \
         'configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml' 'configs/cogvideox-5b/{stage}-{gpus}gpu.toml'
@@ -56,8 +58,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/launch_watch.py, run as a script or module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours in benchmarks/, as a script or module
 from launch_watch import Watched, gpu_name, worker_of_rank  # noqa: E402
+from stage_chain_report import merged, print_table  # noqa: E402
 
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 
@@ -100,11 +103,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-stages", action="store_true",
                     help="keep every stage's checkpoints (by default a stage's go once the next one has started)")
     ap.add_argument("--make-cache-only", action="store_true", help="make the weights folder and caches, then stop")
+    ap.add_argument("--cap-at-plan", type=float, default=None, metavar="MARGIN",
+                    help="run each stage's launches under memory.max_gpu_gib = the planner's predicted reserved peak "
+                         "x (1 + MARGIN), e.g. 0.05 (tttv plan's default margin): a stage that runs shows the "
+                         "prediction is memory enough, one that runs out shows it is not, on a card that would "
+                         "otherwise let the allocator keep more cached than the run needs")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default="")
     ap.add_argument("--note", default="", help="kept in each row, e.g. what else ran on the host meanwhile")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.cap_at_plan is not None and any(o.startswith("memory.max_gpu_gib=") for o in args.overrides):
+        ap.error("--cap-at-plan sets memory.max_gpu_gib itself, from each stage's prediction; drop the --set")
+    if args.cap_at_plan is not None and args.cap_at_plan < 0:
+        ap.error("--cap-at-plan: the margin is a share of the predicted peak, 0 or more (0.05 = 5 %)")
+    return args
 
 
 def stage_config(duration: int, gpus: int = 1, patterns: tuple[str, ...] | list[str] = (COGVIDEOX_CONFIGS,)) -> Path:
@@ -269,6 +282,17 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
             "predicted_basis": p.basis + ("" if measured else f" (H100 costs; no {kind} step time)")}
 
 
+def plan_cap(row: dict[str, Any], margin: float, config: str) -> float:
+    """--cap-at-plan's allocator cap for a stage: its predicted reserved peak plus `margin` of it, in GiB (two
+    decimals, as the config key is written)."""
+    reserved = row.get("predicted_reserved_gib")
+    if not reserved:
+        raise SystemExit(f"--cap-at-plan: the planner predicts no reserved peak for {config} here "
+                         f"({row.get('predicted_basis') or 'no costs for this device'}); run it on a GPU the planner "
+                         f"has costs for, or without --cap-at-plan")
+    return round(reserved * (1 + margin), 2)
+
+
 def prune_when_started(child: "Watched", out: Path, previous: Path | None) -> Any:
     """A wait condition that deletes the previous stage's checkpoints once this stage has run a step (its
     `train.init_from` has been read by then), so the disk holds one stage's checkpoints at a time."""
@@ -350,11 +374,15 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
         shutil.rmtree(out)
     steps = args.last_steps if kill else args.steps
     every = 1 if kill else steps
-    t0 = time.perf_counter()
-    child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus), log, REPO)
     # the steps asked of this stage: a chain run in parts merges rows of invocations with different --steps
     row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus, "steps_asked": steps,
                            "global_batch": data_parallel(duration, args), **predicted(args, duration)}
+    launch = start  # the stage's own launches (not a reshard's: another GPU count, another prediction)
+    if args.cap_at_plan is not None:
+        row["cap_gib"] = plan_cap(row, args.cap_at_plan, config.name)
+        launch = [*start, f"memory.max_gpu_gib={row['cap_gib']}"]
+    t0 = time.perf_counter()
+    child = Watched(train_command(args, duration, out, manifest, launch, steps, every, args.gpus), log, REPO)
     # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
     # next stage's init_from) take the frozen layers from the previous stage's, which must stay
     partial = resolved(duration, args).model.frozen_weights == "fp8"
@@ -368,8 +396,8 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
         print(f"killed (kill -9, {killed['killed']}) in step {killed['killed_after_step'] + 1}; the launch exited "
               f"{killed['launch_exit_s']:.1f} s later; resuming", flush=True)
         log = work / f"stage-{duration}s-resume.log"
-        child = Watched(train_command(args, duration, out, manifest, start, steps, every, args.gpus, "--resume"), log,
-                    REPO)
+        child = Watched(train_command(args, duration, out, manifest, launch, steps, every, args.gpus, "--resume"),
+                        log, REPO)
         watched.append(child)
     code = child.wait(until=prune)
     row["wall_s"] = time.perf_counter() - t0
@@ -479,29 +507,6 @@ def compare_latents(rows: list[dict[str, Any]]) -> None:
                       "rms_rel_diff_vs_1": ((x - ref).float().norm() / ref.float().norm()).item()})
 
 
-def merged(out: Path, result: dict[str, Any]) -> dict[str, Any]:
-    """`result` with the rows of `out`'s earlier run on the same machine kind that this run did not redo: a chain
-    too long for one lease of the machine runs in parts (e.g. --durations 3 9 18, then 30 63) into one file. Each
-    row names the commit and overrides it ran at."""
-    try:
-        old = json.loads(out.read_text()) if out.is_file() else {}
-    except ValueError:
-        old = {}
-    same = all(old.get(k) == result[k] for k in ("benchmark", "device", "gpus", "preset"))
-    if not same:
-        return result
-    run = {k: old.get(k) for k in ("git_commit", "overrides")}
-    # a stage is its length and config: a run of another config set (--configs) at the same length adds a row
-    redone = {(r["duration_s"], r.get("config")) for r in result["stages"]}
-    # a sampled length's layouts are compared with this run's one-process latents: an earlier run's go with them
-    resampled = {s["duration_s"] for s in result["samples"]}
-    stages = [{**run, **r} for r in old.get("stages", [])
-              if (r["duration_s"], r.get("config")) not in redone] + result["stages"]
-    samples = [{**run, **s} for s in old.get("samples", []) if s["duration_s"] not in resampled]
-    stages.sort(key=lambda r: (r["duration_s"], r.get("config") or ""))
-    return {**result, "stages": stages, "samples": samples + result["samples"]}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir).resolve()
@@ -558,39 +563,6 @@ def main(argv: list[str] | None = None) -> int:
     print_table(merged(out, result))
     ok = all("error" not in r and "error" not in r.get("reshard", {}) for r in rows)
     return 0 if ok and (args.no_sample or samples) and all(s["exit_code"] == 0 for s in samples) else 1
-
-
-def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{result['device']}, torch {result['torch']}, {result['gpus']} GPU(s), {result['preset']}, "
-          f"{result['steps_per_stage']} steps per stage")
-    print(f"{'stage':>6} {'s/step':>8} {'alloc GiB':>9} {'resv GiB':>9} {'smi GiB':>8} {'host GiB':>8} "
-          f"{'ckpt GiB':>8} {'save s':>7} {'plan resv':>9} {'plan host':>9} {'plan s':>7}  notes")
-    for r in result["stages"]:
-        if "error" in r:
-            print(f"{r['duration_s']:>5}s  failed (exit {r['exit_code']}): {r['error']}")
-            continue
-        notes = []
-        if "killed_after_step" in r:
-            notes.append(f"kill -9 of {r['killed']} in step {r['killed_after_step'] + 1}: launch exited in "
-                         f"{r['launch_exit_s']:.0f} s, resumed, each step once: {r['resumed_steps_once']}")
-        if "reshard" in r:
-            rs = r["reshard"]
-            notes.append(f"resumed on {rs['gpus']} GPU(s): " + (f"failed: {rs['error']}" if "error" in rs else
-                                                                f"step {rs['steps'][-1]} {rs['step_s']:.1f} s"))
-        smi = f"{max(r['peak_gpu_used_gib']):>8.1f}" if r["peak_gpu_used_gib"] else f"{'-':>8}"
-        step = f"{r['median_step_s']:>8.2f}" if r["median_step_s"] is not None else f"{'-':>8}"
-        # "-" where the planner has no step time for this GPU (an H200 row keeps the H100 figure as h100_step_s)
-        plan_s = f"{r['predicted_step_s']:>7.1f}" if r.get("predicted_step_s") is not None else f"{'-':>7}"
-        print(f"{r['duration_s']:>5}s {step} {r['peak_allocated_gib']:>9.1f} "
-              f"{r['peak_reserved_gib']:>9.1f} {smi} {r['peak_host_gib']:>8.1f} {r['checkpoint_gib'] or 0:>8.2f} "
-              f"{r['checkpoint_save_s'] or 0:>7.1f} {r.get('predicted_reserved_gib') or 0:>9.1f} "
-              f"{r.get('predicted_host_gib') or 0:>9.1f} {plan_s}  {'; '.join(notes)}")
-    for s in result["samples"]:
-        diff = (f", latents vs one process: max |d| {s['max_abs_diff_vs_1']:.3g} ({s['max_rel_diff_vs_1']:.2%} "
-                f"of the largest)" if "max_abs_diff_vs_1" in s else "")
-        denoise = f" (denoising {s['denoise_s']:.1f} s)" if "denoise_s" in s else ""
-        print(f"sample {s['duration_s']} s, layout {s['layout']} ({s['gpus']} GPU(s)): exit {s['exit_code']}, "
-              f"{s['wall_s']:.0f} s{denoise}{diff}" + (f": {s['error']}" if "error" in s else ""))
 
 
 if __name__ == "__main__":

@@ -140,3 +140,33 @@ def test_several_config_patterns_take_the_first_file_that_exists():
     # no file of any pattern: the first, so that loading it names what is missing
     missing = stage_chain.stage_config(63, 1, ["configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml"])
     assert missing.name == "stage5-63s-1gpu-wholeblock.toml" and not missing.exists()
+
+
+def test_cap_at_plan_runs_the_stage_under_its_predicted_reserve(tmp_path, monkeypatch):
+    """--cap-at-plan: each stage's launches get memory.max_gpu_gib = the predicted reserved peak x (1 + margin); a
+    stage with no prediction stops the chain with a sentence, and a cap of the user's own is refused."""
+    launched = []
+
+    class Launch:  # a launch that fails at once: run_stage records it and returns
+        def __init__(self, cmd, log, cwd):
+            launched.append(cmd)
+            self.log = open(log, "w")
+
+        def wait(self, until=None):
+            return 1
+
+    monkeypatch.setattr(stage_chain, "Watched", Launch)
+    monkeypatch.setattr(stage_chain, "make_cache", lambda args, work, duration: work / "manifest.jsonl")
+    monkeypatch.setattr(stage_chain, "predicted", lambda args, duration: {"predicted_reserved_gib": 40.0})
+    args = stage_chain.parse_args(["--workdir", str(tmp_path), "--preset", "tiny", "--device", "cpu",
+                                   "--cap-at-plan", "0.05", "--durations", "3"])
+    row = stage_chain.run_stage(args, tmp_path, 3, ["train.init_from=\"\""], kill=False)
+    assert row["cap_gib"] == 42.0 and row["exit_code"] == 1 and "error" in row
+    assert "memory.max_gpu_gib=42.0" in launched[0]
+    monkeypatch.setattr(stage_chain, "predicted", lambda args, duration: {})
+    with pytest.raises(SystemExit, match="--cap-at-plan: the planner predicts no reserved peak for stage1-3s-1gpu"):
+        stage_chain.run_stage(args, tmp_path, 3, [], kill=False)
+    assert len(launched) == 1  # nothing launched without a cap to run under
+    for bad in (["--cap-at-plan", "0.05", "--set", "memory.max_gpu_gib=70"], ["--cap-at-plan", "-0.1"]):
+        with pytest.raises(SystemExit):
+            stage_chain.parse_args(["--workdir", str(tmp_path), *bad])
