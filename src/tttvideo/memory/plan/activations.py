@@ -55,15 +55,14 @@ from dataclasses import dataclass, field
 
 from tttvideo.config.schema import Config
 from tttvideo.memory.plan.count import Counted, fsdp_shard_degree
-from tttvideo.memory.techniques import checkpoint_policy, window_form
+from tttvideo.memory.techniques import SUB_BLOCK_POLICY, WHOLE_BLOCK_POLICY, checkpoint_policy, window_form
 
 GIB = 2**30
 
 # the setup the block model is measured for: every block and each of its four parts checkpointed, one block a unit
-BLOCK_MODEL_POLICY = "sub-block"
-# whole blocks checkpointed, their parts not: counted as the sub-block model plus the parts' measured activations
-# (`BlockConstants.block_stream_copies`), on the measured backbones only
-WHOLE_BLOCK_POLICY = "block"
+BLOCK_MODEL_POLICY = SUB_BLOCK_POLICY
+# whole blocks checkpointed, their parts not (WHOLE_BLOCK_POLICY): counted as the sub-block model plus the parts'
+# measured activations (`BlockConstants.block_stream_copies`), on the measured backbones only
 MEASURED_ADAPTERS = ("qkvo",)
 # adapters whose activations are the measured ones': full fine-tuning saves the same block inputs and runs the same
 # working sets (its extra gradients and optimizer state are counted parts); LoRA adds low-rank activations

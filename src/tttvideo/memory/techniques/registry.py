@@ -77,6 +77,11 @@ def _checkpoint(parts: bool, keep: tuple[str, ...] = ()):
     return apply
 
 
+# checkpoint_policy's names of the two regimes the planner counts (its block model's, and whole blocks on top of it)
+WHOLE_BLOCK_POLICY = "block"
+SUB_BLOCK_POLICY = "sub-block"
+
+
 def checkpoint_policy(cfg: Config) -> str:
     """'none', 'block' (whole blocks), 'block-keep-attention' / 'block-keep-attention+matmul' (whole blocks keeping
     those outputs), 'sub-block' (blocks and their four parts, as the stage configs), or 'custom' (per-layer rules or
@@ -90,9 +95,9 @@ def checkpoint_policy(cfg: Config) -> str:
     if not ck.block and not any(parts):
         return "none"
     if ck.block and not any(parts):
-        return "block"
+        return WHOLE_BLOCK_POLICY
     if ck.block and all(parts):
-        return "sub-block"
+        return SUB_BLOCK_POLICY
     return "custom"
 
 
@@ -107,7 +112,7 @@ def _checkpoint_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -
     if not ck.block:
         found.append(Saving("checkpointing.block = true", "of activations: each block is recomputed in backward and "
                                                           "keeps only its input"))
-    elif checkpoint_policy(cfg) == "block":
+    elif checkpoint_policy(cfg) == WHOLE_BLOCK_POLICY:
         # not counted here (the measured size is the planner's, a layer above): about 27 block inputs' worth for
         # CogVideoX (docs/memory.md, "Whole blocks or every sub-module")
         found.append(Saving("checkpointing.attention, forward_ttt, reverse_ttt and mlp = true",
