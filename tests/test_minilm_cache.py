@@ -4,6 +4,7 @@ entry is encoded again; another padded length is another entry; TTTV_CACHE_DIR=o
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,8 +76,10 @@ def test_a_fresh_process_reading_the_cache_never_imports_transformers(cache_dir)
             "torch.save(feats, sys.argv[1])\n"
             "print('transformers' in sys.modules)\n")
     out = cache_dir.parent / "feats.pt"
+    # the parent's thread count: the projection's matrix product may round otherwise with another
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+                         cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "False"
     assert torch.equal(torch.load(out), feats)
