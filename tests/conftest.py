@@ -17,7 +17,7 @@ DEMO_RUN = pytest.StashKey[tuple]()
 # Under pytest-xdist the workers share the machine's cores: each worker and the processes a test starts (the README
 # snippet, the demo job, the kernel runners under Triton's interpreter) take one intra-op thread each, as the launch
 # tests' ranks do, instead of one per core each (oversubscribed OpenMP threads spin). On a two-core machine the first
-# pass took 343-361 s so against 385-463 s before.
+# pass took 343-361 s against 385-463 s before.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the worker itself: torch was imported before this

@@ -125,7 +125,9 @@ class DemoTextEncoder:
         """MiniLM's rows of the prompt's real tokens [n, 384] (padded to text_tokens, padding dropped) and its token
         count before truncation: from the on-disk cache (`tttvideo.text.minilm_cache`), else encoded alone, so the
         rows never depend on which prompts share a call, and kept there."""
-        cached = self._rows.get(prompt) or self._cache.get(prompt)
+        if prompt in self._rows:
+            return self._rows[prompt]
+        cached = self._cache.get(prompt)
         if cached is not None:
             self._rows[prompt] = cached
             return cached
