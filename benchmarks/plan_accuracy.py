@@ -71,6 +71,7 @@ class Row:
     step_s: float | None = None  # clean (steady-state) time only
     first_step: bool = False  # measured in a process's first step (no optimizer state before its optimizer step)
     oom_under: float | None = None  # GiB: ran out of memory under this cap
+    ran_under: float | None = None  # GiB: ran under this cap (stage_chain.py --cap-at-plan)
     calibrates: str = ""  # the constants a calibration row fits
     time_role: str = ""  # where its step time's role differs from its memory's
     predicted: dict = field(default_factory=dict)
@@ -163,8 +164,15 @@ def _chain_rows() -> list[Row]:
         h100 = path.name.endswith("_h100.json")
         for r in chain["stages"]:
             if "error" in r:
+                # a stage that ran out of memory under its planned cap is a plan that said "fits" wrongly
+                if "cap_gib" in r and "out of memory" in " ".join(r["error"]).lower():
+                    row = _stage_row({**r, "peak_allocated_gib": None, "peak_reserved_gib": None}, chain, path,
+                                     "cogvideox-5b", "chain ", None)
+                    row.oom_under, row.gpus = r["cap_gib"], gpus
+                    rows.append(row)
                 continue
             row = _stage_row(r, chain, path, "cogvideox-5b", "chain ", r["median_step_s"] if h100 else None)
+            row.ran_under = r.get("cap_gib")
             row.name += "" if h100 else ", H200: memory only"
             # the two-GPU rows (FSDP, no sp) of the shipped two-GPU configs fix the FSDP reserve together; their
             # allocated peaks stay held out, and other GPU counts' rows (the four-GPU chain) and other configs at a
@@ -185,7 +193,11 @@ def _stage_row(r: dict, chain: dict, path: Path, recipe: str, prefix: str, step_
     """A stage of a stage_chain.py result (`r`, one of `chain`'s stages) as a held-out row: its config as shipped
     (configs/<recipe>/), the overrides its run was given, one video a micro-batch, the process's peaks."""
     sets = _run_overrides(r, chain)
-    return Row(f"{prefix}{r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else ""), path.name,
+    # stage_chain.py --cap-at-plan: the stage ran under its predicted reserved peak plus a margin, so its reserved
+    # peak is the allocator's under that cap (a card no larger than the plan), not what a larger card let it keep
+    capped = f", under the plan's cap {r['cap_gib']:.1f} GiB" if "cap_gib" in r else ""
+    return Row(f"{prefix}{r['duration_s']} s, {r['config']}" + (f" ({', '.join(sets)})" if sets else "") + capped,
+               path.name,
                f"configs/{recipe}/{r['config']}",
                NO_WEIGHTS + [f"layout.duration={r['duration_s']}s", "train.batch_size=1", *sets], "train", "held out",
                r["peak_allocated_gib"], r["peak_reserved_gib"], None, step_s)
@@ -509,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                             **({"time_role": row.time_role} if row.time_role else {}),
                             "first_step": row.first_step, "measured": {"allocated_gib": row.allocated,
                             "reserved_gib": row.reserved, "host_gib": row.host, "step_s": row.step_s,
-                            "oom_under_gib": row.oom_under}, "predicted": p,
+                            "oom_under_gib": row.oom_under, "ran_under_gib": row.ran_under}, "predicted": p,
                             "error": {"reserved": e_res, "allocated": e_all, "step_s": e_t}})
 
         def f(x, pct=False):
@@ -529,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
              is not None and r["predicted"]["basis"].startswith("counted")]
     worst_time = max(timed, key=lambda r: abs(r["error"]["step_s"]), default=None)
     bad_fit = [r["setup"] for r in out["rows"] if r["measured"]["oom_under_gib"] and r["predicted"].get("fits_cap")]
+    # stage_chain.py --cap-at-plan's stages: each ran (a row with a peak) or ran out of memory under its cap
+    capped_ran = sum(r["measured"]["ran_under_gib"] is not None for r in out["rows"])
+    capped_oom = sum(" under the plan's cap " in r["setup"] and r["measured"]["oom_under_gib"] is not None
+                     for r in out["rows"])
     out["summary"] = {"held_out_rows": len(held),
                       "worst_held_out_reserved_error": worst and worst["error"]["reserved"],
                       "worst_held_out_setup": worst and worst["setup"],
@@ -536,12 +552,14 @@ def main(argv: list[str] | None = None) -> int:
                       "worst_held_out_block_model_setup": worst_counted and worst_counted["setup"],
                       "worst_held_out_block_model_step_error": worst_time and worst_time["error"]["step_s"],
                       "worst_held_out_block_model_step_setup": worst_time and worst_time["setup"],
-                      "out_of_memory_predicted_to_fit": bad_fit}
+                      "out_of_memory_predicted_to_fit": bad_fit,
+                      "under_planned_cap": {"ran": capped_ran, "out_of_memory": capped_oom}}
     print(f"\nheld out: {len(held)} rows with a reserved peak; worst {worst and worst['error']['reserved']:+.1%} "
           f"({worst and worst['setup']}); block model: {len(counted)} rows, worst "
           f"{worst_counted and worst_counted['error']['reserved']:+.1%} ({worst_counted and worst_counted['setup']}), "
           f"step time worst {worst_time and worst_time['error']['step_s']:+.1%} ({worst_time and worst_time['setup']})"
-          f"; out-of-memory runs predicted to fit: {bad_fit or 'none'}")
+          f"; out-of-memory runs predicted to fit: {bad_fit or 'none'}; stages run under the plan's cap (predicted "
+          f"reserved + margin): {capped_ran} ran, {capped_oom} out of memory")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")

@@ -507,6 +507,21 @@ def compare_latents(rows: list[dict[str, Any]]) -> None:
                       "rms_rel_diff_vs_1": ((x - ref).float().norm() / ref.float().norm()).item()})
 
 
+def results_name(args: argparse.Namespace, device: str) -> str:
+    """The default results file's name (no suffix): stage_chain[_capped][_<backbone>_<card>][_<gpus>gpu]_<gpu>. A
+    run under --cap-at-plan goes to a file of its own: its reserved peaks are held under the plan, not free."""
+    gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
+    name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"
+    if args.configs != [COGVIDEOX_CONFIGS]:  # another recipe (Wan2.1's 24 GB stages: stage_chain_wan_24gb_<gpu>)
+        from tttvideo.models.backbone import backbone_of
+
+        card = Path(args.configs[0].format(stage="", gpus=args.gpus)).stem.strip("-")
+        name = name.replace("stage_chain", f"stage_chain_{backbone_of(args.preset).name}_{card}")
+    if args.cap_at_plan is not None:
+        name = name.replace("stage_chain", "stage_chain_capped")
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir).resolve()
@@ -518,14 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     weights = inputs_made_apart(args, work)
     device = (gpu_name() or "cuda") if args.device.startswith("cuda") else platform.processor() or "cpu"
-    gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
-    name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"
-    if args.configs != [COGVIDEOX_CONFIGS]:  # another recipe (Wan2.1's 24 GB stages: stage_chain_wan_24gb_<gpu>)
-        from tttvideo.models.backbone import backbone_of
-
-        card = Path(args.configs[0].format(stage="", gpus=args.gpus)).stem.strip("-")
-        name = name.replace("stage_chain", f"stage_chain_{backbone_of(args.preset).name}_{card}")
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"{results_name(args, device)}.json")
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
               "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "configs": args.configs,
               "steps_per_stage": args.steps,

@@ -170,3 +170,17 @@ def test_cap_at_plan_runs_the_stage_under_its_predicted_reserve(tmp_path, monkey
     for bad in (["--cap-at-plan", "0.05", "--set", "memory.max_gpu_gib=70"], ["--cap-at-plan", "-0.1"]):
         with pytest.raises(SystemExit):
             stage_chain.parse_args(["--workdir", str(tmp_path), *bad])
+
+
+def test_results_name_keeps_capped_runs_apart():
+    def name(*flags):
+        return stage_chain.results_name(stage_chain.parse_args(["--workdir", "/tmp/x", *flags]), "NVIDIA H200")
+
+    assert name() == "stage_chain_h200"
+    assert name("--gpus", "4") == "stage_chain_4gpu_h200"
+    # under the plan's cap the reserved peaks are bounded by it: not rows of the free chain's file
+    assert name("--cap-at-plan", "0.05") == "stage_chain_capped_h200"
+    assert name("--cap-at-plan", "0.05", "--gpus", "2") == "stage_chain_capped_2gpu_h200"
+    assert stage_chain.results_name(stage_chain.parse_args(["--workdir", "/tmp/x"]), "NVIDIA H100 80GB HBM3") == \
+        "stage_chain_h100"
+

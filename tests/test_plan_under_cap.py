@@ -1,0 +1,57 @@
+"""The planner's predictions as the memory a stage is run under: benchmarks/stage_chain.py --cap-at-plan ran each
+one-GPU stage config on an H200 under memory.max_gpu_gib = its predicted reserved peak + 5 % (tttv plan's default
+margin), benchmarks/results/stage_chain_capped_h200.json; and how benchmarks/plan_accuracy.py reads such a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import plan_accuracy
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+CAPPED = ROOT / "benchmarks/results/stage_chain_capped_h200.json"
+
+
+@pytest.mark.parametrize("duration", [3, 9, 18, 30, 63])
+def test_each_one_gpu_stage_ran_under_its_planned_reserve_and_the_plan_still_covers_it(duration):
+    """Each stage ran under the cap; what it reserved there is still covered by today's prediction plus the margin
+    (a change to the counted parts that shrank a prediction below what the stage needed fails here), and the
+    prediction is within 10 % of it."""
+    from tttvideo.config.loader import load_config
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import Candidate, predict
+
+    row = next(r for r in json.loads(CAPPED.read_text())["stages"] if r["duration_s"] == duration)
+    assert "error" not in row and row["peak_reserved_gib"] <= row["cap_gib"]
+    cfg = load_config(ROOT / "configs/cogvideox-5b" / row["config"], ["model.pretrained_path=", "train.init_from="])
+    p = predict(cfg, "train", Candidate("as configured", ()), load_costs("h100"), gpus=1)
+    assert p.reserved / GIB * 1.05 >= row["peak_reserved_gib"], (p.reserved / GIB, row["peak_reserved_gib"])
+    assert abs(p.reserved / GIB / row["peak_reserved_gib"] - 1) < 0.10
+
+
+def test_a_capped_stage_that_ran_out_of_memory_is_a_fits_said_wrongly(tmp_path, monkeypatch):
+    """plan_accuracy reads a capped stage that failed for memory as an out-of-memory row under its cap (so the
+    summary lists it among runs predicted to fit that did not) and a capped stage that ran as run under it; a
+    stage that failed for another reason is no row."""
+    chain = json.loads(CAPPED.read_text())
+    ran, oom = (dict(r) for r in chain["stages"][:2])
+    for key in ("median_step_s", "peak_allocated_gib", "peak_reserved_gib"):
+        oom.pop(key)
+    oom.update(exit_code=1, error=["tttv train: error: CUDA out of memory in the backward recompute of block 3"])
+    other = {**oom, "duration_s": 18, "config": "stage3-18s-1gpu.toml", "error": ["tttv train: error: no manifest"]}
+    (tmp_path / "stage_chain_capped_h200.json").write_text(json.dumps({**chain, "stages": [ran, oom, other]}))
+    monkeypatch.setattr(plan_accuracy, "RESULTS", tmp_path)
+    rows = plan_accuracy._chain_rows()
+    assert len(rows) == 2
+    assert rows[0].ran_under == ran["cap_gib"] and rows[0].reserved == ran["peak_reserved_gib"]
+    assert rows[1].oom_under == oom["cap_gib"] and rows[1].reserved is None and rows[1].role == "held out"
+    assert "under the plan's cap" in rows[1].name
+    from tttvideo.memory.plan.costs import load_costs
+
+    # predicted at its reserved peak: it fits the cap (peak + 5 %) it ran out of memory under, so it is a "fits"
+    # the run refutes
+    assert plan_accuracy.predict_row(rows[1], load_costs("h100"))["fits_cap"]
