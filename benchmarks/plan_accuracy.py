@@ -176,8 +176,10 @@ def _chain_rows() -> list[Row]:
             row.name += "" if h100 else ", H200: memory only"
             # the two-GPU rows (FSDP, no sp) of the shipped two-GPU configs fix the FSDP reserve together; their
             # allocated peaks stay held out, and other GPU counts' rows (the four-GPU chain) and other configs at a
-            # length (e.g. stage5-63s-2gpu-141gb.toml's whole blocks) are held out whole
-            if gpus == 2 and not _run_overrides(r, chain) and SHIPPED_2GPU.fullmatch(r["config"]):
+            # length (e.g. stage5-63s-2gpu-141gb.toml's whole blocks) are held out whole, as are runs under the
+            # plan's cap (their reserve is the cap's, not the free run's the fraction is fitted to)
+            if gpus == 2 and not _run_overrides(r, chain) and SHIPPED_2GPU.fullmatch(r["config"]) \
+                    and "cap_gib" not in r:
                 row.role, row.calibrates = "calibration", FSDP_RESERVE
             row.gpus = gpus
             rows.append(row)

@@ -1,6 +1,7 @@
 """The planner's predictions as the memory a stage is run under: benchmarks/stage_chain.py --cap-at-plan ran each
-one-GPU stage config on an H200 under memory.max_gpu_gib = its predicted reserved peak + 5 % (tttv plan's default
-margin), benchmarks/results/stage_chain_capped_h200.json; and how benchmarks/plan_accuracy.py reads such a run."""
+one-GPU stage config on an H200 (and the two-GPU 9-s one on two) under memory.max_gpu_gib = its predicted reserved
+peak + 5 % (tttv plan's default margin), benchmarks/results/stage_chain_capped_h200.json and _2gpu_h200.json; and
+how benchmarks/plan_accuracy.py reads such a run."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from benchmarks import plan_accuracy
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 CAPPED = ROOT / "benchmarks/results/stage_chain_capped_h200.json"
+CAPPED_2GPU = ROOT / "benchmarks/results/stage_chain_capped_2gpu_h200.json"
 
 
-@pytest.mark.parametrize("duration", [3, 9, 18, 30, 63])
-def test_each_one_gpu_stage_ran_under_its_planned_reserve_and_the_plan_still_covers_it(duration):
+@pytest.mark.parametrize("results,duration,gpus", [(CAPPED, d, 1) for d in (3, 9, 18, 30, 63)] + [(CAPPED_2GPU, 9, 2)])
+def test_each_stage_ran_under_its_planned_reserve_and_the_plan_still_covers_it(results, duration, gpus):
     """Each stage ran under the cap; what it reserved there is still covered by today's prediction plus the margin
     (a change to the counted parts that shrank a prediction below what the stage needed fails here), and the
     prediction is within 10 % of it."""
@@ -25,10 +27,10 @@ def test_each_one_gpu_stage_ran_under_its_planned_reserve_and_the_plan_still_cov
     from tttvideo.memory.plan.costs import load_costs
     from tttvideo.memory.plan.planner import Candidate, predict
 
-    row = next(r for r in json.loads(CAPPED.read_text())["stages"] if r["duration_s"] == duration)
+    row = next(r for r in json.loads(results.read_text())["stages"] if r["duration_s"] == duration)
     assert "error" not in row and row["peak_reserved_gib"] <= row["cap_gib"]
     cfg = load_config(ROOT / "configs/cogvideox-5b" / row["config"], ["model.pretrained_path=", "train.init_from="])
-    p = predict(cfg, "train", Candidate("as configured", ()), load_costs("h100"), gpus=1)
+    p = predict(cfg, "train", Candidate("as configured", ()), load_costs("h100"), gpus=gpus)
     assert p.reserved / GIB * 1.05 >= row["peak_reserved_gib"], (p.reserved / GIB, row["peak_reserved_gib"])
     assert abs(p.reserved / GIB / row["peak_reserved_gib"] - 1) < 0.10
 
