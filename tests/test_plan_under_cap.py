@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import plan_accuracy
+from tttvideo.memory.guard.oom import OUT_OF_GPU_MEMORY
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -43,7 +44,9 @@ def test_a_capped_stage_that_ran_out_of_memory_is_a_fits_said_wrongly(tmp_path, 
     ran, oom = (dict(r) for r in chain["stages"][:2])
     for key in ("median_step_s", "peak_allocated_gib", "peak_reserved_gib"):
         oom.pop(key)
-    oom.update(exit_code=1, error=["tttv train: error: CUDA out of memory in the backward recompute of block 3"])
+    # the sentence tttv train ends with (tttvideo.memory.guard.oom.train_oom_error)
+    oom.update(exit_code=1, error=[f"tttv train: error: {OUT_OF_GPU_MEMORY} in the backward of step 2, in block 3 of "
+                                   "42 (Tried to allocate 2.10 GiB); the newest checkpoint is ..."])
     other = {**oom, "duration_s": 18, "config": "stage3-18s-1gpu.toml", "error": ["tttv train: error: no manifest"]}
     (tmp_path / "stage_chain_capped_h200.json").write_text(json.dumps({**chain, "stages": [ran, oom, other]}))
     monkeypatch.setattr(plan_accuracy, "RESULTS", tmp_path)
@@ -57,3 +60,5 @@ def test_a_capped_stage_that_ran_out_of_memory_is_a_fits_said_wrongly(tmp_path, 
     # predicted at its reserved peak: it fits the cap (peak + 5 %) it ran out of memory under, so it is a "fits"
     # the run refutes
     assert plan_accuracy.predict_row(rows[1], load_costs("h100"))["fits_cap"]
+    assert plan_accuracy.ran_out_of_memory(["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"])
+    assert not plan_accuracy.ran_out_of_memory(["tttv train: error: no manifest"])

@@ -31,6 +31,8 @@ from tttvideo.errors import UserError
 from tttvideo.memory.techniques import Saving, techniques
 
 GIB = 2**30
+# the words each out-of-memory sentence begins with: benchmarks find a run that ran out of memory by them in its log
+OUT_OF_GPU_MEMORY = "out of GPU memory"
 
 
 class OutOfMemory(UserError):
@@ -146,7 +148,7 @@ def train_oom_error(err: BaseException, cfg: Config, model: nn.Module, watch: Oo
     gpus = torch.cuda.device_count() if gpus is None else gpus
     kept = (f"the newest checkpoint is {newest_checkpoint} (resume from it with --resume)"
             if newest_checkpoint is not None else "no checkpoint was written yet")
-    return OutOfMemory(f"out of GPU memory in the {watch.where()} ({_first_line(err)}); {kept}; "
+    return OutOfMemory(f"{OUT_OF_GPU_MEMORY} in the {watch.where()} ({_first_line(err)}); {kept}; "
                        f"{_advice(cfg, train_savings(cfg, model, gpus), 'train')}", watch.where(), needed_bytes(err))
 
 
@@ -181,5 +183,5 @@ def sample_oom_error(err: BaseException, cfg: Config, model: nn.Module, watch: O
     where = f"denoise step {step} of {cfg.sample.steps} of story {story!r}"
     if watch.block is not None:
         where += f", in block {watch.block} of {watch.num_blocks}"
-    return OutOfMemory(f"out of GPU memory in {where} ({_first_line(err)}); "
+    return OutOfMemory(f"{OUT_OF_GPU_MEMORY} in {where} ({_first_line(err)}); "
                        f"{_advice(cfg, sample_savings(cfg, model), 'sample')}")
