@@ -71,7 +71,8 @@ class Row:
     step_s: float | None = None  # clean (steady-state) time only
     first_step: bool = False  # measured in a process's first step (no optimizer state before its optimizer step)
     oom_under: float | None = None  # GiB: ran out of memory under this cap
-    ran_under: float | None = None  # GiB: ran under this cap (stage_chain.py --cap-at-plan)
+    plan_cap: float | None = None  # GiB: run under this cap, its predicted reserved peak + a margin (stage_chain.py
+    # --cap-at-plan); with oom_under set too it ran out of memory there
     calibrates: str = ""  # the constants a calibration row fits
     time_role: str = ""  # where its step time's role differs from its memory's
     predicted: dict = field(default_factory=dict)
@@ -168,11 +169,12 @@ def _chain_rows() -> list[Row]:
                 if "cap_gib" in r and ran_out_of_memory(r["error"]):
                     row = _stage_row({**r, "peak_allocated_gib": None, "peak_reserved_gib": None}, chain, path,
                                      "cogvideox-5b", "chain ", None)
-                    row.oom_under, row.gpus = r["cap_gib"], gpus
+                    row.oom_under = row.plan_cap = r["cap_gib"]
+                    row.gpus = gpus
                     rows.append(row)
                 continue
             row = _stage_row(r, chain, path, "cogvideox-5b", "chain ", r["median_step_s"] if h100 else None)
-            row.ran_under = r.get("cap_gib")
+            row.plan_cap = r.get("cap_gib")
             row.name += "" if h100 else ", H200: memory only"
             # the two-GPU rows (FSDP, no sp) of the shipped two-GPU configs fix the FSDP reserve together; their
             # allocated peaks stay held out, and other GPU counts' rows (the four-GPU chain) and other configs at a
@@ -531,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                             **({"time_role": row.time_role} if row.time_role else {}),
                             "first_step": row.first_step, "measured": {"allocated_gib": row.allocated,
                             "reserved_gib": row.reserved, "host_gib": row.host, "step_s": row.step_s,
-                            "oom_under_gib": row.oom_under, "ran_under_gib": row.ran_under}, "predicted": p,
+                            "oom_under_gib": row.oom_under, "plan_cap_gib": row.plan_cap}, "predicted": p,
                             "error": {"reserved": e_res, "allocated": e_all, "step_s": e_t}})
 
         def f(x, pct=False):
@@ -551,10 +553,10 @@ def main(argv: list[str] | None = None) -> int:
              is not None and r["predicted"]["basis"].startswith("counted")]
     worst_time = max(timed, key=lambda r: abs(r["error"]["step_s"]), default=None)
     bad_fit = [r["setup"] for r in out["rows"] if r["measured"]["oom_under_gib"] and r["predicted"].get("fits_cap")]
-    # stage_chain.py --cap-at-plan's stages: each ran (a row with a peak) or ran out of memory under its cap
-    capped_ran = sum(r["measured"]["ran_under_gib"] is not None for r in out["rows"])
-    capped_oom = sum(" under the plan's cap " in r["setup"] and r["measured"]["oom_under_gib"] is not None
-                     for r in out["rows"])
+    # stage_chain.py --cap-at-plan's stages: each ran or ran out of memory under its cap
+    capped = [r["measured"] for r in out["rows"] if r["measured"]["plan_cap_gib"] is not None]
+    capped_oom = sum(m["oom_under_gib"] is not None for m in capped)
+    capped_ran = len(capped) - capped_oom
     out["summary"] = {"held_out_rows": len(held),
                       "worst_held_out_reserved_error": worst and worst["error"]["reserved"],
                       "worst_held_out_setup": worst and worst["setup"],

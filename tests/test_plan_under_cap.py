@@ -52,13 +52,14 @@ def test_a_capped_stage_that_ran_out_of_memory_is_a_fits_said_wrongly(tmp_path, 
     monkeypatch.setattr(plan_accuracy, "RESULTS", tmp_path)
     rows = plan_accuracy._chain_rows()
     assert len(rows) == 2
-    assert rows[0].ran_under == ran["cap_gib"] and rows[0].reserved == ran["peak_reserved_gib"]
-    assert rows[1].oom_under == oom["cap_gib"] and rows[1].reserved is None and rows[1].role == "held out"
+    assert rows[0].plan_cap == ran["cap_gib"] and rows[0].oom_under is None
+    assert rows[0].reserved == ran["peak_reserved_gib"]
+    assert rows[1].oom_under == rows[1].plan_cap == oom["cap_gib"] and rows[1].reserved is None
+    assert rows[1].role == "held out"
     assert "under the plan's cap" in rows[1].name
     from tttvideo.memory.plan.costs import load_costs
 
-    # predicted at its reserved peak: it fits the cap (peak + 5 %) it ran out of memory under, so it is a "fits"
-    # the run refutes
+    # the cap is the prediction + 5 %: the planner says it fits, which the run refutes
     assert plan_accuracy.predict_row(rows[1], load_costs("h100"))["fits_cap"]
     assert plan_accuracy.ran_out_of_memory(["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"])
     assert not plan_accuracy.ran_out_of_memory(["tttv train: error: no manifest"])

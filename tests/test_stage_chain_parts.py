@@ -183,4 +183,3 @@ def test_results_name_keeps_capped_runs_apart():
     assert name("--cap-at-plan", "0.05", "--gpus", "2") == "stage_chain_capped_2gpu_h200"
     assert stage_chain.results_name(stage_chain.parse_args(["--workdir", "/tmp/x"]), "NVIDIA H100 80GB HBM3") == \
         "stage_chain_h100"
-
