@@ -22,7 +22,9 @@ GPU memory beside the stages):
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 2 --kill-at 3 --reshard-gpus 1 \
         --sample-steps 1                                                                   # two GPUs
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 4 --no-kill --no-sample \
-        --cap-at-plan 0.05 --out /tmp/capped.json      # each stage under its predicted reserved peak + 5 %
+        --steps 2 --cap-at-plan 0.05 --durations 30    # under its predicted reserved peak + 5 %: a stage out of memory
+                                                       # ends the chain, so one length an invocation, into
+                                                       # stage_chain_capped_4gpu_<gpu>.json
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --make-cache-only --durations 63
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --configs \
         'configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml' 'configs/cogvideox-5b/{stage}-{gpus}gpu.toml'
