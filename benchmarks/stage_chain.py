@@ -22,9 +22,9 @@ GPU memory beside the stages):
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 2 --kill-at 3 --reshard-gpus 1 \
         --sample-steps 1                                                                   # two GPUs
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 4 --no-kill --no-sample \
-        --steps 2 --cap-at-plan 0.05 --durations 30    # under its predicted reserved peak + 5 %: a stage out of memory
-                                                       # ends the chain, so one length an invocation, into
-                                                       # stage_chain_capped_4gpu_<gpu>.json
+        --steps 2 --cap-at-plan 0.05 --from-base       # each stage from the base weights under its predicted reserved
+                                                       # peak + 5 %, past one that runs out of memory
+                                                       # (stage_chain_capped_4gpu_<gpu>.json)
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --make-cache-only --durations 63
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --configs \
         'configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml' 'configs/cogvideox-5b/{stage}-{gpus}gpu.toml'
@@ -110,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "x (1 + MARGIN), e.g. 0.05 (tttv plan's default margin): a stage that runs shows the "
                          "prediction is memory enough, one that runs out shows it is not, on a card that would "
                          "otherwise let the allocator keep more cached than the run needs")
+    ap.add_argument("--from-base", action="store_true",
+                    help="every stage starts from the base weights (no train.init_from) and the chain goes on past a "
+                         "stage that fails: each stage measured apart, e.g. every length under --cap-at-plan in one "
+                         "command")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default="")
@@ -387,7 +391,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     child = Watched(train_command(args, duration, out, manifest, launch, steps, every, args.gpus), log, REPO)
     # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
     # next stage's init_from) take the frozen layers from the previous stage's, which must stay
-    partial = resolved(duration, args).model.frozen_weights == "fp8"
+    partial = resolved(duration, args).model.frozen_weights == "fp8" and not args.from_base
     prune = prune_when_started(child, out, None if args.keep_stages or partial else previous)
     watched = [child]
     if kill:
@@ -549,14 +553,17 @@ def main(argv: list[str] | None = None) -> int:
 
     kill_at = args.kill_at or args.durations[-1]
     # the first stage starts from the base weights whatever its config's init_from says (the 63-s config names stage 4)
-    start = [f"model.pretrained_path={weights}", 'train.init_from=""']
+    base = [f"model.pretrained_path={weights}", 'train.init_from=""']
+    start = base
     for i, duration in enumerate(args.durations):
         previous = work / f"stage-{args.durations[i - 1]}s" if i else None
         row = run_stage(args, work, duration, start, kill=duration == kill_at and not args.no_kill,
                         previous=previous)
-        rows.append({**run, **row})
+        rows.append({**run, **({"from_base": True} if args.from_base else {}), **row})
         print(json.dumps(row), flush=True)
         save()
+        if args.from_base:
+            continue
         if "error" in row:
             break
         start = [f"train.init_from={work / f'stage-{duration}s'}"]

@@ -183,3 +183,37 @@ def test_results_name_keeps_capped_runs_apart():
     assert name("--cap-at-plan", "0.05", "--gpus", "2") == "stage_chain_capped_2gpu_h200"
     assert stage_chain.results_name(stage_chain.parse_args(["--workdir", "/tmp/x"]), "NVIDIA H100 80GB HBM3") == \
         "stage_chain_h100"
+
+
+def test_from_base_starts_every_stage_from_the_base_weights_and_goes_on_past_a_failure(tmp_path, monkeypatch):
+    """--from-base: each stage is launched with the base folder and no init_from, and a stage that fails (here the
+    first, as one out of memory under --cap-at-plan would) does not end the chain; without it the chain stops there
+    and a later stage starts from the one before."""
+    calls = []
+
+    def fake_stage(args, work, duration, start, kill, previous=None):
+        calls.append((duration, list(start), previous))
+        if duration == 3:
+            return {"duration_s": 3, "config": "stage1-3s-1gpu.toml", "exit_code": 1, "error": ["out of memory"]}
+        return {"duration_s": duration, "config": f"stage-{duration}s", "exit_code": 0, "median_step_s": 1.0,
+                "peak_allocated_gib": 1.0, "peak_reserved_gib": 1.0, "peak_gpu_used_gib": [], "peak_host_gib": 1.0,
+                "checkpoint_gib": 0.1, "checkpoint_save_s": 0.1}
+
+    monkeypatch.setattr(stage_chain, "inputs_made_apart", lambda args, work: work / "weights")
+    monkeypatch.setattr(stage_chain, "run_stage", fake_stage)
+
+    def chain(out, *flags):
+        return stage_chain.main(["--workdir", str(tmp_path), "--preset", "tiny", "--device", "cpu", "--no-kill",
+                                 "--no-sample", "--out", str(tmp_path / out), *flags])
+
+    assert chain("from-base.json", "--durations", "3", "9", "18", "--from-base") == 1  # a stage failed
+    base = [f"model.pretrained_path={tmp_path / 'weights'}", 'train.init_from=""']
+    assert [(d, start) for d, start, _ in calls] == [(3, base), (9, base), (18, base)]
+    rows = json.loads((tmp_path / "from-base.json").read_text())["stages"]
+    assert [r["duration_s"] for r in rows] == [3, 9, 18] and all(r["from_base"] for r in rows)
+    calls.clear()
+    assert chain("chained.json", "--durations", "9", "18") == 0
+    assert [d for d, _, _ in calls] == [9, 18] and calls[1][1] == [f"train.init_from={tmp_path / 'stage-9s'}"]
+    calls.clear()
+    assert chain("stopped.json", "--durations", "3", "9", "18") == 1
+    assert [d for d, _, _ in calls] == [3]  # chained: the failure ends it
