@@ -22,6 +22,12 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the worker itself: torch was imported before this
 
+# The commands the tests start print as into a log file: tttv keeps each line whole where COLUMNS is unset and wraps
+# at COLUMNS where one is set. A COLUMNS exported by the developer's shell, or the 80 (and LINES 24) pytest-xdist gives
+# its workers, cut the paths the tests look for in two (two torchrun tests failed so under `-n 2`).
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 
 @pytest.fixture(autouse=True)
 def seeded(request):
