@@ -166,7 +166,7 @@ def _chain_rows() -> list[Row]:
         for r in chain["stages"]:
             if "error" in r:
                 # a stage that ran out of memory under its planned cap is a plan that said "fits" wrongly
-                if "cap_gib" in r and ran_out_of_memory(r["error"]):
+                if "cap_gib" in r and r.get("status") == "oom":
                     row = _stage_row({**r, "peak_allocated_gib": None, "peak_reserved_gib": None}, chain, path,
                                      "cogvideox-5b", "chain ", None)
                     row.oom_under = row.plan_cap = r["cap_gib"]
@@ -186,14 +186,6 @@ def _chain_rows() -> list[Row]:
             row.gpus = gpus
             rows.append(row)
     return rows
-
-
-def ran_out_of_memory(said: list[str]) -> bool:
-    """Whether a failed launch's sentences (stage_chain.failure) say it ran out of GPU memory: tttv's own sentence,
-    or the exception line of a process that died of it."""
-    from tttvideo.memory.guard.oom import OUT_OF_GPU_MEMORY
-
-    return any(OUT_OF_GPU_MEMORY in line or "CUDA out of memory" in line for line in said)
 
 
 def _run_overrides(r: dict, chain: dict) -> list[str]:

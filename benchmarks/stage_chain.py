@@ -264,6 +264,14 @@ def failure(log: Path) -> list[str]:
     return said[-4:] or raised[-1:] or [line for line in lines if line.strip("=-")][-1:] or ["empty log"]
 
 
+def ran_out_of_memory(said: list[str]) -> bool:
+    """Whether a failed launch's sentences (`failure`) say it ran out of GPU memory: tttv's own sentence, or the
+    exception line of a process that died of it."""
+    from tttvideo.memory.guard.oom import OUT_OF_GPU_MEMORY
+
+    return any(OUT_OF_GPU_MEMORY in line or "CUDA out of memory" in line for line in said)
+
+
 def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
     """What `tttv plan` predicts for the stage's setup as configured (the steady state: optimizer state live). A GPU
     kind without measured costs is predicted from the H100's: its memory (the same kernels allocate the same bytes),
@@ -412,7 +420,11 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     row["steps"] = [m["step"] for m in metrics]
     if code != 0 or not metrics:
         row["error"] = failure(log)
+        # as benchmarks/fit_24gb.py's rows: a stage that ran out of GPU memory (under --cap-at-plan, a plan that
+        # said "fits" wrongly) apart from one that failed otherwise
+        row["status"] = "oom" if ran_out_of_memory(row["error"]) else "failed"
         return row
+    row["status"] = "ok"
     row.update(stage_row(metrics, steady_steps(metrics, log if kill else None), watched))
     row.update(checkpoint_figures(out, log))
     if kill and "killed_after_step" in row:  # resumed: each step once, counting on from the checkpoint
@@ -545,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
               "steps_per_stage": args.steps,
               "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": [], "samples": []}
     rows, samples = result["stages"], result["samples"]
-    run = {"git_commit": args.commit, "overrides": args.overrides, **({"note": args.note} if args.note else {})}
+    run = {"git_commit": args.commit, "overrides": args.overrides, **({"note": args.note} if args.note else {}),
+           **({"from_base": True} if args.from_base else {})}
 
     def save() -> None:  # after each stage and sample, in case the machine goes
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -553,13 +566,12 @@ def main(argv: list[str] | None = None) -> int:
 
     kill_at = args.kill_at or args.durations[-1]
     # the first stage starts from the base weights whatever its config's init_from says (the 63-s config names stage 4)
-    base = [f"model.pretrained_path={weights}", 'train.init_from=""']
-    start = base
+    start = [f"model.pretrained_path={weights}", 'train.init_from=""']
     for i, duration in enumerate(args.durations):
         previous = work / f"stage-{args.durations[i - 1]}s" if i else None
         row = run_stage(args, work, duration, start, kill=duration == kill_at and not args.no_kill,
                         previous=previous)
-        rows.append({**run, **({"from_base": True} if args.from_base else {}), **row})
+        rows.append({**run, **row})
         print(json.dumps(row), flush=True)
         save()
         if args.from_base:

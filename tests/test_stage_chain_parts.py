@@ -161,7 +161,7 @@ def test_cap_at_plan_runs_the_stage_under_its_predicted_reserve(tmp_path, monkey
     args = stage_chain.parse_args(["--workdir", str(tmp_path), "--preset", "tiny", "--device", "cpu",
                                    "--cap-at-plan", "0.05", "--durations", "3"])
     row = stage_chain.run_stage(args, tmp_path, 3, ["train.init_from=\"\""], kill=False)
-    assert row["cap_gib"] == 42.0 and row["exit_code"] == 1 and "error" in row
+    assert row["cap_gib"] == 42.0 and row["exit_code"] == 1 and "error" in row and row["status"] == "failed"
     assert "memory.max_gpu_gib=42.0" in launched[0]
     monkeypatch.setattr(stage_chain, "predicted", lambda args, duration: {})
     with pytest.raises(SystemExit, match="--cap-at-plan: the planner predicts no reserved peak for stage1-3s-1gpu"):
@@ -217,3 +217,11 @@ def test_from_base_starts_every_stage_from_the_base_weights_and_goes_on_past_a_f
     calls.clear()
     assert chain("stopped.json", "--durations", "3", "9", "18") == 1
     assert [d for d, _, _ in calls] == [3]  # chained: the failure ends it
+
+
+def test_a_launch_that_ran_out_of_gpu_memory_is_told_from_other_failures():
+    from tttvideo.memory.guard.oom import OUT_OF_GPU_MEMORY
+
+    assert stage_chain.ran_out_of_memory([f"tttv train: error: {OUT_OF_GPU_MEMORY} in the forward of step 1"])
+    assert stage_chain.ran_out_of_memory(["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"])
+    assert not stage_chain.ran_out_of_memory(["tttv train: error: no manifest"])
