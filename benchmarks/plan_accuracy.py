@@ -20,6 +20,8 @@ It reads the H100 results (no GPU needed):
   configs (the largest rank's peak, predicted per GPU), whose rows fix the FSDP reserve together (their allocated
   peaks held out); stage_chain_4gpu_<gpu>.json the four-GPU configs, held out whole;
 - benchmarks/results/fit_24gb_wan_h100.json: Wan2.1-1.3B under a 23 GiB cap, the process's peak of two steps;
+- benchmarks/results/plan_cap_check_<gpu>.json: setups measured above their prediction by more than 10 %, run
+  again under the predicted reserved peak + 5 % (benchmarks/plan_cap_check.py), held out, memory only;
 - one failure with no result file: 63 s, fp8 frozen weights, 8-bit AdamW, block inputs kept, out of memory under a
   79.2 GiB cap (issues 34 and 35): it must be predicted not to fit an 80 GB card.
 
@@ -300,6 +302,29 @@ def _profile_rows() -> list[Row]:
     return rows
 
 
+def _cap_check_rows() -> list[Row]:
+    """benchmarks/plan_cap_check.py's runs: a setup measured above its prediction, run again under the predicted
+    reserved peak + a margin (the same config and overrides), held out, memory only."""
+    rows = []
+    for path in sorted(RESULTS.glob("plan_cap_check_*.json")):
+        for r in json.loads(path.read_text())["rows"]:
+            if r["status"] not in ("ok", "oom"):
+                continue
+            ok = r["status"] == "ok"
+            row = Row(f"{r['setup']}, under the plan's cap {r['cap_gib']:.1f} GiB", path.name, r["config"],
+                      r["overrides"], r["phase"], "held out", r["peak_allocated_gib"] if ok else None,
+                      r["peak_reserved_gib"] if ok else None, plan_cap=r["cap_gib"])
+            row.oom_under = None if ok else r["cap_gib"]
+            rows.append(row)
+    return rows
+
+
+def all_rows() -> list[Row]:
+    """Every measured row, in the table's order."""
+    return (_step_rows() + _parallel_step_rows() + _profile_rows() + _chain_rows() + _wan_rows()
+            + _cap_check_rows())
+
+
 def config_of(row: Row):
     from tttvideo.config.loader import load_config
 
@@ -498,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the block model's constants first (costs.json)")
     ap.add_argument("--out", default=str(RESULTS / "plan_accuracy_h100.json"))
     args = ap.parse_args(argv)
-    rows = _step_rows() + _parallel_step_rows() + _profile_rows() + _chain_rows() + _wan_rows()
+    rows = all_rows()
     if args.fit:
         fit(rows)
     from tttvideo.memory.plan.costs import load_costs
@@ -545,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
              is not None and r["predicted"]["basis"].startswith("counted")]
     worst_time = max(timed, key=lambda r: abs(r["error"]["step_s"]), default=None)
     bad_fit = [r["setup"] for r in out["rows"] if r["measured"]["oom_under_gib"] and r["predicted"].get("fits_cap")]
-    # stage_chain.py --cap-at-plan's stages: each ran or ran out of memory under its cap
+    # stage_chain.py --cap-at-plan's stages and plan_cap_check.py's setups: each ran or ran out of memory under its cap
     capped = [r["measured"] for r in out["rows"] if r["measured"]["plan_cap_gib"] is not None]
     capped_oom = sum(m["oom_under_gib"] is not None for m in capped)
     capped_ran = len(capped) - capped_oom
@@ -562,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({worst and worst['setup']}); block model: {len(counted)} rows, worst "
           f"{worst_counted and worst_counted['error']['reserved']:+.1%} ({worst_counted and worst_counted['setup']}), "
           f"step time worst {worst_time and worst_time['error']['step_s']:+.1%} ({worst_time and worst_time['setup']})"
-          f"; out-of-memory runs predicted to fit: {bad_fit or 'none'}; stages run under the plan's cap (predicted "
+          f"; out-of-memory runs predicted to fit: {bad_fit or 'none'}; setups run under the plan's cap (predicted "
           f"reserved + margin): {capped_ran} ran, {capped_oom} out of memory")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")

@@ -63,3 +63,37 @@ def test_a_capped_stage_that_ran_out_of_memory_is_a_fits_said_wrongly(tmp_path, 
 
     # the cap is the prediction + 5 %: the planner says it fits, which the run refutes
     assert plan_accuracy.predict_row(rows[1], load_costs("h100"))["fits_cap"]
+
+
+def test_plan_cap_check_picks_rows_measured_above_their_prediction_and_not_those_run_under_a_cap():
+    """benchmarks/plan_cap_check.py's rows: held out, one GPU, measured above the prediction by more than the
+    threshold; a setup already run under the plan's cap (the one-GPU 63-s stage, stage_chain --cap-at-plan) is not
+    run again; the cap is the prediction + the margin."""
+    from benchmarks import plan_cap_check
+
+    rows = plan_cap_check.candidates(0.10)
+    for row in rows:
+        assert row.role == "held out" and row.gpus == 1 and row.plan_cap is None
+        assert plan_accuracy.rel(row.predicted["reserved_gib"], row.reserved) < -0.10
+        assert plan_cap_check.cap_of(row, 0.05) == pytest.approx(row.predicted["reserved_gib"] * 1.05, abs=0.01)
+    names = {r.name for r in rows}
+    assert "chain 63 s, stage5-63s-1gpu.toml, H200: memory only" not in names
+    assert {r.name for r in plan_cap_check.candidates(0.0)} >= names  # a lower threshold takes more, never fewer
+
+
+def test_plan_accuracy_reads_plan_cap_check_runs(tmp_path, monkeypatch):
+    """A setup that ran under its cap is a held-out row with the cap and what it reserved there; one that ran out
+    of memory is an out-of-memory row under the cap; a run that failed otherwise is no row."""
+    base = {"source": "plan_calibration_h100.json", "config": "configs/cogvideox-5b/24gb-9s.toml",
+            "overrides": ["layout.duration=9s"], "phase": "train", "free_reserved_gib": 24.5,
+            "predicted_reserved_gib": 20.7, "cap_gib": 21.74, "note": "", "step_s": []}
+    runs = [{**base, "setup": "a", "status": "ok", "peak_allocated_gib": 18.6, "peak_reserved_gib": 21.5},
+            {**base, "setup": "b", "status": "oom", "note": "OOM in backward", "peak_allocated_gib": 21.0,
+             "peak_reserved_gib": 21.7},
+            {**base, "setup": "c", "status": "crashed", "peak_allocated_gib": None, "peak_reserved_gib": None}]
+    (tmp_path / "plan_cap_check_h200.json").write_text(json.dumps({"rows": runs}))
+    monkeypatch.setattr(plan_accuracy, "RESULTS", tmp_path)
+    ok, oom = plan_accuracy._cap_check_rows()
+    assert ok.plan_cap == 21.74 and ok.oom_under is None and ok.reserved == 21.5 and ok.role == "held out"
+    assert oom.oom_under == oom.plan_cap == 21.74 and oom.reserved is None
+    assert ok.name == "a, under the plan's cap 21.7 GiB" and ok.overrides == ["layout.duration=9s"]
