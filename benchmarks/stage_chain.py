@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--from-base", action="store_true",
                     help="every stage starts from the base weights (no train.init_from) and the chain goes on past a "
                          "stage that fails: each stage measured apart, e.g. every length under --cap-at-plan in one "
-                         "command")
+                         "command (without the cap its default --out is stage_chain_from_base_<gpu>.json, not the "
+                         "chain's file)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--commit", default=git_commit())
     ap.add_argument("--out", default="")
@@ -526,8 +527,9 @@ def compare_latents(rows: list[dict[str, Any]]) -> None:
 
 
 def results_name(args: argparse.Namespace, device: str) -> str:
-    """The default results file's name (no suffix): stage_chain[_capped][_<backbone>_<card>][_<gpus>gpu]_<gpu>. A
-    run under --cap-at-plan goes to a file of its own: its reserved peaks are held under the plan, not free."""
+    """The default results file's name (no suffix): stage_chain[_capped|_from_base][_<backbone>_<card>][_<gpus>gpu]_
+    <gpu>. A run under --cap-at-plan goes to a file of its own: its reserved peaks are held under the plan, not free;
+    so does a free --from-base run, whose stages start from the base weights instead of the stage before."""
     gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
     name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"
     if args.configs != [COGVIDEOX_CONFIGS]:  # another recipe (Wan2.1's 24 GB stages: stage_chain_wan_24gb_<gpu>)
@@ -537,6 +539,8 @@ def results_name(args: argparse.Namespace, device: str) -> str:
         name = name.replace("stage_chain", f"stage_chain_{backbone_of(args.preset).name}_{card}")
     if args.cap_at_plan is not None:
         name = name.replace("stage_chain", "stage_chain_capped")
+    elif args.from_base:
+        name = name.replace("stage_chain", "stage_chain_from_base")
     return name
 
 

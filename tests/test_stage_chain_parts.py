@@ -181,6 +181,9 @@ def test_results_name_keeps_capped_runs_apart():
     # under the plan's cap the reserved peaks are bounded by it: not rows of the free chain's file
     assert name("--cap-at-plan", "0.05") == "stage_chain_capped_h200"
     assert name("--cap-at-plan", "0.05", "--gpus", "2") == "stage_chain_capped_2gpu_h200"
+    # stages from the base weights are no chain: not rows of the chain's file either (under a cap, the capped file's)
+    assert name("--from-base") == "stage_chain_from_base_h200"
+    assert name("--from-base", "--cap-at-plan", "0.05") == "stage_chain_capped_h200"
     assert stage_chain.results_name(stage_chain.parse_args(["--workdir", "/tmp/x"]), "NVIDIA H100 80GB HBM3") == \
         "stage_chain_h100"
 
