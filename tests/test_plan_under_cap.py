@@ -71,14 +71,20 @@ def test_plan_cap_check_picks_rows_measured_above_their_prediction_and_not_those
     run again; the cap is the prediction + the margin."""
     from benchmarks import plan_cap_check
 
-    rows = plan_cap_check.candidates(0.10)
+    rows = plan_cap_check.candidates(0.05)
+    assert rows  # the committed results hold rows 5-10 % under-predicted that have not run under a cap
     for row in rows:
         assert row.role == "held out" and row.gpus == 1 and row.plan_cap is None
-        assert plan_accuracy.rel(row.predicted["reserved_gib"], row.reserved) < -0.10
+        assert plan_accuracy.rel(row.predicted["reserved_gib"], row.reserved) < -0.05
         assert plan_cap_check.cap_of(row, 0.05) == pytest.approx(row.predicted["reserved_gib"] * 1.05, abs=0.01)
     names = {r.name for r in rows}
-    assert "chain 63 s, stage5-63s-1gpu.toml, H200: memory only" not in names
-    assert {r.name for r in plan_cap_check.candidates(0.0)} >= names  # a lower threshold takes more, never fewer
+    # under-predicted by more than 5 %, but run under the plan's cap already (stage_chain --cap-at-plan and
+    # plan_cap_check_h200.json)
+    for twin in ("chain 63 s, stage5-63s-1gpu.toml, H200: memory only",
+                 "chain 30 s, stage4-30s-1gpu.toml, H200: memory only",
+                 "lora, sub-block ckpt + offload, fp8 streamed, 8-bit AdamW @ 9s"):
+        assert twin not in names
+    assert {r.name for r in plan_cap_check.candidates(0.10)} <= names  # a higher threshold takes fewer, never more
 
 
 def test_plan_accuracy_reads_plan_cap_check_runs(tmp_path, monkeypatch):
