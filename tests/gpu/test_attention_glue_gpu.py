@@ -1,10 +1,11 @@
-"""model.compile_attention_glue on CUDA (skipped without it): local attention's q/k norms, window gather + RoPE and
-overlap merge compiled by torch.compile against the same functions eager, at 9 s (3 windows, 5B shapes: 48 heads of
-64), bf16, forward and the gradients of q, k, v and of the norms' weights and biases through the gather, and of the
-attention output through the merge.
-Both are held to the same fp32 computation: the compiled glue's error, relative to each tensor's largest value,
-must be at most 1.5x the eager glue's plus 1e-3 (bf16: the compiled version keeps the norm and RoPE in fp32 and
-rounds once where eager rounds after each, so it is usually the closer of the two; a wrong fusion is off by far more).
+"""model.compile_attention_glue on CUDA (skipped without it): local attention's q/k norms, window gather and RoPE
+compiled by torch.compile against the same functions eager (the overlap merge after them eager in both), at 9 s (3
+windows, 5B shapes: 48 heads of 64), bf16, forward and the gradients of q, k, v and of the norms' weights and biases
+through the gather, and of the attention output through the merge; and the merge against the scatter it
+replaced, bit for bit. The glue's two versions are held to the same fp32 computation: the
+compiled glue's error, relative to each tensor's largest value, must be at most 1.5x the eager glue's plus 1e-3
+(bf16: the compiled version keeps the norm and RoPE in fp32 and rounds once where eager rounds after each, so it is
+usually the closer of the two; a wrong fusion is off by far more).
 
 Run: `pytest tests/gpu/test_attention_glue_gpu.py`.
 """
@@ -25,6 +26,7 @@ def test_compiled_glue_equals_eager_forward_and_backward():
     layout = VideoLayout.create(9, 480, 720)
     index, cos, sin, inv_count = attention.window_tensors(layout, 64, 10000.0, torch.device("cuda"))
     n, flat, L = index.shape[0], index.reshape(-1), layout.total_tokens
+    covers = attention.window_covers(layout, torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv = [torch.randn(1, L, 48, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
     affine = [1 + 0.1 * torch.randn(64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
@@ -35,7 +37,7 @@ def test_compiled_glue_equals_eager_forward_and_backward():
         q, k, v = compiled_on_cuda(attention.gather_windows, q, compile_glue)(q, k, v, flat, n, cos, sin,
                                                                              (wq, bq, 1e-6), (wk, bk, 1e-6))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        merged = compiled_on_cuda(attention.merge_windows, out, compile_glue)(out, flat, n, inv_count, L)
+        merged = attention.merge_windows(out, flat, n, inv_count, L, covers)  # eager either way: two gathers
         w = torch.randn(merged.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
         (merged.float() * w).sum().backward()
         return [merged, *[t.grad for t in inputs]]
@@ -46,3 +48,30 @@ def test_compiled_glue_equals_eager_forward_and_backward():
     names = ["output", "dq", "dk", "dv", "dnorm_q weight", "dnorm_q bias", "dnorm_k weight", "dnorm_k bias"]
     for name, fast, eager, exact in zip(names, run(True), run(False), run(False, torch.float32)):
         assert error(fast, exact) <= 1.5 * error(eager, exact) + 1e-3, (name, error(fast, exact), error(eager, exact))
+
+
+def test_merge_equals_the_atomic_scatter_on_cuda():
+    """The overlap merge's gathers against the index_add scatter it replaced, at the 5B's 9-s shapes in bf16: equal
+    bit for bit, forward and gradient (a shared frame's two outputs are added once in either)."""
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models import attention
+
+    layout = VideoLayout.create(9, 480, 720)
+    index, _, _, inv_count = attention.window_tensors(layout, 64, 10000.0, torch.device("cuda"))
+    n, flat, L = index.shape[0], index.reshape(-1), layout.total_tokens
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    out = torch.randn(n, 48, index.shape[1], 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(1, L, 48 * 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def scatter(o):
+        o = o.transpose(1, 2).reshape(1, -1, 48 * 64)
+        return torch.zeros(1, L, 48 * 64, dtype=o.dtype, device="cuda").index_add(1, flat, o) * inv_count.to(o.dtype)
+
+    got = []
+    for merge in (lambda o: attention.merge_windows(o, flat, n, inv_count, L, attention.window_covers(
+            layout, torch.device("cuda"))), scatter):
+        o = out.clone().requires_grad_()
+        merged = merge(o)
+        merged.backward(grad)
+        got.append((merged.detach(), o.grad))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])

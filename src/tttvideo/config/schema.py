@@ -88,8 +88,9 @@ class ModelConfig:
                 "error, and measured no faster on an H200 (docs/model.md 'fp8 matrix products for frozen weights'); "
                 "backward keeps the upcast weight"})
     compile_attention_glue: bool = field(default=True, metadata={
-        "help": "torch.compile local attention's window gather + RoPE and its overlap merge on CUDA (one write per "
-                "tensor instead of a gather, an fp32 copy and elementwise passes); false = eager"})
+        "help": "torch.compile local attention's q/k norms, window gather and RoPE on CUDA (one write per tensor "
+                "instead of a gather, an fp32 copy and elementwise passes; the overlap merge is two gathers either "
+                "way); false = eager"})
     compile_block_glue: bool = field(default=True, metadata={
         "help": "torch.compile each block's adaLN (LayerNorm + text/video modulation) and gated residual adds on "
                 "CUDA (one write of the stream where eager makes three, one where each gated add makes two); "

@@ -71,16 +71,71 @@ def gather_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torc
     return apply_rope(windows(q, norm_q), cos, sin), apply_rope(windows(k, norm_k), cos, sin), windows(v)
 
 
+def merge_covers(flat: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a window gather index `flat` [n W] over `length` residual positions: each position's first window
+    position (in `flat`'s order) [length], the positions a second window covers [m] and that window position [m].
+    Adjacent windows share at most a frame, so a position is covered once or twice."""
+    counts = torch.bincount(flat, minlength=length)
+    if counts.numel() != length or int(counts.min()) < 1 or int(counts.max()) > 2:
+        raise ValueError(f"window index covers positions 0..{length - 1} {int(counts.min())} to "
+                         f"{int(counts.max())} times; the merge takes once or twice")
+    order = torch.argsort(flat, stable=True)  # window positions grouped by residual position, flat's order kept
+    starts = torch.cumsum(counts, 0) - counts
+    twice = torch.nonzero(counts == 2).flatten()
+    return order[starts], twice, order[starts[twice] + 1]
+
+
+@lru_cache(maxsize=16)
+def window_covers(layout: VideoLayout, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """`merge_covers` of `layout`'s windows (None with one window), per layout and device, shared by every layer
+    (computed on the CPU: the counts' checks would wait for the GPU)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if layout.num_segments == 1:
+        return None
+    with unset_fake_temporarily():  # real numbers even inside the memory trace's fake mode
+        flat = torch.cat([layout.window_index(i) for i in range(layout.num_segments)])
+        covers = merge_covers(flat, layout.total_tokens)
+    if detect_fake_mode() is not None:  # tttvideo.memory.trace: tensors of the shapes, as every table there is
+        return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in covers)
+    return tuple(t.to(device) for t in covers)
+
+
+class _MergeWindows(torch.autograd.Function):
+    """[B, n W, C] window outputs -> [B, L, C]: a gather of each position's first window output, the second
+    window's added where there is one and that sum scaled by `inv_count` (1/2); backward a gather by `flat`.
+    Equal, bit for bit, to summing every window into zeros with index_add and scaling by `inv_count`, without
+    the atomic scatter (bf16 atomics: 36 ms a call at 63 s on an H200, against a gather's bandwidth)."""
+
+    @staticmethod
+    def forward(ctx, out, flat, first, twice, second, inv_count):
+        summed = out.index_select(1, first)
+        if twice.numel():
+            shared = summed.index_select(1, twice) + out.index_select(1, second)
+            summed.index_copy_(1, twice, shared * inv_count.index_select(0, twice).to(out.dtype))
+        ctx.save_for_backward(flat, inv_count)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat, inv_count = ctx.saved_tensors
+        return (grad * inv_count.to(grad.dtype)).index_select(1, flat), None, None, None, None, None
+
+
 def merge_windows(out: torch.Tensor, flat: torch.Tensor | None, n: int, inv_count: torch.Tensor,
-                  length: int) -> torch.Tensor:
+                  length: int, covers: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """SDPA's output [B n, H, W, D] -> [B, L, H D]: each residual position's windows summed, divided by how many
-    windows cover it."""
+    windows cover it. `covers`: `merge_covers(flat, length)` (`window_covers` of the layout), computed here when
+    None."""
     Bn, H, W, D = out.shape
     out = out.transpose(1, 2).reshape(Bn // n, n * W, H * D)
     if flat is None:
         return out
-    summed = torch.zeros(Bn // n, length, H * D, dtype=out.dtype, device=out.device).index_add(1, flat, out)
-    return summed * inv_count.to(out.dtype)
+    first, twice, second = covers if covers is not None else merge_covers(flat, length)
+    if first.numel() != length:
+        raise ValueError(f"the window covers are of {first.numel()} positions, the sequence of {length}")
+    return _MergeWindows.apply(out, flat, first, twice, second, inv_count)
 
 
 class LocalAttention(nn.Module):
@@ -123,7 +178,8 @@ class LocalAttention(nn.Module):
                                                                         self.head_norm(self.norm_q),
                                                                         self.head_norm(self.norm_k))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = compiled_on_cuda(merge_windows, out, self.compile_glue)(out, flat, n, inv_count, L)
+        # eager: the merge is two gathers (torch.compile's would fall back to an atomic index_add)
+        out = merge_windows(out, flat, n, inv_count, L, window_covers(layout, x.device))
         if sp is not None:
             out = sp.to_sequence_shards(out.view(B, L, H, D), layout, head_axis=2).flatten(2)
         return self.to_out(out)

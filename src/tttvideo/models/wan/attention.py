@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.layout import VideoLayout
-from tttvideo.models.attention import gather_windows, merge_windows
+from tttvideo.models.attention import gather_windows, merge_windows, window_covers
 
 
 def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
@@ -95,7 +95,7 @@ class WindowSelfAttention(nn.Module):
         v = project_heads(x, self.to_v, None, self.num_heads)
         q, k, v = gather_windows(q, k, v, flat, n, cos, sin)  # [B n, H, W, D], RoPE on q and k
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        return self.to_out(merge_windows(out, flat, n, inv_count, L))
+        return self.to_out(merge_windows(out, flat, n, inv_count, L, window_covers(layout, x.device)))
 
     def window_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One window's tokens h [B, W, dim] (already normalised) -> its attention output [B, W, dim] BEFORE the
@@ -131,7 +131,7 @@ class SegmentCrossAttention(nn.Module):
         v = project_heads(context, self.to_v, None, H)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0,
                                              is_causal=False)
-        return self.to_out(merge_windows(out, flat, n, inv_count, L))
+        return self.to_out(merge_windows(out, flat, n, inv_count, L, window_covers(layout, x.device)))
 
     def window_forward(self, h: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """One window's tokens h [B, W, dim] (already normalised) against its segment's embedded text [B, len, dim]
