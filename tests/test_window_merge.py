@@ -64,3 +64,18 @@ def test_covers_name_each_position_once_or_twice_and_refuse_more():
     with pytest.raises(ValueError, match="covers are of 5 positions, the sequence of 6"):
         attention.merge_windows(torch.zeros(2, 1, 3, 4), flat, 2, torch.ones(6, 1), 6,
                                 attention.merge_covers(flat, 5))
+
+
+@pytest.mark.parametrize("which", range(3), ids=["cogvideox-9s", "cogvideox-18s", "wan-9s"])
+def test_add_window_equals_index_add_with_the_window_index(which):
+    """The chunked forwards' accumulation of one window at a time: slice adds, bit for bit index_add_."""
+    _, layout = layouts()[which]
+    gen = torch.Generator().manual_seed(10 + which)
+    acc = torch.randn(2, layout.total_tokens, 8, generator=gen).to(torch.bfloat16)
+    want = acc.clone()
+    for i in range(layout.num_segments):
+        idx = layout.window_index(i)
+        out = torch.randn(2, idx.numel(), 8, generator=gen).to(torch.bfloat16)
+        want.index_add_(1, idx, out)
+        attention.add_window(acc, layout, i, out)
+    assert torch.equal(acc, want)

@@ -102,6 +102,16 @@ def window_covers(layout: VideoLayout, device: torch.device) -> tuple[torch.Tens
     return tuple(t.to(device) for t in covers)
 
 
+def add_window(acc: torch.Tensor, layout: VideoLayout, i: int, out: torch.Tensor) -> None:
+    """acc[:, window i's residual positions] += out [B, W, C], in place (no gradient): the window is its segment's
+    text slice and its frames' slice (`VideoLayout.window_index`), so two slice adds, equal bit for bit to
+    `index_add_` with the window's index and free of its atomics."""
+    text = layout.text_slice(i)
+    t = text.stop - text.start
+    acc[:, text] += out[:, :t]
+    acc[:, layout.frames_slice(layout.segment_frames(i))] += out[:, t:]
+
+
 class _MergeWindows(torch.autograd.Function):
     """[B, n W, C] window outputs -> [B, L, C]: a gather of each position's first window output, the second
     window's added where there is one and that sum scaled by `inv_count` (1/2); backward a gather by `flat`.
@@ -205,7 +215,7 @@ class LocalAttention(nn.Module):
             out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, dropout_p=0.0,
                                                  is_causal=False)
             del q, k, v
-            acc.index_add_(1, idx, out.transpose(1, 2).reshape(B, W, H * D))
+            add_window(acc, layout, i, out.transpose(1, 2).reshape(B, W, H * D))
         if n > 1:
             acc.mul_(inv_count.to(acc.dtype))
         for s, e in token_chunks(0, L, plan.tokens):

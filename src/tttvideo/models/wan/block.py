@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from tttvideo import initializers as init
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
+from tttvideo.models.attention import add_window
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
 from tttvideo.models.layers import MLP, token_chunked
 from tttvideo.models.wan.attention import (SegmentCrossAttention, WindowSelfAttention, window_gather, window_indices,
@@ -266,7 +267,7 @@ class WanBlock(nn.Module):
             """The windows' outputs summed per position, the shared frames averaged, projected by `to_out` later."""
             acc = x.new_zeros(x.shape)
             for i, idx in enumerate(windows):
-                acc.index_add_(1, idx, window_out(i, idx))
+                add_window(acc, layout, i, window_out(i, idx))
             if n > 1:
                 acc.mul_(inv_count.to(acc.dtype))
             return acc
