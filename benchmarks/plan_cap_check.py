@@ -28,10 +28,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # plan_accuracy, run as a script or module
+try:  # one module object for plan_accuracy, whether this runs as a script or is imported from the package
+    from benchmarks import plan_accuracy
+except ImportError:  # run as a script: this folder is on sys.path
+    import plan_accuracy
 
-import plan_accuracy  # noqa: E402
-from plan_accuracy import GIB, ROOT, STEP_SETUP  # noqa: E402
+GIB, ROOT, STEP_SETUP = plan_accuracy.GIB, plan_accuracy.ROOT, plan_accuracy.STEP_SETUP
 
 
 def candidates(worse_than: float, only: str | None = None) -> list[plan_accuracy.Row]:
