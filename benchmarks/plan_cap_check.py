@@ -64,6 +64,7 @@ def cap_of(row: plan_accuracy.Row, margin: float) -> float:
 
 def run_row(row: plan_accuracy.Row, cap: float, work: Path, timeout: float) -> dict:
     """`tttv profile --steps 2` of `row`'s setup under `cap` GiB, in its own process -> the result row."""
+    from tttvideo.layout import parse_duration
     from tttvideo.memory.studies.matrix import Matrix, Variant, run_variant
 
     config = ROOT / row.config if row.config else None
@@ -77,7 +78,8 @@ def run_row(row: plan_accuracy.Row, cap: float, work: Path, timeout: float) -> d
         return None if x is None else round(x / GIB, 3)
 
     return {"setup": row.name, "source": row.source, "config": row.config, "overrides": row.overrides,
-            "phase": row.phase, "free_reserved_gib": row.reserved, "free_allocated_gib": row.allocated,
+            "phase": row.phase, "duration_s": parse_duration(plan_accuracy.config_of(row).layout.duration),
+            "free_reserved_gib": row.reserved, "free_allocated_gib": row.allocated,
             "predicted_reserved_gib": row.predicted["reserved_gib"], "cap_gib": cap, "status": r.status,
             "note": r.note, "process_s": round(r.seconds, 1), "peak_allocated_gib": gib(totals.get("peak_allocated")),
             "peak_reserved_gib": gib(totals.get("peak_reserved")), "step_s": s.get("step_seconds", [])}
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     done = [r for r in old.get("rows", []) if r.get("status") in ("ok", "oom")]
     todo = [r for r in rows if (r.name, cap_of(r, args.margin)) not in {(d["setup"], d["cap_gib"]) for d in done}]
     result = {"benchmark": "plan_cap_check", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-              else "cpu", "torch": torch.__version__, "git_commit": git_commit(), "margin": args.margin,
+              else "cpu", "torch": torch.__version__, "git_commit": git_commit(), "gpus": 1, "margin": args.margin,
               "command": "python3 benchmarks/plan_cap_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rows": done}
     work = Path(args.work)
