@@ -22,15 +22,14 @@ def scatter_merge(out: torch.Tensor, flat: torch.Tensor, n: int, inv_count: torc
 def layouts():
     from tttvideo.models.wan.layout import wan_layout
 
-    return [("cogvideox 9 s", VideoLayout.create(9, 32, 48, text_tokens=4)),
-            ("cogvideox 18 s", VideoLayout.create(18, 32, 48, text_tokens=3)),
-            ("wan 9 s", wan_layout(9, 32, 32))]
+    return [VideoLayout.create(9, 32, 48, text_tokens=4), VideoLayout.create(18, 32, 48, text_tokens=3),
+            wan_layout(9, 32, 32)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("which", range(3), ids=["cogvideox-9s", "cogvideox-18s", "wan-9s"])
 def test_merge_equals_the_scatter_bit_for_bit_forward_and_backward(which, dtype):
-    _, layout = layouts()[which]
+    layout = layouts()[which]
     n, L = layout.num_segments, layout.total_tokens
     flat = torch.cat([layout.window_index(i) for i in range(n)])
     inv_count = torch.cat([torch.ones(layout.total_text_tokens),
@@ -69,7 +68,7 @@ def test_covers_name_each_position_once_or_twice_and_refuse_more():
 @pytest.mark.parametrize("which", range(3), ids=["cogvideox-9s", "cogvideox-18s", "wan-9s"])
 def test_add_window_equals_index_add_with_the_window_index(which):
     """The chunked forwards' accumulation of one window at a time: slice adds, bit for bit index_add_."""
-    _, layout = layouts()[which]
+    layout = layouts()[which]
     gen = torch.Generator().manual_seed(10 + which)
     acc = torch.randn(2, layout.total_tokens, 8, generator=gen).to(torch.bfloat16)
     want = acc.clone()
