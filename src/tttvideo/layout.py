@@ -311,6 +311,13 @@ class VideoLayout:
         video = self.frames_slice(self.segment_frames(i))
         return torch.cat([torch.arange(text.start, text.stop), torch.arange(video.start, video.stop)])
 
+    def flat_window_index(self) -> torch.Tensor:
+        """Every segment's `window_index`, window after window [n W]: local attention's gather index of its windows
+        over the residual stream, and the index its overlap merge scatters back by."""
+        import torch
+
+        return torch.cat([self.window_index(i) for i in range(self.num_segments)])
+
     @cached_property
     def window_overlap_count(self) -> torch.Tensor:
         """How many windows cover each video token (1 or 2), shape [video_tokens]; outputs are averaged by it."""

@@ -39,7 +39,7 @@ def window_tensors(layout: VideoLayout, head_dim: int, theta: float, device: tor
     (identity rotation on the text prefix so that one elementwise op covers the whole window) and the reciprocal
     overlap count over residual positions [L, 1] (1 for text, 1/1 or 1/2 for video)."""
     n = layout.num_segments
-    index = torch.stack([layout.window_index(i) for i in range(n)])
+    index = layout.flat_window_index().reshape(n, -1)
     cos, sin = rope_cos_sin(layout.local_positions, head_dim, theta)
     text = layout.stream_text_tokens
     cos = torch.cat([torch.ones(text, head_dim), cos])
@@ -95,7 +95,7 @@ def window_covers(layout: VideoLayout, device: torch.device) -> tuple[torch.Tens
     if layout.num_segments == 1:
         return None
     with unset_fake_temporarily():  # real numbers even inside the memory trace's fake mode
-        flat = torch.cat([layout.window_index(i) for i in range(layout.num_segments)])
+        flat = layout.flat_window_index()
         covers = merge_covers(flat, layout.total_tokens)
     if detect_fake_mode() is not None:  # tttvideo.memory.trace: tensors of the shapes, as every table there is
         return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in covers)

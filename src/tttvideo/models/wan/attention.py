@@ -50,7 +50,7 @@ def window_gather(layout: VideoLayout, device: torch.device) -> tuple[torch.Tens
     if layout.total_text_tokens:
         raise ValueError("Wan's layout has no text in the stream; build it with tttvideo.models.wan.layout")
     n = layout.num_segments
-    flat = torch.cat([layout.window_index(i) for i in range(n)]).to(device) if n > 1 else None
+    flat = layout.flat_window_index().to(device) if n > 1 else None
     inv_count = (1.0 / layout.window_overlap_count.double()).float()[:, None]
     return flat, inv_count.to(device)
 
