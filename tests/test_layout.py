@@ -88,6 +88,10 @@ def test_windows_share_one_frame():
     count = lay.window_overlap_count.view(lay.latent_frames, F)[:, 0]
     assert count[12] == 2 and count[24] == 2 and count[0] == 1 and count[13] == 1 and count[-1] == 1
     assert int((count == 2).sum()) == lay.num_segments - 1
+    flat = lay.flat_window_index()  # the windows one after another: every position, shared frames twice
+    assert flat.numel() == lay.num_segments * lay.window_tokens
+    assert torch.equal(torch.bincount(flat, minlength=lay.total_tokens)[lay.total_text_tokens:].view(
+        lay.latent_frames, F)[:, 0], count)
 
 
 def test_a_backbones_window_and_text_placement():

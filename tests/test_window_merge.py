@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.benchmark_scripts import load_benchmark
 from tttvideo.layout import VideoLayout
 from tttvideo.models import attention
 
-
-def scatter_merge(out: torch.Tensor, flat: torch.Tensor, n: int, inv_count: torch.Tensor, length: int):
-    """The merge as it was written before: every window summed into zeros with index_add, then scaled."""
-    Bn, H, W, D = out.shape
-    out = out.transpose(1, 2).reshape(Bn // n, n * W, H * D)
-    summed = torch.zeros(Bn // n, length, H * D, dtype=out.dtype).index_add(1, flat, out)
-    return summed * inv_count.to(out.dtype)
+# the merge as it was (benchmarks/window_merge.py times the two against each other on a GPU)
+scatter_merge = load_benchmark("window_merge").scatter_merge
 
 
 def layouts():
@@ -31,7 +27,7 @@ def layouts():
 def test_merge_equals_the_scatter_bit_for_bit_forward_and_backward(which, dtype):
     layout = layouts()[which]
     n, L = layout.num_segments, layout.total_tokens
-    flat = torch.cat([layout.window_index(i) for i in range(n)])
+    flat = layout.flat_window_index()
     inv_count = torch.cat([torch.ones(layout.total_text_tokens),
                            1.0 / layout.window_overlap_count.double()]).float()[:, None]
     covers = attention.window_covers(layout, torch.device("cpu"))

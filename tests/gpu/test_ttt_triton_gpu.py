@@ -46,10 +46,12 @@ if pytest is not None:
 
 
     @pytest.mark.parametrize("split", [1, 2, 4])
-    def test_mlp_split_over_programs(split, monkeypatch):
-        # one stream's hidden dim over 1, 2 or 4 cooperating programs (triton_exchange); 2 is the default at D=64
+    @pytest.mark.parametrize("m", [64, 16])
+    def test_mlp_split_over_programs(split, m, monkeypatch):
+        # one stream's hidden dim over 1, 2 or 4 cooperating programs (triton_exchange), at the training mini-batch
+        # and the sampling one (16)
         monkeypatch.setenv("TTT_MLP_SPLIT", str(split))
-        errs = relative_errors("mlp", B=2, H=3, L=64 * 21, D=64, m=64, group=4, regime="biased-eta16")
+        errs = relative_errors("mlp", B=2, H=3, L=64 * 21, D=64, m=m, group=4, regime="biased-eta16")
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"TTT-MLP split {split}: relative errors over {TOL}: {bad}"
 
