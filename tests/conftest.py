@@ -7,9 +7,19 @@ import tempfile
 import zlib
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
+# Under pytest-xdist, before torch (and its OpenMP runtime, which reads this once, as it loads) is imported: OpenMP
+# threads that wait for work sleep instead of spinning. The configs' train.cpu_threads (2 in configs/demo.toml) give
+# a worker's in-process trainers, and the commands its tests start (the README snippet), two threads whatever
+# OMP_NUM_THREADS says; spinning, each such thread took a core from the other worker's tests and waited on a peer
+# thread that had none, at every parallel region (the README snippet took 112 s in the suite against 8 s alone). On a
+# two-core machine the first pass took 160 s (291 s of CPU) against 328 s (632 s of CPU) spinning. Not in the serial
+# pass: there sleeping threads made a two-thread run slower.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_RUN = pytest.StashKey[tuple]()

@@ -1,10 +1,12 @@
 """One rank of tests/test_parallel.py, started by torchrun on CPU (gloo): every parallel variant of this world size
 against the one-process run of the same model on the same global batch.
 
-Each rank builds the same seeded model and data, computes the one-process loss, output and gradients itself (no
-communication), then runs each variant — Ulysses sp alone, FSDP alone, both, HSDP with sp — on its own part of the
-batch and checks that the mean loss over ranks, its output and every parameter's gradient (averaged over ranks
-without FSDP, gathered from the shards with it) match within fp32 tolerance. Exits non-zero on the first mismatch.
+Each rank builds the same seeded model and data. The one-process loss, output and gradients of each variant's global
+batch are computed once, by one rank each (the variants' references at once, spread over the ranks), and sent whole
+to the others (pickled: the values exactly; every rank computing every reference did the same work `world` times).
+Then each rank runs each variant — Ulysses sp alone, FSDP alone, both, HSDP with sp — on its own part of the batch
+and checks that the mean loss over ranks, its output and every parameter's gradient (averaged over ranks without
+FSDP, gathered from the shards with it) match within fp32 tolerance. Exits non-zero on the first mismatch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tttvideo.config.schema import ParallelConfig, TTTConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.models.cogvideox.presets import PRESETS, ModelSpec
 from tttvideo.models.cogvideox.transformer import CogVideoXTTT
-from tttvideo.parallel import close_parallel, init_parallel, shard_model
+from tttvideo.parallel import close_parallel, init_parallel, resolve_degrees, shard_model
 
 # fp32 everywhere: the parallel runs differ from the one-process run only in summation order
 RTOL, ATOL = 1e-4, 1e-5
@@ -81,6 +83,21 @@ def one_process(base: torch.nn.Module, batch: tuple[torch.Tensor, ...]):
     return loss.detach(), out.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def references(base: torch.nn.Module, world: int) -> list[tuple]:
+    """`one_process` of each variant's global batch (PER_RANK samples per data-parallel rank): variant i computed
+    by rank i % world, all ranks at once, then broadcast from it to every rank."""
+    heads = base.spec.num_attention_heads
+    batches = [inputs(PER_RANK * resolve_degrees(ParallelConfig(**keys), heads, world).data_parallel)
+               for _, keys, _, _ in VARIANTS[world]]
+    mine = {i: one_process(base, batch) for i, batch in enumerate(batches) if i % world == dist.get_rank()}
+    refs = []
+    for i in range(len(batches)):
+        box = [mine.get(i)]
+        dist.broadcast_object_list(box, src=i % world)
+        refs.append(box[0])
+    return refs
+
+
 def full_gradients(model: torch.nn.Module, fsdp: bool, world: int) -> dict[str, torch.Tensor]:
     """Every parameter's gradient on every rank: gathered from the FSDP shards (already averaged over the mesh), or
     averaged over all ranks here (what FSDP's reduce-scatter would do)."""
@@ -96,10 +113,12 @@ def full_gradients(model: torch.nn.Module, fsdp: bool, world: int) -> dict[str, 
     return grads
 
 
-def run_variant(name: str, keys: dict, fsdp: bool, remat: bool, base: torch.nn.Module, world: int) -> None:
+def run_variant(name: str, keys: dict, fsdp: bool, remat: bool, base: torch.nn.Module, world: int,
+                reference: tuple) -> None:
     plan = init_parallel(ParallelConfig(**keys), base.spec.num_attention_heads, device_type="cpu")
     batch = inputs(PER_RANK * plan.dp_size)
-    ref_loss, ref_out, ref_grads = one_process(base, batch)
+    ref_loss, ref_out, ref_grads = reference
+    assert ref_out.shape[0] == batch[0].shape[0], (name, ref_out.shape, plan.dp_size)
 
     model = copy.deepcopy(base)
     if remat:
@@ -139,8 +158,8 @@ def main() -> int:
     base.set_ttt_gates(0.5)  # the TTT branches weigh in the output and the gradients
     dist.init_process_group("gloo")
     try:
-        for name, keys, fsdp, remat in VARIANTS[world]:
-            run_variant(name, keys, fsdp, remat, base, world)
+        for (name, keys, fsdp, remat), reference in zip(VARIANTS[world], references(base, world)):
+            run_variant(name, keys, fsdp, remat, base, world, reference)
     except BaseException:
         close_parallel(wait=False)
         raise

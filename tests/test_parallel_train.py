@@ -47,6 +47,9 @@ SETTINGS = [
     "data.demo_text_encoder=table", "train.sample_at_end=false", "train.tensorboard=false", "train.batch_size=1",
     "train.grad_accum=0", "train.global_batch=2", "train.steps=4", "train.checkpoint_every=2",
     "train.keep_checkpoints=4", "train.log_every=1", "train.warmup_steps=1", "train.if_exists=refuse",
+    # one thread (configs/demo.toml's 2 would override the launches' OMP_NUM_THREADS=1 and the one_thread fixture);
+    # no end-of-run pictures (~1.4 s of CPU a launch; tests/test_demo_learns.py checks them)
+    "train.cpu_threads=1", "train.plots=false",
 ]
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-4
@@ -143,6 +146,11 @@ def test_sp_and_fsdp_on_two_processes_match_one(work, reference, sp_run):
     assert [v.name for v in videos] == ["step-000004.mp4"]
     assert f"video {videos[0]}" in said(rank_log(cmd, 0, "stdout"))
     assert "video" not in rank_log(cmd, 1, "stdout")
+    # train.plots = false: neither the loss curve nor the video's frame strip, and no line naming them; the demo
+    # set's score of the video is printed all the same
+    assert not any((work / "fsdp2" / name).exists() for name in ("loss.png", "frames.png"))
+    assert "look at what it learned" not in said(rank_log(cmd, 0, "stdout"))
+    assert "demo score" in said(rank_log(cmd, 0, "stdout"))
     frames = read_frames(videos[0])
     layout = layout_of(load_config(DEMO, settings(work, "fsdp2")))
     assert frames.shape[0] == layout.num_frames and frames.shape[1:3] == (32, 32)

@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
+# no loss curves at the end of the stages (train.plots: ~1.4 s of CPU a launch; tests/test_demo_learns.py checks them)
+NO_PLOTS = ["--set", "train.plots=false"]
 
 
 def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
@@ -23,7 +25,7 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(tmp_path / "work"), "--preset", "tiny",
            "--device", "cpu", "--gpus", "2", "--durations", "3", "6", "--kill-at", "3", "--reshard-gpus", "1",
            "--steps", "2", "--sample-steps", "1", "--out", str(out), "--set", "layout.height=64",
-           "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo"]
+           "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo", *NO_PLOTS]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = json.loads(out.read_text())
@@ -55,7 +57,7 @@ def test_four_process_chain_kill_says_one_sentence_and_reshards_to_two(tmp_path)
     cmd = [sys.executable, "-m", "benchmarks.stage_chain", "--workdir", str(tmp_path / "work"), "--preset", "tiny",
            "--device", "cpu", "--gpus", "4", "--durations", "3", "--kill-at", "3", "--reshard-gpus", "2",
            "--steps", "2", "--no-sample", "--out", str(out), "--set", "layout.height=64",
-           "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo"]
+           "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo", *NO_PLOTS]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     (killed,) = json.loads(out.read_text())["stages"]
@@ -80,7 +82,7 @@ def test_wan_recipe_chain_through_its_24gb_configs_and_sample_config(tmp_path):
            "--steps", "2", "--no-kill", "--sample-steps", "1",
            "--sample-config", "configs/wan2.1-1.3b/sample-63s-24gb.toml", "--out", str(out),
            "--set", "layout.height=32", "--set", "layout.width=32", "--set", "layout.text_tokens=16",
-           "--set", "train.precision=fp32", "--set", "checkpointing.offload_host_gib=0"]
+           "--set", "train.precision=fp32", "--set", "checkpointing.offload_host_gib=0", *NO_PLOTS]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = json.loads(out.read_text())

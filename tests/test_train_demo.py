@@ -15,7 +15,7 @@ def test_demo_main_job_shortened(tmp_path, capsys):
     out = tmp_path / "demo"
     code = main(["train", "configs/demo.toml", "--set", "train.steps=40", "--set", "train.log_every=10",
                  "--set", "train.checkpoint_every=20", "--set", f"train.output_dir={out}", "--set", "sample.steps=4",
-                 "--set", f"data.demo_dir={tmp_path / 'demo-data'}"])
+                 "--set", f"data.demo_dir={tmp_path / 'demo-data'}", "--set", "train.plots=false"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert (out / "checkpoints/step-000040/model.safetensors").is_file()
@@ -36,3 +36,7 @@ def test_demo_main_job_shortened(tmp_path, capsys):
     assert frames == 97  # 6 s at 16 fps + 1
     story = json.loads((out / "samples/step-000040.scenes.json").read_text())
     assert len(story["scenes"]) == 2 and story["scenes"][1]["requires_scene_transition"]
+    # train.plots = false: the video is scored all the same, but neither picture is drawn nor named
+    # (tests/test_demo_learns.py checks both where they are on, the default)
+    assert "demo score" in printed and "look at what it learned" not in printed
+    assert not (out / "frames.png").exists() and not (out / "loss.png").exists()

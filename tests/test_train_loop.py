@@ -120,8 +120,14 @@ def test_loss_inputs(monkeypatch):
 
 
 def test_checkpoints_resume_guard_and_init_from(tmp_path):
-    cfg = tiny_config(tmp_path)
-    result = Trainer(cfg, quiet=True).run()
+    cfg = tiny_config(tmp_path, "train.cpu_threads=2")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = Trainer(cfg, quiet=True).run()
+        assert torch.get_num_threads() == 1  # train.cpu_threads holds for the run, not for the process after it
+    finally:
+        torch.set_num_threads(threads)
     assert result.steps_done == 4 and math.isfinite(result.first_loss)
     found = ckpt.list_checkpoints(tmp_path / "run")
     assert [s for s, _ in found] == [2, 4]  # every checkpoint_every = 2 steps

@@ -22,7 +22,7 @@ ARGS = [
     "layout.duration=6s", "data.demo_videos=3", "data.demo_text_encoder=table", "train.batch_size=1",
     "train.grad_accum=2", f"train.steps={STEPS}", "train.checkpoint_every=3", "train.keep_checkpoints=5",
     "train.log_every=1", "train.sample_at_end=false", "train.tensorboard=false", "train.warmup_steps=2",
-    "train.text_dropout=0.5", "train.cpu_threads=1", "train.ema_decay=0.9",
+    "train.text_dropout=0.5", "train.cpu_threads=1", "train.plots=false", "train.ema_decay=0.9",
 ]
 
 

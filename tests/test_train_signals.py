@@ -28,7 +28,7 @@ ARGS = [
     "layout.duration=3s", "data.demo_videos=3", "data.demo_text_encoder=table", "train.batch_size=1",
     "train.grad_accum=2", f"train.steps={STEPS}", "train.checkpoint_every=4", "train.keep_checkpoints=5",
     "train.log_every=1", "train.sample_at_end=false", "train.tensorboard=true", "train.warmup_steps=2",
-    "train.text_dropout=0.5", "train.cpu_threads=1",
+    "train.text_dropout=0.5", "train.cpu_threads=1", "train.plots=false",
 ]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 

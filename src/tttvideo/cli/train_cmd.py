@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import shlex
 import sys
@@ -172,19 +173,20 @@ def _free_gpu_memory() -> None:
 
 def _pictures(cfg, result, console) -> list:
     """The loss curve, and the frames of the end-of-run video with its captions (and, on the demo set, how well
-    the video shows them); none without matplotlib."""
-    try:
-        from tttvideo.train.figures import frame_strip, loss_curve
-    except ImportError:
+    the video shows them: printed whether or not pictures are drawn); none with train.plots = false or without
+    matplotlib."""
+    if result.video is not None and not cfg.data.manifest:
+        from tttvideo.data.demo_score import score_video_file
+
+        score = score_video_file(result.video, long_range=cfg.data.demo_kind == "long-range")
+        console.print(f"  {score.summary()}")
+    if not cfg.train.plots or importlib.util.find_spec("matplotlib") is None:  # figures imports it when drawing
         return []
+    from tttvideo.train.figures import frame_strip, loss_curve
+
     pictures = []
     if result.video is not None:
         pictures.append(frame_strip(result.video, None, result.output_dir / "frames.png"))
-        if not cfg.data.manifest:
-            from tttvideo.data.demo_score import score_video_file
-
-            score = score_video_file(result.video, long_range=cfg.data.demo_kind == "long-range")
-            console.print(f"  {score.summary()}")
     pictures.append(loss_curve(result.output_dir / "metrics.jsonl", result.output_dir / "loss.png"))
     return pictures
 

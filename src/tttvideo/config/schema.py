@@ -236,6 +236,10 @@ class TrainConfig:
     # logging
     log_every: int = bounded(10, 1, help="optimizer steps between log lines / TensorBoard points")
     tensorboard: bool = True
+    plots: bool = field(default=True, metadata={"help": "when training ends, draw the run's pictures: its loss curve "
+                                                        "(loss.png) and, when it made a video, the video's frame "
+                                                        "strip (frames.png); false skips both (matplotlib's import "
+                                                        "and drawing: about 1.4 s of CPU)"})
     wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases (needs `pip install wandb`)"})
     wandb_project: str = "tttvideo"
     validate_every: int = bounded(0, 0, help="optimizer steps between validation videos; 0 = only at the end (demo)")

@@ -136,8 +136,6 @@ class Trainer:
             raise ConfigError("train.precision 'fp16' needs a GPU (the gradient scaler is CUDA only); use 'bf16' or "
                               "'fp32' on CPU")
         check_techniques(cfg, launch_world_size())
-        if self.train.cpu_threads:
-            torch.set_num_threads(self.train.cpu_threads)
         # under torchrun: the process group, the mesh, this rank's GPU; with one process nothing changes
         self.device = rank_device(self.device)
         apply_memory_cap(cfg.memory, self.device)
@@ -386,6 +384,9 @@ class Trainer:
     def run(self) -> TrainResult:
         """Lock the run folder, act on an earlier run there (train.if_exists), train, and let the folder go."""
         with contextlib.ExitStack() as stack:
+            if self.train.cpu_threads:  # for this run: a notebook's or a test's process gets its own count back
+                stack.callback(torch.set_num_threads, torch.get_num_threads())
+                torch.set_num_threads(self.train.cpu_threads)
             # rank 0 holds the lock and decides; the others wait for its decision
             folder, self.resume_from = self.ranks.on_main(
                 lambda: runfolder.claim(self.output_dir, self.if_exists, stack, self.console))
