@@ -39,8 +39,9 @@ demo: $(DEMO_STAMP)
 # Two passes: the tests that run in one process, on every core at once (pytest-xdist; most work on one core), then
 # those that start several working processes (the `launches` marker, tests/conftest.py), one at a time with all the
 # cores. A launch's wall time is mostly its processes' imports, on every core: beside the first pass it would only
-# slow both, and on two xdist workers of its own it took 850 s against 716-772 s one at a time. On a 2-core machine:
-# 369-397 s + 716-772 s. TEST_WORKERS: auto = one per core, at most 8.
+# slow both, and on two xdist workers of its own it ran slower than one at a time (850 s against 772 s). On a 2-core
+# machine (1093899):
+# 154 s + 346 s. TEST_WORKERS: auto = one per core, at most 8.
 # --dist loadfile: a module's tests stay on one worker, so its module-scoped fixtures (the Triton interpreter runs,
 # the reference trainings) run once: 574 s of CPU for the first pass against 592 s split by test, 709 s by worksteal.
 TEST_WORKERS ?= auto
