@@ -189,7 +189,8 @@ def split_for(E: int, M: int, D: int) -> int:
     """Programs per stream. The interpreter runs programs one after another, so it takes 1 (see triton_exchange).
     On a GPU, 2 roles: at E = 256 each holds 128 hidden rows at 8 warps (its state rows, 64 KiB, in registers).
     Measured on an H200 at L = 18,048 (docs/kernels.md): 2 roles at 8 warps 3.19 / 27.9 ms
-    forward / forward+backward, 4 roles at 4 warps 3.94 / 33.8, 4 at 8 warps 6.38 / 36.6."""
+    forward / forward+backward, 4 roles at 4 warps 3.94 / 33.8, 4 at 8 warps 6.38 / 36.6. At M = 16 (sampling) one
+    role: 2 made a 63-s guided block 14 % slower on an H100 (663 against 580 ms)."""
     if interpreting():
         return 1
     if os.environ.get("TTT_MLP_SPLIT"):  # for measurements and device tests of the other splits
