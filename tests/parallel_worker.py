@@ -3,10 +3,10 @@ against the one-process run of the same model on the same global batch.
 
 Each rank builds the same seeded model and data. The one-process loss, output and gradients of each variant's global
 batch are computed once, by one rank each (the variants' references at once, spread over the ranks), and sent whole
-to the others (pickled: the values exactly; every rank computing every reference did the same work `world` times).
-Then each rank runs each variant — Ulysses sp alone, FSDP alone, both, HSDP with sp — on its own part of the batch
-and checks that the mean loss over ranks, its output and every parameter's gradient (averaged over ranks without
-FSDP, gathered from the shards with it) match within fp32 tolerance. Exits non-zero on the first mismatch.
+to the others (pickled: the values exactly). Then each rank runs each variant — Ulysses sp alone, FSDP alone, both,
+HSDP with sp — on its own part of the batch and checks that the mean loss over ranks, its output and every
+parameter's gradient (averaged over ranks without FSDP, gathered from the shards with it) match within fp32
+tolerance. Exits non-zero on the first mismatch.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.benchmark_scripts import load_benchmark
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for CUDA")
 
 
@@ -63,13 +65,11 @@ def test_merge_equals_the_atomic_scatter_on_cuda():
     out = torch.randn(n, 48, index.shape[1], 64, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(1, L, 48 * 64, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    def scatter(o):
-        o = o.transpose(1, 2).reshape(1, -1, 48 * 64)
-        return torch.zeros(1, L, 48 * 64, dtype=o.dtype, device="cuda").index_add(1, flat, o) * inv_count.to(o.dtype)
+    scatter_merge = load_benchmark("window_merge").scatter_merge  # the merge as it was
 
     got = []
     for merge in (lambda o: attention.merge_windows(o, flat, n, inv_count, L, attention.window_covers(
-            layout, torch.device("cuda"))), scatter):
+            layout, torch.device("cuda"))), lambda o: scatter_merge(o, flat, n, inv_count, L)):
         o = out.clone().requires_grad_()
         merged = merge(o)
         merged.backward(grad)
