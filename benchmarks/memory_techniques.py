@@ -40,6 +40,7 @@ import torch
 
 from tttvideo.config.schema import CHECKPOINT_PARTS, Config
 from tttvideo.layout import VideoLayout
+from tttvideo.memory.plan.planner import gpu_kind
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.checkpointing import apply_checkpointing
 from tttvideo.train.distributed import TrainRanks
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     device_label = model_step.device_name(device)
-    out = args.out or f"benchmarks/results/memory_techniques_{_gpu(device_label)}.json"
+    card = gpu_kind(device_label) if device.type == "cuda" else "cpu"
+    out = args.out or f"benchmarks/results/memory_techniques_{card}.json"
     # the ratio's base: keeping the inputs, else the first variant, of this run (merged rows may be older code)
     timed = [r for r in rows if "step_s" in r]
     base = next((r for r in timed if r["variant"] == "kept"), timed[0] if timed else None)
@@ -158,10 +160,6 @@ def _merged(out: str, rows: list[dict[str, Any]], duration: int) -> list[dict[st
     kept = [{"git_commit": old.get("git_commit", "unknown"), **r} for r in old["results"] if r["variant"] not in fresh]
     order = list(VARIANTS)
     return sorted(kept + rows, key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
-
-
-def _gpu(name: str) -> str:
-    return "h200" if "H200" in name else "h100" if "H100" in name else "cpu"
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ import ttt_sample_minibatch  # noqa: E402
 from tttvideo.config.loader import load_config  # noqa: E402
 from tttvideo.dtypes import torch_dtype  # noqa: E402
 from tttvideo.layout import VideoLayout  # noqa: E402
+from tttvideo.memory.plan.planner import gpu_kind  # noqa: E402
 from tttvideo.models import build_model  # noqa: E402
 from tttvideo.models.backbone import get_preset  # noqa: E402
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
@@ -131,8 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------------------- helpers
 def gpu_tag(device: torch.device) -> str:
-    name = model_step.device_name(device) if device.type == "cuda" else "cpu"
-    return next((t.lower() for t in ("H200", "H100", "A100", "L40S") if t in name), name.split()[-1].lower())
+    return gpu_kind(model_step.device_name(device) if device.type == "cuda" else "cpu")
 
 
 def free(device: torch.device) -> None:

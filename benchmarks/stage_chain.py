@@ -526,11 +526,18 @@ def compare_latents(rows: list[dict[str, Any]]) -> None:
                       "rms_rel_diff_vs_1": ((x - ref).float().norm() / ref.float().norm()).item()})
 
 
+def cpu_label() -> str:
+    """The results' device on a CPU run (the processor's name where the platform gives one)."""
+    return platform.processor() or "cpu"
+
+
 def results_name(args: argparse.Namespace, device: str) -> str:
     """The default results file's name (no suffix): stage_chain[_capped|_from_base][_<backbone>_<card>][_<gpus>gpu]_
     <gpu>. A run under --cap-at-plan goes to a file of its own: its reserved peaks are held under the plan, not free;
     so does a free --from-base run, whose stages start from the base weights instead of the stage before."""
-    gpu = "h200" if "H200" in device else "h100" if "H100" in device else "cpu"
+    from tttvideo.memory.plan.planner import gpu_kind
+
+    gpu = "cpu" if device == cpu_label() else gpu_kind(device)
     name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"
     if args.configs != [COGVIDEOX_CONFIGS]:  # another recipe (Wan2.1's 24 GB stages: stage_chain_wan_24gb_<gpu>)
         from tttvideo.models.backbone import backbone_of
@@ -554,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             make_cache(args, work, d)
         return 0
     weights = inputs_made_apart(args, work)
-    device = (gpu_name() or "cuda") if args.device.startswith("cuda") else platform.processor() or "cpu"
+    device = (gpu_name() or "cuda") if args.device.startswith("cuda") else cpu_label()
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{results_name(args, device)}.json")
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
               "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "configs": args.configs,
