@@ -26,4 +26,5 @@ def test_rows_json_and_table(tmp_path, capsys, monkeypatch):
     assert all(r["block_ms"] > 0 and r["step_s"] == pytest.approx(r["block_ms"] * 2 / 1e3) for r in rows)
     # the text length is the training mini-batch's whatever the sampling one: the same tokens at 16 and 64
     assert rows[0]["tokens"] == rows[1]["tokens"] and rows[2]["tokens"] == rows[3]["tokens"]
+    assert all(r["duration"] == "3s" and r["duration_s"] == 3 for r in rows)  # the label and the number of seconds
     assert "x vs 64" in capsys.readouterr().out
