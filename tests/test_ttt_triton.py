@@ -309,6 +309,23 @@ def test_parts_reassemble_in_sample_and_head_order():
         assert torch.equal(ops._assemble(parts, [x[s, h] for s, h in parts]), x), parts
 
 
+def test_sampling_forward_at_mini_batch_16_takes_two_roles_at_four_warps(monkeypatch):
+    # the launch shape alone (the kernel at that shape runs in tests/gpu): only a CUDA forward that saves nothing at
+    # mini-batch 16 and the measured head shape changes; training forwards keep the backward's shape
+    from tttvideo.ttt import triton_mlp
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TTT_MLP_SPLIT", raising=False)
+    cuda = torch.device("cuda")
+    assert triton_mlp.forward_shape(256, 16, 64, cuda, save=False) == (2, 4)
+    assert triton_mlp.forward_shape(256, 16, 64, cuda, save=True) == (1, 8)
+    assert triton_mlp.forward_shape(256, 64, 64, cuda, save=False) == (2, 8)
+    assert triton_mlp.forward_shape(128, 16, 32, cuda, save=False) == (1, 8)
+    assert triton_mlp.forward_shape(256, 16, 64, torch.device("cpu"), save=False)[0] == 1
+    monkeypatch.setenv("TTT_MLP_SPLIT", "1")  # a measurement's override wins
+    assert triton_mlp.forward_shape(256, 16, 64, cuda, save=False) == (1, 8)
+
+
 def test_backward_schedule_refuses_a_dependency_not_issued():
     from tttvideo.ttt.triton_mlp import _Lanes
 

@@ -55,6 +55,25 @@ if pytest is not None:
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"TTT-MLP split {split}: relative errors over {TOL}: {bad}"
 
+    @pytest.mark.parametrize("B", [2, 1])
+    def test_mlp_sampling_launch_matches_fp32_reference(B):
+        # without gradients at mini-batch 16 the forward takes triton_mlp.forward_shape's launch (2 roles at 4 warps,
+        # two programs an SM): a guided step's 2 x 48 heads at 3 s, and one sample's 48, against the fp32 reference
+        from tttvideo.ttt import ops, triton_mlp
+        from tttvideo.ttt.reference import ttt_mlp_reference
+        from tttvideo.ttt.testing import make_inputs, poisoned_outputs
+
+        assert triton_mlp.forward_shape(256, 16, 64, torch.device("cuda"), save=False) == (2, 4)
+        L = 16 * 1128
+        ins = [t.detach() for t in make_inputs("mlp", B, 48, L, 64, 16)]
+        with torch.no_grad():
+            want = ttt_mlp_reference(*(t.float() for t in ins), mini_batch_size=16, checkpoint_group_size=16)
+            with poisoned_outputs():
+                got = ops.ttt_mlp(*ins, mini_batch_size=16, checkpoint_group_size=16, backend="triton").float()
+        err = float((got - want).norm() / want.norm())
+        assert err <= TOL, f"TTT-MLP sampling launch, B={B}: relative error {err} over {TOL}"
+        assert triton_mlp.LAUNCHED["fwd"].metadata.num_warps == 4
+
     def test_mlp_past_32_bit_addressing_equals_per_sample_calls():
         # B = 2 at 63 s: q/k/v hold more than 2^31 elements, past the kernels' 32-bit offsets, so ops runs the call
         # over groups of heads; each sample run alone (under the limit) must give the same output, bit for bit

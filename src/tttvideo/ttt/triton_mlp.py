@@ -189,8 +189,9 @@ def split_for(E: int, M: int, D: int) -> int:
     """Programs per stream. The interpreter runs programs one after another, so it takes 1 (see triton_exchange).
     On a GPU, 2 roles: at E = 256 each holds 128 hidden rows at 8 warps (its state rows, 64 KiB, in registers).
     Measured on an H200 at L = 18,048 (docs/kernels.md): 2 roles at 8 warps 3.19 / 27.9 ms
-    forward / forward+backward, 4 roles at 4 warps 3.94 / 33.8, 4 at 8 warps 6.38 / 36.6. At M = 16 (sampling) one
-    role: 2 made a 63-s guided block 14 % slower on an H100 (663 against 580 ms)."""
+    forward / forward+backward, 4 roles at 4 warps 3.94 / 33.8, 4 at 8 warps 6.38 / 36.6. At M = 16 one role (2 at 8
+    warps made a 63-s guided block 14 % slower on an H100, 663 against 580 ms: two waves); sampling there takes 2 at
+    4 warps instead (`forward_shape`)."""
     if interpreting():
         return 1
     if os.environ.get("TTT_MLP_SPLIT"):  # for measurements and device tests of the other splits
@@ -202,6 +203,19 @@ def warps_for(E: int, split: int, M: int = 64, D: int = 64) -> int:
     """16 hidden rows per warp: one MMA tile of rows per warp, no replicated tiles; at most `warp_cap(M, D)` (8, or 4
     where Triton 3.6 miscompiles [64, D < 64] products at 8 warps: triton_common.warp_cap)."""
     return max(1, min(warp_cap(M, D), E // split // 16))
+
+
+def forward_shape(E: int, M: int, D: int, device: torch.device, save: bool) -> tuple[int, int]:
+    """(split, warps) of a forward launch. A forward that saves nothing (sampling) at mini-batch 16 takes 2 roles at
+    4 warps: two programs then share an SM, so a guided step's 96 streams (2 x 48 heads; at 63 s two launches of
+    48 side by side, ops.kernel_parts) run in one wave. H100, L = 18,048: 96 streams 6.37 us a mini-batch against
+    7.85 for 1 role at 8 warps and 9.55 for 2 roles at 8 warps (two waves); 48 streams 5.26 (8 warps: 5.05, but
+    not when another launch runs beside it). Only at the measured shape (D = 64, E = 256); else, and for a forward
+    that saves (training, measured at its own shapes: docs/kernels.md), split_for and warps_for."""
+    split = split_for(E, M, D)
+    if save or (M, D, E) != (16, 64, 256) or interpreting() or os.environ.get("TTT_MLP_SPLIT") or device.type != "cuda":
+        return split, warps_for(E, split, M, D)
+    return 2, min(4, warps_for(E, 2, M, D))
 
 
 def _state_buffers(slots: int, D: int, E: int, device) -> tuple[torch.Tensor, ...]:
@@ -249,12 +263,14 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     M = mini_batch_size
     n = L // M
     group = scan_groups(n, checkpoint_group_size)[0]
-    split = tune.get("split", split_for(E, M, D))
+    split, warps = forward_shape(E, M, D, q.device, save)
+    split = tune.get("split", split)
+    warps = tune.get("num_warps", warps if "split" not in tune else warps_for(E, split, M, D))
     out = new_output(q) if output else None
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
     _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
-                output, split, tune.get("num_warps", warps_for(E, split, M, D)), "fwd", tune.get("prefetch", 1))
+                output, split, warps, "fwd", tune.get("prefetch", 1))
     return out, ck
 
 
