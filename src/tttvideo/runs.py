@@ -92,7 +92,12 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 of a file, read in 1 MiB chunks."""
+    """SHA-256 of a file, read in 1 MiB chunks; for a file this process wrote with `tensorfile.write_safetensors`
+    (and has not changed since), the digest it computed on the way out."""
+    from tttvideo.tensorfile import written_digest
+
+    if (known := written_digest(path)) is not None:
+        return known
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):

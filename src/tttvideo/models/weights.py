@@ -212,7 +212,7 @@ def save_checkpoint(model: Backbone, path: str | Path, trainable_only: bool = Fa
     and the longest video duration the weights were trained on when known (`checkpoint_info`). A model with fp8
     frozen weights saves its parameters only (the fp8 codes are buffers), so its file is marked partial: whoever
     loads it builds the frozen weights from `model.pretrained_path` first, as for a trainable-only file."""
-    from safetensors.torch import save_file
+    from tttvideo.tensorfile import write_safetensors
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +226,7 @@ def save_checkpoint(model: Backbone, path: str | Path, trainable_only: bool = Fa
     }
     if trained_duration_s is not None:
         metadata["trained_duration_s"] = str(int(trained_duration_s))
-    save_file(tensors, str(path), metadata=metadata)
+    write_safetensors(tensors, path, metadata)  # chunk by chunk through host memory, hashed on the way
     return path
 
 

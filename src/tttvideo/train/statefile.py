@@ -100,11 +100,11 @@ class _Encoder:
 
 def write_state(state: dict[str, Any], path: str | Path) -> Path:
     """Write the training state `state` to `path` (a safetensors file; the caller makes the write atomic)."""
-    from safetensors.torch import save_file
+    from tttvideo.tensorfile import write_safetensors
 
     encoder = _Encoder()
     tree = encoder.encode(state)
-    save_file(encoder.tensors, str(path), metadata={STATE_KEY: json.dumps(tree), "format": STATE_FORMAT})
+    write_safetensors(encoder.tensors, path, {STATE_KEY: json.dumps(tree), "format": STATE_FORMAT})
     return Path(path)
 
 
