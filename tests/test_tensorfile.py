@@ -5,6 +5,7 @@ it returns and remembers, and a failed write raising."""
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -81,3 +82,18 @@ def test_a_failed_write_raises(tmp_path):
     # /dev/full: every write fails with ENOSPC, in the writer thread or at close
     with pytest.raises(OSError):
         write_safetensors({"w": torch.zeros(1 << 16)}, "/dev/full", stage=True, chunk=1 << 12)
+
+
+def test_checkpoint_write_benchmark_runs_both_writers_on_cpu(tmp_path):
+    # its CPU smoke run (each writer in a child process, one repetition, 10 MiB): the table's rows and the files'
+    # equality, not the times
+    from tests.benchmark_scripts import load_benchmark
+
+    bench = load_benchmark("checkpoint_write")
+    out = tmp_path / "r.json"
+    assert bench.main(["--gib", "0.01", "--device", "cpu", "--reps", "1", "--dir", str(tmp_path / "files"),
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["files_equal"] is True
+    assert [r["writer"] for r in result["rows"]] == ["save_file+rehash", "write_safetensors"]
+    assert all(r["bytes"] >= 0.01 * 2**30 and r["seconds"] > 0 for r in result["rows"])
