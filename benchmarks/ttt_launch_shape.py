@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ttt_kernel import git_commit  # noqa: E402 - this script's folder: benchmarks/ttt_kernel.py
+from ttt_kernel import bench, git_commit  # noqa: E402 - this script's folder: benchmarks/ttt_kernel.py
 
 D, E = 64, 256
 # (mini-batch, split, warps) swept over streams; (mini-batch, streams, split, warps...) compared at fixed streams
@@ -39,23 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweeps", nargs="+", default=["streams", "shapes"], choices=["streams", "shapes"])
     ap.add_argument("--length", type=int, default=18048, help="tokens per stream (cut to the mini-batch)")
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=7, help="timed runs at least (benchmarks/ttt_kernel.py's bench)")
     ap.add_argument("--out", default="benchmarks/results/ttt_launch_shape.json")
     return ap.parse_args(argv)
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def inputs(streams: int, L: int) -> tuple[torch.Tensor, ...]:
@@ -81,7 +66,7 @@ def measure(M: int, streams: int, split: int, warps: int, L: int, reps: int, ins
     try:
         out = fn().float()
         kernel = triton_mlp.LAUNCHED["fwd"]
-        ms = median_ms(fn, reps)
+        ms = bench(fn, min_runs=reps)[0]
     except Exception as e:  # a shape Triton cannot build (registers, shared memory) is a row, not the end of the run
         return {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}, None
     row.update(ms=ms, us_per_step=ms * 1e3 / (L // M), regs=kernel.n_regs, spills=kernel.n_spills)
