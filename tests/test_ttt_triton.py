@@ -311,7 +311,7 @@ def test_parts_reassemble_in_sample_and_head_order():
 
 def test_sampling_forward_at_mini_batch_16_takes_two_roles_at_four_warps(monkeypatch):
     # the launch shape alone (the kernel at that shape runs in tests/gpu): only a CUDA forward that saves nothing at
-    # mini-batch 16 and the measured head shape changes; training forwards keep the backward's shape
+    # mini-batch 16 and the measured head shape changes; training forwards keep the launch they were measured at
     from tttvideo.ttt import triton_mlp
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
