@@ -7,8 +7,8 @@ followed by an fsync, each in a process of its own so that its host memory peak 
 (PYTHONPATH=src is not needed with the package installed.) The tensors are random bf16 matrices of a 5B block's
 linear-layer sizes (3072 x 3072 and 3072 x 12288) on `--device`, `--gib` in all. Per writer: seconds (median of
 `--reps`, a fresh file each), GB/s, the process's host memory high-water mark above what it held before writing
-(ru_maxrss), and whether the two writers' files read back equal. Prints a table last; writes JSON with device,
-torch and commit.
+(`tttvideo.train.monitor.host_gib`), and whether the two writers' files read back equal. Prints a table last;
+writes JSON with device, torch and commit.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -53,10 +52,6 @@ def make_tensors(gib: float, device: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def max_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
 def write_one(writer: str, tensors: dict[str, torch.Tensor], path: Path) -> str:
     from tttvideo.runs import file_digest
     from tttvideo.tensorfile import write_safetensors
@@ -75,10 +70,12 @@ def write_one(writer: str, tensors: dict[str, torch.Tensor], path: Path) -> str:
 
 def child(args) -> int:
     """One writer, --reps times: prints one JSON line."""
+    from tttvideo.train.monitor import host_gib
+
     tensors = make_tensors(args.gib, args.device)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
-    before = max_rss_gib()
+    before = host_gib()
     times, digest = [], ""
     folder = Path(args.dir)
     for rep in range(args.reps):
@@ -90,7 +87,7 @@ def child(args) -> int:
             path.unlink()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(json.dumps({"writer": args.one, "seconds": statistics.median(times), "times": times,
-                      "gb_per_s": nbytes / 1e9 / statistics.median(times), "host_peak_over_gib": max_rss_gib() - before,
+                      "gb_per_s": nbytes / 1e9 / statistics.median(times), "host_peak_over_gib": host_gib() - before,
                       "bytes": nbytes, "sha256": digest, "file": str(path)}))
     return 0
 
