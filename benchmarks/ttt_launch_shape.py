@@ -4,14 +4,15 @@ SM or two), the programs per stream (split) and the warps per program, on one GP
     PYTHONPATH=src python3 benchmarks/ttt_launch_shape.py --out benchmarks/results/ttt_launch_shape_h100.json
 
 (PYTHONPATH=src is not needed with the package installed.) Each row is one `triton_mlp.mlp_forward` with output and
-no saving (the sampling forward), on random bf16 inputs of heads of 64 and an inner MLP of 256, at L = 18,048 tokens
-cut to the mini-batch, with the split and warps forced (`tune`), so the default (`triton_mlp.forward_shape`) is one of
-the rows, not what runs. "us / step" is the launch's median time over its mini-batches: one step of every chain,
-the serial unit the 63-s scan repeats 21,948 times at mini-batch 16. Each row's output is compared with the first
-row of its (mini-batch, streams) group, split 1 at 8 warps (relative max error; bf16 outputs, so about 5e-3
-between launch shapes). Two sweeps: `streams` (a shape at 24-264 streams: where a second wave starts) and `shapes`
-(the (mini-batch, streams) of training and guided sampling at each split and warp count). Needs a CUDA GPU. Prints a
-table last; writes JSON with device, torch and commit.
+no saving (the sampling forward), on bf16 inputs of heads of 64 and an inner MLP of 256 drawn as the layer makes
+them (`tttvideo.ttt.testing.make_inputs`), at L = 18,048 tokens cut to the mini-batch, with the split and warps
+forced (`tune`), so the default (`triton_mlp.forward_shape`) is one of the rows, not what runs. "us / step" is the
+launch's median time over its mini-batches: one step of every chain, the serial unit the 63-s scan repeats 21,948
+times at mini-batch 16. Each row's output is compared with the first row of its (mini-batch, streams) group, split
+1 at 8 warps (relative max error: bf16 outputs, so launch shapes differ at the 1e-3 level). Two sweeps: `streams`
+(a shape at 24-264 streams: where a second wave starts) and `shapes` (the (mini-batch, streams) of training and
+guided sampling at each split and warp count). Needs a CUDA GPU. Prints a table last; writes JSON with device,
+torch and commit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ttt_kernel import bench, git_commit  # noqa: E402 - this script's folder: benchmarks/ttt_kernel.py
+from ttt_kernel import bench, git_commit, write_json  # noqa: E402 - this script's folder: ttt_kernel.py
 
 D, E = 64, 256
 # (mini-batch, split, warps) swept over streams; (mini-batch, streams, split, warps...) compared at fixed streams
@@ -41,19 +42,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=7, help="timed runs at least (benchmarks/ttt_kernel.py's bench)")
     ap.add_argument("--out", default="benchmarks/results/ttt_launch_shape.json")
     return ap.parse_args(argv)
-
-
-def inputs(streams: int, L: int) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*shape, scale=1.0):
-        return torch.randn(*shape, device="cuda", generator=g) * scale
-
-    q, k, v = (r(1, streams, L, D).bfloat16() for _ in range(3))
-    eta = (r(1, streams, L).abs() * 1e-2).bfloat16()
-    zeros = lambda *s: torch.zeros(*s, device="cuda")  # noqa: E731
-    return (q, k, v, eta, torch.ones(streams, D, device="cuda"), zeros(streams, D),
-            r(streams, D, E, scale=0.05), zeros(streams, E), r(streams, E, D, scale=0.05), zeros(streams, D))
 
 
 def measure(M: int, streams: int, split: int, warps: int, L: int, reps: int, ins,
@@ -80,7 +68,9 @@ def sweep(args) -> list[dict]:
 
     def run(M, streams, shapes):
         L = args.length - args.length % M
-        ins, ref = inputs(streams, L), None
+        from tttvideo.ttt.testing import make_inputs
+
+        ins, ref = [t.detach() for t in make_inputs("mlp", 1, streams, L, D, M, seed=0)], None
         for split, warps in shapes:
             row, out = measure(M, streams, split, warps, L, args.reps, ins, ref)
             ref = out if ref is None else ref
@@ -107,9 +97,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "ttt_launch_shape", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "git_commit": git_commit(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
               "head_dim": D, "hidden": E, "length": args.length, "command": " ".join(sys.argv), "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out), result)
     print(f"\n{result['device']}, {result['sms']} SMs, L = {args.length}, heads of {D}, inner {E}, bf16")
     print(f"{'M':>3} {'streams':>7} {'split':>5} {'programs':>8} {'warps':>5} {'ms':>7} {'us/step':>7} {'regs':>4} "
           f"{'spills':>6} {'err':>7}")
