@@ -263,9 +263,11 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     M = mini_batch_size
     n = L // M
     group = scan_groups(n, checkpoint_group_size)[0]
-    split, warps = forward_shape(E, M, D, q.device, save)
-    split = tune.get("split", split)
-    warps = tune.get("num_warps", warps if "split" not in tune else warps_for(E, split, M, D))
+    if "split" in tune:  # a measurement's split, at its own warps unless they are given too
+        split, warps = tune["split"], warps_for(E, tune["split"], M, D)
+    else:
+        split, warps = forward_shape(E, M, D, q.device, save)
+    warps = tune.get("num_warps", warps)
     out = new_output(q) if output else None
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
