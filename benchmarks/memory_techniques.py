@@ -40,7 +40,6 @@ import torch
 
 from tttvideo.config.schema import CHECKPOINT_PARTS, Config
 from tttvideo.layout import VideoLayout
-from tttvideo.memory.plan.planner import gpu_kind
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.checkpointing import apply_checkpointing
 from tttvideo.train.distributed import TrainRanks
@@ -93,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     device_label = model_step.device_name(device)
-    card = gpu_kind(device_label) if device.type == "cuda" else "cpu"
-    out = args.out or f"benchmarks/results/memory_techniques_{card}.json"
+    out = args.out or f"benchmarks/results/memory_techniques_{model_step.card_tag(device)}.json"
     # the ratio's base: keeping the inputs, else the first variant, of this run (merged rows may be older code)
     timed = [r for r in rows if "step_s" in r]
     base = next((r for r in timed if r["variant"] == "kept"), timed[0] if timed else None)

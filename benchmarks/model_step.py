@@ -411,6 +411,13 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
+def card_tag(device: torch.device) -> str:
+    """The results file's card: the planner's cost-table name of the GPU ('h100'), or 'cpu'."""
+    from tttvideo.memory.plan.planner import gpu_kind
+
+    return gpu_kind(device_name(device)) if device.type == "cuda" else "cpu"
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -59,7 +59,6 @@ import ttt_sample_minibatch  # noqa: E402
 from tttvideo.config.loader import load_config  # noqa: E402
 from tttvideo.dtypes import torch_dtype  # noqa: E402
 from tttvideo.layout import VideoLayout  # noqa: E402
-from tttvideo.memory.plan.planner import gpu_kind  # noqa: E402
 from tttvideo.models import build_model  # noqa: E402
 from tttvideo.models.backbone import get_preset  # noqa: E402
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
@@ -131,10 +130,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def gpu_tag(device: torch.device) -> str:
-    return gpu_kind(model_step.device_name(device) if device.type == "cuda" else "cpu")
-
-
 def free(device: torch.device) -> None:
     """The last case's GPU memory back before the next one builds (a model held by a cycle, too)."""
     if device.type == "cuda":
@@ -429,7 +424,7 @@ def profile_path(path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    path = Path(args.out or f"benchmarks/results/speed_{gpu_tag(device)}.json")
+    path = Path(args.out or f"benchmarks/results/speed_{model_step.card_tag(device)}.json")
     env = sample.environment(device)
     result: dict[str, Any] = {"benchmark": "speed", "device": env["device"], "torch": env["torch"],
                               "triton": env["triton"], "cuda": torch.version.cuda, "git_commit": env["git_commit"],
