@@ -40,7 +40,8 @@ demo: $(DEMO_STAMP)
 # those that start several working processes (the `launches` marker, tests/conftest.py), one at a time with all the
 # cores. A launch's wall time is mostly its processes' imports, on every core: beside the first pass it would only
 # slow both, and on two xdist workers of its own it ran slower than one at a time (850 s against 772 s). On a 2-core
-# machine (1093899): 154 s + 346 s. TEST_WORKERS: auto = one per core, at most 8.
+# machine: 154 s + 346 s (1093899); on a slower day of the same machine 296 s + 638 s (0571def; 4905fc6's second
+# pass 608 s that day). TEST_WORKERS: auto = one per core, at most 8.
 # --dist loadfile: a module's tests stay on one worker, so its module-scoped fixtures (the Triton interpreter runs,
 # the reference trainings) run once: 574 s of CPU for the first pass against 592 s split by test, 709 s by worksteal.
 TEST_WORKERS ?= auto
