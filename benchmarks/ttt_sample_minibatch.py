@@ -67,8 +67,8 @@ def measure(args, kind: str, duration: str, mini_batch: int, device: torch.devic
     torch.manual_seed(0)
     block = BidirectionalTTT(args.dim, args.heads, cfg.ttt).to(device, dtype).requires_grad_(False)
     x = torch.randn(args.batch, layout.total_tokens, args.dim, device=device, dtype=dtype)
-    row = {"kind": kind, "duration": duration, "duration_s": layout.duration_s, "tokens": layout.total_tokens, "mini_batch": mini_batch,
-           "ttt_padding": layout.ttt_padding}
+    row = {"kind": kind, "duration": duration, "duration_s": layout.duration_s, "tokens": layout.total_tokens,
+           "mini_batch": mini_batch, "ttt_padding": layout.ttt_padding}
     try:
         with torch.no_grad():
             if device.type == "cuda":
