@@ -24,13 +24,13 @@ Wan parts (random weights, the demo text encoder and the identity decode: nothin
 - `sample`: a 63-s guided denoising step of sample-63s-24gb.toml (chunked inference, two passes) under its 12 GiB cap,
   one warm-up and one timed.
 
-Every row runs in its own process; a row that runs out of memory, fails or times out is recorded as that row's
-result and the next one runs. Each row has median_step_s (the steps after the first: the first compiles the
-kernels), peak_allocated_gib / peak_reserved_gib (the profiler's) and peak_host_gib (the process's peak resident set,
-from wait4). Every subprocess gets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (docs/memory.md says why). A 24 GB
-card is emulated: the cap is torch's per-process memory fraction, and the CUDA context (about 0.5-0.8 GiB) is
-outside it. A CPU rehearsal of the Wan suite: --set model.preset=wan-tiny --set layout.height=32 --set layout.width=32
---set layout.text_tokens=16 --set train.device=cpu --set sample.device=cpu --set train.precision=fp32.
+Every row runs in its own process; a row that runs out of memory, fails or times out is recorded as that row's result
+and the next one runs. Each row has median_step_s (the steps after the first: the first compiles the kernels),
+peak_allocated_gib / peak_reserved_gib (the profiler's) and peak_host_gib (the process's peak resident set, as a small
+launcher reads it: `run_child`). Every subprocess gets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (docs/memory.md
+says why). A 24 GB card is emulated: the cap is torch's per-process memory fraction, and the CUDA context (about 0.5-0.8
+GiB) is outside it. A CPU rehearsal of the Wan suite: --set model.preset=wan-tiny --set layout.height=32 --set
+layout.width=32 --set layout.text_tokens=16 --set train.device=cpu --set sample.device=cpu --set train.precision=fp32.
 """
 
 from __future__ import annotations
@@ -89,27 +89,39 @@ def tail(log: Path, lines: int = 3) -> str:
     return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-600:]
 
 
+# Linux carries a process's peak resident set across exec (signal->maxrss), so a command forked from this process
+# would report this process's peak if it was larger: the command is forked instead from a small launcher, which
+# writes the peak of its own children (RUSAGE_CHILDREN, KiB on Linux) after the command ends or is killed.
+_LAUNCHER = """import resource, subprocess, sys
+try:
+    code = subprocess.run(sys.argv[3:], timeout=float(sys.argv[2])).returncode
+except subprocess.TimeoutExpired:
+    code = None
+with open(sys.argv[1], "w") as f:
+    f.write(f"{code} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}")
+"""
+
+
 def run_child(cmd: list[str], out_dir: Path, timeout: float) -> tuple[int | None, float, float]:
     """`cmd` in its own process, its output in out_dir -> (exit code or None on timeout, seconds, its peak resident
-    set in GiB from wait4: the host memory of that process alone)."""
+    set in GiB: the host memory of that process alone, not this one's)."""
     t0 = time.perf_counter()
+    peak_file = out_dir / "host_peak.txt"
+    peak_file.unlink(missing_ok=True)
     with (out_dir / "stdout.log").open("w") as out, (out_dir / "stderr.log").open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT)
-        deadline = t0 + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-                _, status, usage = os.wait4(proc.pid, 0)
-                code = None
-                break
-            time.sleep(0.5)
-        proc.returncode = code if code is not None else -9  # reaped here: Popen must not wait for it again
-    # ru_maxrss is in KiB on Linux
-    return code, time.perf_counter() - t0, usage.ru_maxrss / 2**20
+        launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(peak_file), str(timeout), *cmd],
+                                    stdout=out, stderr=err, cwd=ROOT, start_new_session=True)
+        try:
+            launcher.wait(timeout=timeout + 60)  # the launcher's own timeout ends the command first
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, 9)
+            launcher.wait()
+    seconds = time.perf_counter() - t0
+    try:
+        code_text, kib = peak_file.read_text().split()
+    except (OSError, ValueError):
+        return None, seconds, float("nan")
+    return (None if code_text == "None" else int(code_text)), seconds, int(kib) / 2**20
 
 
 def profile(name: str, config: Path, phase: str, steps: int, overrides: list[str], work: Path,

@@ -12,7 +12,10 @@ from tests.benchmark_scripts import load_benchmark
 def test_child_host_peak_and_timeout(tmp_path):
     fit = load_benchmark("fit_24gb")
     touch = "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096])"
+    held = bytearray(1200 * 2**20)  # this process's resident set above 1 GiB: a plain fork + exec would report it
+    held[::4096] = b"x" * len(held[::4096])
     code, _, host = fit.run_child([sys.executable, "-c", touch], tmp_path, timeout=60)
+    del held
     assert code == 0 and 0.29 < host < 1.0  # that process's own 300 MiB, not this one's
     code, seconds, _ = fit.run_child([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path, timeout=0.5)
     assert code is None and seconds < 10
