@@ -192,9 +192,11 @@ class BlockConstants:
         return inputs * whole * (self.window_time if window_form(cfg) else 1.0)
 
     def step_factor(self, cfg: Config, g: Geometry) -> float:
-        """A step's time against the same step with its inputs kept: `time_factor`, and the FFN chunks' estimate
-        from the shapes where the MLP runs over chunks (`Geometry.ffn_chunk_time`)."""
-        return self.time_factor(cfg) * (g.ffn_chunk_time() if g.ffn_rows < g.tokens else 1.0)
+        """A step's time against the measured step (qkvo, inputs kept): `time_factor`, and the estimates from the
+        shapes for the FFN chunks where the MLP runs over chunks (`Geometry.ffn_chunk_time`) and for full
+        fine-tuning (`Geometry.full_finetune_time`)."""
+        return (self.time_factor(cfg) * (g.ffn_chunk_time() if g.ffn_rows < g.tokens else 1.0)
+                * (g.full_finetune_time() if cfg.model.adapter == "sft" else 1.0))
 
 
 @dataclass(frozen=True)
@@ -294,18 +296,39 @@ class Geometry:
         setup its constants were fitted on (`fits_block_model`)."""
         return self.backbone in MEASURED_BACKBONES
 
-    def ffn_chunk_time(self) -> float:
-        """Step time with the MLP over token chunks against without: one more forward of the MLP in a step of about
-        five forwards' work under sub-block checkpointing (forward, block recompute, part recompute, backward at
-        twice a forward), weighted by the MLP's share of a block's matrix work per token (estimated from the shapes,
-        not measured)."""
+    def _matrix_work(self) -> tuple[float, float, float]:
+        """Per token, a block's forward matrix work (FLOPs): (the MLP's, the linear layers qkvo leaves frozen: the
+        MLP and Wan's cross-attention q/o, the whole block's). Estimated from the shapes; the scan's few FLOPs
+        are left out."""
         d = self.dim
         mlp = 4 * d * self.hidden
+        cross_proj = 4 * d * d if self.cross_text_tokens else 0
         block = (mlp + 8 * d * d  # attention q/k/v/o
                  + 4 * self.window_tokens * d  # attention scores and values over a window
                  + 16 * d * d  # the TTT layer's projections, both passes
-                 + (4 * d * d + 4 * self.cross_text_tokens * d if self.cross_text_tokens else 0))
-        return 1 + mlp / (5 * block)
+                 + (cross_proj + 4 * self.cross_text_tokens * d if self.cross_text_tokens else 0))
+        return mlp, mlp + cross_proj, block
+
+    def _step_forwards(self) -> int:
+        """A training step's work in forwards of the block: forward, the block's recompute, the parts' recompute
+        under sub-block checkpointing (none with whole blocks), and backward at twice a forward."""
+        return 4 if self.whole_block else 5
+
+    def ffn_chunk_time(self) -> float:
+        """Step time with the MLP over token chunks against without: one more forward of the MLP in a step of about
+        five forwards' work under sub-block checkpointing (`_step_forwards`), weighted by the MLP's share of a
+        block's matrix work per token (estimated from the shapes, not measured)."""
+        mlp, _, block = self._matrix_work()
+        return 1 + mlp / (self._step_forwards() * block)
+
+    def full_finetune_time(self) -> float:
+        """Step time of sft (every weight trains) against qkvo, the adapter the step times are measured with: the
+        weight gradients of the linear layers qkvo leaves frozen, one more forward of their matrix work, in a step
+        whose backward otherwise lacks it (estimated from the shapes, not measured; the optimizer's larger step is
+        left out)."""
+        _, frozen, block = self._matrix_work()
+        step = self._step_forwards() * block
+        return step / (step - frozen)
 
 
 def saved_input(g: Geometry, k: BlockConstants) -> int:
