@@ -173,7 +173,7 @@ def test_full_fine_tuning_is_counted_by_the_block_model_with_its_own_weights_sta
     assert any("sft's activations counted the same" in n for n in sft.notes)
     assert not any("counted the same" in n for n in qkvo.notes)
     # the weight gradients qkvo skips (the MLP's: 4 d x 4d per token of a block's ~600 MFLOP forward, in a step of
-    # five forwards' work under sub-block checkpointing) make the step about 5 % longer, four forwards' with whole blocks
+    # five forwards' work under sub-block checkpointing, four with whole blocks) make the step about 5 % longer
     g = Geometry.of(cfg_at("3s", "model.adapter=sft"))
     assert sft.step_s == pytest.approx(qkvo.step_s * g.full_finetune_time()) and 1.04 < g.full_finetune_time() < 1.07
     whole = Geometry.of(cfg_at("3s", "model.adapter=sft", "checkpointing.attention=false",
