@@ -110,6 +110,19 @@ def step_inputs(spec, layout, device, dtype, seed: int):
     return x, text, torch.zeros_like(text)
 
 
+# what the caching allocator did that can stall a step: a retry frees cached blocks and synchronises the device;
+# near a full card a block cached for one stream (ops.by_head_groups' side streams) is not reused by another
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts(device) -> dict[str, int]:
+    """The caching allocator's counters of ALLOCATOR_COUNTS so far ({} off CUDA)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
 @torch.no_grad()
 def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batched: bool | None) -> dict:
     """Time one guided step (mean of `repeats` after one warm-up), optionally over the first `blocks` blocks."""
@@ -129,6 +142,7 @@ def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batc
                 timer.collect()
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+                before = allocator_counts(device)
                 totals, parts = [], []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -142,6 +156,8 @@ def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batc
                 if device.type == "cuda":
                     result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                     result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+                    after = allocator_counts(device)
+                    result["allocator_per_step"] = {k: (after[k] - before[k]) / repeats for k in after}
                 break
             except torch.cuda.OutOfMemoryError:
                 result = {"cfg": "batch 2" if mode else "two passes of batch 1", "oom": True}

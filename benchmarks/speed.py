@@ -381,6 +381,11 @@ def print_tables(result: dict) -> None:
             print(f"  part {name} failed: {part['error']}")
         for k, how in part.get("extrapolated", {}).items():
             print(f"  {name} TTT {'on' if k == 'ttt' else 'off'}: {how}, the rest at the timed blocks' mean")
+        for k, row in part.get("rows", {}).items():
+            counts = row.get("allocator_per_step") if isinstance(row, dict) else None
+            if counts and (counts.get("num_alloc_retries") or counts.get("num_sync_all_streams")):
+                print(f"  {name} {k}: the allocator stalled the step: "
+                      + ", ".join(f"{c} {v:g}" for c, v in counts.items()) + " a step")
 
 
 def profile_markdown(profile: dict) -> str:
