@@ -196,7 +196,19 @@ def _interpreter_main() -> None:
             errors, fault = _errors(*c, seed + 99), None
         except Exception as e:
             errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
-        results.append({"case": list(c), "errors": errors, "fault": fault, "warps": {}, "calls": list(calls)})
+        row = {"case": list(c), "errors": errors, "fault": fault, "warps": {}, "calls": list(calls)}
+        # without gradients the parts write into one output (ops.by_head_groups' `into`): the same cut, and the
+        # output bit for bit that of one call over everything
+        ins = [t.detach() for t in _inputs(kind, 2, 2, 16, 16, 4, seed + 98)]
+        scan = ops.ttt_mlp if kind == "mlp" else ops.ttt_linear
+        calls.clear()
+        with torch.no_grad():
+            parted = scan(*ins, mini_batch_size=16, checkpoint_group_size=2, backend="triton")
+            row["no_grad_calls"] = list(calls)
+            ops.MAX_KERNEL_ELEMENTS = 2**31
+            row["no_grad_equal"] = bool(torch.equal(parted, scan(*ins, mini_batch_size=16, checkpoint_group_size=2,
+                                                                 backend="triton")))
+        results.append(row)
     print("RESULTS " + json.dumps(results))
 
 
@@ -278,6 +290,8 @@ def test_call_past_32_bit_addressing_runs_in_parts(interpreter_results, index):
     expected = {(ONE_SAMPLE, "concurrent"): [[1, 2]] * 2, (ONE_HEAD, "concurrent"): [[1, 1]] * 4,
                 (ONE_SAMPLE, "serial"): [[2, 1]] * 2}[limit, schedule]
     assert res["calls"] == expected, res["calls"]
+    # without gradients: the same calls, writing into one output, equal to one call's bit for bit
+    assert res["no_grad_calls"] == expected and res["no_grad_equal"], res
 
 
 def test_kernel_parts_cut_63s_guided_scan_by_sample():

@@ -77,6 +77,14 @@ def warp_cap(M: int, D: int) -> int:
     return 4 if M >= 64 and D < 64 else 8
 
 
+def check_output(out: torch.Tensor, like: torch.Tensor) -> None:
+    """A caller's output buffer must be what `new_output(like)` would make: the kernels address it as contiguous."""
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"kernel output buffer {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: "
+                         f"{out.is_contiguous()}) does not match the input {tuple(like.shape)} {like.dtype} on "
+                         f"{like.device}")
+
+
 def new_output(like: torch.Tensor | None, shape=None, dtype=None, device=None) -> torch.Tensor:
     """Allocate a kernel output. With TTT_TRITON_POISON=1 (the tests) it starts as NaN, so an element the kernel
     fails to write shows up in the comparison instead of passing on whatever memory held."""

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from tttvideo.ttt.reference import scan_groups
 from tttvideo.ttt.triton_common import (
-    DOT_TF32, LN_EPS, check_device, dot, dot_acc, dot_mode, interpreting, ln_bwd, ln_l2_bwd, ln_l2_fwd, ln_stats,
-    new_output,
+    DOT_TF32, LN_EPS, check_device, check_output, dot, dot_acc, dot_mode, interpreting, ln_bwd, ln_l2_bwd,
+    ln_l2_fwd, ln_stats, new_output,
 )
 
 FWD_WARPS = 4
@@ -185,13 +185,17 @@ def _dot(q: torch.Tensor) -> int:
     return DOT if q.dtype != torch.float32 and not interpreting() else dot_mode(q.dtype)
 
 
-def linear_forward(q, k, v, eta, norm_w, norm_b, w, b, mini_batch_size, checkpoint_group_size, save, **tune):
-    """Run the forward kernel. Returns (out, checkpoints) with checkpoints None unless `save`."""
+def linear_forward(q, k, v, eta, norm_w, norm_b, w, b, mini_batch_size, checkpoint_group_size, save, out=None,
+                   **tune):
+    """Run the forward kernel. Returns (out, checkpoints) with checkpoints None unless `save`. `out`: a contiguous
+    tensor of q's shape and dtype to write the output into (None: a new one)."""
     check_device(q, k, v, eta, norm_w, norm_b, w, b)
     B, H, L, D = q.shape
     n = L // mini_batch_size
     group = scan_groups(n, checkpoint_group_size)[0]
-    out = new_output(q)
+    if out is not None:
+        check_output(out, q)
+    out = new_output(q) if out is None else out
     if save:
         slots = B * H * ((n + group - 1) // group + 1)
         ck = (torch.empty(slots, D, D, device=q.device, dtype=torch.float32),

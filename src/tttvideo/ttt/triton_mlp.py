@@ -33,8 +33,8 @@ import triton.language as tl
 
 from tttvideo.ttt.reference import scan_groups
 from tttvideo.ttt.triton_common import (
-    DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting, ln_l2_fwd, ln_stats,
-    new_output, op, warp_cap,
+    DOT_BF16, LN_EPS, check_device, check_output, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting,
+    ln_l2_fwd, ln_stats, new_output, op, warp_cap,
 )
 from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, stage, take_ticket, wait_all
 
@@ -251,9 +251,10 @@ def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots,
 
 
 def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size, save,
-                output=True, **tune):
+                output=True, out=None, **tune):
     """Run the forward scan. Returns (out, checkpoints) with checkpoints None unless `save`: state slots with
-    ceil(n / group) + 1 per stream (the initial state, then one after every group).
+    ceil(n / group) + 1 per stream (the initial state, then one after every group). `out`: a contiguous tensor of
+    q's shape and dtype to write the output into (None: a new one).
     `tune` overrides the launch shape for measurements: split (programs per stream), num_warps, prefetch (0: load K
     of a mini-batch in its own step instead of one step ahead, and Q right before its output product instead of at
     the start of its step)."""
@@ -268,7 +269,9 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     else:
         split, warps = forward_shape(E, M, D, q.device, save)
     warps = tune.get("num_warps", warps)
-    out = new_output(q) if output else None
+    if out is not None:
+        check_output(out, q)
+    out = (new_output(q) if out is None else out) if output else None
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
     _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
