@@ -291,8 +291,8 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if geometry.measured and c.model.adapter not in MEASURED_ADAPTERS:
             notes.append(f"block model measured with qkvo; {c.model.adapter}'s activations counted the same")
         if c.model.adapter == "sft" and blocks.time_points:
-            notes.append(f"sft: x{geometry.full_finetune_time():.3f} the qkvo step's time for the weight gradients "
-                         "qkvo skips, estimated from the shapes, not measured")
+            notes.append(f"sft step x{geometry.full_finetune_time():.3f} qkvo's: the weight gradients qkvo skips "
+                         "(from the shapes)")
         # the block model's techniques scale the time of the step with the inputs kept; the FFN chunks by an
         # estimate from the shapes (one more forward of the MLP)
         time_factor = blocks.step_factor(c, geometry)
