@@ -275,9 +275,9 @@ def _wan_rows() -> list[Row]:
 def _profile_rows() -> list[Row]:
     rows = []
     try:
-        from benchmarks.plan_calibration import setup_overrides
+        from benchmarks.plan_calibration import calibrates, setup_overrides
     except ImportError:  # run as a script: this folder is on sys.path
-        from plan_calibration import setup_overrides
+        from plan_calibration import calibrates, setup_overrides
 
     cal = json.loads((RESULTS / "plan_calibration_h100.json").read_text())
     for r in cal["setups"]:
@@ -286,7 +286,7 @@ def _profile_rows() -> list[Row]:
         rows.append(Row(f"{r['name']} @ {r['duration']}", "plan_calibration_h100.json", r["config"],
                         NO_WEIGHTS + setup_overrides(r) + [f"layout.duration={r['duration']}"] + r["overrides"],
                         r["phase"],
-                        "calibration" if r.get("calibrate") else "held out", r["peak_allocated"] / GIB,
+                        "calibration" if calibrates(r) else "held out", r["peak_allocated"] / GIB,
                         r["peak_reserved"] / GIB, None, r["step_seconds"][-1] if r.get("step_seconds") else None))
     check = json.loads((RESULTS / "plan_check_h100.json").read_text())
     for r in check["setups"]:

@@ -170,16 +170,20 @@ def rows_from_fit_24gb(path: Path) -> list[dict]:
     return out
 
 
+def calibrates(row: dict) -> bool:
+    """Whether a measured setup calibrates the curves: the design's durations (SETUPS), not what they were when the
+    run wrote its JSON (a row of a setup no longer designed keeps its own flag)."""
+    design = {s.name: s.calibrate for s in SETUPS}
+    return row["duration"] in design[row["name"]] if row["name"] in design else bool(row.get("calibrate", False))
+
+
 def cmd_fit(args) -> int:
     from tttvideo.layout import VideoLayout
     from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, save_costs, time_key
     from tttvideo.memory.plan.count import count
 
     data = json.loads(Path(args.measured).read_text()) if args.measured else {"gpu_kind": None, "setups": []}
-    calibration = {s.name: s.calibrate for s in SETUPS}
-    # which durations calibrate is the design's (SETUPS), not what it was when the run wrote its JSON
-    rows = [{**r, "calibrate": r["duration"] in calibration[r["name"]] if r["name"] in calibration
-             else r.get("calibrate", False)} for r in data["setups"] if r.get("status") == "ok"]
+    rows = [{**r, "calibrate": calibrates(r)} for r in data["setups"] if r.get("status") == "ok"]
     rows += also_rows(args.also, rows)
     if not data.get("device") and args.also:
         data["device"] = json.loads(Path(args.also[0]).read_text()).get("device", "")
