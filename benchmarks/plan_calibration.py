@@ -332,7 +332,8 @@ def main(argv=None) -> int:
     f.add_argument("--also", action="append", default=[],
                    help="benchmarks/fit_24gb.py JSON: its runs count as the setups with the same switches")
     f.add_argument("--gpu-kind", default=None)
-    f.add_argument("--costs-out", default=None, help="write the table here (default: tttvideo's memory/plan/costs.json)")
+    f.add_argument("--costs-out", default=None,
+                   help="write the table here (default: tttvideo's memory/plan/costs.json)")
     f.add_argument("--sp-efficiency", type=json.loads, default=None,
                    help='measured sequence-parallel efficiency per degree, e.g. \'{"2": 0.75}\'')
     c = sub.add_parser("check", help="run the planner's choice for each card size under its cap")
