@@ -564,10 +564,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{f(e_all, True):>6} {f(p['step_s']):>9} {f(row.step_s):>6} {f(e_t, True):>6} {fits}")
     held = [r for r in out["rows"] if r["role"] == "held out" and r["error"]["reserved"] is not None]
     worst = max(held, key=lambda r: abs(r["error"]["reserved"]), default=None)
-    counted = [r for r in held if r["predicted"]["basis"].startswith("counted")]
+    counted = [r for r in held if r["predicted"]["basis"].startswith("counted (block model")]
     worst_counted = max(counted, key=lambda r: abs(r["error"]["reserved"]), default=None)
     timed = [r for r in out["rows"] if (r.get("time_role") or r["role"]) == "held out" and r["error"]["step_s"]
-             is not None and r["predicted"]["basis"].startswith("counted")]
+             is not None and r["predicted"]["basis"].startswith("counted (block model")]
     worst_time = max(timed, key=lambda r: abs(r["error"]["step_s"]), default=None)
     bad_fit = [r["setup"] for r in out["rows"] if r["measured"]["oom_under_gib"] and r["predicted"].get("fits_cap")]
     # stage_chain.py --cap-at-plan's stages and plan_cap_check.py's setups: each ran or ran out of memory under its cap

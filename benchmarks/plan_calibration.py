@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -170,6 +171,16 @@ def rows_from_fit_24gb(path: Path) -> list[dict]:
     return out
 
 
+def _shared_floors(floors: dict[str, float]) -> dict[str, float]:
+    """The chunked regimes' floors, each the least over every chunked regime of the same preset and dtype: the phase
+    outside the scan does not depend on the head groups, so each regime's runs bound the same fixed part."""
+    family = lambda key: re.sub(r"\|chunked-g\d+", "|chunked", key)  # noqa: E731 - the key less its head groups
+    least: dict[str, float] = {}
+    for key, value in floors.items():
+        least[family(key)] = min(least.get(family(key), float("inf")), value)
+    return {key: max(0.0, least[family(key)]) for key in floors}
+
+
 def calibrates(row: dict) -> bool:
     """Whether a measured setup calibrates the curves: the design's durations (SETUPS), not what they were when the
     run wrote its JSON (a row of a setup no longer designed keeps its own flag)."""
@@ -179,7 +190,7 @@ def calibrates(row: dict) -> bool:
 
 def cmd_fit(args) -> int:
     from tttvideo.layout import VideoLayout
-    from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, save_costs, time_key
+    from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, chunked_floor_streams, save_costs, time_key
     from tttvideo.memory.plan.count import count
 
     data = json.loads(Path(args.measured).read_text()) if args.measured else {"gpu_kind": None, "setups": []}
@@ -191,6 +202,7 @@ def cmd_fit(args) -> int:
         raise SystemExit("no measured setup to fit")
     points: dict[str, dict[str, list]] = {"activation": {}, "time": {}}
     reserved: dict[str, float] = {}  # the largest reserved-over-allocated share of each regime's calibration runs
+    floors: dict[str, float] = {}  # per chunked regime: the least (activation - FLOOR_STREAMS streams), costs.py
     prepared = []
     for r in rows:
         cfg = _config(r)
@@ -207,11 +219,16 @@ def cmd_fit(args) -> int:
                 reserved[key] = max(reserved.get(key, 0.0), r["peak_reserved"] / r["peak_allocated"] - 1)
             if r.get("step_seconds"):
                 points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1]))
+            streams = chunked_floor_streams(cfg) if phase == "sample" else None
+            if streams is not None:
+                key = activation_key(cfg, phase)
+                floors[key] = min(floors.get(key, float("inf")), r["peak_allocated"] - counted - streams)
     sources = ", ".join(str(x) for x in ([args.measured] if args.measured else []) + args.also)
     table = CostTable(args.gpu_kind or data["gpu_kind"] or "h100", data.get("device", ""), sources,
                       {k: Curve.fit(v) for k, v in points["activation"].items()},
                       {k: Curve.fit(v) for k, v in points["time"].items()},
-                      {int(k): v for k, v in (args.sp_efficiency or {}).items()}, reserved)
+                      {int(k): v for k, v in (args.sp_efficiency or {}).items()}, reserved, None,
+                      _shared_floors(floors))
     save_costs(table, *([Path(args.costs_out)] if args.costs_out else []))
     print(f"wrote {len(table.activation)} activation and {len(table.time)} time regimes for {table.gpu}")
     print("\n| setup | duration | calibration? | measured peak GiB | predicted GiB | error | measured s | "
@@ -221,7 +238,9 @@ def cmd_fit(args) -> int:
     for r, cfg, phase, tokens, counted in prepared:
         act = table.activation.get(activation_key(cfg, phase))
         tim = table.time.get(time_key(cfg, phase))
-        pred = None if act is None else counted + act(tokens)
+        fixed = table.floors.get(activation_key(cfg, phase))
+        floor = 0 if fixed is None else chunked_floor_streams(cfg) + fixed
+        pred = None if act is None else counted + max(act(tokens), floor)
         pred_s = None if tim is None else tim(tokens)
         meas_s = r["step_seconds"][-1] if r.get("step_seconds") else None
         e_m = None if pred is None else (pred - r["peak_allocated"]) / r["peak_allocated"]

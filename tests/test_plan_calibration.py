@@ -110,3 +110,30 @@ def test_check_runs_the_choice_under_the_cap_and_spot_checks_faster_ones(tmp_pat
     assert pc.main(["check", "--gpu-mem", "24,80", "--durations", "9s", "--out", str(out),
                     "--work", str(tmp_path / "w")]) == 0
     assert runs == []
+
+
+def test_fit_gives_the_chunked_regimes_one_floor_from_their_least_run(tmp_path):
+    """A chunked sampling regime's floor (costs.FLOOR_STREAMS streams + a fixed part): the fixed part is the least
+    (activation - the streams) over the calibration runs of every chunked regime of the preset and dtype, whatever
+    their head groups, since the peak outside the scan does not depend on them."""
+    from tttvideo.memory.plan.costs import chunked_floor_streams
+
+    module = calibration_module()
+    g1, g2 = TINY + ["memory.chunked_inference=true"], TINY + ["memory.chunked_inference=true",
+                                                               "memory.ttt_head_groups=2"]
+    rows = [synthetic_row("c1", "sample", "3s", g1, True, 900.0, 4e6),
+            synthetic_row("c1", "sample", "12s", g1, True, 900.0, 4e6),
+            synthetic_row("c2", "sample", "3s", g2, True, 700.0, 2e6),  # the least: 700 a token + 2 MB at 3 s
+            synthetic_row("c2", "sample", "12s", g2, True, 700.0, 2e6),
+            synthetic_row("plain", "sample", "3s", TINY, True), synthetic_row("plain", "sample", "12s", TINY, True)]
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"gpu_kind": "testgpu", "device": "synthetic", "setups": rows}))
+    costs = tmp_path / "costs.json"
+    assert module.main(["fit", str(measured), "--costs-out", str(costs)]) == 0
+    table = load_costs("testgpu", costs)
+    cfg = load_config(ROOT / "configs/demo.toml", ["layout.duration=3s"] + g2)
+    tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens
+    expected = 700.0 * tokens + 2e6 - chunked_floor_streams(cfg)
+    keys = {activation_key(load_config(ROOT / "configs/demo.toml", o), "sample") for o in (g1, g2)}
+    assert set(table.floors) == keys  # the plain forward has none
+    assert all(v == pytest.approx(expected, rel=1e-6) for v in table.floors.values())

@@ -363,3 +363,29 @@ def test_sample_plans_count_the_dtype_the_sampler_builds_on_a_gpu():
     kept = [predict(asked, "sample", c, costs) for c in candidates(asked, "sample")]
     assert all(p.peak is None for p in kept)  # the fp32 regime was never measured
     assert count(asked, "sample").total > count(tiny(dtype="bf16"), "sample").total
+
+
+def test_chunked_sampling_is_held_at_its_floor_below_the_measured_lengths():
+    """The 12 GB sample config at 3 s: the chunked curve's line (measured at 9 and 63 s) falls under the phase
+    outside the TTT scan, so the prediction is the floor (two streams + the measured fixed part, costs.py), which is
+    at or above the 3-s run's measured activation (2.14 GiB allocated with 4 head groups, plan_calibration_h100.json);
+    at 63 s the curve is above the floor and stays the prediction."""
+    from pathlib import Path
+
+    from tttvideo.memory.plan.costs import chunked_floor_streams
+    from tttvideo.memory.plan.planner import Candidate
+
+    costs = load_costs("h100")
+    config = Path(__file__).resolve().parents[1] / "configs/cogvideox-5b/12gb-sample-63s.toml"
+    short = load_config(config, ["model.pretrained_path=", "train.init_from=", "layout.duration=3s",
+                                 "memory.ttt_head_groups=4"])
+    p = predict(short, "sample", Candidate("as configured", ()), costs)
+    key = activation_key(p.config, "sample")
+    assert p.basis.startswith("counted floor") and any("outside the TTT scan" in n for n in p.notes)
+    assert p.activation == int(chunked_floor_streams(p.config) + costs.floors[key])
+    assert p.activation > costs.activation[key](VideoLayout.from_config(short.layout, short.ttt).total_tokens)
+    assert p.peak >= 2.14 * GIB
+    long = load_config(config, ["model.pretrained_path=", "train.init_from=", "memory.ttt_head_groups=4"])
+    q = predict(long, "sample", Candidate("as configured", ()), costs)
+    assert not q.basis.startswith("counted floor") and q.activation > int(chunked_floor_streams(q.config)
+                                                                          + costs.floors[key])

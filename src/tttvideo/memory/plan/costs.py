@@ -76,6 +76,8 @@ class CostTable:
     # the counted block model's measured constants (tttvideo.memory.plan.activations), keyed by backbone
     # ("cogvideox": every constant; another backbone: those measured on it), None where not measured
     blocks: dict[str, Any] | None = None
+    # per chunked sampling regime: the fixed part of the floor under its curve (`chunked_floor`), bytes
+    floors: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         def lines(d: dict[str, Curve]) -> dict[str, Any]:
@@ -85,6 +87,7 @@ class CostTable:
                 "activation": lines(self.activation), "time": lines(self.time),
                 "sp_efficiency": {str(k): v for k, v in sorted(self.sp_efficiency.items())},
                 "reserved": dict(sorted(self.reserved.items())),
+                **({"floors": dict(sorted(self.floors.items()))} if self.floors else {}),
                 **({"blocks": self.blocks} if self.blocks else {})}
 
     @classmethod
@@ -94,7 +97,8 @@ class CostTable:
 
         return cls(d["gpu"], d.get("device", ""), d.get("source", ""), lines(d.get("activation", {})),
                    lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()},
-                   {k: float(v) for k, v in d.get("reserved", {}).items()}, d.get("blocks"))
+                   {k: float(v) for k, v in d.get("reserved", {}).items()}, d.get("blocks"),
+                   {k: float(v) for k, v in d.get("floors", {}).items()})
 
 
 def known_gpus(path: Path = COSTS_FILE) -> list[str]:
@@ -158,3 +162,28 @@ def activation_key(cfg: Config, phase: str) -> str:
 
 def time_key(cfg: Config, phase: str) -> str:
     return activation_key(cfg, phase)
+
+
+# The chunked sampling forward (`tttvideo.models.chunked_inference`) peaks either inside a TTT scan, where the stream,
+# the attention output and the scan's buffers for one head group are alive (4-6 stream-sized tensors: the curves
+# follow that peak), or outside the scan, attention window by window and the MLP over token chunks: the stream and
+# the attention output (FLOOR_STREAMS) and a working set of one window or chunk that does not grow with the video.
+# Below the measured lengths the curve's line can fall under the second peak, so the chunked regimes carry a floor:
+# FLOOR_STREAMS streams plus a fixed part, the least (activation - FLOOR_STREAMS streams) of their calibration runs:
+# every run's peak is at least that phase's, so the least is at or above its fixed part (the safe side).
+FLOOR_STREAMS = 2
+
+
+def chunked_floor_streams(cfg: Config) -> int | None:
+    """FLOOR_STREAMS stream-sized tensors of a chunked sampling forward's batch-1 pass, bytes; None for a setup
+    without the chunked forward."""
+    if not CHUNKED_INFERENCE.is_on(cfg):
+        return None
+    from tttvideo.dtypes import sampling_dtype  # here: the rest of this module needs no torch
+    from tttvideo.models.backbone import get_preset, layout_of
+
+    spec = get_preset(cfg.model.preset)
+    dtype = sampling_dtype(cfg.model.dtype, cfg.sample.dtype, cuda=True)
+    item = 4 if dtype == "fp32" else 2
+    dim = spec.num_attention_heads * spec.attention_head_dim
+    return FLOOR_STREAMS * layout_of(cfg).total_tokens * dim * item
