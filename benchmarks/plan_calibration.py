@@ -238,9 +238,7 @@ def cmd_fit(args) -> int:
     for r, cfg, phase, tokens, counted in prepared:
         act = table.activation.get(activation_key(cfg, phase))
         tim = table.time.get(time_key(cfg, phase))
-        fixed = table.floors.get(activation_key(cfg, phase))
-        floor = 0 if fixed is None else chunked_floor_streams(cfg) + fixed
-        pred = None if act is None else counted + max(act(tokens), floor)
+        pred = None if act is None else counted + max(act(tokens), table.floor(cfg, phase) or 0)
         pred_s = None if tim is None else tim(tokens)
         meas_s = r["step_seconds"][-1] if r.get("step_seconds") else None
         e_m = None if pred is None else (pred - r["peak_allocated"]) / r["peak_allocated"]

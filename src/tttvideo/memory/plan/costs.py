@@ -76,8 +76,15 @@ class CostTable:
     # the counted block model's measured constants (tttvideo.memory.plan.activations), keyed by backbone
     # ("cogvideox": every constant; another backbone: those measured on it), None where not measured
     blocks: dict[str, Any] | None = None
-    # per chunked sampling regime: the fixed part of the floor under its curve (`chunked_floor`), bytes
+    # per chunked sampling regime: the fixed part of the floor under its curve (`floor`), bytes
     floors: dict[str, float] = field(default_factory=dict)
+
+    def floor(self, cfg: Config, phase: str) -> int | None:
+        """The least activation of a chunked sampling forward's batch-1 pass (`FLOOR_STREAMS`): its streams plus the
+        regime's measured fixed part; None where the regime has no floor."""
+        fixed = self.floors.get(activation_key(cfg, phase)) if phase == "sample" else None
+        streams = chunked_floor_streams(cfg) if fixed is not None else None
+        return None if streams is None else int(streams + fixed)
 
     def to_dict(self) -> dict[str, Any]:
         def lines(d: dict[str, Curve]) -> dict[str, Any]:

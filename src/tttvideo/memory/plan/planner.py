@@ -42,8 +42,7 @@ from tttvideo.errors import UserError
 from tttvideo.memory.guard.compile_pool import compile_pool_bytes, compile_workers
 from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBONES, BlockConstants, Breakdown,
                                               Geometry, Part, fits_block_model, train_peak)
-from tttvideo.memory.plan.costs import (FLOOR_STREAMS, CostTable, Curve, activation_key, chunked_floor_streams,
-                                        time_key)
+from tttvideo.memory.plan.costs import FLOOR_STREAMS, CostTable, Curve, activation_key, time_key
 from tttvideo.memory.plan.count import Counted, count, fsdp_shard_degree, process_host_bytes
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
                                         FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
@@ -314,7 +313,7 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         curve_tokens = layout.total_tokens * batch // per
         activation = None if act_cost is None else max(0, int(act_cost(curve_tokens) * share))
         basis = "not measured" if act_cost is None else _curve_basis(act_cost, curve_tokens)
-        floor = chunked_floor(c, phase, costs) if sp == 1 and split == 1 else None
+        floor = costs.floor(c, phase) if sp == 1 and split == 1 else None
         if activation is not None and floor is not None and floor > activation:
             activation, basis = floor, "counted floor (stream copies + measured fixed part)"
             notes.append(f"chunked: the peak outside the TTT scan ({FLOOR_STREAMS} streams and a window's or chunk's "
@@ -379,14 +378,6 @@ def curve_share(phase: str, sp: int, split: int, notes: list[str]) -> tuple[floa
         return share * SAMPLE_SP_ACTIVATION[sp], 1
     notes.append("sp: one-GPU per-token costs")
     return share, sp
-
-
-def chunked_floor(cfg: Config, phase: str, costs: CostTable) -> int | None:
-    """The least activation of a chunked sampling forward on one GPU (`costs.FLOOR_STREAMS`): its streams plus the
-    regime's measured fixed part; None where the regime has no floor."""
-    fixed = costs.floors.get(activation_key(cfg, phase)) if phase == "sample" else None
-    streams = chunked_floor_streams(cfg) if fixed is not None else None
-    return None if streams is None else int(streams + fixed)
 
 
 def _curve_basis(curve: Curve, tokens: int) -> str:
