@@ -10,7 +10,9 @@ reserved peak is above the prediction by more than `--worse-than` (default 10 %)
 same config and overrides, `tttv profile --steps 2` in its own process (the study runner of
 `tttvideo.memory.studies.matrix`): it either fits that cap (the prediction was enough; the allocator's reserve under
 it is recorded) or runs out of memory (a plan that said "fits" wrongly). One GPU's rows only; rows of several GPUs
-run under `benchmarks/stage_chain.py --cap-at-plan`, and a row with such a capped run already is left out.
+run under `benchmarks/stage_chain.py --cap-at-plan`. A row is left out when a capped run of its setup already
+answers today's cap: it ran under that cap or a larger one, or ran out of memory under it or a smaller one (a setup
+whose prediction grew past the cap it ran out of memory under runs again).
 
 Rows run concurrently with --jobs (each its own process under its own cap: the caps are per process, so memory
 figures are unaffected; times are contended and not recorded as step times). The JSON (default
@@ -36,21 +38,30 @@ except ImportError:  # run as a script: this folder is on sys.path
 GIB, ROOT, STEP_SETUP = plan_accuracy.GIB, plan_accuracy.ROOT, plan_accuracy.STEP_SETUP
 
 
-def candidates(worse_than: float, only: str | None = None) -> list[plan_accuracy.Row]:
+def candidates(worse_than: float, only: str | None = None, margin: float = 0.05) -> list[plan_accuracy.Row]:
     """plan_accuracy's held-out one-GPU rows measured above their predicted reserved peak by more than `worse_than`
-    (a share), with no run under the plan's cap of the same setup yet, each with its prediction."""
+    (a share), each with its prediction, but for those whose setup has a run under a cap that already answers the
+    plan's cap now (prediction + `margin`): one that ran under it or a larger one, one that ran out of memory under
+    it or a smaller one. A setup whose prediction has grown past the cap it ran out of memory under runs again."""
     from tttvideo.memory.plan.costs import load_costs
 
     rows = plan_accuracy.all_rows()
     costs = load_costs("h100")
-    capped = {(r.config, tuple(r.overrides), r.phase) for r in rows if r.plan_cap is not None}
+    capped: dict[tuple, list[tuple[float, bool]]] = {}
+    for r in rows:
+        if r.plan_cap is not None:
+            capped.setdefault((r.config, tuple(r.overrides), r.phase), []).append((r.plan_cap, r.oom_under is None))
     out = []
     for row in rows:
         if row.role != "held out" or row.gpus != 1 or row.reserved is None or row.plan_cap is not None:
             continue
-        if (row.config, tuple(row.overrides), row.phase) in capped or (only and only not in row.name):
+        if only and only not in row.name:
             continue
         row.predicted = plan_accuracy.predict_row(row, costs)
+        cap = cap_of(row, margin)
+        runs = capped.get((row.config, tuple(row.overrides), row.phase), [])
+        if any(c <= cap if ran else c >= cap for c, ran in runs):
+            continue
         err = plan_accuracy.rel(row.predicted["reserved_gib"], row.reserved)
         if err is not None and err < -worse_than:
             out.append(row)
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worse_than < 0 or args.margin < 0 or args.jobs < 1:
         ap.error("--worse-than and --margin are shares, 0 or more; --jobs is 1 or more")
-    rows = candidates(args.worse_than, args.only)
+    rows = candidates(args.worse_than, args.only, args.margin)
     for row in rows:
         print(f"{row.name[:70]:<70} free {row.reserved:6.2f} GiB, predicted {row.predicted['reserved_gib']:6.2f}, "
               f"cap {cap_of(row, args.margin):6.2f}", flush=True)

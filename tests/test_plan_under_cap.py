@@ -103,3 +103,16 @@ def test_plan_accuracy_reads_plan_cap_check_runs(tmp_path, monkeypatch):
     assert ok.plan_cap == 21.74 and ok.oom_under is None and ok.reserved == 21.5 and ok.role == "held out"
     assert oom.oom_under == oom.plan_cap == 21.74 and oom.reserved is None
     assert ok.name == "a, under the plan's cap 21.7 GiB" and ok.overrides == ["layout.duration=9s"]
+
+
+def test_plan_cap_check_runs_again_a_setup_whose_cap_grew_past_the_one_it_ran_out_of_memory_under():
+    """The 12 GB sample config at 3 s ran out of memory under its plan's cap then (2.27 GiB, plan_cap_check_h200.json);
+    its prediction has since grown (the chunked floor) to a cap of about 2.66 GiB, which no run answers, so it is a
+    candidate again (at any threshold it passes); the 24 GB streamed setup ran under a cap no larger than its
+    current one and stays answered."""
+    from benchmarks import plan_cap_check
+
+    rows = {r.name: r for r in plan_cap_check.candidates(0.0)}
+    row = rows["sample: chunked, 4 head groups, fp8 streamed @ 3s"]
+    assert plan_cap_check.cap_of(row, 0.05) > 2.27
+    assert "lora, sub-block ckpt + offload, fp8 streamed, 8-bit AdamW @ 9s" not in rows
