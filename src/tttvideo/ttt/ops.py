@@ -91,34 +91,28 @@ def by_head_groups(scan, q, k, v, eta, *per_head, into=None):
     else:
         parts = kernel_parts(B, H, L, D, MAX_KERNEL_ELEMENTS)
 
-    def part(p):
+    def inputs(p):
         s, h = p
-        return scan(q[s, h], k[s, h], v[s, h], eta[s, h], *(t[h] for t in per_head))
+        return q[s, h], k[s, h], v[s, h], eta[s, h], *(t[h] for t in per_head)
 
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, eta, *per_head))
     concurrent = q.device.type == "cuda" and not grads and os.environ.get("TTT_KERNEL_GROUPS") != "serial"
-    if into is not None and not grads:
-        from tttvideo.ttt.triton_common import new_output
+    run = lambda fn: _concurrent(fn, parts, q.device) if concurrent else [fn(p) for p in parts]  # noqa: E731
+    if into is None or grads:
+        return _assemble(parts, run(lambda p: scan(*inputs(p))))
+    from tttvideo.ttt.triton_common import new_output
 
-        out = new_output(q)
+    out = new_output(q)
 
-        def write(p):
-            s, h = p
-            target = out[s, h]
-            inputs = [t.contiguous() for t in (q[s, h], k[s, h], v[s, h], eta[s, h], *(t[h] for t in per_head))]
-            if target.is_contiguous():
-                into(target, *inputs)
-            else:  # the serial schedule's every-sample head groups
-                target.copy_(scan(*inputs))
+    def write(p):
+        target = out[p]
+        if target.is_contiguous():
+            into(target, *(t.contiguous() for t in inputs(p)))
+        else:  # the serial schedule's every-sample head groups
+            target.copy_(scan(*inputs(p)))
 
-        if concurrent:
-            _concurrent(write, parts, q.device)
-        else:
-            for p in parts:
-                write(p)
-        return out
-    outs = _concurrent(part, parts, q.device) if concurrent else [part(p) for p in parts]
-    return _assemble(parts, outs)
+    run(write)
+    return out
 
 
 def kernel_parts(B: int, H: int, L: int, D: int, limit: int) -> list[tuple[slice, slice]]:

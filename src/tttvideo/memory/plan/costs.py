@@ -186,11 +186,10 @@ def chunked_floor_streams(cfg: Config) -> int | None:
     without the chunked forward."""
     if not CHUNKED_INFERENCE.is_on(cfg):
         return None
-    from tttvideo.dtypes import sampling_dtype  # here: the rest of this module needs no torch
+    from tttvideo.dtypes import sampling_dtype, torch_dtype  # here: the rest of this module needs no torch
     from tttvideo.models.backbone import get_preset, layout_of
 
     spec = get_preset(cfg.model.preset)
-    dtype = sampling_dtype(cfg.model.dtype, cfg.sample.dtype, cuda=True)
-    item = 4 if dtype == "fp32" else 2
+    item = torch_dtype(sampling_dtype(cfg.model.dtype, cfg.sample.dtype, cuda=True)).itemsize
     dim = spec.num_attention_heads * spec.attention_head_dim
     return FLOOR_STREAMS * layout_of(cfg).total_tokens * dim * item
