@@ -18,6 +18,12 @@ GPU memory beside the stages):
   cache-<D>s/            a latent cache of --videos random clips of each stage's shapes (data.cache's format); the
                          same files `tttv precompute` writes, so `--make-cache-only` is the documented way to make one
 
+A stage's checkpoints go once the next stage has run a step, unless that stage stores its frozen weights in fp8 (its
+partial checkpoints take them from the stage before); the weights folder goes once stage 2 has run a step when
+nothing after stage 1 reads it (`base_read_later`); --keep-stages keeps both. Each row gives the disk free before the
+stage and its checkpoints as `tttv plan` counts them (`predicted_checkpoint_gib`, `predicted_disk_gib`) beside the
+size written.
+
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain              # the GPU run (full size)
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 2 --kill-at 3 --reshard-gpus 1 \
         --sample-steps 1                                                                   # two GPUs
@@ -65,6 +71,7 @@ from launch_watch import Watched, gpu_name, worker_of_rank  # noqa: E402
 from stage_chain_report import merged, print_table  # noqa: E402
 
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
+from tttvideo.train.checkpoint import folder_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = {3: "stage1-3s", 9: "stage2-9s", 18: "stage3-18s", 30: "stage4-30s", 63: "stage5-63s"}
@@ -247,7 +254,7 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
 
 def checkpoint_figures(folder: Path, log: Path) -> dict[str, Any]:
     ckpts = sorted((folder / "checkpoints").glob("step-*"))
-    size = sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file()) / 2**30 if ckpts else None
+    size = folder_bytes(ckpts[-1]) / 2**30 if ckpts else None
     saves = [float(line.rsplit("(", 1)[1].split(" s)")[0]) for line in log.read_text().splitlines()
              if line.startswith("checkpoint ") and line.endswith(" s)")]
     return {"checkpoint_gib": size, "checkpoint_save_s": max(saves) if saves else None}
@@ -308,15 +315,49 @@ def plan_cap(row: dict[str, Any], margin: float, config: str) -> float:
     return round(reserved * (1 + margin), 2)
 
 
-def prune_when_started(child: "Watched", out: Path, previous: Path | None) -> Any:
+def prune_when_started(child: "Watched", out: Path, previous: Path | None, base: Path | None = None) -> Any:
     """A wait condition that deletes the previous stage's checkpoints once this stage has run a step (its
-    `train.init_from` has been read by then), so the disk holds one stage's checkpoints at a time."""
+    `train.init_from` has been read by then), so the disk holds one stage's checkpoints at a time; and `base`, the
+    chain's base weights folder, when nothing from this stage on reads it (`base_read_later`)."""
     def until() -> bool:
-        if previous is not None and read_metrics(out) and (previous / "checkpoints").is_dir():
-            shutil.rmtree(previous / "checkpoints")
+        if not read_metrics(out):
+            return False
+        for gone in ([previous / "checkpoints"] if previous is not None else []) + ([base] if base else []):
+            if gone.is_dir():
+                shutil.rmtree(gone)
         return False
 
     return until
+
+
+def base_read_later(args: argparse.Namespace) -> bool:
+    """Whether anything after stage 1 reads the chain's base weights folder: a later stage whose
+    config names model.pretrained_path (Wan's recipe), every stage with --from-base, the sample with
+    --sample-config, or a first stage with fp8-stored frozen weights (its partial checkpoints take them from the
+    base). Else the folder (10.4 GiB for CogVideoX-5B in bf16) goes once stage 2 runs: beside the stages the fp8 ones
+    read their frozen layers from (18 s, 19.6 GiB; 30 s, 12.2) and the killed 63-s stage's two checkpoints (2 x 12.2),
+    the one-GPU chain then needs 56 GiB of disk, not 67, which a 64-GiB disk holds."""
+    first = resolved(args.durations[0], args)
+    return (args.from_base or bool(args.sample_config) or first.model.frozen_weights == "fp8"
+            or any(resolved(d, args).model.pretrained_path for d in args.durations[1:]))
+
+
+def disk_figures(args: argparse.Namespace, work: Path, duration: int, steps: int, every: int) -> dict[str, Any]:
+    """The disk before a stage: free, and what its checkpoints take as `tttv plan` counts them (a checkpoint, and
+    at the peak the kept one beside the one being written), with a line when it will not fit."""
+    from tttvideo.memory.plan.disk import checkpoint_disk, free_bytes
+    from tttvideo.memory.plan.count import model_bytes
+
+    cfg = resolved(duration, args)
+    cfg.train.steps, cfg.train.checkpoint_every, cfg.train.keep_checkpoints = steps, every, 1
+    disk = checkpoint_disk(model_bytes(cfg), cfg, args.gpus)
+    free = free_bytes(work)
+    row = {"predicted_checkpoint_gib": disk.each / 2**30, "predicted_disk_gib": disk.peak / 2**30,
+           "disk_free_gib": free / 2**30 if free is not None else None}
+    if free is not None and free < disk.peak:
+        print(f"warning: {free / 2**30:.1f} GiB free in {work}, and this stage's checkpoints take up to "
+              f"{disk.peak / 2**30:.1f} GiB ({disk.at_once} of {disk.each / 2**30:.1f})", flush=True)
+    return row
 
 
 def kill_in_mid_step(args: argparse.Namespace, child: Watched, out: Path, prune: Any,
@@ -378,7 +419,9 @@ def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], watch
 
 
 def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[str], kill: bool,
-              previous: Path | None = None) -> dict[str, Any]:
+              previous: Path | None = None, base: Path | None = None) -> dict[str, Any]:
+    """One stage's launches (with `kill`, killed in mid-step and resumed) and its row. `previous`'s checkpoints and
+    the base weights folder `base` go once this stage has run a step (`prune_when_started`)."""
     out = work / f"stage-{duration}s"
     manifest = make_cache(args, work, duration)
     log = work / f"stage-{duration}s.log"
@@ -391,7 +434,8 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     every = 1 if kill else steps
     # the steps asked of this stage: a chain run in parts merges rows of invocations with different --steps
     row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus, "steps_asked": steps,
-                           "global_batch": data_parallel(duration, args), **predicted(args, duration)}
+                           "global_batch": data_parallel(duration, args), **predicted(args, duration),
+                           **disk_figures(args, work, duration, steps, every)}
     launch = start  # the stage's own launches (not a reshard's: another GPU count, another prediction)
     if args.cap_at_plan is not None:
         row["cap_gib"] = plan_cap(row, args.cap_at_plan, config.name)
@@ -401,7 +445,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
     # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
     # next stage's init_from) take the frozen layers from the previous stage's, which must stay
     partial = resolved(duration, args).model.frozen_weights == "fp8" and not args.from_base
-    prune = prune_when_started(child, out, None if args.keep_stages or partial else previous)
+    prune = prune_when_started(child, out, None if args.keep_stages or partial else previous, base)
     watched = [child]
     if kill:
         killed = kill_in_mid_step(args, child, out, prune, row.get("predicted_step_s") or row.get("h100_step_s"))
@@ -580,8 +624,10 @@ def main(argv: list[str] | None = None) -> int:
     start = [f"model.pretrained_path={weights}", 'train.init_from=""']
     for i, duration in enumerate(args.durations):
         previous = work / f"stage-{args.durations[i - 1]}s" if i else None
+        # the base weights go once stage 2 runs: stage 1's resume and reshard launches read them
+        base = work / "weights" if i == 1 and not args.keep_stages and not base_read_later(args) else None
         row = run_stage(args, work, duration, start, kill=duration == kill_at and not args.no_kill,
-                        previous=previous)
+                        previous=previous, base=base)
         rows.append({**run, **row})
         print(json.dumps(row), flush=True)
         save()

@@ -38,6 +38,14 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
     assert killed["reshard"]["gpus"] == 1 and killed["reshard"]["resumed_steps_once"]
     assert "resumed from" in killed["reshard"]["resumed_line"]
     assert last["steps"] == [1, 2] and last["steps_asked"] == 2 and last["global_batch"] == 2
+    # the checkpoints as `tttv plan` counts them (the tensors; headers and DCP's metadata and per-tensor extras on
+    # top: 0.8 MiB for this model's 68 trainable tensors over two processes), and the disk the base weights took
+    # given back once stage 2 ran (nothing after stage 1 reads them)
+    for row in (killed, last):
+        assert row["predicted_checkpoint_gib"] <= row["checkpoint_gib"] <= row["predicted_checkpoint_gib"] + 2**-10
+        assert row["predicted_disk_gib"] == 2 * row["predicted_checkpoint_gib"] or row is last
+        assert row["disk_free_gib"] > 0
+    assert not (tmp_path / "work" / "weights").exists()
     # host memory by process: the launcher and each rank apart, each launch of the stage in turn
     first_launch = killed["host_by_process"][0]
     assert {"launch", "rank 0", "rank 1"} <= set(first_launch), first_launch

@@ -194,7 +194,7 @@ def test_from_base_starts_every_stage_from_the_base_weights_and_goes_on_past_a_f
     and a later stage starts from the one before."""
     calls = []
 
-    def fake_stage(args, work, duration, start, kill, previous=None):
+    def fake_stage(args, work, duration, start, kill, previous=None, base=None):
         calls.append((duration, list(start), previous))
         if duration == 3:
             return {"duration_s": 3, "config": "stage1-3s-1gpu.toml", "exit_code": 1, "error": ["out of memory"]}
@@ -228,3 +228,16 @@ def test_a_launch_that_ran_out_of_gpu_memory_is_told_from_other_failures():
     assert stage_chain.ran_out_of_memory([f"tttv train: error: {OUT_OF_GPU_MEMORY} in the forward of step 1"])
     assert stage_chain.ran_out_of_memory(["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"])
     assert not stage_chain.ran_out_of_memory(["tttv train: error: no manifest"])
+
+
+def test_the_base_weights_go_once_stage_2_runs_unless_something_later_reads_them(tmp_path):
+    def later(*flags):
+        return stage_chain.base_read_later(stage_chain.parse_args(["--workdir", str(tmp_path), *flags]))
+
+    assert not later()  # CogVideoX's stages 2-5 start from the stage before, the sample from stage 5
+    assert later("--sample-config", "configs/cogvideox-5b/sample-63s.toml")
+    assert later("--from-base")
+    assert later("--preset", "wan-tiny", "--configs", "configs/wan2.1-1.3b/{stage}-24gb.toml")  # its stages name it
+    # a first stage with fp8-stored frozen weights: its partial checkpoints take them from the base
+    assert later("--set", "model.frozen_weights=fp8", "--set", "model.adapter=qkvo")
+    assert not later("--durations", "9", "18")

@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     chosen = best(preds)
     if args.explain and preds:
         print_parts(chosen or preds[0], gpu_mem, margin, host_mem, args.gpus)
+    if args.phase == "train" and preds:
+        from tttvideo.memory.plan.disk import describe, planned_disk
+
+        shown = (chosen or preds[0]).config
+        print(describe(planned_disk(shown, args.gpus), shown))
     if chosen is None:
         host = f" and {host_mem / 2**30:.1f} GiB of host memory" if host_mem is not None else ""
         print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU{host} for this {args.phase} "

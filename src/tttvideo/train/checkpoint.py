@@ -182,6 +182,32 @@ def prune(output_dir: str | Path, keep: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder`."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def make_room(output_dir: str | Path, need: int) -> list[Path]:
+    """Before a save: while the disk has less than `need` bytes free, prune the oldest checkpoints early, never the
+    newest, so that a nearly full disk keeps fewer than train.keep_checkpoints instead of failing the save (which
+    would lose the steps since the newest). Returns what it removed."""
+    from tttvideo.memory.plan.disk import free_bytes
+
+    found, removed = list_checkpoints(output_dir), []
+    while len(found) > 1:
+        free = free_bytes(output_dir)
+        if free is None or free >= need:
+            break
+        _, path = found.pop(0)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        log.warning("%s: %.1f GiB free for a checkpoint of about %.1f GiB; pruned %s early (train.keep_checkpoints "
+                    "is more than this disk holds)", output_dir, (free_bytes(output_dir) or 0) / 2**30, need / 2**30,
+                    ", ".join(p.name for p in removed))
+    return removed
+
+
 def load_state(folder: Path, trust: bool = False) -> dict[str, Any]:
     """The training state of checkpoint `folder`. A state.pt of an earlier version is read as
     `statefile.read_legacy_state` allows (the full unpickler only with `trust`: --trust-checkpoint) and then

@@ -66,12 +66,17 @@ def _model_bytes(preset: str, dtype: str, adapter: str, lora_rank: int, frozen_w
     return ModelBytes.of(build_model(cfg, device="meta"))
 
 
+def model_bytes(cfg: Config) -> ModelBytes:
+    """The tensors of `cfg`'s model (adapter and weight storage as configured), summed on the meta device."""
+    m = cfg.model
+    return _model_bytes(m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind,
+                        m.sequence_layer)
+
+
 def count(cfg: Config, phase: Phase, gpus: int = 1) -> Counted:
     """The counted memory per GPU of `cfg` for `phase` ("train" or "sample") on `gpus` GPUs: the model's tensors
     as built (weight storage included), changed by the footprint of every technique of `phase` that is on."""
-    m = cfg.model
-    b = _model_bytes(m.preset, m.dtype, m.adapter, m.lora_rank, m.frozen_weights, m.use_ttt, cfg.ttt.kind,
-                     m.sequence_layer)
+    b = model_bytes(cfg)
     weights, buffers = b.weights, b.buffers
     optimizer = b.optimizer["adamw"] if phase == "train" else 0
     for technique in techniques(phase):
