@@ -177,6 +177,10 @@ def _chain_rows() -> list[Row]:
                 continue
             row = _stage_row(r, chain, path, "cogvideox-5b", "chain ", r["median_step_s"] if h100 else None)
             row.plan_cap = r.get("cap_gib")
+            # a stage launched for one step (stage_chain.py --steps 1) is a process's first step: no optimizer
+            # state in its backward, predicted so
+            row.first_step = r.get("steps") == [1]
+            row.name += ", one step" if row.first_step else ""
             row.name += "" if h100 else ", H200: memory only"
             # the two-GPU rows (FSDP, no sp) of the shipped two-GPU configs fix the FSDP reserve together; their
             # allocated peaks stay held out, and other GPU counts' rows (the four-GPU chain) and other configs at a
