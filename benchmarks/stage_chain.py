@@ -22,7 +22,8 @@ A stage's checkpoints go once the next stage has run a step, unless that stage s
 partial checkpoints take them from the stage before); the weights folder goes once stage 2 has run a step when
 nothing after stage 1 reads it (`base_read_later`); --keep-stages keeps both. Each row gives the disk free before the
 stage and its checkpoints as `tttv plan` counts them (`predicted_checkpoint_gib`, `predicted_disk_gib`) beside the
-size written.
+size written; before the first launch the chain checks that the disk holds it at its fullest (`chain_disk`: 56.2 GiB
+for the one-GPU whole-block chain with one step a stage) and stops with a sentence if not (--ignore-disk).
 
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain              # the GPU run (full size)
     PYTHONPATH=src python3 -m benchmarks.stage_chain --workdir /tmp/chain --gpus 2 --kill-at 3 --reshard-gpus 1 \
@@ -112,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-stages", action="store_true",
                     help="keep every stage's checkpoints (by default a stage's go once the next one has started)")
     ap.add_argument("--make-cache-only", action="store_true", help="make the weights folder and caches, then stop")
+    ap.add_argument("--ignore-disk", action="store_true",
+                    help="start even when the disk cannot hold the chain's checkpoints at its fullest (counted as "
+                         "`tttv plan` counts them)")
     ap.add_argument("--cap-at-plan", type=float, default=None, metavar="MARGIN",
                     help="run each stage's launches under memory.max_gpu_gib = the planner's predicted reserved peak "
                          "x (1 + MARGIN), e.g. 0.05 (tttv plan's default margin): a stage that runs shows the "
@@ -342,15 +346,75 @@ def base_read_later(args: argparse.Namespace) -> bool:
             or any(resolved(d, args).model.pretrained_path for d in args.durations[1:]))
 
 
-def disk_figures(args: argparse.Namespace, work: Path, duration: int, steps: int, every: int) -> dict[str, Any]:
-    """The disk before a stage: free, and what its checkpoints take as `tttv plan` counts them (a checkpoint, and
-    at the peak the kept one beside the one being written), with a line when it will not fit."""
-    from tttvideo.memory.plan.disk import checkpoint_disk, free_bytes
+def stage_disk(args: argparse.Namespace, duration: int, steps: int, every: int) -> Any:
+    """A stage's checkpoints as `tttv plan` counts them (`memory.plan.disk.CheckpointDisk`), with the chain's own
+    steps, interval and one kept checkpoint."""
     from tttvideo.memory.plan.count import model_bytes
+    from tttvideo.memory.plan.disk import checkpoint_disk
 
     cfg = resolved(duration, args)
     cfg.train.steps, cfg.train.checkpoint_every, cfg.train.keep_checkpoints = steps, every, 1
-    disk = checkpoint_disk(model_bytes(cfg), cfg, args.gpus)
+    return checkpoint_disk(model_bytes(cfg), cfg, args.gpus)
+
+
+def killed_stage(args: argparse.Namespace, duration: int) -> bool:
+    """Whether the stage is the one killed in mid-step and resumed (--kill-at, default the last; not --no-kill)."""
+    return duration == (args.kill_at or args.durations[-1]) and not args.no_kill
+
+
+def stage_schedule(args: argparse.Namespace, kill: bool) -> tuple[int, int]:
+    """A stage's optimizer steps and checkpoint interval: the killed one saves every step (the kill -9 needs a
+    checkpoint before the step it interrupts), the others their last step only."""
+    steps = args.last_steps if kill else args.steps
+    return steps, 1 if kill else steps
+
+
+def chain_disk(args: argparse.Namespace, base_bytes: int) -> list[tuple[int, int]]:
+    """(stage, bytes on the disk at its checkpoints' peak) for every stage: its own checkpoints at once, the earlier
+    stages' final checkpoints still kept (a stage followed by one with fp8-stored frozen weights, which reads them;
+    every one with --keep-stages) and the base weights (`base_bytes`) until stage 2 has run a step when nothing
+    later reads them. The chain's latent caches and samples are small and left out."""
+    disks = [stage_disk(args, d, *stage_schedule(args, killed_stage(args, d))) for d in args.durations]
+    keep_base = args.keep_stages or base_read_later(args)
+    held = []
+    for i, d in enumerate(args.durations):
+        kept = sum(disks[j].each for j in range(i)
+                   if args.keep_stages or (disks[j + 1].partial and not args.from_base))
+        held.append((d, disks[i].peak + kept + (base_bytes if i == 0 or keep_base else 0)))
+    return held
+
+
+def check_chain_disk(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Before the first launch: the disk the chain needs at its fullest against what it has (free, and what it
+    deletes itself: an earlier run's stage folders); a SystemExit naming both when it would fill the disk in its
+    last stage's save, unless --ignore-disk."""
+    from tttvideo.memory.plan.disk import free_bytes
+
+    weights = work / "weights"
+    base = folder_bytes(weights) if weights.is_dir() else 0
+    held = chain_disk(args, base)
+    stage, need = max(held, key=lambda h: h[1])
+    free = free_bytes(work)
+    if free is None:
+        return {}
+    have = free + base + sum(folder_bytes(work / f"stage-{d}s") for d in args.durations
+                             if (work / f"stage-{d}s").is_dir())
+    print(f"disk: {have / 2**30:.1f} GiB for the chain in {work}; it holds up to {need / 2**30:.1f} GiB, at the "
+          f"{stage}-s stage's checkpoints", flush=True)
+    if need > have and not args.ignore_disk:
+        raise SystemExit(f"stage_chain: the chain needs up to {need / 2**30:.1f} GiB of disk (the {stage}-s stage's "
+                         f"checkpoints and those kept for it), {work} has {have / 2**30:.1f} GiB: make room, give "
+                         f"another --workdir, or --ignore-disk to run until it fills")
+    return {"disk_gib": have / 2**30, "disk_needed_gib": need / 2**30,
+            "disk_needed_by_stage_gib": {str(d): b / 2**30 for d, b in held}}
+
+
+def disk_figures(args: argparse.Namespace, work: Path, duration: int, steps: int, every: int) -> dict[str, Any]:
+    """The disk before a stage: free, and what its checkpoints take as `tttv plan` counts them (a checkpoint, and
+    at the peak the kept one beside the one being written), with a line when it will not fit."""
+    from tttvideo.memory.plan.disk import free_bytes
+
+    disk = stage_disk(args, duration, steps, every)
     free = free_bytes(work)
     row = {"predicted_checkpoint_gib": disk.each / 2**30, "predicted_disk_gib": disk.peak / 2**30,
            "disk_free_gib": free / 2**30 if free is not None else None}
@@ -430,8 +494,7 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
           flush=True)
     if out.exists():  # an earlier chain's run: gone before the new one starts, so its files are not mistaken for new
         shutil.rmtree(out)
-    steps = args.last_steps if kill else args.steps
-    every = 1 if kill else steps
+    steps, every = stage_schedule(args, kill)
     # the steps asked of this stage: a chain run in parts merges rows of invocations with different --steps
     row: dict[str, Any] = {"duration_s": duration, "config": config.name, "gpus": args.gpus, "steps_asked": steps,
                            "global_batch": data_parallel(duration, args), **predicted(args, duration),
@@ -605,12 +668,13 @@ def main(argv: list[str] | None = None) -> int:
             make_cache(args, work, d)
         return 0
     weights = inputs_made_apart(args, work)
+    disk = check_chain_disk(args, work)
     device = (gpu_name() or "cuda") if args.device.startswith("cuda") else cpu_label()
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{results_name(args, device)}.json")
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
               "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "configs": args.configs,
               "steps_per_stage": args.steps,
-              "last_stage_steps": args.last_steps, "overrides": args.overrides, "stages": [], "samples": []}
+              "last_stage_steps": args.last_steps, "overrides": args.overrides, **disk, "stages": [], "samples": []}
     rows, samples = result["stages"], result["samples"]
     run = {"git_commit": args.commit, "overrides": args.overrides, **({"note": args.note} if args.note else {}),
            **({"from_base": True} if args.from_base else {})}
@@ -619,14 +683,13 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(merged(out, result), indent=2) + "\n")
 
-    kill_at = args.kill_at or args.durations[-1]
     # the first stage starts from the base weights whatever its config's init_from says (the 63-s config names stage 4)
     start = [f"model.pretrained_path={weights}", 'train.init_from=""']
     for i, duration in enumerate(args.durations):
         previous = work / f"stage-{args.durations[i - 1]}s" if i else None
         # the base weights go once stage 2 runs: stage 1's resume and reshard launches read them
         base = work / "weights" if i == 1 and not args.keep_stages and not base_read_later(args) else None
-        row = run_stage(args, work, duration, start, kill=duration == kill_at and not args.no_kill,
+        row = run_stage(args, work, duration, start, kill=killed_stage(args, duration),
                         previous=previous, base=base)
         rows.append({**run, **row})
         print(json.dumps(row), flush=True)

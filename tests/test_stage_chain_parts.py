@@ -241,3 +241,39 @@ def test_the_base_weights_go_once_stage_2_runs_unless_something_later_reads_them
     # a first stage with fp8-stored frozen weights: its partial checkpoints take them from the base
     assert later("--set", "model.frozen_weights=fp8", "--set", "model.adapter=qkvo")
     assert not later("--durations", "9", "18")
+
+
+def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tmp_path, monkeypatch, capsys):
+    """The one-GPU whole-block chain on the H100 (stage_chain_wholeblock_h100.json): at the 63-s stage the disk holds
+    the 18-s checkpoint (the fp8 30-s stage's frozen layers), the 30-s one (the fp8 63-s stage's) and the 63-s
+    stage's two (killed in step 2: the newest beside the one being written); the base weights went at stage 2.
+    That run filled a 64-GiB disk with the base weights still there; the chain now starts only when it fits."""
+    from tttvideo.memory.plan.disk import CheckpointDisk
+
+    gib = 2**30
+    each = {3: 27.15, 9: 19.61, 18: 19.61, 30: 12.2, 63: 12.2}
+    partial = {30, 63}
+
+    def fake_disk(args, duration, steps, every):
+        return CheckpointDisk(int(each[duration] * gib), 0, 0, 0, min(2, steps // every), duration in partial)
+
+    monkeypatch.setattr(stage_chain, "stage_disk", fake_disk)
+    args = stage_chain.parse_args(["--workdir", str(tmp_path), "--steps", "1", "--last-steps", "2"])
+    held = dict(stage_chain.chain_disk(args, int(10.4 * gib)))
+    assert held[3] == pytest.approx((27.15 + 10.4) * gib, rel=1e-9)
+    assert held[9] == pytest.approx(19.61 * gib, rel=1e-9)  # stage 1's checkpoints and the base weights gone
+    assert held[30] == pytest.approx((19.61 + 12.2) * gib, rel=1e-9)
+    assert held[63] == pytest.approx((19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
+    keep = dict(stage_chain.chain_disk(stage_chain.parse_args(["--workdir", str(tmp_path), "--keep-stages"]), 0))
+    assert keep[63] == pytest.approx((27.15 + 19.61 + 19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
+
+    free = {"bytes": int(50 * gib)}
+    monkeypatch.setattr("tttvideo.memory.plan.disk.free_bytes", lambda folder: free["bytes"])
+    with pytest.raises(SystemExit, match="needs up to 56.2 GiB of disk .* has 50.0 GiB"):
+        stage_chain.check_chain_disk(args, tmp_path)
+    free["bytes"] = int(60 * gib)
+    said = stage_chain.check_chain_disk(args, tmp_path)
+    assert said["disk_needed_gib"] == pytest.approx(56.21) and "at the 63-s stage" in capsys.readouterr().out
+    free["bytes"] = int(50 * gib)
+    ignore = stage_chain.parse_args(["--workdir", str(tmp_path), "--steps", "1", "--last-steps", "2", "--ignore-disk"])
+    assert stage_chain.check_chain_disk(ignore, tmp_path)["disk_gib"] == pytest.approx(50.0)
