@@ -347,10 +347,10 @@ def base_read_later(args: argparse.Namespace) -> bool:
 
 
 def stage_disk(args: argparse.Namespace, duration: int, steps: int, every: int) -> Any:
-    """A stage's checkpoints as `tttv plan` counts them (`memory.plan.disk.CheckpointDisk`), with the chain's own
+    """A stage's checkpoints as `tttv plan` counts them (`memory.guard.disk.CheckpointDisk`), with the chain's own
     steps, interval and one kept checkpoint."""
     from tttvideo.memory.plan.count import model_bytes
-    from tttvideo.memory.plan.disk import checkpoint_disk
+    from tttvideo.memory.guard.disk import checkpoint_disk
 
     cfg = resolved(duration, args)
     cfg.train.steps, cfg.train.checkpoint_every, cfg.train.keep_checkpoints = steps, every, 1
@@ -388,7 +388,7 @@ def check_chain_disk(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Before the first launch: the disk the chain needs at its fullest against what it has (free, and what it
     deletes itself: an earlier run's stage folders); a SystemExit naming both when it would fill the disk in its
     last stage's save, unless --ignore-disk."""
-    from tttvideo.memory.plan.disk import free_bytes
+    from tttvideo.memory.guard.disk import free_bytes
 
     weights = work / "weights"
     base = folder_bytes(weights) if weights.is_dir() else 0
@@ -412,7 +412,7 @@ def check_chain_disk(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def disk_figures(args: argparse.Namespace, work: Path, duration: int, steps: int, every: int) -> dict[str, Any]:
     """The disk before a stage: free, and what its checkpoints take as `tttv plan` counts them (a checkpoint, and
     at the peak the kept one beside the one being written), with a line when it will not fit."""
-    from tttvideo.memory.plan.disk import free_bytes
+    from tttvideo.memory.guard.disk import free_bytes
 
     disk = stage_disk(args, duration, steps, every)
     free = free_bytes(work)

@@ -1,6 +1,7 @@
-"""The disk a run's checkpoints take (`tttvideo.memory.plan.disk`): the count against the files a CPU run of the tiny
-model writes (model file, optimizer state, EMA; full and fp8-partial), the folder's peak, `tttv plan`'s line, the
-trainer's warning at the start and its early pruning before a save on a nearly full disk."""
+"""The disk a run's checkpoints take (`tttvideo.memory.guard.disk`; `tttv plan`'s line: `tttvideo.memory.plan.disk`):
+the count against the files a CPU run of the tiny model writes (model file, optimizer state, EMA; full and
+fp8-partial), the folder's peak, the plan's line, the trainer's warning at the start and its early pruning before a
+save on a nearly full disk."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tttvideo.config.schema import TrainConfig
-from tttvideo.memory.plan.disk import checkpoint_disk, checkpoints_at_once, planned_disk, space_warning
+from tttvideo.memory.guard.disk import checkpoint_disk, checkpoints_at_once, space_warning
+from tttvideo.memory.plan.disk import planned_disk
 from tttvideo.memory.techniques import ModelBytes
 from tttvideo.runs import EMA_FILE, MODEL_FILE, STATE_FILE
 from tttvideo.train import checkpoint as ckpt

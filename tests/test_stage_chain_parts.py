@@ -248,7 +248,7 @@ def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tm
     the 18-s checkpoint (the fp8 30-s stage's frozen layers), the 30-s one (the fp8 63-s stage's) and the 63-s
     stage's two (killed in step 2: the newest beside the one being written); the base weights went at stage 2.
     That run filled a 64-GiB disk with the base weights still there; the chain now starts only when it fits."""
-    from tttvideo.memory.plan.disk import CheckpointDisk
+    from tttvideo.memory.guard.disk import CheckpointDisk
 
     gib = 2**30
     each = {3: 27.15, 9: 19.61, 18: 19.61, 30: 12.2, 63: 12.2}
@@ -268,7 +268,7 @@ def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tm
     assert keep[63] == pytest.approx((27.15 + 19.61 + 19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
 
     free = {"bytes": int(50 * gib)}
-    monkeypatch.setattr("tttvideo.memory.plan.disk.free_bytes", lambda folder: free["bytes"])
+    monkeypatch.setattr("tttvideo.memory.guard.disk.free_bytes", lambda folder: free["bytes"])
     with pytest.raises(SystemExit, match="needs up to 56.2 GiB of disk .* has 50.0 GiB"):
         stage_chain.check_chain_disk(args, tmp_path)
     free["bytes"] = int(60 * gib)

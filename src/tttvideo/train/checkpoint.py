@@ -191,7 +191,7 @@ def make_room(output_dir: str | Path, need: int) -> list[Path]:
     """Before a save: while the disk has less than `need` bytes free, prune the oldest checkpoints early, never the
     newest, so that a nearly full disk keeps fewer than train.keep_checkpoints instead of failing the save (which
     would lose the steps since the newest). Returns what it removed."""
-    from tttvideo.memory.plan.disk import free_bytes
+    from tttvideo.memory.guard.disk import free_bytes
 
     found, removed = list_checkpoints(output_dir), []
     while len(found) > 1:

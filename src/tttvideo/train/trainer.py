@@ -58,7 +58,7 @@ from tttvideo.train.loss import NoiseSource, TimestepDensity
 from tttvideo.train.ema import WeightAverage
 from tttvideo.train.dcp import (check_trained_parameters, holds_model_state, is_sharded_checkpoint,
                                 load_sharded_checkpoint, load_whole_optimizer_state, save_sharded_checkpoint)
-from tttvideo.memory.plan.disk import checkpoint_disk, space_warning
+from tttvideo.memory.guard.disk import checkpoint_disk, space_warning
 from tttvideo.memory.techniques import FP8_STREAMING, ModelBytes, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
@@ -382,7 +382,7 @@ class Trainer:
         return path
 
     def _check_disk(self) -> None:
-        """Say at the start when train.output_dir's disk cannot take this run's checkpoints (`memory.plan.disk`)."""
+        """Say at the start when train.output_dir's disk cannot take this run's checkpoints (`memory.guard.disk`)."""
         held = sum(ckpt.folder_bytes(p) for _, p in runs.list_checkpoints(self.output_dir))
         warning = space_warning(self.output_dir, self.disk, held)
         if warning:

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tttvideo.config.schema import Config
+from tttvideo.memory.guard.disk import EMA_BYTES
 from tttvideo.memory.techniques import ModelBytes, techniques
 from tttvideo.memory.techniques.technique import Phase
 
 
-EMA_BYTES = 4  # per trainable parameter: the trainer keeps its moving average in fp32 (tttvideo.train.ema)
 
 
 @dataclass(frozen=True)
