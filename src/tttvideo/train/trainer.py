@@ -385,9 +385,8 @@ class Trainer:
         """Say at the start when train.output_dir's disk cannot take this run's checkpoints (`memory.guard.disk`)."""
         held = sum(ckpt.folder_bytes(p) for _, p in runs.list_checkpoints(self.output_dir))
         warning = space_warning(self.output_dir, self.disk, held)
-        if warning:
+        if warning:  # `tttv train: warning: ...` on stderr (cli.common.CommandLogHandler)
             log.warning(warning)
-            self.console.print(f"[yellow]warning:[/] {warning}")
 
     def _make_room(self) -> None:
         """Prune early what the next save needs room for: the newest checkpoint's size, else the counted one."""
