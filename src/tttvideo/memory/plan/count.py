@@ -34,8 +34,6 @@ from tttvideo.memory.techniques import ModelBytes, techniques
 from tttvideo.memory.techniques.technique import Phase
 
 
-
-
 @dataclass(frozen=True)
 class Counted:
     """Bytes per GPU of what is counted; `trainable_params` is a count, not bytes."""
