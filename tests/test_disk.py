@@ -134,4 +134,4 @@ def test_plan_prints_the_disk_line(tmp_path, capsys):
     main(["plan", "configs/demo.toml", "--gpu-mem", "80GB", "--set", "train.keep_checkpoints=2",
           "--set", "train.steps=1000", "--set", "train.checkpoint_every=100"])
     out = capsys.readouterr().out
-    assert "disk: a checkpoint" in out and "holds up to 3 at once (train.keep_checkpoints = 2" in out
+    assert "disk (" in out and "): a checkpoint" in out and "holds up to 3 at once (train.keep_checkpoints = 2" in out

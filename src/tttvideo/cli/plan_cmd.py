@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if args.phase == "train" and preds:
         from tttvideo.memory.plan.disk import describe, planned_disk
 
-        shown = (chosen or preds[0]).config
-        print(describe(planned_disk(shown, args.gpus), shown))
+        shown = chosen or preds[0]
+        print(describe(planned_disk(shown.config, args.gpus), shown.config, shown.candidate.label))
     if chosen is None:
         host = f" and {host_mem / 2**30:.1f} GiB of host memory" if host_mem is not None else ""
         print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU{host} for this {args.phase} "

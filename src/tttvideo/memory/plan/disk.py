@@ -13,8 +13,9 @@ def planned_disk(cfg: Config, processes: int = 1) -> CheckpointDisk:
     return checkpoint_disk(model_bytes(cfg), cfg, processes)
 
 
-def describe(disk: CheckpointDisk, cfg: Config) -> str:
-    """One paragraph for `tttv plan`: a checkpoint's size, the output folder's peak and what must stay beside it."""
+def describe(disk: CheckpointDisk, cfg: Config, setup: str = "") -> str:
+    """One paragraph for `tttv plan`: a checkpoint's size, the output folder's peak and what must stay beside it;
+    `setup` names the candidate it counts (weight storage and optimizer change the size)."""
     from tttvideo.memory.profile.report import fmt_bytes
 
     parts = [f"model file {fmt_bytes(disk.model_file)}", f"optimizer state {fmt_bytes(disk.optimizer_state)}"]
@@ -22,7 +23,8 @@ def describe(disk: CheckpointDisk, cfg: Config) -> str:
         parts.append(f"EMA {fmt_bytes(disk.ema_file)}")
     if disk.sharded_buffers:
         parts.append(f"fp8 codes in dcp/ {fmt_bytes(disk.sharded_buffers)}")
-    text = (f"disk: a checkpoint {fmt_bytes(disk.each)} ({', '.join(parts)}); train.output_dir holds up to "
+    named = f" ({setup})" if setup else ""
+    text = (f"disk{named}: a checkpoint {fmt_bytes(disk.each)} ({', '.join(parts)}); train.output_dir holds up to "
             f"{disk.at_once} at once (train.keep_checkpoints = {cfg.train.keep_checkpoints} and the one being "
             f"written): {fmt_bytes(disk.peak)}")
     if disk.partial:
