@@ -208,6 +208,23 @@ def make_room(output_dir: str | Path, need: int) -> list[Path]:
     return removed
 
 
+def warn_if_short(output_dir: str | Path, disk: Any) -> None:
+    """At a run's start: a warning (`tttv train: warning: ...`) when the disk of `output_dir` cannot take its
+    checkpoints (`disk`, a `memory.guard.disk.CheckpointDisk`), those already there (a resume) counted in."""
+    from tttvideo.memory.guard.disk import space_warning
+
+    held = sum(folder_bytes(p) for _, p in list_checkpoints(output_dir))
+    warning = space_warning(output_dir, disk, held)
+    if warning:
+        log.warning(warning)
+
+
+def make_room_for(output_dir: str | Path, counted: int) -> list[Path]:
+    """Before a save: `make_room` for the newest checkpoint's size, else the `counted` one."""
+    newest = latest_checkpoint(output_dir)
+    return make_room(output_dir, max(counted, folder_bytes(newest) if newest is not None else 0))
+
+
 def load_state(folder: Path, trust: bool = False) -> dict[str, Any]:
     """The training state of checkpoint `folder`. A state.pt of an earlier version is read as
     `statefile.read_legacy_state` allows (the full unpickler only with `trust`: --trust-checkpoint) and then

@@ -58,7 +58,7 @@ from tttvideo.train.loss import NoiseSource, TimestepDensity
 from tttvideo.train.ema import WeightAverage
 from tttvideo.train.dcp import (check_trained_parameters, holds_model_state, is_sharded_checkpoint,
                                 load_sharded_checkpoint, load_whole_optimizer_state, save_sharded_checkpoint)
-from tttvideo.memory.guard.disk import checkpoint_disk, space_warning
+from tttvideo.memory.guard.disk import checkpoint_disk
 from tttvideo.memory.techniques import FP8_STREAMING, ModelBytes, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
@@ -381,18 +381,6 @@ class Trainer:
         self.last_good = path
         return path
 
-    def _check_disk(self) -> None:
-        """Say at the start when train.output_dir's disk cannot take this run's checkpoints (`memory.guard.disk`)."""
-        held = sum(ckpt.folder_bytes(p) for _, p in runs.list_checkpoints(self.output_dir))
-        warning = space_warning(self.output_dir, self.disk, held)
-        if warning:  # `tttv train: warning: ...` on stderr (cli.common.CommandLogHandler)
-            log.warning(warning)
-
-    def _make_room(self) -> None:
-        """Prune early what the next save needs room for: the newest checkpoint's size, else the counted one."""
-        newest = runs.latest_checkpoint(self.output_dir)
-        ckpt.make_room(self.output_dir, max(self.disk.each, ckpt.folder_bytes(newest) if newest else 0))
-
     # ------------------------------------------------------------------ loop
     def run(self) -> TrainResult:
         """Lock the run folder, act on an earlier run there (train.if_exists), train, and let the folder go."""
@@ -425,8 +413,9 @@ class Trainer:
         if self.step >= total:
             self.console.print(f"nothing to do: the run is at step {self.step} of {total}")
             return result
+        # what its checkpoints take on the disk (`memory.guard.disk`): said now if the disk cannot hold them
         self.disk = checkpoint_disk(ModelBytes.of(self.model), self.cfg, self.ranks.world_size)
-        self.ranks.on_main(self._check_disk)
+        self.ranks.on_main(lambda: ckpt.warn_if_short(self.output_dir, self.disk))
         loader = make_loader(self.dataset, self.train.seed, self.step, self.train.batch_size, self.grad_accum,
                              self.ranks.dp_rank, self.ranks.dp_size, self.cfg.data.num_workers,
                              pin_memory=self.device.type == "cuda")
@@ -477,7 +466,7 @@ class Trainer:
                 saved = self.step % self.train.checkpoint_every == 0 or self.step == total
                 if saved:
                     t_save = time.perf_counter()
-                    self.ranks.on_main(self._make_room)
+                    self.ranks.on_main(lambda: ckpt.make_room_for(self.output_dir, self.disk.each))
                     path = self._save()
                     result.checkpoints.append(path)
                     monitor.note(f"checkpoint {path} ({time.perf_counter() - t_save:.1f} s)")
