@@ -346,6 +346,12 @@ def base_read_later(args: argparse.Namespace) -> bool:
             or any(resolved(d, args).model.pretrained_path for d in args.durations[1:]))
 
 
+def reads_previous(args: argparse.Namespace, duration: int) -> bool:
+    """Whether the stage's checkpoints read the previous stage's: it stores its frozen weights in fp8, so it saves
+    only what it trains and takes the frozen layers from where it started, which must stay."""
+    return resolved(duration, args).model.frozen_weights == "fp8" and not args.from_base
+
+
 def stage_disk(args: argparse.Namespace, duration: int, steps: int, every: int) -> Any:
     """A stage's checkpoints as `tttv plan` counts them (`memory.guard.disk.CheckpointDisk`), with the chain's own
     steps, interval and one kept checkpoint."""
@@ -378,8 +384,7 @@ def chain_disk(args: argparse.Namespace, base_bytes: int) -> list[tuple[int, int
     keep_base = args.keep_stages or base_read_later(args)
     held = []
     for i, d in enumerate(args.durations):
-        kept = sum(disks[j].each for j in range(i)
-                   if args.keep_stages or (disks[j + 1].partial and not args.from_base))
+        kept = sum(disks[j].each for j in range(i) if args.keep_stages or reads_previous(args, args.durations[j + 1]))
         held.append((d, disks[i].peak + kept + (base_bytes if i == 0 or keep_base else 0)))
     return held
 
@@ -505,10 +510,8 @@ def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[s
         launch = [*start, f"memory.max_gpu_gib={row['cap_gib']}"]
     t0 = time.perf_counter()
     child = Watched(train_command(args, duration, out, manifest, launch, steps, every, args.gpus), log, REPO)
-    # a stage that stores its frozen weights in fp8 saves only what it trains: its checkpoints (the sample's, the
-    # next stage's init_from) take the frozen layers from the previous stage's, which must stay
-    partial = resolved(duration, args).model.frozen_weights == "fp8" and not args.from_base
-    prune = prune_when_started(child, out, None if args.keep_stages or partial else previous, base)
+    prune = prune_when_started(child, out, None if args.keep_stages or reads_previous(args, duration) else previous,
+                               base)
     watched = [child]
     if kill:
         killed = kill_in_mid_step(args, child, out, prune, row.get("predicted_step_s") or row.get("h100_step_s"))

@@ -252,19 +252,20 @@ def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tm
 
     gib = 2**30
     each = {3: 27.15, 9: 19.61, 18: 19.61, 30: 12.2, 63: 12.2}
-    partial = {30, 63}
-
     def fake_disk(args, duration, steps, every):
-        return CheckpointDisk(int(each[duration] * gib), 0, 0, 0, min(2, steps // every), duration in partial)
+        return CheckpointDisk(int(each[duration] * gib), 0, 0, 0, min(2, steps // every), duration in (30, 63))
 
     monkeypatch.setattr(stage_chain, "stage_disk", fake_disk)
-    args = stage_chain.parse_args(["--workdir", str(tmp_path), "--steps", "1", "--last-steps", "2"])
+    # the configs that run: whole blocks at 3-30 s (the 30-s one with fp8 frozen weights), then the 63-s one (fp8)
+    chain = ["--workdir", str(tmp_path), "--configs", "configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml",
+             "configs/cogvideox-5b/{stage}-{gpus}gpu.toml"]
+    args = stage_chain.parse_args([*chain, "--steps", "1", "--last-steps", "2"])
     held = dict(stage_chain.chain_disk(args, int(10.4 * gib)))
     assert held[3] == pytest.approx((27.15 + 10.4) * gib, rel=1e-9)
     assert held[9] == pytest.approx(19.61 * gib, rel=1e-9)  # stage 1's checkpoints and the base weights gone
     assert held[30] == pytest.approx((19.61 + 12.2) * gib, rel=1e-9)
     assert held[63] == pytest.approx((19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
-    keep = dict(stage_chain.chain_disk(stage_chain.parse_args(["--workdir", str(tmp_path), "--keep-stages"]), 0))
+    keep = dict(stage_chain.chain_disk(stage_chain.parse_args([*chain, "--keep-stages"]), 0))
     assert keep[63] == pytest.approx((27.15 + 19.61 + 19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
 
     free = {"bytes": int(50 * gib)}
@@ -275,5 +276,5 @@ def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tm
     said = stage_chain.check_chain_disk(args, tmp_path)
     assert said["disk_needed_gib"] == pytest.approx(56.21) and "at the 63-s stage" in capsys.readouterr().out
     free["bytes"] = int(50 * gib)
-    ignore = stage_chain.parse_args(["--workdir", str(tmp_path), "--steps", "1", "--last-steps", "2", "--ignore-disk"])
+    ignore = stage_chain.parse_args([*chain, "--steps", "1", "--last-steps", "2", "--ignore-disk"])
     assert stage_chain.check_chain_disk(ignore, tmp_path)["disk_gib"] == pytest.approx(50.0)

@@ -77,12 +77,16 @@ def warp_cap(M: int, D: int) -> int:
     return 4 if M >= 64 and D < 64 else 8
 
 
-def check_output(out: torch.Tensor, like: torch.Tensor) -> None:
-    """A caller's output buffer must be what `new_output(like)` would make: the kernels address it as contiguous."""
+def output_for(like: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A kernel's output of `like`'s shape, dtype and device: `new_output(like)`, or the caller's buffer `out`, which
+    must be what that would make (the kernels address it as contiguous)."""
+    if out is None:
+        return new_output(like)
     if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
         raise ValueError(f"kernel output buffer {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: "
                          f"{out.is_contiguous()}) does not match the input {tuple(like.shape)} {like.dtype} on "
                          f"{like.device}")
+    return out
 
 
 def new_output(like: torch.Tensor | None, shape=None, dtype=None, device=None) -> torch.Tensor:

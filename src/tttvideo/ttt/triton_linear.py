@@ -19,8 +19,8 @@ import triton.language as tl
 
 from tttvideo.ttt.reference import scan_groups
 from tttvideo.ttt.triton_common import (
-    DOT_TF32, LN_EPS, check_device, check_output, dot, dot_acc, dot_mode, interpreting, ln_bwd, ln_l2_bwd,
-    ln_l2_fwd, ln_stats, new_output,
+    DOT_TF32, LN_EPS, check_device, dot, dot_acc, dot_mode, interpreting, ln_bwd, ln_l2_bwd,
+    ln_l2_fwd, ln_stats, new_output, output_for,
 )
 
 FWD_WARPS = 4
@@ -193,9 +193,7 @@ def linear_forward(q, k, v, eta, norm_w, norm_b, w, b, mini_batch_size, checkpoi
     B, H, L, D = q.shape
     n = L // mini_batch_size
     group = scan_groups(n, checkpoint_group_size)[0]
-    if out is not None:
-        check_output(out, q)
-    out = new_output(q) if out is None else out
+    out = output_for(q, out)
     if save:
         slots = B * H * ((n + group - 1) // group + 1)
         ck = (torch.empty(slots, D, D, device=q.device, dtype=torch.float32),

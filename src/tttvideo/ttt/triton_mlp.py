@@ -33,8 +33,8 @@ import triton.language as tl
 
 from tttvideo.ttt.reference import scan_groups
 from tttvideo.ttt.triton_common import (
-    DOT_BF16, LN_EPS, check_device, check_output, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting,
-    ln_l2_fwd, ln_stats, new_output, op, warp_cap,
+    DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting,
+    ln_l2_fwd, ln_stats, new_output, op, output_for, warp_cap,
 )
 from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, stage, take_ticket, wait_all
 
@@ -269,9 +269,7 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     else:
         split, warps = forward_shape(E, M, D, q.device, save)
     warps = tune.get("num_warps", warps)
-    if out is not None:
-        check_output(out, q)
-    out = (new_output(q) if out is None else out) if output else None
+    out = output_for(q, out) if output else None
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
     _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
