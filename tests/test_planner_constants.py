@@ -51,10 +51,12 @@ def test_a_backbone_gets_its_own_constants_and_the_references_for_the_rest():
     assert BlockConstants.for_backbone(old, "cogvideox").first_step_offload_reserved_units == 0.5
 
 
-@pytest.mark.parametrize("optimizer_gib,first_larger", [(0.1, True), (8.0, False)])
-def test_a_process_reserves_the_larger_of_its_first_and_later_steps(optimizer_gib, first_larger):
-    """The first step reserves 2.5 saved inputs more for its copies, the later ones hold the optimizer state in
-    backward: a small state leaves the first step's reserve the peak, a large one the later steps'."""
+@pytest.mark.parametrize("optimizer_gib", [0.1, 8.0])
+def test_a_process_keeps_its_first_steps_reserve_and_later_growth_lands_on_top(optimizer_gib):
+    """The first step reserves 2.5 saved inputs more for its copies; the allocator keeps that pool, and what the
+    later steps allocate beyond the first step's peak (the optimizer state, live in backward) lands on top of it.
+    Where the first step's reserve is carried over from another backbone, the process peaks at the larger of the
+    two steps' reserves instead."""
     cfg = load_config(None, SETUP)
     k = BlockConstants.from_dict(REFERENCE)
     s = saved_input(Geometry.of(cfg), k)
@@ -65,26 +67,34 @@ def test_a_process_reserves_the_larger_of_its_first_and_later_steps(optimizer_gi
     assert first.reserved == first.first_step_reserved == int(first.allocated * 1.07 + 2.5 * s)
     later = int(run.allocated * 1.07 + 0.5 * s)
     assert run.allocated > first.allocated and run.first_step_reserved == first.reserved
-    assert run.reserved == max(first.reserved, later)
-    assert (run.reserved == first.reserved > later) is first_larger
-    # the parts add up to what the allocator holds, naming the first step's extra where it is the peak
+    kept = first.reserved + run.allocated - first.allocated
+    assert kept > later and run.reserved == kept
+    # the parts add up to what the allocator holds, naming the first step's kept reserve
     assert sum(p.nbytes for p in run.parts if p.where == "gpu") == run.reserved
-    assert any("first step's reserve" in p.name for p in run.parts) is first_larger
+    assert any("first step's reserve" in p.name and "on top" in p.name for p in run.parts)
+    # another backbone's first-step reserve: the larger of the two steps' reserves
+    carried = BlockConstants.for_backbone({"cogvideox": REFERENCE}, "wan")
+    assert "first_step_offload_reserved_units" in carried.carried
+    first = train_peak(cfg, counted, carried, first_step_only=True)
+    run = train_peak(cfg, counted, carried)
+    assert run.reserved == max(first.reserved, int(run.allocated * 1.07 + 0.5 * s))
+    assert sum(p.nbytes for p in run.parts if p.where == "gpu") == run.reserved
 
 
-def _chain_rows():
-    return [r for r in json.loads((ROOT / "benchmarks/results/stage_chain_h100.json").read_text())["stages"]
-            if "error" not in r]
+def _chain_rows(name: str):
+    return [r for r in json.loads((ROOT / "benchmarks/results" / name).read_text())["stages"] if "error" not in r]
 
 
-@pytest.mark.parametrize("duration", [30, 63])
-def test_committed_constants_predict_the_chains_offloaded_stages(duration):
+# the newest one-H100 measurement of each offloaded stage as shipped (the 63-s row of stage_chain_h100.json is of
+# a commit whose resumed process left the fp8 frozen layers random, where they are now quantised as they load)
+@pytest.mark.parametrize("duration,result", [(30, "stage_chain_h100.json"), (63, "stage_chain_wholeblock_h100.json")])
+def test_committed_constants_predict_the_chains_offloaded_stages(duration, result):
     """The chain's offloaded stages as shipped (held out: the constants come from 9- and 18-s rows): reserved
     within 10% and allocated within 5% of the process's measured peak."""
     from tttvideo.memory.plan.costs import load_costs
     from tttvideo.memory.plan.planner import Candidate, predict
 
-    row = next(r for r in _chain_rows() if r["duration_s"] == duration)
+    row = next(r for r in _chain_rows(result) if r["duration_s"] == duration)
     cfg = load_config(ROOT / "configs/cogvideox-5b" / row["config"],
                       ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0",
                        f"layout.duration={duration}s"])
