@@ -167,11 +167,17 @@ def _chain_rows() -> list[Row]:
         h100 = path.name.endswith("_h100.json")
         for r in chain["stages"]:
             if "error" in r:
-                # a stage that ran out of memory under its planned cap is a plan that said "fits" wrongly
-                if "cap_gib" in r and r.get("status") == "oom":
+                # a stage that ran out of memory under its planned cap is a plan that said "fits" wrongly; one
+                # that ran out of the card's memory must be predicted not to fit the card
+                card = _card_gib(chain, r)
+                if r.get("status") == "oom" and ("cap_gib" in r or card):
                     row = _stage_row({**r, "peak_allocated_gib": None, "peak_reserved_gib": None}, chain, path,
                                      "cogvideox-5b", "chain ", None)
-                    row.oom_under = row.plan_cap = r["cap_gib"]
+                    if "cap_gib" in r:
+                        row.oom_under = row.plan_cap = r["cap_gib"]
+                    else:
+                        row.oom_under = card
+                        row.name += f" (out of memory on the card, {card:.1f} GiB)"
                     row.gpus = gpus
                     rows.append(row)
                 continue
@@ -197,6 +203,15 @@ def _chain_rows() -> list[Row]:
 def _run_overrides(r: dict, chain: dict) -> list[str]:
     """The --set overrides a chain stage ran with: each row its own run's (a chain run in parts merges them)."""
     return list(r.get("overrides", chain.get("overrides", [])))
+
+
+def _card_gib(chain: dict, r: dict) -> float | None:
+    """The memory of the card a stage_chain.py run had (GiB): recorded from 2026-12-06 on; before, the capacity that
+    torch's out-of-memory message in the stage's error states."""
+    if chain.get("gpu_total_gib"):
+        return float(chain["gpu_total_gib"])
+    found = re.search(r"total capacity of ([0-9.]+) GiB", " ".join(map(str, r.get("error", []))))
+    return float(found.group(1)) if found else None
 
 
 def _stage_row(r: dict, chain: dict, path: Path, recipe: str, prefix: str, step_s: float | None) -> Row:

@@ -675,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     device = (gpu_name() or "cuda") if args.device.startswith("cuda") else cpu_label()
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{results_name(args, device)}.json")
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
+              **({"gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}
+                 if args.device.startswith("cuda") else {}),
               "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "configs": args.configs,
               "steps_per_stage": args.steps,
               "last_stage_steps": args.last_steps, "overrides": args.overrides, **disk, "stages": [], "samples": []}

@@ -203,3 +203,22 @@ def test_the_plan_ranks_the_shipped_63s_wan_stage_first_and_predicts_the_chain()
     assert best.reserved / GIB == pytest.approx(row["peak_reserved_gib"], rel=0.10)
     cog = load_config(ROOT / "configs/cogvideox-5b/stage3-18s-1gpu.toml", NO_WEIGHTS)
     assert not any("window-wise" in c.label for c in candidates(cog, "train"))
+
+
+def test_a_chain_stage_out_of_the_cards_memory_is_a_row_that_must_not_fit_the_card(tmp_path):
+    """stage_chain.py records the card's memory; a stage that ran out of it (no cap) is read as a held-out row whose
+    plan must say it does not fit that card; before the record, the capacity comes from torch's message."""
+    accuracy = load_benchmark("plan_accuracy")
+    oom = {"duration_s": 63, "config": "stage5-63s-1gpu-141gb.toml", "gpus": 1, "status": "oom", "steps": [],
+           "error": ["tttv train: error: out of GPU memory ... GPU 0 has a total capacity of 79.18 GiB of which"]}
+    for name, extra in (("stage_chain_a_h100.json", {"gpu_total_gib": 79.18}), ("stage_chain_b_h100.json", {})):
+        (tmp_path / name).write_text(json.dumps({"gpus": 1, "overrides": [], **extra, "stages": [
+            {**oom, "error": oom["error"] if not extra else ["out of GPU memory"]}]}))
+    accuracy.RESULTS = tmp_path
+    rows = accuracy._chain_rows()
+    assert [r.oom_under for r in rows] == [79.18, 79.18]
+    assert all("out of memory on the card" in r.name for r in rows)
+    from tttvideo.memory.plan.costs import load_costs
+
+    p = accuracy.predict_row(rows[0], load_costs("h100"))
+    assert p["fits_cap"] is False  # whole blocks at 63 s: predicted 128 GiB reserved
