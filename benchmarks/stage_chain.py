@@ -484,7 +484,10 @@ def stage_row(metrics: list[dict[str, Any]], steady: list[dict[str, Any]], watch
             # by process (rank, launcher, compile workers), each launch of the stage in turn
             "host_by_process": [w.host_by_role for w in watched],
             "peak_gpu_used_gib": [max(v) for v in zip(*(w.gpu_peak for w in watched if w.gpu_peak))],
-            "losses": [m["loss"] for m in metrics]}
+            "losses": [m["loss"] for m in metrics],
+            # each step's wall time beside the model's forward and backward (metrics.jsonl from 2026-12-06 on)
+            "time_by_step": [{"step": m["step"], "step_s": m["step_time"],
+                              **{k: m[k] for k in ("data_s", "optimizer_s", "ema_s") if k in m}} for m in metrics]}
 
 
 def run_stage(args: argparse.Namespace, work: Path, duration: int, start: list[str], kill: bool,

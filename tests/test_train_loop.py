@@ -135,6 +135,10 @@ def test_checkpoints_resume_guard_and_init_from(tmp_path):
     metrics = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(k in metrics[0] for k in ("loss", "lr", "lr_ssm", "grad_norm", "step_time", "tokens_per_s"))
+    # where each step's time went beside the model's forward and backward: parts of step_time, each measured
+    for m in metrics:
+        parts = [m["data_s"], m["optimizer_s"], m["ema_s"]]
+        assert all(p >= 0 for p in parts) and m["optimizer_s"] > 0 and sum(parts) < m["step_time"]
     # a stray temporary folder from a killed save is not a checkpoint
     (tmp_path / "run/checkpoints/.tmp-step-000006-1").mkdir()
     assert ckpt.latest_checkpoint(tmp_path / "run") == found[-1][1]
@@ -383,3 +387,23 @@ def test_other_trained_parameters_of_the_same_count_are_refused(tmp_path):
         check_trained_parameters(tmp_path, ["a.weight", "b.weight"], ["a.weight", "c.weight"])
     with pytest.raises(UserError, match=r"of 3 trained tensors, this config trains 3 other ones"):
         check_trained_parameters(tmp_path, [2, 1], [1, 2])
+
+
+def test_a_slow_loader_shows_as_the_steps_data_time(tmp_path, monkeypatch):
+    """metrics.jsonl's data_s is the step's wait for its batches: a loader that takes 0.3 s a batch shows there,
+    and not in optimizer_s."""
+    import time
+
+    import tttvideo.train.trainer as trainer_module
+
+    make_loader = trainer_module.make_loader
+
+    def slow(*args, **kwargs):
+        for batch in make_loader(*args, **kwargs):
+            time.sleep(0.3)
+            yield batch
+
+    monkeypatch.setattr(trainer_module, "make_loader", slow)
+    Trainer(tiny_config(tmp_path, "train.steps=2", "train.checkpoint_every=2"), quiet=True).run()
+    metrics = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(0.3 <= m["data_s"] < m["step_time"] and m["optimizer_s"] < 0.3 for m in metrics)

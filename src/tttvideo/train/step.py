@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -78,6 +79,11 @@ class StepResult:
     loss: float  # mean over the micro-batches; on a non-finite step, the first non-finite micro-batch loss
     grad_norm: float  # global norm before clipping; NaN when the step was skipped
     finite: bool
+    # where the step's wall time went, beside the model's forward and backward: waiting for the loader's batches
+    # (and queueing their copies to the device), and the optimizer step (unscale, clip, step, schedule; timed from
+    # the end of backward on the device to the end of the step's work queued on it)
+    data_s: float = 0.0
+    optimizer_s: float = 0.0
 
 
 @dataclass
@@ -121,6 +127,11 @@ class DiffusionObjective:
                         self.text_dropout, continuous=is_flow_matching(self.schedule))
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """The gradient scaler of a precision: active for fp16 only, a pass-through otherwise."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -155,19 +166,25 @@ class TrainStep:
         self.offloaded_bytes = 0  # what the last micro-batch's forward moved to host memory (with offload)
         self.kept_bytes = 0  # what stayed on the device because the host pool was full
         self.prepared: dict[str, int] = {}  # memory technique -> bytes it moved off the GPU (`build_train_step`)
+        self.data_s = 0.0  # the current step's wait for batches (`StepResult.data_s`)
 
     def __call__(self, batches: Iterator[Batch], step: int) -> StepResult:
         """Optimizer step `step` (0-based, for the profiler) on the next grad_accum batches of `batches`. A
         non-finite loss leaves the weights as they were, still advances the schedule, and has drawn all
         grad_accum batches, so the data position and every RNG stream stay where a finite step leaves them."""
+        self.data_s = 0.0
         loss, finite = self.gradients(batches, step)
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             with warnings.catch_warnings():  # a skipped step still advances the schedule; torch warns about that
                 warnings.simplefilter("ignore", UserWarning)
                 self._advance_schedule()
-            return StepResult(loss, math.nan, False)
-        return StepResult(loss, self.apply(step), True)
+            return StepResult(loss, math.nan, False, self.data_s)
+        _synchronize(self.device)  # the backward's work done, so what follows is the optimizer's
+        start = time.perf_counter()
+        norm = self.apply(step)
+        _synchronize(self.device)
+        return StepResult(loss, norm, True, self.data_s, time.perf_counter() - start)
 
     def gradients(self, batches: Iterator[Batch], step: int) -> tuple[float, bool]:
         """Fresh gradients of the mean loss over grad_accum micro-batches; (mean loss, finite). Stops at the first
@@ -175,7 +192,9 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for micro in range(self.grad_accum):
+            start = time.perf_counter()
             batch = to_device(next(batches), self.device)
+            self.data_s += time.perf_counter() - start
             with self._phase(FORWARD, step), self._saved_tensors() as off:
                 loss = self.objective(self.model, batch, micro)
             if off is not None:

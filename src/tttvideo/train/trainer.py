@@ -436,6 +436,7 @@ class Trainer:
                 except torch.cuda.OutOfMemoryError as err:
                     raise train_oom_error(err, self.cfg, self.model, self.oom_watch, self.last_good) from None
                 loss, finite = done.loss, done.finite
+                t_ema = time.perf_counter()
                 if not finite:
                     self._handle_nonfinite(loss, monitor)
                 elif self.ema is not None:  # a skipped step left the weights as they were
@@ -443,7 +444,8 @@ class Trainer:
                 self.step += 1
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                dt = time.perf_counter() - t0
+                t_end = time.perf_counter()
+                dt = t_end - t0
                 if finite:
                     last_loss = loss
                     log_window.append(loss)
@@ -458,6 +460,10 @@ class Trainer:
                     "lr_ssm": lr_used[1],
                     "grad_norm": done.grad_norm,
                     "step_time": dt,
+                    # where it went beside the model's forward and backward (the rest of step_time)
+                    "data_s": done.data_s,
+                    "optimizer_s": done.optimizer_s,
+                    "ema_s": t_end - t_ema,
                     "tokens_per_s": tokens_per_step / dt,
                     "memory_gib": peak,
                     "memory_reserved_gib": reserved,
