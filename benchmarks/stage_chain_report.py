@@ -45,6 +45,10 @@ def print_table(result: dict[str, Any]) -> None:
         if "killed_after_step" in r:
             notes.append(f"kill -9 of {r['killed']} in step {r['killed_after_step'] + 1}: launch exited in "
                          f"{r['launch_exit_s']:.0f} s, resumed, each step once: {r['resumed_steps_once']}")
+        last = (r.get("time_by_step") or [{}])[-1]
+        if "optimizer_s" in last:  # the last step's time beside the model's forward and backward
+            notes.append(f"step {last['step']}: {last['step_s']:.1f} s, of it data {last['data_s']:.2f}, optimizer "
+                         f"{last['optimizer_s']:.2f}, EMA {last['ema_s']:.2f}")
         if "reshard" in r:
             rs = r["reshard"]
             notes.append(f"resumed on {rs['gpus']} GPU(s): " + (f"failed: {rs['error']}" if "error" in rs else

@@ -38,6 +38,10 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
     assert killed["reshard"]["gpus"] == 1 and killed["reshard"]["resumed_steps_once"]
     assert "resumed from" in killed["reshard"]["resumed_line"]
     assert last["steps"] == [1, 2] and last["steps_asked"] == 2 and last["global_batch"] == 2
+    # each step's time beside the model's forward and backward, kept and printed
+    assert [t["step"] for t in last["time_by_step"]] == [1, 2]
+    assert all(0 < t["optimizer_s"] < t["step_s"] and t["data_s"] >= 0 for t in last["time_by_step"])
+    assert "step 2: " in run.stdout and ", optimizer " in run.stdout
     # the checkpoints as `tttv plan` counts them (the tensors; headers and DCP's metadata and per-tensor extras on
     # top: 0.8 MiB for this model's 68 trainable tensors over two processes), and the disk the base weights took
     # given back once stage 2 ran (nothing after stage 1 reads them)
