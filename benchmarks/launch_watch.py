@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -146,3 +148,23 @@ class Watched:
             time.sleep(0.5)
         self.log.close()
         return code
+
+
+def tttv(*args: str, gpus: int = 1) -> list[str]:
+    """The `tttv` command line, under torchrun on one host with `gpus` > 1 (NCCL's environment is inherited)."""
+    if gpus > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
+                "-m", "tttvideo", *args]
+    return [sys.executable, "-m", "tttvideo", *args]
+
+
+def failure(log: Path) -> list[str]:
+    """What a failed launch said: tttv's own error sentences (every rank's under torchrun), else the last exception
+    a rank raised, else the log's last line that is not one of torchrun's rules."""
+    if not log.is_file():
+        return ["no log"]
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("tttv ") and "error" in line]
+    raised = [line for line in lines if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception): ", line)
+              and "ChildFailedError" not in line]
+    return said[-4:] or raised[-1:] or [line for line in lines if line.strip("=-")][-1:] or ["empty log"]

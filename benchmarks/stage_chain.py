@@ -68,16 +68,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours in benchmarks/, as a script or module
-from launch_watch import Watched, gpu_name, worker_of_rank  # noqa: E402
+from launch_watch import Watched, failure, gpu_name, tttv, worker_of_rank  # noqa: E402
 from stage_chain_report import merged, print_table  # noqa: E402
+from stage_chain_sample import compare_latents, run_sample, sample_layouts  # noqa: E402
+from stage_chain_stages import (  # noqa: E402
+    COGVIDEOX_CONFIGS, REPO, STAGES, base_read_later, check_chain_disk, data_parallel, disk_figures, killed_stage,
+    reads_previous, resolved, stage_config, stage_schedule)
 
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 from tttvideo.train.checkpoint import folder_bytes  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-STAGES = {3: "stage1-3s", 9: "stage2-9s", 18: "stage3-18s", 30: "stage4-30s", 63: "stage5-63s"}
-# each stage's config: {stage} is a value of STAGES, {gpus} the launch's GPU count
-COGVIDEOX_CONFIGS = "configs/cogvideox-5b/{stage}-{gpus}gpu.toml"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,26 +135,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cap_at_plan is not None and args.cap_at_plan < 0:
         ap.error("--cap-at-plan: the margin is a share of the predicted peak, 0 or more (0.05 = 5 %)")
     return args
-
-
-def stage_config(duration: int, gpus: int = 1, patterns: tuple[str, ...] | list[str] = (COGVIDEOX_CONFIGS,)) -> Path:
-    """The `gpus`-GPU config of the stage of `duration` seconds (a stage outside the recipe uses the 63-s one): the
-    first of `patterns` (--configs) whose file exists, else the first (whose loading then names the missing file)."""
-    paths = [REPO / p.format(stage=STAGES.get(duration, "stage5-63s"), gpus=gpus) for p in patterns]
-    return next((p for p in paths if p.is_file()), paths[0])
-
-
-def resolved(duration: int, args: argparse.Namespace) -> Any:
-    """The stage's config for this launch's GPUs (--gpus), as `tttv train` will read it."""
-    from tttvideo.config.loader import load_config
-
-    return load_config(stage_config(duration, args.gpus, args.configs),
-                       [f"model.preset={args.preset}", f"layout.duration={duration}s", *args.overrides])
-
-
-def data_parallel(duration: int, args: argparse.Namespace) -> int:
-    """How many videos one optimizer step of the stage takes at one micro-batch per rank: its global batch."""
-    return args.gpus // max(1, resolved(duration, args).parallel.sp)
 
 
 # ------------------------------------------------------------------------------------------ inputs, made once
@@ -228,14 +207,6 @@ def inputs_made_apart(args: argparse.Namespace, work: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- the stages
-def tttv(*args: str, gpus: int = 1) -> list[str]:
-    """The `tttv` command line, under torchrun on one host with `gpus` > 1 (NCCL's environment is inherited)."""
-    if gpus > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
-                "-m", "tttvideo", *args]
-    return [sys.executable, "-m", "tttvideo", *args]
-
-
 def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: Path, start: list[str], steps: int,
                   every: int, gpus: int, *flags: str) -> list[str]:
     # a full-size sft checkpoint is 27 GiB (two GPUs wrote 40.6 while the model went into dcp/ too), and the disk of
@@ -262,18 +233,6 @@ def checkpoint_figures(folder: Path, log: Path) -> dict[str, Any]:
     saves = [float(line.rsplit("(", 1)[1].split(" s)")[0]) for line in log.read_text().splitlines()
              if line.startswith("checkpoint ") and line.endswith(" s)")]
     return {"checkpoint_gib": size, "checkpoint_save_s": max(saves) if saves else None}
-
-
-def failure(log: Path) -> list[str]:
-    """What a failed launch said: tttv's own error sentences (every rank's under torchrun), else the last exception
-    a rank raised, else the log's last line that is not one of torchrun's rules."""
-    if not log.is_file():
-        return ["no log"]
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    said = [line for line in lines if line.startswith("tttv ") and "error" in line]
-    raised = [line for line in lines if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception): ", line)
-              and "ChildFailedError" not in line]
-    return said[-4:] or raised[-1:] or [line for line in lines if line.strip("=-")][-1:] or ["empty log"]
 
 
 def ran_out_of_memory(said: list[str]) -> bool:
@@ -332,101 +291,6 @@ def prune_when_started(child: "Watched", out: Path, previous: Path | None, base:
         return False
 
     return until
-
-
-def base_read_later(args: argparse.Namespace) -> bool:
-    """Whether anything after stage 1 reads the chain's base weights folder: a later stage whose
-    config names model.pretrained_path (Wan's recipe), every stage with --from-base, the sample with
-    --sample-config, or a first stage with fp8-stored frozen weights (its partial checkpoints take them from the
-    base). Else the folder (10.4 GiB for CogVideoX-5B in bf16) goes once stage 2 runs: beside the stages the fp8 ones
-    read their frozen layers from (18 s, 19.6 GiB; 30 s, 12.2) and the killed 63-s stage's two checkpoints (2 x 12.2),
-    the one-GPU chain then needs 56 GiB of disk, not 67, which a 64-GiB disk holds."""
-    first = resolved(args.durations[0], args)
-    return (args.from_base or bool(args.sample_config) or first.model.frozen_weights == "fp8"
-            or any(resolved(d, args).model.pretrained_path for d in args.durations[1:]))
-
-
-def reads_previous(args: argparse.Namespace, duration: int) -> bool:
-    """Whether the stage's checkpoints read the previous stage's: it stores its frozen weights in fp8, so it saves
-    only what it trains and takes the frozen layers from where it started, which must stay."""
-    return resolved(duration, args).model.frozen_weights == "fp8" and not args.from_base
-
-
-def stage_disk(args: argparse.Namespace, duration: int, steps: int, every: int) -> Any:
-    """A stage's checkpoints as `tttv plan` counts them (`memory.guard.disk.CheckpointDisk`), with the chain's own
-    steps, interval and one kept checkpoint."""
-    from tttvideo.memory.plan.count import model_bytes
-    from tttvideo.memory.guard.disk import checkpoint_disk
-
-    cfg = resolved(duration, args)
-    cfg.train.steps, cfg.train.checkpoint_every, cfg.train.keep_checkpoints = steps, every, 1
-    return checkpoint_disk(model_bytes(cfg), cfg, args.gpus)
-
-
-def killed_stage(args: argparse.Namespace, duration: int) -> bool:
-    """Whether the stage is the one killed in mid-step and resumed (--kill-at, default the last; not --no-kill)."""
-    return duration == (args.kill_at or args.durations[-1]) and not args.no_kill
-
-
-def stage_schedule(args: argparse.Namespace, kill: bool) -> tuple[int, int]:
-    """A stage's optimizer steps and checkpoint interval: the killed one saves every step (the kill -9 needs a
-    checkpoint before the step it interrupts), the others their last step only."""
-    steps = args.last_steps if kill else args.steps
-    return steps, 1 if kill else steps
-
-
-def chain_disk(args: argparse.Namespace, base_bytes: int) -> list[tuple[int, int]]:
-    """(stage, bytes on the disk at its checkpoints' peak) for every stage: its own checkpoints at once, the earlier
-    stages' final checkpoints still kept (a stage followed by one with fp8-stored frozen weights, which reads them;
-    every one with --keep-stages) and the base weights (`base_bytes`) until stage 2 has run a step when nothing
-    later reads them. The chain's latent caches and samples are small and left out."""
-    disks = [stage_disk(args, d, *stage_schedule(args, killed_stage(args, d))) for d in args.durations]
-    keep_base = args.keep_stages or base_read_later(args)
-    held = []
-    for i, d in enumerate(args.durations):
-        kept = sum(disks[j].each for j in range(i) if args.keep_stages or reads_previous(args, args.durations[j + 1]))
-        held.append((d, disks[i].peak + kept + (base_bytes if i == 0 or keep_base else 0)))
-    return held
-
-
-def check_chain_disk(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Before the first launch: the disk the chain needs at its fullest against what it has (free, and what it
-    deletes itself: an earlier run's stage folders); a SystemExit naming both when it would fill the disk in its
-    last stage's save, unless --ignore-disk."""
-    from tttvideo.memory.guard.disk import free_bytes
-
-    weights = work / "weights"
-    base = folder_bytes(weights) if weights.is_dir() else 0
-    held = chain_disk(args, base)
-    stage, need = max(held, key=lambda h: h[1])
-    free = free_bytes(work)
-    if free is None:
-        return {}
-    have = free + base + sum(folder_bytes(work / f"stage-{d}s") for d in args.durations
-                             if (work / f"stage-{d}s").is_dir())
-    print(f"disk: {have / 2**30:.1f} GiB for the chain in {work}; it holds up to {need / 2**30:.1f} GiB, at the "
-          f"{stage}-s stage's checkpoints", flush=True)
-    if need > have and not args.ignore_disk:
-        raise SystemExit(f"stage_chain: the chain needs up to {need / 2**30:.1f} GiB of disk (the {stage}-s stage's "
-                         f"checkpoints and those kept for it), {work} has {have / 2**30:.1f} GiB: make room, give "
-                         f"another --workdir, or --ignore-disk to run until it fills")
-    return {"disk_gib": have / 2**30, "disk_needed_gib": need / 2**30,
-            "disk_needed_by_stage_gib": {str(d): b / 2**30 for d, b in held}}
-
-
-def disk_figures(args: argparse.Namespace, work: Path, duration: int, steps: int, every: int) -> dict[str, Any]:
-    """The disk before a stage: free, and what its checkpoints take as `tttv plan` counts them (a checkpoint, and
-    at the peak the kept one beside the one being written), with a line when it will not fit."""
-    from tttvideo.memory.guard.disk import free_bytes
-
-    disk = stage_disk(args, duration, steps, every)
-    free = free_bytes(work)
-    row = {"predicted_checkpoint_gib": disk.each / 2**30, "predicted_disk_gib": disk.peak / 2**30,
-           "disk_free_gib": free / 2**30 if free is not None else None}
-    if free is not None and free < disk.peak:
-        print(f"warning: {free / 2**30:.1f} GiB free in {work}, and this stage's checkpoints take up to "
-              f"{disk.peak / 2**30:.1f} GiB ({disk.at_once} of {disk.each / 2**30:.1f})", flush=True)
-    return row
 
 
 def kill_in_mid_step(args: argparse.Namespace, child: Watched, out: Path, prune: Any,
@@ -567,76 +431,6 @@ def reshard(args: argparse.Namespace, work: Path, duration: int, out: Path, mani
                 "resumed_steps_once": row["steps"] == list(range(1, steps + 2)),
                 "resumed_line": next((line for line in log.read_text().splitlines() if "resumed from" in line), "")})
     return row
-
-
-def sample_layouts(gpus: int, heads: int) -> list[tuple[str, int, list[str]]]:
-    """(name, processes, overrides) of each sampling layout: one process; with several GPUs also parallel.sp over
-    as many of them as divide the model's `heads`, split guidance on two and, on four or more, both (sp over half
-    the GPUs, each half one of guidance's two passes)."""
-    if gpus == 1:
-        return [("1", 1, [])]
-    sp = max(n for n in range(1, gpus + 1) if heads % n == 0)
-    layouts = [("1", 1, ["parallel.sp=1"]), (f"sp{sp}", sp, [f"parallel.sp={sp}"]),
-               ("cfg2", 2, ["parallel.sp=1", "sample.split_guidance=true"])]
-    half = max((n for n in range(2, gpus // 2 + 1) if heads % n == 0), default=0)
-    if half:
-        layouts.append((f"sp{half}cfg2", 2 * half, [f"parallel.sp={half}", "sample.split_guidance=true"]))
-    return layouts
-
-
-def run_sample(args: argparse.Namespace, work: Path, duration: int, layout: str, gpus: int,
-               sets: list[str]) -> dict[str, Any]:
-    segments = duration // 3
-    story = work / f"story-{duration}s.json"
-    story.write_text(json.dumps([{"text": f"a red ball, scene {i}"} for i in range(segments)]))
-    suffix = "" if layout == "1" and args.gpus == 1 else f"-{layout}"
-    out = work / f"sample-{duration}s{suffix}.mp4"
-    log = work / f"sample-{duration}s{suffix}.log"
-    print(f"=== tttv sample {duration} s, {segments} scenes, {args.sample_steps} steps, layout {layout}", flush=True)
-    t0 = time.perf_counter()
-    # random weights: the demo text encoder and no decoder, whatever encoder and VAE the recipe names (Wan's do)
-    sets = [f"sample.steps={args.sample_steps}", "sample.write_video=false", "sample.save_latents=true",
-            "sample.text_encoder_path=", "data.text_encoder_path=", "sample.vae_path=", "data.vae_path=",
-            f"sample.device={args.device}", "parallel.dp_shard=-1", *sets,
-            *(s for s in args.overrides if s.startswith(("memory.", "sample.")))]
-    config = [str(REPO / args.sample_config)] if args.sample_config else []
-    if config:  # the model the chain trained, from this chain's random base folder, not the recipe's real weights
-        sets += [f"model.preset={args.preset}", f"model.pretrained_path={work / 'weights'}",
-                 *(s for s in args.overrides if not s.startswith(("memory.", "sample.")))]
-    cmd = tttv("sample", *config, "--checkpoint", str(work / f"stage-{duration}s"), "--scenes", str(story), "--out",
-               str(out), *sum((["--set", s] for s in sets), []), gpus=gpus)
-    child = Watched(cmd, log, REPO)
-    code = child.wait()
-    row = {"duration_s": duration, "layout": layout, "gpus": gpus, "config": args.sample_config or "checkpoint's",
-           "wall_s": time.perf_counter() - t0,
-           "exit_code": code, "peak_host_gib": child.host_peak, "host_by_process": child.host_by_role,
-           "peak_gpu_used_gib": child.gpu_peak,
-           "latents": str(out.with_suffix(".latents.safetensors"))}
-    if code != 0:
-        row["error"] = failure(log)
-    denoise = [line.split("denoise ", 1)[1].split(" s", 1)[0] for line in log.read_text(errors="replace").splitlines()
-               if "frames (" in line and "denoise " in line]
-    if denoise:  # the sampler's own time, without loading; the first step's compiling and tuning are in it
-        row["denoise_s"] = float(denoise[-1])
-    return row
-
-
-def compare_latents(rows: list[dict[str, Any]]) -> None:
-    """Each layout's final latents against the one-process layout's: largest difference, absolute and relative
-    to the largest latent."""
-    from safetensors.torch import load_file
-
-    ref_row = rows[0]
-    if ref_row["exit_code"] != 0:
-        return
-    ref = load_file(ref_row["latents"])["latents"]
-    for r in rows[1:]:
-        if r["exit_code"] == 0:
-            x = load_file(r["latents"])["latents"]
-            diff = (x - ref).abs().max().item()
-            r.update({"max_abs_diff_vs_1": diff, "max_rel_diff_vs_1": diff / ref.abs().max().item(),
-                      "mean_abs_diff_vs_1": (x - ref).abs().mean().item(),
-                      "rms_rel_diff_vs_1": ((x - ref).float().norm() / ref.float().norm()).item()})
 
 
 def cpu_label() -> str:

@@ -10,6 +10,8 @@ import torch
 
 from benchmarks import stage_chain
 
+import stage_chain_stages  # noqa: E402  (benchmarks/ is on sys.path once stage_chain is imported)
+
 
 def test_weights_folder_holds_every_layer_when_the_first_stage_stores_fp8(tmp_path):
     # the one-GPU 63-s config stores the frozen weights as fp8 codes: a folder written from that model lacked the
@@ -255,17 +257,17 @@ def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tm
     def fake_disk(args, duration, steps, every):
         return CheckpointDisk(int(each[duration] * gib), 0, 0, 0, min(2, steps // every), duration in (30, 63))
 
-    monkeypatch.setattr(stage_chain, "stage_disk", fake_disk)
+    monkeypatch.setattr(stage_chain_stages, "stage_disk", fake_disk)
     # the configs that run: whole blocks at 3-30 s (the 30-s one with fp8 frozen weights), then the 63-s one (fp8)
     chain = ["--workdir", str(tmp_path), "--configs", "configs/cogvideox-5b/{stage}-{gpus}gpu-wholeblock.toml",
              "configs/cogvideox-5b/{stage}-{gpus}gpu.toml"]
     args = stage_chain.parse_args([*chain, "--steps", "1", "--last-steps", "2"])
-    held = dict(stage_chain.chain_disk(args, int(10.4 * gib)))
+    held = dict(stage_chain_stages.chain_disk(args, int(10.4 * gib)))
     assert held[3] == pytest.approx((27.15 + 10.4) * gib, rel=1e-9)
     assert held[9] == pytest.approx(19.61 * gib, rel=1e-9)  # stage 1's checkpoints and the base weights gone
     assert held[30] == pytest.approx((19.61 + 12.2) * gib, rel=1e-9)
     assert held[63] == pytest.approx((19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
-    keep = dict(stage_chain.chain_disk(stage_chain.parse_args([*chain, "--keep-stages"]), 0))
+    keep = dict(stage_chain_stages.chain_disk(stage_chain.parse_args([*chain, "--keep-stages"]), 0))
     assert keep[63] == pytest.approx((27.15 + 19.61 + 19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
 
     free = {"bytes": int(50 * gib)}
