@@ -1,6 +1,7 @@
-"""What a benchmark reads of a launch it started (one `tttv` process, or torchrun's agent and its workers) while it
-runs, from /proc and nvidia-smi: the processes under it, their peak resident host memory, the pid of a rank's
-worker, the GPUs' memory in use. Reads only: nothing here starts CUDA in the benchmark's own process."""
+"""A benchmark's launches of `tttv` (one process, or torchrun's agent and its workers): the command line, what it
+reads of a launch while it runs, from /proc and nvidia-smi (the processes under it, their peak resident host
+memory, the pid of a rank's worker, the GPUs' memory in use), and what a failed launch said. Nothing here starts
+CUDA in the benchmark's own process."""
 
 from __future__ import annotations
 
