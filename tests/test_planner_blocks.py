@@ -339,3 +339,23 @@ def test_shipped_whole_block_configs_are_the_80gb_pick_and_predict_their_chain(s
     assert abs(p.peak / GIB / row["peak_allocated_gib"] - 1) < 0.05
     assert abs(p.reserved / GIB / row["peak_reserved_gib"] - 1) < 0.05
     assert row["peak_reserved_gib"] < 79.0
+
+
+def test_the_shipped_141gb_one_gpu_63s_config_is_the_plans_pick_there_and_not_on_80gb():
+    """configs/cogvideox-5b/stage5-63s-1gpu-141gb.toml is `tttv plan stage5-63s-1gpu.toml --gpu-mem 139GiB`'s first
+    choice (whole blocks, offload, fp8 frozen), faster than the 80-GB pick, and does not fit an 80 GB card (an H100
+    ran it out of memory: stage_chain_63s_wholeblock_141gb_h100.json)."""
+    from tttvideo.memory.plan.costs import load_costs
+    from tttvideo.memory.plan.planner import Candidate, best, plan, predict
+
+    costs = load_costs("h100")
+    no_weights = ["model.pretrained_path=", "train.init_from="]
+    stage = load_config(ROOT / "configs/cogvideox-5b/stage5-63s-1gpu.toml", no_weights)
+    chosen = best(plan(stage, "train", 139 * GIB, costs, host_mem=120 * GIB))
+    shipped = load_config(ROOT / "configs/cogvideox-5b/stage5-63s-1gpu-141gb.toml", no_weights)
+    assert chosen.candidate.label.startswith("ckpt block, offload")
+    assert shipped.checkpointing == chosen.config.checkpointing and shipped.model == chosen.config.model
+    on_80 = best(plan(stage, "train", int(79.6 * GIB), costs, host_mem=120 * GIB))
+    assert chosen.step_s < 0.9 * on_80.step_s
+    as_shipped = predict(shipped, "train", Candidate("as shipped", ()), costs, gpu_mem=int(79.6 * GIB))
+    assert not as_shipped.fits and as_shipped.reserved > 100 * GIB
