@@ -139,6 +139,7 @@ def test_checkpoints_resume_guard_and_init_from(tmp_path):
     for m in metrics:
         parts = [m["data_s"], m["optimizer_s"], m["ema_s"]]
         assert all(p >= 0 for p in parts) and m["optimizer_s"] > 0 and sum(parts) < m["step_time"]
+        assert m["ema_s"] == 0.0  # no EMA in this run
     # a stray temporary folder from a killed save is not a checkpoint
     (tmp_path / "run/checkpoints/.tmp-step-000006-1").mkdir()
     assert ckpt.latest_checkpoint(tmp_path / "run") == found[-1][1]
@@ -294,6 +295,9 @@ def test_ema_checkpoints_sampling_and_init_from(tmp_path):
     assert any(not torch.equal(raw[n], ema[n]) for n in ema)
     assert ckpt.EMA_FILE in read_manifest(folder)["files"]
     assert ckpt.load_state(folder)["ema"] == {"updates": 3, "decay": 0.9}
+    # each step's EMA update is timed apart from the rest of the step (0.0 without an EMA: the other tests)
+    metrics = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(0 < m["ema_s"] < m["step_time"] for m in metrics)
 
     def sampled(*extra):
         with load_model(tiny_config(tmp_path, *extra), folder, torch.device("cpu")) as loaded:

@@ -463,7 +463,7 @@ class Trainer:
                     # where it went beside the model's forward and backward (the rest of step_time)
                     "data_s": done.data_s,
                     "optimizer_s": done.optimizer_s,
-                    "ema_s": t_end - t_ema,
+                    "ema_s": t_end - t_ema if finite and self.ema is not None else 0.0,
                     "tokens_per_s": tokens_per_step / dt,
                     "memory_gib": peak,
                     "memory_reserved_gib": reserved,
