@@ -514,8 +514,8 @@ def train_peak(cfg: Config, counted: Counted, k: BlockConstants, gpus: int = 1,
                           f"{k.first_step_offload_reserved_units:.2g} inputs held by the first copies"
                           + (f", + the {grown / GIB:.2f} GiB allocated later on top" if keeps_first else "") + ")",
                           kept - reserved, k.how("measured", fraction_key, "first_step_offload_reserved_units")))
-        notes.append(f"the first step reserves {first_reserved / GIB:.1f} GiB and the allocator keeps it"
-                     + (f"; later steps' growth lands on top: {kept / GIB:.1f} GiB" if keeps_first else ""))
+        notes.append(f"first step reserves {first_reserved / GIB:.1f} GiB, kept"
+                     + (f"; later growth on top: {kept / GIB:.1f} GiB" if keeps_first else ""))
         reserved = kept
     return Breakdown(phase, parts, allocated, reserved, host, notes, first_reserved)
 
