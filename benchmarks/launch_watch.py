@@ -15,14 +15,26 @@ from pathlib import Path
 from typing import Any
 
 
-def gpu_name() -> str | None:
-    """The first GPU's name from nvidia-smi (None without one), read without starting CUDA in this process."""
+def _first_gpu(field: str) -> str | None:
+    """nvidia-smi's `field` of the first GPU (None without one), read without starting CUDA in this process."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip()
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return out.splitlines()[0].strip() if out else None
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name (None without one)."""
+    return _first_gpu("name")
+
+
+def gpu_total_gib() -> float | None:
+    """The first GPU's memory as nvidia-smi states it (None without one): the launcher must not start CUDA, whose
+    context would hold GPU memory beside the launches it measures."""
+    total = _first_gpu("memory.total")
+    return float(total) / 1024 if total else None
 
 
 def descendants(pid: int) -> list[int]:

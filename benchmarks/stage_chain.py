@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours in benchmarks/, as a script or module
-from launch_watch import Watched, failure, gpu_name, tttv, worker_of_rank  # noqa: E402
+from launch_watch import Watched, failure, gpu_name, gpu_total_gib, tttv, worker_of_rank  # noqa: E402
 from stage_chain_report import merged, print_table  # noqa: E402
 from stage_chain_sample import compare_latents, run_sample, sample_layouts  # noqa: E402
 from stage_chain_stages import (  # noqa: E402
@@ -470,10 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     weights = inputs_made_apart(args, work)
     disk = check_chain_disk(args, work)
     device = (gpu_name() or "cuda") if args.device.startswith("cuda") else cpu_label()
+    card = gpu_total_gib() if args.device.startswith("cuda") else None
     out = Path(args.out or REPO / "benchmarks" / "results" / f"{results_name(args, device)}.json")
     result = {"benchmark": "stage_chain", "device": device, "torch": torch.__version__, "git_commit": args.commit,
-              **({"gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}
-                 if args.device.startswith("cuda") else {}),
+              **({"gpu_total_gib": card} if card else {}),
               "gpus": args.gpus, "use_ttt": True, "preset": args.preset, "configs": args.configs,
               "steps_per_stage": args.steps,
               "last_stage_steps": args.last_steps, "overrides": args.overrides, **disk, "stages": [], "samples": []}

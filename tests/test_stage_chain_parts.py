@@ -280,3 +280,28 @@ def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tm
     free["bytes"] = int(50 * gib)
     ignore = stage_chain.parse_args([*chain, "--steps", "1", "--last-steps", "2", "--ignore-disk"])
     assert stage_chain.check_chain_disk(ignore, tmp_path)["disk_gib"] == pytest.approx(50.0)
+
+
+def test_the_cards_memory_comes_from_nvidia_smi_not_from_cuda_in_the_launcher(monkeypatch):
+    """stage_chain records the card's memory without starting CUDA in its own process (a context there would hold
+    GPU memory beside the launches it measures): nvidia-smi's memory.total of the first GPU, in GiB; None without
+    nvidia-smi."""
+    import subprocess
+
+    import launch_watch
+
+    asked = []
+
+    def smi(cmd, **kwargs):
+        asked.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="81559\n81559\n", stderr="")
+
+    monkeypatch.setattr(launch_watch.subprocess, "run", smi)
+    assert launch_watch.gpu_total_gib() == pytest.approx(81559 / 1024)
+    assert asked[0][:2] == ["nvidia-smi", "--query-gpu=memory.total"]
+
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(launch_watch.subprocess, "run", missing)
+    assert launch_watch.gpu_total_gib() is None and launch_watch.gpu_name() is None
