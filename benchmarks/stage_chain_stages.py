@@ -57,12 +57,11 @@ def reads_previous(args: argparse.Namespace, duration: int) -> bool:
 def stage_disk(args: argparse.Namespace, duration: int, steps: int, every: int) -> Any:
     """A stage's checkpoints as `tttv plan` counts them (`memory.guard.disk.CheckpointDisk`), with the chain's own
     steps, interval and one kept checkpoint."""
-    from tttvideo.memory.plan.count import model_bytes
-    from tttvideo.memory.guard.disk import checkpoint_disk
+    from tttvideo.memory.plan.disk import planned_disk
 
     cfg = resolved(duration, args)
     cfg.train.steps, cfg.train.checkpoint_every, cfg.train.keep_checkpoints = steps, every, 1
-    return checkpoint_disk(model_bytes(cfg), cfg, args.gpus)
+    return planned_disk(cfg, args.gpus)
 
 
 def killed_stage(args: argparse.Namespace, duration: int) -> bool:

@@ -110,10 +110,10 @@ LOW_SPACE = 64 << 20  # below this a failed write is taken for a full disk (a wr
 def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path) -> None:
     """A checkpoint that could not be written: the partial one is removed (it would only hold the space), and a full
     disk or another OS error is one sentence; anything else is re-raised by the caller."""
-    try:
-        free = shutil.disk_usage(tmp.parent).free
-    except OSError:
-        free = -1
+    from tttvideo.memory.guard.disk import free_bytes
+
+    free = free_bytes(tmp.parent)
+    free = -1 if free is None else free
     shutil.rmtree(tmp, ignore_errors=True)
     # safetensors raises its own SafetensorError around the OS error ("I/O error: No space left on device (os error
     # 28)"), and a large file's write fails with gigabytes still free
