@@ -341,3 +341,37 @@ def test_ranks_with_different_configs_stop_with_one_sentence(tmp_path):
             "rank 1; train.lr is 0.005 on rank 0 but 0.001 on rank 1; start every rank with the same config file "
             "and --set flags") in err, err
     assert not (tmp_path / "data").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_peer_that_speaks_and_exits_between_the_reads_is_heard(monkeypatch):
+    """Rank 2 of 4 decides while rank 0 says the sentence, writes its last heartbeat and exits: rank 2 read the
+    heartbeats just before that write and the process states just after the exit. It must read rank 0's `spoke`
+    before counting rank 0 gone (CI, four CPU processes: two sentences)."""
+    monkeypatch.setattr(watchdog, "_advice", None)
+    store = dist.HashStore()
+    deciding = PeerWatch(2, 4, timeout_s=2.0, slow_timeout_s=4.0, command="train", store=store)
+    alive, dead = subprocess.Popen(["sleep", "30"]), subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        for rank, pid in ((0, alive.pid), (1, dead.pid), (3, alive.pid)):
+            as_peer(deciding, rank, pid, "backward", 2)
+        deciding._listen(time.monotonic())
+        rank0 = PeerWatch(0, 4, 2.0, 4.0, "train", store)
+        rank0._beat = 5
+        real_state = watchdog.Peer.state
+
+        def state(peer):
+            if peer.rank == 0:  # rank 0 speaks and exits after the heartbeats were read
+                rank0._leaving(True, follower=True)
+                return "exited"
+            return real_state(peer)
+
+        monkeypatch.setattr(watchdog.Peer, "state", state)
+        assert not deciding.speaks([deciding.peers[1]])
+        # the same order with a rank 0 that left without speaking: rank 2 is the lowest one left, and speaks
+        rank0._left = False
+        rank0._leaving(False, follower=True)
+        assert deciding.speaks([deciding.peers[1]])
+    finally:
+        alive.kill()
+        alive.wait()

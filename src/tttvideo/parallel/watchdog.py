@@ -412,7 +412,11 @@ class PeerWatch:
         """Whether this rank prints the sentence: the lowest rank that is neither a suspect (the ones given, and
         any this rank sees gone now) nor one that left without speaking, unless a rank that left before this one
         decided has said it already."""
-        seen = self.suspects()  # reads the peers' last heartbeats too
+        seen = self.suspects()
+        # the heartbeats again, read after the processes' states: a peer seen exited wrote its last heartbeat
+        # (`spoke`) before it exited, but the read inside suspects() may have come just before that write (four CPU
+        # processes on two cores: rank 0 spoke and exited in between, and rank 2 spoke too)
+        self._listen(time.monotonic())
         if any(p.spoke for p in self.peers.values()):
             return False
         gone = {p.rank for p in suspects} | {p.rank for p in seen}
