@@ -13,8 +13,8 @@
 A setup is a config, a phase, a duration and `--set` overrides; `run` profiles it with `tttv profile --steps 2`
 (random init, no cap, the expandable allocator segments `tttv` sets by default) and records the peak allocated
 memory and the second step's time. `fit` subtracts the counted part (`tttvideo.memory.plan.count`) from each
-measured peak and keeps the activation per regime as a curve (and the largest reserved-over-allocated share of its
-runs) through the calibration durations of `SETUPS` (each memory technique's `calibration`,
+measured peak and keeps the activation per regime as a curve (and what the allocator reserved above the peak, as
+another) through the calibration durations of `SETUPS` (each memory technique's `calibration`,
 `tttvideo.memory.techniques`; `tttvideo.memory.plan.costs.Curve`), and step time
 likewise; then it predicts every setup and prints the errors. `--also` takes the profiler runs of
 benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured twice).
@@ -150,6 +150,8 @@ def also_rows(paths: list[str], measured: list[dict]) -> list[dict]:
 
 def rows_from_fit_24gb(path: Path) -> list[dict]:
     """The `tttv profile` runs of benchmarks/fit_24gb.py's JSON, as rows of this benchmark."""
+    from tttvideo.config.loader import load_config
+
     data = json.loads(path.read_text())
     runs = data.get("sample", {}).get("variants", []) + data.get("train_profile", {}).get("runs", [])
     out = []
@@ -164,9 +166,12 @@ def rows_from_fit_24gb(path: Path) -> list[dict]:
         duration = next((s.split("=", 1)[1] for s in sets if s.startswith("layout.duration=")), None)
         sets = [s for s in sets if not s.startswith("layout.duration=")
                 and s.split("=", 1)[0] not in ("model.pretrained_path", "train.init_from")]
+        # a run under a cap (its --set, else its config's) reserved what the cap let it keep: no reserve point
+        capped = load_config(ROOT / config, NO_WEIGHTS[:2] + sets).memory.max_gpu_gib > 0
         out.append({"name": r.get("variant") or r.get("config"), "config": config,
                     "phase": argv[argv.index("--phase") + 1], "duration": duration, "overrides": sets,
                     "status": "ok", "peak_allocated": r["totals"]["peak_allocated"],
+                    **({} if capped else {"peak_reserved": r["totals"]["peak_reserved"]}),
                     "step_seconds": r.get("step_s", []), "calibrate": False, "source": str(path)})
     return out
 
@@ -201,7 +206,7 @@ def cmd_fit(args) -> int:
     if not rows:
         raise SystemExit("no measured setup to fit")
     points: dict[str, dict[str, list]] = {"activation": {}, "time": {}}
-    reserved: dict[str, float] = {}  # the largest reserved-over-allocated share of each regime's calibration runs
+    reserve: dict[str, list] = {}  # per regime: (tokens, reserved - allocated at the peak) of its calibration runs
     floors: dict[str, float] = {}  # per chunked regime: the least (activation - FLOOR_STREAMS streams), costs.py
     prepared = []
     for r in rows:
@@ -215,8 +220,8 @@ def cmd_fit(args) -> int:
             points["activation"].setdefault(activation_key(cfg, phase), []).append(
                 (tokens, r["peak_allocated"] - counted))
             if r.get("peak_reserved"):
-                key = activation_key(cfg, phase)
-                reserved[key] = max(reserved.get(key, 0.0), r["peak_reserved"] / r["peak_allocated"] - 1)
+                reserve.setdefault(activation_key(cfg, phase), []).append(
+                    (tokens, r["peak_reserved"] - r["peak_allocated"]))
             if r.get("step_seconds"):
                 points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1]))
             streams = chunked_floor_streams(cfg) if phase == "sample" else None
@@ -227,7 +232,8 @@ def cmd_fit(args) -> int:
     table = CostTable(args.gpu_kind or data["gpu_kind"] or "h100", data.get("device", ""), sources,
                       {k: Curve.fit(v) for k, v in points["activation"].items()},
                       {k: Curve.fit(v) for k, v in points["time"].items()},
-                      {int(k): v for k, v in (args.sp_efficiency or {}).items()}, reserved, None,
+                      {int(k): v for k, v in (args.sp_efficiency or {}).items()},
+                      {k: Curve.fit(v) for k, v in reserve.items()}, None,
                       _shared_floors(floors))
     save_costs(table, *([Path(args.costs_out)] if args.costs_out else []))
     print(f"wrote {len(table.activation)} activation and {len(table.time)} time regimes for {table.gpu}")

@@ -137,3 +137,39 @@ def test_fit_gives_the_chunked_regimes_one_floor_from_their_least_run(tmp_path):
     keys = {activation_key(load_config(ROOT / "configs/demo.toml", o), "sample") for o in (g1, g2)}
     assert set(table.floors) == keys  # the plain forward has none
     assert all(v == pytest.approx(expected, rel=1e-6) for v in table.floors.values())
+
+
+def test_fit_keeps_the_reserve_above_the_peak_as_a_curve_and_skips_capped_runs(tmp_path):
+    """What the allocator reserved above the peak, per regime: a curve through the calibration runs' (tokens,
+    reserved - allocated), here 2 MB + 500 B a token; a run of benchmarks/fit_24gb.py under a cap (its --set or its
+    config's) adds no point, since the cap decided what the allocator kept."""
+    module = calibration_module()
+    rows = []
+    for duration in ("3s", "12s"):
+        row = synthetic_row("s", "sample", duration, TINY, True)
+        tokens = VideoLayout.from_config(_config_of(row).layout, _config_of(row).ttt).total_tokens
+        rows.append({**row, "peak_reserved": row["peak_allocated"] + int(500 * tokens + 2e6)})
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"gpu_kind": "testgpu", "device": "synthetic", "setups": rows}))
+    costs = tmp_path / "costs.json"
+    assert module.main(["fit", str(measured), "--costs-out", str(costs)]) == 0
+    table = load_costs("testgpu", costs)
+    cfg = _config_of(rows[0], "6s")
+    tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens
+    assert table.reserve[activation_key(cfg, "sample")](tokens) == pytest.approx(500 * tokens + 2e6, rel=1e-6)
+
+    run = {"status": "ok", "totals": {"peak_allocated": 3 * 2**30, "peak_reserved": 4 * 2**30}, "step_s": [1.0]}
+    cmd = "-m tttvideo profile {} --phase sample --steps 2 --set layout.duration=3s"
+    fit24 = tmp_path / "fit_24gb.json"
+    fit24.write_text(json.dumps({"sample": {"variants": [
+        {**run, "variant": "free", "command": cmd.format(ROOT / "configs/demo.toml") + " --set memory.max_gpu_gib=0"},
+        {**run, "variant": "capped", "command": cmd.format(ROOT / "configs/demo.toml") + " --set memory.max_gpu_gib=9"},
+        {**run, "variant": "capped by its config", "command": cmd.format(ROOT / "configs/cogvideox-5b/24gb-3s.toml")},
+    ]}}))
+    got = {r["name"]: r.get("peak_reserved") for r in module.rows_from_fit_24gb(fit24)}
+    assert got == {"free": 4 * 2**30, "capped": None, "capped by its config": None}
+
+
+def _config_of(row, duration=None):
+    return load_config(ROOT / row["config"], ["model.pretrained_path=", "train.init_from=", "memory.max_gpu_gib=0",
+                                              f"layout.duration={duration or row['duration']}"] + row["overrides"])

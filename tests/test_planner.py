@@ -389,3 +389,20 @@ def test_chunked_sampling_is_held_at_its_floor_below_the_measured_lengths():
     q = predict(long, "sample", Candidate("as configured", ()), costs)
     assert not q.basis.startswith("counted floor") and q.activation > int(chunked_floor_streams(q.config)
                                                                           + costs.floors[key])
+
+
+def test_a_measured_reserve_curve_sets_the_reserve_never_below_the_default_share():
+    """A regime's reserve above its peak is its measured curve at the setup's tokens (the gaps grow with the tokens,
+    not with the weights), and never less than FRAGMENTATION of the peak: a curve extrapolated below it (or none)
+    gives the default share."""
+    cfg = tiny()
+    costs = synthetic_costs(cfg, "sample")
+    cand = candidates(cfg, "sample")[0]
+    key = activation_key(cand.apply(cfg), "sample")
+    default = predict(cfg, "sample", cand, costs)
+    assert default.reserved == default.peak + int(default.peak * FRAGMENTATION)
+    tokens = VideoLayout.from_config(cand.apply(cfg).layout, cand.apply(cfg).ttt).total_tokens
+    costs.reserve[key] = Curve.fit([(1.0, 1.0), (tokens, 0.5 * default.peak)])
+    assert predict(cfg, "sample", cand, costs).reserved == default.peak + int(0.5 * default.peak)
+    costs.reserve[key] = Curve.fit([(1.0, 1.0), (2.0, 2.0)])  # a few bytes at these tokens: the default share
+    assert predict(cfg, "sample", cand, costs).reserved == default.reserved

@@ -18,8 +18,9 @@ and sub-module checkpointed (the stage configs' policy, with the block inputs ke
 counted block model (`tttvideo.memory.plan.activations`: saved inputs, the working set of the block that runs, the
 phase where the peak falls, host bytes, the allocator's reserved margin, the largest of a process's first step and
 its later steps; its constants measured per backbone), and otherwise from
-the measured per-token curves of the setup's regime (`costs`), whose reserved memory runs FRAGMENTATION above what is
-allocated (more with weights streamed from host memory: FRAGMENTATION_STREAMED). A setup fits a card of M bytes when
+the measured per-token curves of the setup's regime (`costs`): its activations, and what the allocator reserves above
+what is allocated, at least FRAGMENTATION of the peak (FRAGMENTATION_STREAMED with weights streamed from host
+memory). A setup fits a card of M bytes when
 its reserved peak + CUDA_CONTEXT <= M x (1 - margin) (default MARGIN, `tttv plan --margin`). Each prediction says
 how it was made (`basis`): counted, interpolated between measured lengths, or extrapolated beyond them. The best
 candidate is the fastest that fits; a candidate whose regime was never measured is listed but never chosen.
@@ -321,10 +322,12 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
         if act_cost is None:
             notes.append("activation regime not measured")
         else:
-            # the regime's measured reserve where its calibration recorded one, never below the defaults
+            # the regime's measured reserve at these tokens where its calibration recorded one, never below the
+            # default share of the peak
+            allocated = counted.total + activation
             default = FRAGMENTATION_STREAMED if streams_weights(c) else FRAGMENTATION
-            share = max(default, costs.reserved.get(activation_key(c, phase), 0.0))
-            reserved = int((counted.total + activation) * (1 + share))
+            gap = costs.reserve.get(activation_key(c, phase))
+            reserved = allocated + max(int(allocated * default), 0 if gap is None else int(gap(curve_tokens) * share))
         time_cost = costs.time.get(time_key(c, phase))
     step_s = None
     sp_efficiency = SAMPLE_SP_EFFICIENCY if phase == "sample" else costs.sp_efficiency
