@@ -406,3 +406,34 @@ def test_a_measured_reserve_curve_sets_the_reserve_never_below_the_default_share
     assert predict(cfg, "sample", cand, costs).reserved == default.peak + int(0.5 * default.peak)
     costs.reserve[key] = Curve.fit([(1.0, 1.0), (2.0, 2.0)])  # a few bytes at these tokens: the default share
     assert predict(cfg, "sample", cand, costs).reserved == default.reserved
+
+
+def test_nothing_fits_says_the_longest_video_and_the_adapter_that_would():
+    """When nothing fits, `tttv plan` says the longest shorter video that fits (found by halving the segments) and,
+    for training another adapter, what LoRA fits: at this length, or the longest LoRA video."""
+    from types import SimpleNamespace
+
+    from tttvideo.cli.plan_cmd import what_fits_instead
+    from tttvideo.layout import parse_duration
+
+    cfg = tiny()
+    cfg.layout.duration = "63s"
+    cfg.model.adapter = "qkvo"
+    asked = []
+
+    def fit_up_to(qkvo_s, lora_s):
+        def fit(c):
+            asked.append((c.model.adapter, c.layout.duration))
+            limit = lora_s if c.model.adapter == "lora" else qkvo_s
+            chosen = SimpleNamespace(candidate=SimpleNamespace(label="ckpt sub-block"), reserved=20 * GIB)
+            return chosen if parse_duration(c.layout.duration) <= limit else None
+        return fit
+
+    said = what_fits_instead(cfg, "train", fit_up_to(12, 30))
+    assert said == ("the longest video that fits is 12 s (--duration 12s); with a LoRA adapter (--set "
+                    "model.adapter=lora) a video of 30 s fits; use more GPUs (--gpus) or a larger card")
+    assert len(asked) <= 2 * 5 + 1  # halving 21 segments: at most 5 plans a search
+    said = what_fits_instead(cfg, "train", fit_up_to(0, 63))
+    assert said == ("a LoRA adapter fits this video (--set model.adapter=lora: ckpt sub-block, 20.0 GiB reserved); "
+                    "use more GPUs (--gpus) or a larger card")
+    assert what_fits_instead(cfg, "sample", fit_up_to(0, 63)) == "use more GPUs (--gpus) or a larger card"

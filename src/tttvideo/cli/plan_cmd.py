@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         print(describe(planned_disk(shown.config, args.gpus), shown.config, shown.candidate.label))
     if chosen is None:
         host = f" and {host_mem / 2**30:.1f} GiB of host memory" if host_mem is not None else ""
+        fit = lambda c: best(plan(c, args.phase, gpu_mem, costs, args.gpus, margin, host_mem=host_mem))  # noqa: E731
         print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU{host} for this {args.phase} "
-              "setup; use more GPUs (--gpus), a shorter --duration, or a larger card", file=sys.stderr)
+              f"setup; {what_fits_instead(cfg, args.phase, fit)}", file=sys.stderr)
         return 1
     if args.out:
         out = Path(args.out)
@@ -95,6 +96,48 @@ def run(args: argparse.Namespace) -> int:
         verb = "train" if args.phase == "train" else "sample"
         print(f"wrote {out}: tttv {verb} {out}")
     return 0
+
+
+def what_fits_instead(cfg, phase: str, fit) -> str:
+    """The advice when nothing fits: the longest shorter video that does, and for training with another adapter what
+    a LoRA adapter fits; `fit(cfg)` is the planner's best setup for `cfg` (None when nothing fits)."""
+    import copy
+
+    said = []
+    longest = longest_that_fits(cfg, fit)
+    if longest:
+        said.append(f"the longest video that fits is {longest} s (--duration {longest}s)")
+    if phase == "train" and cfg.model.adapter != "lora":
+        lora = copy.deepcopy(cfg)
+        lora.model.adapter = "lora"
+        chosen = fit(lora)
+        if chosen is not None:
+            said.append(f"a LoRA adapter fits this video (--set model.adapter=lora: {chosen.candidate.label}, "
+                        f"{chosen.reserved / 2**30:.1f} GiB reserved)")
+        else:
+            longest = longest_that_fits(lora, fit)
+            if longest:
+                said.append(f"with a LoRA adapter (--set model.adapter=lora) a video of {longest} s fits")
+    return "; ".join(said + ["use more GPUs (--gpus) or a larger card"])
+
+
+def longest_that_fits(cfg, fit) -> int:
+    """The longest video shorter than `cfg`'s (seconds) that some setup fits; 0 when none does. A video of more
+    segments never needs less memory, so halving finds it in a few plans."""
+    import copy
+
+    from tttvideo.layout import SEGMENT_SECONDS, parse_duration
+
+    low, high = 0, parse_duration(cfg.layout.duration) // SEGMENT_SECONDS  # segments: low fits (0: none), high not
+    while high - low > 1:
+        mid = (low + high) // 2
+        shorter = copy.deepcopy(cfg)
+        shorter.layout.duration = f"{mid * SEGMENT_SECONDS}s"
+        if fit(shorter) is not None:
+            low = mid
+        else:
+            high = mid
+    return low * SEGMENT_SECONDS
 
 
 def this_gpu() -> int:
