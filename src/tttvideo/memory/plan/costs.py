@@ -6,8 +6,9 @@ Local attention works window by window and the TTT scan, the MLP and every proje
 fixed setup a step's activation memory (its peak minus what `count` counts) and its time grow with the tokens
 and nothing else. Not always on one line: the plain sampling forward measured 205-210 KB per token at 3-18 s and
 173 KB at 63 s. So a cost is the measured points themselves (`Curve`): linear between two measured token counts,
-along the nearest two beyond them. `benchmarks/plan_calibration.py` measures the points, writes `costs.json`
-beside this module and checks the predictions against held-out runs.
+along the nearest two beyond them. What the allocator reserves above a step's peak is a curve over the tokens as
+well (`CostTable.reserve`). `benchmarks/plan_calibration.py` measures the points, writes `costs.json` beside this
+module and checks the predictions against held-out runs.
 
 A curve belongs to a regime, the switches that change what a step allocates or how long it takes (the techniques
 whose `regime` is "activation", `tttvideo.memory.techniques`, each naming its part of the key):
