@@ -343,3 +343,12 @@ def test_a_rank_leaves_without_the_interpreters_teardown(tmp_path):
         else:
             assert "ttt.kind" in run.stdout  # the command's output came out before the exit
     assert (tmp_path / "log.txt").read_text() == "the last line\n"
+
+
+def test_a_failed_write_into_a_missing_folder_still_says_the_disks_free_space(tmp_path):
+    """The folder a failed write was to make may not exist: the free space is that of its nearest existing parent."""
+    from tttvideo.outputs import write_failure
+
+    err = OSError(28, "No space left on device")
+    said = write_failure(tmp_path / "not" / "made" / "out.mp4", err)
+    assert said.startswith("No space left on device; ") and said.endswith(" MiB free on its disk")
