@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -89,12 +90,21 @@ def atomic_target(path: str | Path) -> Iterator[Path]:
         raise
 
 
+def free_bytes(folder: str | Path) -> int | None:
+    """Free bytes on the disk of `folder` (or of its nearest existing parent); None when it cannot be read."""
+    path = Path(folder).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 def write_failure(path: Path, err: BaseException) -> str:
     """Why writing `path` failed, for a sentence: the OS's reason and, when the disk is (nearly) full, how full."""
     # ffmpeg's writer raises an OSError whose text is the OS error, then ffmpeg's command line: the first line
     reason = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-    from tttvideo.memory.guard.disk import free_bytes
-
     free = free_bytes(path.parent)  # of the nearest folder that exists: the write may have failed to make it
     return reason if free is None else f"{reason}; {free / 2**20:.1f} MiB free on its disk"
 

@@ -23,12 +23,12 @@ stages of `benchmarks/stage_chain.py` (`predicted_checkpoint_gib` beside `checkp
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from tttvideo.config.schema import Config, TrainConfig
 from tttvideo.memory.techniques import ModelBytes
+from tttvideo.outputs import free_bytes  # also read from here (checkpoint writes, stage_chain)
 
 GIB = 2**30
 EMA_BYTES = 4  # per trainable parameter: the trainer keeps its moving average in fp32 (tttvideo.train.ema)
@@ -75,17 +75,6 @@ def checkpoint_disk(model: ModelBytes, cfg: Config, processes: int = 1) -> Check
         at_once=checkpoints_at_once(cfg.train),
         partial=model.fp8 > 0,
     )
-
-
-def free_bytes(folder: str | Path) -> int | None:
-    """Free bytes on the disk of `folder` (or of its nearest existing parent); None when it cannot be read."""
-    path = Path(folder).resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 def space_warning(output_dir: str | Path, disk: CheckpointDisk, held: int = 0) -> str | None:
