@@ -94,7 +94,7 @@ def check_chain_disk(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Before the first launch: the disk the chain needs at its fullest against what it has (free, and what it
     deletes itself: an earlier run's stage folders); a SystemExit naming both when it would fill the disk in its
     last stage's save, unless --ignore-disk."""
-    from tttvideo.memory.guard.disk import free_bytes
+    from tttvideo.outputs import free_bytes
 
     weights = work / "weights"
     base = folder_bytes(weights) if weights.is_dir() else 0
@@ -118,7 +118,7 @@ def check_chain_disk(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def disk_figures(args: argparse.Namespace, work: Path, duration: int, steps: int, every: int) -> dict[str, Any]:
     """The disk before a stage: free, and what its checkpoints take as `tttv plan` counts them (a checkpoint, and
     at the peak the kept one beside the one being written), with a line when it will not fit."""
-    from tttvideo.memory.guard.disk import free_bytes
+    from tttvideo.outputs import free_bytes
 
     disk = stage_disk(args, duration, steps, every)
     free = free_bytes(work)

@@ -271,7 +271,7 @@ def test_chain_disk_counts_what_each_stage_holds_and_refuses_a_disk_too_small(tm
     assert keep[63] == pytest.approx((27.15 + 19.61 + 19.61 + 12.2 + 2 * 12.2) * gib, rel=1e-9)
 
     free = {"bytes": int(50 * gib)}
-    monkeypatch.setattr("tttvideo.memory.guard.disk.free_bytes", lambda folder: free["bytes"])
+    monkeypatch.setattr("tttvideo.outputs.free_bytes", lambda folder: free["bytes"])
     with pytest.raises(SystemExit, match="needs up to 56.2 GiB of disk .* has 50.0 GiB"):
         stage_chain.check_chain_disk(args, tmp_path)
     free["bytes"] = int(60 * gib)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tttvideo.errors import UserError
+from tttvideo.outputs import free_bytes
 from tttvideo.runs import (CONFIG_FILE, EMA_FILE, LEGACY_STATE_FILE, MANIFEST_FILE, MANIFEST_FORMAT, MODEL_FILE,
                            STATE_FILE, checkpoint_root, file_digest, find_model_file, latest_checkpoint,
                            list_checkpoints, read_manifest, state_file)
@@ -110,8 +111,6 @@ LOW_SPACE = 64 << 20  # below this a failed write is taken for a full disk (a wr
 def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path) -> None:
     """A checkpoint that could not be written: the partial one is removed (it would only hold the space), and a full
     disk or another OS error is one sentence; anything else is re-raised by the caller."""
-    from tttvideo.memory.guard.disk import free_bytes
-
     free = free_bytes(tmp.parent)
     free = -1 if free is None else free
     shutil.rmtree(tmp, ignore_errors=True)
@@ -191,8 +190,6 @@ def make_room(output_dir: str | Path, need: int) -> list[Path]:
     """Before a save: while the disk has less than `need` bytes free, prune the oldest checkpoints early, never the
     newest, so that a nearly full disk keeps fewer than train.keep_checkpoints instead of failing the save (which
     would lose the steps since the newest). Returns what it removed."""
-    from tttvideo.memory.guard.disk import free_bytes
-
     found, removed = list_checkpoints(output_dir), []
     while len(found) > 1:
         free = free_bytes(output_dir)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tttvideo.config.schema import Config, TrainConfig
 from tttvideo.memory.techniques import ModelBytes
-from tttvideo.outputs import free_bytes  # also read from here (checkpoint writes, stage_chain)
+from tttvideo.outputs import free_bytes
 
 GIB = 2**30
 EMA_BYTES = 4  # per trainable parameter: the trainer keeps its moving average in fp32 (tttvideo.train.ema)
