@@ -263,10 +263,14 @@ def main(argv=None) -> int:
                     help="train nothing: add to the --out file the runs of these results files that it lacks (same "
                          "settings, device and torch: e.g. a second command's runs beside the first on one GPU), "
                          "then rebuild its report as --report does")
+    ap.add_argument("--across-devices", action="store_true",
+                    help="with --merge: also join files made on another GPU (their accuracies join the table; each "
+                         "row's step time stays the median of its runs on the --out file's device, where it has any)")
     args = ap.parse_args(argv)
     start = time.perf_counter()  # --budget-s counts from here: the probe check and the plan are in it
     if args.merge:
-        return rebuild_report(Path(args.out), merge_files(Path(args.out), [Path(f) for f in args.merge]))
+        return rebuild_report(Path(args.out), merge_files(Path(args.out), [Path(f) for f in args.merge],
+                                                          args.across_devices))
     if args.report:
         return rebuild_report(Path(args.out))
 
@@ -294,6 +298,10 @@ def main(argv=None) -> int:
     if held.get("runs") and held_settings(held) != mine:
         raise SystemExit(f"{out} holds runs made with {held_settings(held)}, not {mine}; a rerun only adds to runs "
                          f"of the same settings: give another --out, or delete it to start over")
+    device = device_name(torch)
+    if held.get("runs") and held.get("device") != device and not args.plan:
+        raise SystemExit(f"{out} holds runs made on {held.get('device')}, this is {device}: their step times are not "
+                         f"one table; give another --out and join the files with --merge ... --across-devices")
     runs, failed = held.get("runs", []), []  # a failed run is tried again
     done = {(r["variant"], r["duration"], r["seed"]) for r in runs}
     pending = plan_runs(variants, args.durations, args.seeds, ablations, args.ablation_durations,
@@ -324,7 +332,8 @@ def main(argv=None) -> int:
             failed.append(row)
             print(f"{row['duration']} {row['variant']} seed {row['seed']}: FAILED: {row['error']}", flush=True)
         else:
-            runs.append({**row, "git_commit": row.get("git_commit") or commit})  # the file's own is the last rerun's
+            # the file's own commit is the last rerun's
+            runs.append({**row, "git_commit": row.get("git_commit") or commit, "device": device})
             ratios.append(row["wall_s"] / estimate[key])
             print(f"{row['duration']} {row['variant']} seed {row['seed']}: accuracy {row['accuracy']:.2f} "
                   f"{[round(a, 2) for a in row['accuracy_by_distance']]}, loss {row['last_loss']:.4f} "
@@ -335,18 +344,19 @@ def main(argv=None) -> int:
         print(f"  {finished}/{len(pending)} runs in {time.perf_counter() - start:.0f} s; {left} left, about "
               f"{left * rate:.0f} s at this rate", flush=True)
         write(out, runs, probes, args, torch, failed=failed)
-    rows = summarize(runs, list(ROWS))  # every run the file holds: one setting, so all comparable
+    rows = summarize(runs, list(ROWS), device)  # every run the file holds: one setting, so all comparable
     write(out, runs, probes, args, torch, rows, failed)
-    return 0 if args.no_report else report(out, rows, runs, failed)
+    return 0 if args.no_report else report(out, rows, runs, failed, device)
 
 
-def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | None = None) -> int:
+def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | None = None,
+           device: str | None = None) -> int:
     """The table on stdout and the plots beside the results file."""
     from benchmarks.long_range_report import plot_accuracy, plot_losses, table
     from tttvideo.data.demo_score import CHANCE
 
     chance = CHANCE["colour"]
-    print(table(rows, chance, DESCRIBED, failed))
+    print(table(rows, chance, DESCRIBED, failed, device))
     if not rows:
         print(f"results: {out} (no runs)")
         return 0
@@ -359,7 +369,7 @@ def report(out: Path, rows: list[dict], runs: list[dict], failed: list[dict] | N
     return 0
 
 
-def merge_files(out: Path, others: list[Path]) -> dict:
+def merge_files(out: Path, others: list[Path], across_devices: bool = False) -> dict:
     """--merge: `out`'s results with the runs of `others` that it lacks added (`rebuild_report` writes them)."""
     from benchmarks.long_range_report import merge_runs
 
@@ -370,9 +380,9 @@ def merge_files(out: Path, others: list[Path]) -> dict:
     for path in others:
         other = json.loads(path.read_text())
         try:
-            added, kept = merge_runs(held, other, held_settings(held), held_settings(other), str(path))
+            added, kept = merge_runs(held, other, held_settings(held), held_settings(other), str(path), across_devices)
         except ValueError as err:
-            raise SystemExit(f"--merge: {err}; merge only files of one setting on one device") from None
+            raise SystemExit(f"--merge: {err}; merge only files of one setting") from None
         print(f"--merge: {path}: {added} run(s) added, {kept} held already (the ones in {out} kept)")
     return held
 
@@ -385,14 +395,14 @@ def rebuild_report(out: Path, held: dict | None = None) -> int:
             raise SystemExit(f"--report: {out} does not exist; give the results file of a run with --out")
         held = json.loads(out.read_text())
     runs = held.get("runs", [])
-    rows = summarize(runs, list(ROWS))
+    rows = summarize(runs, list(ROWS), held.get("device"))
     if not rows:
         raise SystemExit(f"--report: {out} holds no runs")
     held["summary"] = rows
     from tttvideo.data.cache import atomic_write_text
 
     atomic_write_text(out, json.dumps(held, indent=1))
-    return report(out, rows, runs, held.get("failed"))
+    return report(out, rows, runs, held.get("failed"), held.get("device"))
 
 
 def run_settings(args) -> dict:
@@ -533,20 +543,23 @@ def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dic
     from tttvideo.memory.profile.profiler import git_commit
 
     commit = git_commit()
-    result = {"benchmark": "long_range", "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-              else platform.processor() or "cpu", "gpus": 1 if torch.cuda.is_available() else 0,
+    result = {"benchmark": "long_range", "device": device_name(torch), "gpus": 1 if torch.cuda.is_available() else 0,
               "torch": torch.__version__, "git_commit": commit,
               "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
               "settings": run_settings(args), "chance": 1 / 6, "probe": probes, "runs": runs,
-              "failed": failed or [], "summary": rows or summarize(runs, list(ROWS))}
+              "failed": failed or [], "summary": rows or summarize(runs, list(ROWS), device_name(torch))}
     atomic_write_text(out, json.dumps(result, indent=1))
     return result
 
 
-def summarize(runs: list[dict], order: list[str]) -> list[dict]:
+def device_name(torch) -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def summarize(runs: list[dict], order: list[str], device: str | None) -> list[dict]:
     from benchmarks.long_range_report import summarize as by_row
 
-    return by_row(runs, order)
+    return by_row(runs, order, device)
 
 
 if __name__ == "__main__":

@@ -20,25 +20,35 @@ def label_seconds(label: str) -> int:
     return int(label.rstrip("s"))
 
 
-def merge_runs(held: dict, other: dict, settings: dict, other_settings: dict, name: str) -> tuple[int, int]:
+def merge_runs(held: dict, other: dict, settings: dict, other_settings: dict, name: str,
+               across_devices: bool = False) -> tuple[int, int]:
     """Add to the results `held` the runs of `other` (the file `name`) that it lacks; returns (added, already held:
-    `held`'s kept). Refused (ValueError) unless both ran the same settings on the same device and torch with the same
-    probe verdict: only then are their runs one table. Each added run keeps the commit it was made at."""
-    for key in ("device", "torch"):
-        if other.get(key) != held.get(key):
-            raise ValueError(f"{name} ran on {key} {other.get(key)!r}, this file on {held.get(key)!r}: not one table")
+    `held`'s kept). Refused (ValueError) unless both ran the same settings with the same torch and probe verdict, and
+    on the same device unless `across_devices`: the accuracies of one setting are one table on any GPU, its step
+    times only on one (`summarize` takes a row's step from the file's own device). Each added run keeps the commit
+    and the device it was made on."""
+    if other.get("torch") != held.get("torch"):
+        raise ValueError(f"{name} ran on torch {other.get('torch')!r}, this file on {held.get('torch')!r}: not one "
+                         f"table")
+    if other.get("device") != held.get("device") and not across_devices:
+        raise ValueError(f"{name} ran on device {other.get('device')!r}, this file on {held.get('device')!r}: not "
+                         f"one table of step times (--across-devices joins their accuracies, each row's step "
+                         f"time staying this file's device's)")
     if other_settings != settings:
         raise ValueError(f"{name} holds runs made with {other_settings}, this file {settings}: not one table")
     probes = held.setdefault("probe", {})
     for duration, verdict in other.get("probe", {}).items():
         if probes.setdefault(duration, verdict) != verdict:
             raise ValueError(f"{name}'s probe at {duration} was {verdict}, this file's {probes[duration]}")
-    have = {(r["variant"], r["duration"], r["seed"]) for r in held.setdefault("runs", [])}
+    for run in held.setdefault("runs", []):
+        run.setdefault("device", held.get("device"))
+    have = {(r["variant"], r["duration"], r["seed"]) for r in held["runs"]}
     added = 0
     for run in other.get("runs", []):
         key = (run["variant"], run["duration"], run["seed"])
         if key not in have:
-            held["runs"].append({**run, "git_commit": run.get("git_commit", other.get("git_commit"))})
+            held["runs"].append({**run, "git_commit": run.get("git_commit", other.get("git_commit")),
+                                 "device": run.get("device", other.get("device"))})
             have.add(key)
             added += 1
     held["failed"] = [f for f in held.get("failed", []) if (f["variant"], f["duration"], f["seed"]) not in have]
@@ -60,8 +70,10 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return m, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
-    """One row per duration and variant (row name), over the seeds the runs hold, in `order` of the row names."""
+def summarize(runs: list[dict], order: list[str] | None = None, device: str | None = None) -> list[dict]:
+    """One row per duration and variant (row name), over the seeds the runs hold, in `order` of the row names.
+    `device`: the results file's; a row's step time is the median of its runs there (a run without a device ran
+    there), or of all its runs, with `step_device` naming theirs, where none did."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["duration"], r["variant"]), []).append(r)
@@ -78,6 +90,8 @@ def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
         peaks = [r["peak_allocated_gib"] for r in rs if r.get("peak_allocated_gib") is not None]
         curves = [r["loss_curve"]["mean_loss"] for r in rs if r.get("loss_curve")]
         curve = [statistics.mean(c[i] for c in curves) for i in range(min(map(len, curves)))] if curves else []
+        timed = [r for r in rs if r.get("device", device) == device] or rs
+        step_device = timed[0].get("device", device)
         rows.append({"duration": duration, "duration_s": label_seconds(duration), "variant": variant,
                      "seeds": [r["seed"] for r in rs],
                      "accuracy": acc, "accuracy_ci95": ci,
@@ -89,7 +103,8 @@ def summarize(runs: list[dict], order: list[str] | None = None) -> list[dict]:
                      "loss_curve_every": rs[0]["loss_curve"]["every"] if curves else None, "loss_curve": curve,
                      "final_loss": curve[-1] if curve else statistics.mean(r["last_loss"] for r in rs),
                      "loss_change_last": loss_change(curve),
-                     "median_step_s": statistics.median(r["median_step_s"] for r in rs),
+                     "median_step_s": statistics.median(r["median_step_s"] for r in timed),
+                     "step_runs": len(timed), "step_device": step_device,
                      "peak_allocated_gib": max(peaks) if peaks else None,
                      "long_range_params": rs[0]["long_range_params"],
                      "layer_params_per_block": rs[0].get("layer_params_per_block"),
@@ -117,8 +132,10 @@ def fmt_ci(mean: float, half: float) -> str:
     return f"{mean:.2f}" if math.isnan(half) else f"{mean:.2f} ± {half:.2f}"
 
 
-def table(rows: list[dict], chance: float, described: dict[str, str], failed: list[dict] | None = None) -> str:
-    """The markdown table: one line per duration and row; `described` says what each row changes."""
+def table(rows: list[dict], chance: float, described: dict[str, str], failed: list[dict] | None = None,
+          device: str | None = None) -> str:
+    """The markdown table: one line per duration and row; `described` says what each row changes; a step time from
+    another device than the file's (`device`) is marked."""
     lines = [f"chance = {chance:.2f}; ± = half-width of the 95 % t-interval of the mean over seeds", "",
              "| video | row | what it is | later scenes (mean ± 95% CI) | seeds | "
              "by scene distance +1, +2, ... (mean) | "
@@ -131,11 +148,15 @@ def table(rows: list[dict], chance: float, described: dict[str, str], failed: li
         change = f" ({r['loss_change_last'] * 100:+.1f} %)" if r.get("loss_change_last") is not None else ""
         per_block = r.get("layer_params_per_block")
         params = f"{per_block:,}" if per_block is not None else f"{r['long_range_params']:,} (all blocks)"
+        elsewhere = " *" if device and r.get("step_device", device) != device else ""
         lines.append(f"| {r['duration']} | {r['variant']} | {described.get(r['variant'], '')} | "
                      f"{fmt_ci(r['accuracy'], r['accuracy_ci95'])} | {len(r['seeds'])} | {by} | "
                      f"{r['first_scene_colour']:.2f} | {fmt_ci(r['retention'], r['retention_ci95'])} | "
-                     f"{r['final_loss']:.4f}{change} | {r['median_step_s']:.3f} | "
+                     f"{r['final_loss']:.4f}{change} | {r['median_step_s']:.3f}{elsewhere} | "
                      f"{peak} | {params} |")
+    away = sorted({r["step_device"] for r in rows if device and r.get("step_device", device) != device})
+    if away:
+        lines += ["", f"* step time of runs on {', '.join(away)}: the row has no run on {device}"]
     notes = {r["variant"]: r["recurrence"] for r in rows if r.get("recurrence") not in (None, "fla")}
     if notes:
         lines += [""] + [f"{variant}'s recurrence: {how}" for variant, how in notes.items()]

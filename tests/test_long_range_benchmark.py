@@ -4,7 +4,7 @@ kernels need CUDA) trains a few steps on the long-range set (in the benchmark's 
 own processes), samples held-out stories and is scored by the probe, which is checked live first;
 the JSON, the table and the plots come out, a rerun resumes instead of retraining, and a rerun of other settings is
 refused. Then the table's bookkeeping with the training replaced (fast): a failed run is recorded and the others go
-on, a rerun tries it again, --merge joins two commands' files, --budget-s starts no run past it, and the
+on, a rerun tries it again, --merge joins two commands' files (of two GPUs with --across-devices), --budget-s starts no run past it, and the
 t-intervals; every row builds at the default config's size (on the meta device: no weights)."""
 
 from __future__ import annotations
@@ -166,6 +166,41 @@ def test_merge_adds_the_runs_a_file_lacks_and_refuses_other_settings(tmp_path, c
     with pytest.raises(SystemExit, match="does not exist"):
         lr.main(["--merge", str(tmp_path / "missing.json"), "--out", str(a)])
     assert len(json.loads(a.read_text())["runs"]) == 6  # a refused merge leaves the file as it was
+
+
+def test_merge_across_devices_joins_accuracies_and_keeps_step_times_on_the_files_device(tmp_path, capsys):
+    """Runs made on another GPU join the table's accuracies only with --across-devices; each row's step time stays
+    the median of its runs on the --out file's device, and a row with none there is marked; a plain rerun into a
+    file of another device is refused (step times of two GPUs would mix)."""
+    lr = benchmark()
+    lr.train_and_score = fake_run(set())
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    base = [*SMOKE[:8], "--eval-videos", "2", "--work", str(tmp_path / "work")]
+    assert lr.main([*base, "--variants", "ttt-mlp", "--seeds", "0,1", "--out", str(a)]) == 0
+    assert lr.main([*base, "--variants", "ttt-mlp,none", "--seeds", "2", "--out", str(b)]) == 0
+    other = json.loads(b.read_text())
+    other["device"] = "GPU-X"
+    for run in other["runs"]:
+        run["device"], run["median_step_s"] = "GPU-X", 9.0
+    b.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="--across-devices"):
+        lr.main(["--merge", str(b), "--out", str(a)])
+    assert len(json.loads(a.read_text())["runs"]) == 2
+    with pytest.raises(SystemExit, match="made on GPU-X"):
+        lr.main([*base, "--variants", "ttt-mlp", "--seeds", "3", "--out", str(b)])
+    capsys.readouterr()
+    assert lr.main(["--merge", str(b), "--out", str(a), "--across-devices"]) == 0
+    merged = json.loads(a.read_text())
+    here = merged["device"]
+    assert here != "GPU-X" and {r["seed"]: r["device"] for r in merged["runs"] if r["variant"] == "ttt-mlp"} == {
+        0: here, 1: here, 2: "GPU-X"}
+    rows = {r["variant"]: r for r in merged["summary"]}
+    assert rows["ttt-mlp"]["seeds"] == [0, 1, 2] and rows["ttt-mlp"]["accuracy"] == pytest.approx(0.1)
+    assert rows["ttt-mlp"]["median_step_s"] == pytest.approx(0.01) and rows["ttt-mlp"]["step_runs"] == 2
+    assert rows["none"]["median_step_s"] == 9.0 and rows["none"]["step_device"] == "GPU-X"
+    printed = capsys.readouterr().out
+    assert "| 9.000 * |" in printed and f"* step time of runs on GPU-X: the row has no run on {here}" in printed
+    assert "| 0.010 |" in printed
 
 
 def test_the_budget_starts_no_run_that_would_end_past_it(tmp_path, capsys):
