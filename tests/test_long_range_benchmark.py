@@ -1,11 +1,11 @@
 """benchmarks/long_range.py end to end on CPU with the tiny model: every variant (TTT-MLP, TTT-Linear, none, full
 attention, Mamba 2, Gated DeltaNet; the last two on their plain PyTorch recurrence, since flash-linear-attention's
 kernels need CUDA) trains a few steps on the long-range set (in the benchmark's process, or two at a time in their
-own processes), samples held-out stories and is scored by the probe, which is checked live first;
-the JSON, the table and the plots come out, a rerun resumes instead of retraining, and a rerun of other settings is
-refused. Then the table's bookkeeping with the training replaced (fast): a failed run is recorded and the others go
-on, a rerun tries it again, --merge joins two commands' files (of two GPUs with --across-devices), --budget-s starts no run past it, and the
-t-intervals; every row builds at the default config's size (on the meta device: no weights)."""
+own processes), samples held-out stories and is scored by the probe, which is checked live first; the JSON, the table
+and the plots come out, a rerun resumes instead of retraining, and a rerun of other settings is refused. Then the
+table's bookkeeping with the training replaced (fast): a failed run is recorded and the others go on, a rerun tries
+it again, --merge joins two commands' files (of two GPUs with --across-devices), --budget-s starts no run past it,
+and the t-intervals; every row builds at the default config's size (on the meta device: no weights)."""
 
 from __future__ import annotations
 
