@@ -31,7 +31,8 @@ priced at their median wall time instead; --plan prints it alone); after each ru
 were off theirs: a freed slot takes the first run in order that fits, so a long run past the budget leaves its slot to
 shorter ones behind it; the same command again continues from the results file (a run planned longer than the budget
 never starts under it: the plan says which). --merge adds the runs of other results files of the same settings, device
-and torch (a second command's, run beside the first on one GPU) to --out. --gpus N spreads the runs over N GPUs of
+and torch (a second command's, run beside the first on one GPU) to --out; --across-devices also those of another GPU
+(accuracies join, step times stay per GPU). --gpus N spreads the runs over N GPUs of
 the host, --jobs on each (a run's process sees its GPU alone). 3 jobs: the processes time-slice the GPU,
 so 8 jobs finished no more runs an hour than 3 on the H200, and the tiny model's runs on the H100 were slower at 12
 jobs than at 6; a batch-16 run of this model at 18 s held up to 11.4 GB (Gated DeltaNet on the PyTorch recurrence,
@@ -261,7 +262,8 @@ def main(argv=None) -> int:
                     help="train nothing: rebuild the summary, table and plots of the --out file from its runs")
     ap.add_argument("--merge", nargs="+", metavar="FILE", default=[],
                     help="train nothing: add to the --out file the runs of these results files that it lacks (same "
-                         "settings, device and torch: e.g. a second command's runs beside the first on one GPU), "
+                         "settings, device and torch: e.g. a second command's runs beside the first on one GPU; "
+                         "another device with --across-devices), "
                          "then rebuild its report as --report does")
     ap.add_argument("--across-devices", action="store_true",
                     help="with --merge: also join files made on another GPU (their accuracies join the table; each "
@@ -306,7 +308,9 @@ def main(argv=None) -> int:
     done = {(r["variant"], r["duration"], r["seed"]) for r in runs}
     pending = plan_runs(variants, args.durations, args.seeds, ablations, args.ablation_durations,
                         args.ablation_seeds, done)
-    estimate = print_plan(pending, runs, args, mine["steps"], load_config(args.config, args.overrides))
+    # the plan prices by this GPU's runs only (a run without a device ran on the file's)
+    here = [r for r in runs if r.get("device", held.get("device")) == device]
+    estimate = print_plan(pending, here, args, mine["steps"], load_config(args.config, args.overrides))
     if args.plan:
         return 0
     args.gpu_ids = check_gpus(args.gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0)
