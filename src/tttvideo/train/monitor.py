@@ -1,8 +1,8 @@
 """What a training run reports: on a terminal a rich progress bar (step/total and ETA first, then loss, step time and
 memory, shortened to fit the width), a log line every `log_every` steps (step/total, loss, lr, step time, tokens/s,
 memory, ETA; in a pipe or a log file these lines are the progress, with no bar), TensorBoard event files,
-`metrics.jsonl` (one line per optimizer step, what the tests and plots read) and, when asked for and installed,
-Weights & Biases."""
+`metrics.jsonl` (one line per optimizer step, what the tests and plots read; `truncate_metrics` cuts it back to a
+resumed checkpoint's step) and, when asked for and installed, Weights & Biases."""
 
 from __future__ import annotations
 
@@ -171,3 +171,20 @@ class SilentMonitor:
 
     def note(self, text: str) -> None:
         pass
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metric lines of steps 1..`step` (each once), dropping those past it (written after the checkpoint by
+    the interrupted process) and any line a kill cut off mid-write. Step 0 starts a fresh log."""
+    if not path.is_file():
+        return
+    keep: dict[int, str] = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            at = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if 0 < at <= step:
+            keep[at] = line + "\n"  # a step logged twice (by an older version): the later line
+    path.write_text("".join(keep[k] for k in sorted(keep)), encoding="utf-8")

@@ -32,7 +32,6 @@ folder's lock, prints, and writes the logs; checkpoints go through torch.distrib
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import random
@@ -62,7 +61,7 @@ from tttvideo.memory.guard.disk import checkpoint_disk
 from tttvideo.memory.techniques import FP8_STREAMING, ModelBytes, check_techniques
 from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
-from tttvideo.train.monitor import SilentMonitor, TrainMonitor, host_gib, memory_gib, reserved_gib
+from tttvideo.train.monitor import SilentMonitor, TrainMonitor, host_gib, memory_gib, reserved_gib, truncate_metrics
 from tttvideo.train.optim import group_lr, is_ssm_group, schedule_change
 from tttvideo.train.step import build_train_step
 from tttvideo.device import resolve_device
@@ -406,7 +405,7 @@ class Trainer:
         # the log holds what the checkpoint holds: the lines of steps after it (written by a run that was killed
         # before its next checkpoint, or all of them at step 0) go; TensorBoard drops them by its purge_step
         if self.ranks.is_main:
-            _truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
+            truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
         total = self.train.steps
         self.first_step = self.step  # an out-of-memory error here is one `tttv train --auto-fit` re-plans
         result = TrainResult(self.output_dir, self.step, math.nan, math.nan)
@@ -588,23 +587,6 @@ def _warn_changed_schedule(folder: Path, saved: dict[str, Any], train: TrainConf
     if change:
         log.warning("train.steps is %d but %s was trained on a schedule of %d steps: %s", train.steps, folder, before,
                     change)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metric lines of steps 1..`step` (each once), dropping those past it (written after the checkpoint by
-    the interrupted process) and any line a kill cut off mid-write. Step 0 starts a fresh log."""
-    if not path.is_file():
-        return
-    keep: dict[int, str] = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-            at = int(record["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        if 0 < at <= step:
-            keep[at] = line + "\n"  # a step logged twice (by an older version): the later line
-    path.write_text("".join(keep[k] for k in sorted(keep)), encoding="utf-8")
 
 
 def _version() -> str:
