@@ -31,21 +31,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 try:  # one module object for plan_accuracy, whether this runs as a script or is imported from the package
-    from benchmarks import plan_accuracy
+    from benchmarks import plan_accuracy, plan_accuracy_rows
 except ImportError:  # run as a script: this folder is on sys.path
     import plan_accuracy
+    import plan_accuracy_rows
 
-GIB, ROOT, STEP_SETUP = plan_accuracy.GIB, plan_accuracy.ROOT, plan_accuracy.STEP_SETUP
+GIB, ROOT, STEP_SETUP = plan_accuracy_rows.GIB, plan_accuracy_rows.ROOT, plan_accuracy_rows.STEP_SETUP
 
 
-def candidates(worse_than: float, only: str | None = None, margin: float = 0.05) -> list[plan_accuracy.Row]:
+def candidates(worse_than: float, only: str | None = None, margin: float = 0.05) -> list[plan_accuracy_rows.Row]:
     """plan_accuracy's held-out one-GPU rows measured above their predicted reserved peak by more than `worse_than`
     (a share), each with its prediction, but for those whose setup has a run under a cap that already answers the
     plan's cap now (prediction + `margin`): one that ran under it or a larger one, one that ran out of memory under
     it or a smaller one. A setup whose prediction has grown past the cap it ran out of memory under runs again."""
     from tttvideo.memory.plan.costs import load_costs
 
-    rows = plan_accuracy.all_rows()
+    rows = plan_accuracy_rows.all_rows()
     costs = load_costs("h100")
     capped: dict[tuple, list[tuple[float, bool]]] = {}
     for r in rows:
@@ -68,12 +69,12 @@ def candidates(worse_than: float, only: str | None = None, margin: float = 0.05)
     return out
 
 
-def cap_of(row: plan_accuracy.Row, margin: float) -> float:
+def cap_of(row: plan_accuracy_rows.Row, margin: float) -> float:
     """The allocator cap of a row: its predicted reserved peak plus `margin` of it, GiB (two decimals)."""
     return round(row.predicted["reserved_gib"] * (1 + margin), 2)
 
 
-def run_row(row: plan_accuracy.Row, cap: float, work: Path, timeout: float) -> dict:
+def run_row(row: plan_accuracy_rows.Row, cap: float, work: Path, timeout: float) -> dict:
     """`tttv profile --steps 2` of `row`'s setup under `cap` GiB, in its own process -> the result row."""
     from tttvideo.layout import parse_duration
     from tttvideo.memory.studies.matrix import Matrix, Variant, run_variant
@@ -89,7 +90,7 @@ def run_row(row: plan_accuracy.Row, cap: float, work: Path, timeout: float) -> d
         return None if x is None else round(x / GIB, 3)
 
     return {"setup": row.name, "source": row.source, "config": row.config, "overrides": row.overrides,
-            "phase": row.phase, "duration_s": parse_duration(plan_accuracy.config_of(row).layout.duration),
+            "phase": row.phase, "duration_s": parse_duration(plan_accuracy_rows.config_of(row).layout.duration),
             "free_reserved_gib": row.reserved, "free_allocated_gib": row.allocated,
             "predicted_reserved_gib": row.predicted["reserved_gib"], "cap_gib": cap, "status": r.status,
             "note": r.note, "process_s": round(r.seconds, 1), "peak_allocated_gib": gib(totals.get("peak_allocated")),

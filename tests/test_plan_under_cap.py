@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import plan_accuracy, stage_chain
+from benchmarks import plan_accuracy, plan_accuracy_rows, stage_chain
 from tttvideo.memory.guard.oom import OUT_OF_GPU_MEMORY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,8 +51,8 @@ def test_a_capped_stage_that_ran_out_of_memory_is_a_fits_said_wrongly(tmp_path, 
     other = {**oom, "duration_s": 18, "config": "stage3-18s-1gpu.toml", "error": ["tttv train: error: no manifest"],
              "status": "failed"}
     (tmp_path / "stage_chain_capped_h200.json").write_text(json.dumps({**chain, "stages": [ran, oom, other]}))
-    monkeypatch.setattr(plan_accuracy, "RESULTS", tmp_path)
-    rows = plan_accuracy._chain_rows()
+    monkeypatch.setattr(plan_accuracy_rows, "RESULTS", tmp_path)
+    rows = plan_accuracy_rows.chain_rows()
     assert len(rows) == 2
     assert rows[0].plan_cap == ran["cap_gib"] and rows[0].oom_under is None
     assert rows[0].reserved == ran["peak_reserved_gib"]
@@ -98,8 +98,8 @@ def test_plan_accuracy_reads_plan_cap_check_runs(tmp_path, monkeypatch):
              "peak_reserved_gib": 21.7},
             {**base, "setup": "c", "status": "crashed", "peak_allocated_gib": None, "peak_reserved_gib": None}]
     (tmp_path / "plan_cap_check_h200.json").write_text(json.dumps({"rows": runs}))
-    monkeypatch.setattr(plan_accuracy, "RESULTS", tmp_path)
-    ok, oom = plan_accuracy._cap_check_rows()
+    monkeypatch.setattr(plan_accuracy_rows, "RESULTS", tmp_path)
+    ok, oom = plan_accuracy_rows.cap_check_rows()
     assert ok.plan_cap == 21.74 and ok.oom_under is None and ok.reserved == 21.5 and ok.role == "held out"
     assert oom.oom_under == oom.plan_cap == 21.74 and oom.reserved is None
     assert ok.name == "a, under the plan's cap 21.7 GiB" and ok.overrides == ["layout.duration=9s"]

@@ -128,11 +128,12 @@ def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(
              "peak_allocated_gib": 24.3, "peak_reserved_gib": 26.0}
     (tmp_path / "stage_chain_2gpu_h200.json").write_text(json.dumps({"gpus": 2, "overrides": [], "stages": [
         stage, {"duration_s": 9, "config": "stage2-9s-2gpu.toml", "error": ["stopped"]}]}))
-    accuracy.RESULTS = tmp_path
-    [row] = accuracy._chain_rows()
+    reader = load_benchmark("plan_accuracy_rows")
+    reader.RESULTS = tmp_path
+    [row] = reader.chain_rows()
     assert row.gpus == 2 and row.step_s is None and row.name.endswith("H200: memory only")
     two = accuracy.predict_row(row, load_costs("h100"))
-    one = accuracy.predict_row(accuracy.Row(row.name, row.source, "configs/cogvideox-5b/stage1-3s-1gpu.toml",
+    one = accuracy.predict_row(reader.Row(row.name, row.source, "configs/cogvideox-5b/stage1-3s-1gpu.toml",
                                             row.overrides, "train", "held out"), load_costs("h100"))
     # sft: 7.2 B trainable parameters' gradients and 8-bit state are halved per GPU by FSDP
     assert two["allocated_gib"] < one["allocated_gib"] - 10
@@ -140,16 +141,16 @@ def test_a_two_gpu_chain_is_predicted_per_gpu_and_an_h200_chain_for_memory_only(
 
 
 def test_two_gpu_chain_rows_fit_the_fsdp_reserve_and_four_gpu_rows_are_held_out(tmp_path):
-    accuracy = load_benchmark("plan_accuracy")
     for gpus in (2, 4):
         stage = {"duration_s": 3, "config": f"stage1-3s-{gpus}gpu.toml", "gpus": gpus, "median_step_s": None,
                  "peak_allocated_gib": 15.2, "peak_reserved_gib": 19.2}
         (tmp_path / f"stage_chain_{gpus}gpu_h200.json").write_text(json.dumps(
             {"gpus": gpus, "overrides": [], "stages": [stage]}))
-    accuracy.RESULTS = tmp_path
-    roles = {row.gpus: (row.role, row.calibrates) for row in accuracy._chain_rows()}
-    assert roles[2] == ("calibration", accuracy.FSDP_RESERVE)
-    assert roles[4][0] == "held out" and roles[4][1] != accuracy.FSDP_RESERVE
+    reader = load_benchmark("plan_accuracy_rows")
+    reader.RESULTS = tmp_path
+    roles = {row.gpus: (row.role, row.calibrates) for row in reader.chain_rows()}
+    assert roles[2] == ("calibration", reader.FSDP_RESERVE)
+    assert roles[4][0] == "held out" and roles[4][1] != reader.FSDP_RESERVE
 
 
 WAN_63S = "configs/wan2.1-1.3b/stage5-63s-24gb.toml"
@@ -214,8 +215,9 @@ def test_a_chain_stage_out_of_the_cards_memory_is_a_row_that_must_not_fit_the_ca
     for name, extra in (("stage_chain_a_h100.json", {"gpu_total_gib": 79.18}), ("stage_chain_b_h100.json", {})):
         (tmp_path / name).write_text(json.dumps({"gpus": 1, "overrides": [], **extra, "stages": [
             {**oom, "error": oom["error"] if not extra else ["out of GPU memory"]}]}))
-    accuracy.RESULTS = tmp_path
-    rows = accuracy._chain_rows()
+    reader = load_benchmark("plan_accuracy_rows")
+    reader.RESULTS = tmp_path
+    rows = reader.chain_rows()
     assert [r.oom_under for r in rows] == [79.18, 79.18]
     assert all("out of memory on the card" in r.name for r in rows)
     from tttvideo.memory.plan.costs import load_costs
