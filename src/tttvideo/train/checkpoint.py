@@ -111,18 +111,20 @@ LOW_SPACE = 64 << 20  # below this a failed write is taken for a full disk (a wr
 def _write_failed(err: Exception, tmp: Path, final: Path, output_dir: str | Path) -> None:
     """A checkpoint that could not be written: the partial one is removed (it would only hold the space), and a full
     disk or another OS error is one sentence; anything else is re-raised by the caller."""
-    free = free_bytes(tmp.parent)
-    free = -1 if free is None else free
+    free = free_bytes(tmp.parent)  # at the failure, the partial checkpoint still there
+    full = free is not None and free < LOW_SPACE
     shutil.rmtree(tmp, ignore_errors=True)
     # safetensors raises its own SafetensorError around the OS error ("I/O error: No space left on device (os error
     # 28)"), and a large file's write fails with gigabytes still free
     wrapped = not isinstance(err, OSError) and "I/O error" in str(err)
-    if not isinstance(err, OSError) and not wrapped and not 0 <= free < LOW_SPACE:
+    if not isinstance(err, OSError) and not wrapped and not full:
         return
-    if 0 <= free < LOW_SPACE:
+    if full:
         why = f"the disk was full, {free / 2**20:.1f} MiB free"
     elif "No space left on device" in str(err):
-        why = f"No space left on device; {free / 2**30:.1f} GiB free once the partial checkpoint was removed"
+        after = free_bytes(tmp.parent)
+        why = "No space left on device" + ("" if after is None else
+                                           f"; {after / 2**30:.1f} GiB free once the partial checkpoint was removed")
     else:
         why = getattr(err, "strerror", None) or str(err).split("I/O error: ")[-1]
     newest = latest_checkpoint(output_dir)
