@@ -4,6 +4,7 @@ written as a config file that includes yours (docs/memory.md, "Planner")."""
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 import sys
 from pathlib import Path
@@ -84,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
         print(describe(planned_disk(shown.config, args.gpus), shown.config, shown.candidate.label))
     if chosen is None:
         host = f" and {host_mem / 2**30:.1f} GiB of host memory" if host_mem is not None else ""
-        fit = lambda c: best(plan(c, args.phase, gpu_mem, costs, args.gpus, margin, host_mem=host_mem))  # noqa: E731
+
+        def fit(c):
+            return best(plan(c, args.phase, gpu_mem, costs, args.gpus, margin, host_mem=host_mem))
+
         print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU{host} for this {args.phase} "
               f"setup; {what_fits_instead(cfg, args.phase, fit)}", file=sys.stderr)
         return 1
@@ -101,8 +105,6 @@ def run(args: argparse.Namespace) -> int:
 def what_fits_instead(cfg, phase: str, fit) -> str:
     """The advice when nothing fits: the longest shorter video that does, and for training with another adapter what
     a LoRA adapter fits; `fit(cfg)` is the planner's best setup for `cfg` (None when nothing fits)."""
-    import copy
-
     said = []
     longest = longest_that_fits(cfg, fit)
     if longest:
@@ -124,8 +126,6 @@ def what_fits_instead(cfg, phase: str, fit) -> str:
 def longest_that_fits(cfg, fit) -> int:
     """The longest video shorter than `cfg`'s (seconds) that some setup fits; 0 when none does. A video of more
     segments never needs less memory, so halving finds it in a few plans."""
-    import copy
-
     from tttvideo.layout import SEGMENT_SECONDS, parse_duration
 
     low, high = 0, parse_duration(cfg.layout.duration) // SEGMENT_SECONDS  # segments: low fits (0: none), high not
