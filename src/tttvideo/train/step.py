@@ -127,7 +127,8 @@ class DiffusionObjective:
                         self.text_dropout, continuous=is_flow_matching(self.schedule))
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA), so that a host clock read next times it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -180,10 +181,10 @@ class TrainStep:
                 warnings.simplefilter("ignore", UserWarning)
                 self._advance_schedule()
             return StepResult(loss, math.nan, False, self.data_s)
-        _synchronize(self.device)  # the backward's work done, so what follows is the optimizer's
+        synchronize(self.device)  # the backward's work done, so what follows is the optimizer's
         start = time.perf_counter()
         norm = self.apply(step)
-        _synchronize(self.device)
+        synchronize(self.device)
         return StepResult(loss, norm, True, self.data_s, time.perf_counter() - start)
 
     def gradients(self, batches: Iterator[Batch], step: int) -> tuple[float, bool]:

@@ -63,7 +63,7 @@ from tttvideo.parallel.launch import launch_world_size
 from tttvideo.train.distributed import SharedError, TrainRanks, rank_device
 from tttvideo.train.monitor import SilentMonitor, TrainMonitor, host_gib, memory_gib, reserved_gib, truncate_metrics
 from tttvideo.train.optim import group_lr, is_ssm_group, schedule_change
-from tttvideo.train.step import build_train_step
+from tttvideo.train.step import build_train_step, synchronize
 from tttvideo.device import resolve_device
 from tttvideo.dtypes import torch_dtype
 from tttvideo.models.backbone import get_preset, layout_of
@@ -441,8 +441,7 @@ class Trainer:
                 elif self.ema is not None:  # a skipped step left the weights as they were
                     self.ema.update()
                 self.step += 1
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                synchronize(self.device)
                 t_end = time.perf_counter()
                 dt = t_end - t0
                 if finite:
