@@ -31,11 +31,11 @@ from tttvideo.models import build_model
 from tttvideo.train.optim import build_optimizer
 from tttvideo.train.step import synchronize
 
-# (name, config, overrides): the trainable sets the configs train, at the dtypes they train them in
+# (name, config): the trainable sets the configs train, at the dtypes they train them in
 SETUPS = [
-    ("lora, bf16", "configs/cogvideox-5b/24gb-3s.toml", []),
-    ("qkvo, bf16", "configs/cogvideox-5b/stage2-9s-1gpu.toml", []),
-    ("sft, bf16", "configs/cogvideox-5b/stage1-3s-1gpu.toml", []),
+    ("lora, bf16", "configs/cogvideox-5b/24gb-3s.toml"),
+    ("qkvo, bf16", "configs/cogvideox-5b/stage2-9s-1gpu.toml"),
+    ("sft, bf16", "configs/cogvideox-5b/stage1-3s-1gpu.toml"),
 ]
 OPTIMIZERS = {
     "adamw": ["train.optimizer=adamw", "train.bf16_stochastic_round=false"],
@@ -86,10 +86,10 @@ def time_steps(optimizer: torch.optim.Optimizer, device: torch.device, warmup: i
     return times
 
 
-def measure(config: str, overrides: list[str], optimizer: str, args: argparse.Namespace) -> dict:
+def measure(config: str, optimizer: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     preset = [f"model.preset={args.preset}"] if args.preset else []
-    cfg = load_config(config, [*overrides, *OPTIMIZERS[optimizer], *preset, 'model.pretrained_path=""',
+    cfg = load_config(config, [*OPTIMIZERS[optimizer], *preset, 'model.pretrained_path=""',
                                "train.init_from="])
     model = build_model(cfg, device="meta")
     params = trainable_on(model, device)
@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     if not optimizers or set(optimizers) - set(OPTIMIZERS):
         raise SystemExit(f"--optimizers: choose from {', '.join(OPTIMIZERS)}")
     rows = []
-    for name, config, overrides in SETUPS:
+    for name, config in SETUPS:
         if name.split(",")[0] not in wanted:
             continue
         for optimizer in optimizers:
-            row = {"setup": name, "config": config, **measure(config, overrides, optimizer, args)}
+            row = {"setup": name, "config": config, **measure(config, optimizer, args)}
             rows.append(row)
             print(f"  {name} {optimizer}: {row['median_step_s'] * 1e3:.1f} ms", flush=True)
     device = torch.device(args.device)

@@ -19,7 +19,7 @@ whose `regime` is "activation", `tttvideo.memory.techniques`, each naming its pa
   and the host copies of streamed weights each cost a few percent of a step (docs/memory.md: streamed fp8 weights
   +1.7% at 9 s, streamed sampling blocks +2% at 63 s); an 8-bit AdamW step costs about 0.4 ms per trainable tensor
   (0.5 s for the lora set, against AdamW's 0.04 s; benchmarks/optimizer_step.py), paid once per optimizer step:
-  5-7 % of a one-micro-batch step at 3 s, under 0.1 % of a recipe step of 64 micro-batches.
+  about 7 % of a one-micro-batch lora step at 3 s, 0.1-0.2 % of a recipe step of 64 micro-batches.
 Weights, gradients and optimizer state are counted, not fitted, so one regime covers every weight dtype and
 optimizer. A regime with no measurement has no prediction: the planner lists it as unmeasured and never picks it.
 """
