@@ -546,12 +546,12 @@ def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dic
     from tttvideo.data.cache import atomic_write_text
     from tttvideo.memory.profile.profiler import git_commit
 
-    commit = git_commit()
-    result = {"benchmark": "long_range", "device": device_name(torch), "gpus": 1 if torch.cuda.is_available() else 0,
+    commit, device = git_commit(), device_name(torch)
+    result = {"benchmark": "long_range", "device": device, "gpus": 1 if torch.cuda.is_available() else 0,
               "torch": torch.__version__, "git_commit": commit,
               "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
               "settings": run_settings(args), "chance": 1 / 6, "probe": probes, "runs": runs,
-              "failed": failed or [], "summary": rows or summarize(runs, list(ROWS), device_name(torch))}
+              "failed": failed or [], "summary": rows or summarize(runs, list(ROWS), device)}
     atomic_write_text(out, json.dumps(result, indent=1))
     return result
 

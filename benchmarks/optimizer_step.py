@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     result = {"benchmark": "optimizer_step",
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "git_commit": args.commit, "preset": args.preset or "cogvideox-5b",
+              "gpus": 1 if device.type == "cuda" else 0, "torch": torch.__version__, "git_commit": args.commit,
+              "preset": args.preset or "cogvideox-5b",
               "warmup": args.warmup, "steps": args.steps, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
