@@ -29,6 +29,7 @@ from tttvideo.config.loader import dump_toml, load_config
 from tttvideo.errors import ConfigError
 from tttvideo.sample.distributed import resolve_sample_degrees, warn_if_nothing_to_split
 
+from tests.launching import run_launch
 from tests.test_sample import RED, TINY  # the one-process sampler tests' tiny model and scene
 
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -76,7 +77,7 @@ def rank_env(**extra: str) -> dict[str, str]:
 def launch(work: Path, ranks: int, out: str, *sets: str) -> subprocess.CompletedProcess:
     """`tttv sample` on `ranks` processes, each rank's stdout and stderr in work/logs."""
     cmd = torchrun(ranks, work / "logs" / f"{time.monotonic_ns()}", cli_args(work, out, *sets))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=rank_env())
+    return run_launch(cmd, rank_env(), LAUNCH_TIMEOUT_S)
 
 
 def rank_log(run: subprocess.CompletedProcess, rank: int, stream: str = "stderr") -> str:

@@ -36,6 +36,8 @@ from tttvideo.models.backbone import layout_of
 from tttvideo.train.dcp import holds_model_state
 from tttvideo.train.trainer import Trainer
 
+from tests.launching import run_launch
+
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
@@ -76,7 +78,7 @@ def torchrun(work: Path, ranks: int, *sets: str, flags: tuple[str, ...] = ()) ->
 def launch(cmd: list[str]) -> subprocess.CompletedProcess:
     # faulthandler: a rank that dies of a signal (SIGABRT from a C++ thread) leaves its Python stacks in its log
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+    return run_launch(cmd, env, LAUNCH_TIMEOUT_S)
 
 
 def rank_log(cmd: list[str], rank: int, stream: str = "stderr") -> str:

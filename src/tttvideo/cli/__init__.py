@@ -1,18 +1,21 @@
 """The `tttv` command line. Each subcommand lives in its own module with `register(subparsers)` and `run(args)`.
 
 What every command shares, set up here: one-sentence errors (`UserError`, exit status 2), a quiet end when stdout is
-closed early (`tttv config keys | head`), no third-party import noise (`library_noise`), and output to a pipe or a
+closed early (`tttv config keys | head`), no third-party import noise (`library_noise`), output to a pipe or a
 file that is never wrapped (rich wraps at 80 columns when it cannot ask a terminal for its width, which breaks
-printed commands and paths mid-line).
+printed commands and paths mid-line), and every thread's Python stack on stderr at SIGUSR1 (`kill -USR1 PID`: where
+a run that seems stuck is, without stopping it; under torchrun each rank's log gets its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -50,6 +53,8 @@ UNWRAPPED_COLUMNS = 10_000
 
 def main(argv: list[str] | None = None) -> int:
     use_tttv_allocator()
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     quiet_library_noise()
     try:
         parser = build_parser()
