@@ -55,7 +55,7 @@ H100_CARD = 85_520_809_984  # torch.cuda.get_device_properties(0).total_memory o
 def predict_row(row: Row, costs) -> dict:
     from tttvideo.memory.plan.planner import CUDA_CONTEXT, Candidate, predict
 
-    cfg = config_of(row)
+    cfg = one_micro_batch(config_of(row))
     p = predict(cfg, row.phase, Candidate("as measured", ()), costs, row.gpus, H100_CARD,
                 first_step_only=row.first_step)
     out = {"basis": p.basis, "allocated_gib": None if p.peak is None else p.peak / GIB,
@@ -66,6 +66,20 @@ def predict_row(row: Row, costs) -> dict:
         out["fits_cap"] = p.reserved is not None and p.reserved <= row.oom_under * GIB
         out["fits_80gb"] = p.reserved is not None and p.reserved + CUDA_CONTEXT <= H100_CARD
     return out
+
+
+def one_micro_batch(cfg):
+    """`cfg` as every measured run here trained it: one micro-batch per optimizer step (the profiles, the technique
+    and step benchmarks, the stage chain at one video a GPU), so each measured step holds one optimizer step."""
+    cfg.train.grad_accum, cfg.train.global_batch = 1, 0
+    return cfg
+
+
+def model_step_s(row: Row, costs) -> float:
+    """The row's measured step less its one optimizer step: the part the block model's time points hold."""
+    from tttvideo.memory.plan.optimizer_time import optimizer_step_s
+
+    return row.step_s - (optimizer_step_s(costs.optimizer, config_of(row), row.gpus) or 0.0)
 
 
 def rel(pred: float | None, meas: float | None) -> float | None:
@@ -85,7 +99,7 @@ def fit(rows: list[Row]) -> None:
     from tttvideo.memory.plan.costs import load_costs, save_costs
 
     table = load_costs("h100")
-    cog = fit_cogvideox(rows)
+    cog = fit_cogvideox(rows, table)
     fsdp = [r for r in rows if r.calibrates == FSDP_RESERVE]
     cog = dataclasses.replace(
         cog, sp_reserved_fraction=SP_RESERVED / SP_ALLOCATED - 1,
@@ -95,7 +109,7 @@ def fit(rows: list[Row]) -> None:
                 f"benchmarks/plan_accuracy.py); the FSDP reserve the mean of reserved over allocated of the "
                 f"{len(fsdp)} two-GPU stage-chain rows ({', '.join(sorted({r.source for r in fsdp}))})"))
     blocks = {"cogvideox": cog.to_dict()}
-    wan = fit_wan(rows, cog)
+    wan = fit_wan(rows, cog, table)
     if wan:
         blocks["wan"] = wan
     table.blocks = blocks
@@ -125,11 +139,12 @@ class _Peaks:
         return saved_input(Geometry.of(config_of(row)), k)
 
 
-def fit_cogvideox(rows: list[Row]):
+def fit_cogvideox(rows: list[Row], costs):
     """Every constant from the 9-s rows (one process, second steps): the stream copies from the kept row's
     allocated peak, the reserved fraction from the kept and nested rows, the bytes saved beyond each input from the
     offloaded row's host bytes and the later steps' offload reserve from its reserved peak, the time factors from
-    the three times; the first step's offload reserve from the 18-s offload row (a process's first step)."""
+    the three times (each less its optimizer step, `costs.optimizer`); the first step's offload reserve from the
+    18-s offload row (a process's first step)."""
     from tttvideo.memory.plan.activations import BlockConstants, Geometry
 
     by = {r.name: r for r in rows}
@@ -148,8 +163,9 @@ def fit_cogvideox(rows: list[Row]):
         """Reserved memory beyond the fraction, in saved inputs; none where the fraction holds it all."""
         return max(0.0, (row.reserved * GIB - alloc(row, k) * (1 + fraction)) / alloc.saved_input(row, k))
 
-    fitted = BlockConstants(copies, extra, fraction, offload_units(off), nested.step_s / kept.step_s,
-                            off.step_s / kept.step_s, ((float(g.tokens), float(kept.step_s)),),
+    t_kept, t_nested, t_off = (model_step_s(r, costs) for r in (kept, nested, off))
+    fitted = BlockConstants(copies, extra, fraction, offload_units(off), t_nested / t_kept, t_off / t_kept,
+                            ((float(g.tokens), float(t_kept)),),
                             "benchmarks/plan_accuracy.py --fit: memory_techniques_h100.json (9 s; the later steps' "
                             "offload reserve from its offloaded row) and the 18-s offload row of "
                             "model_step_long_h100.json (the first step's offload reserve)",
@@ -184,12 +200,12 @@ def _minimum(loss, lo: float = 0.0, hi: float = 60.0) -> float:
     return (lo + hi) / 2
 
 
-def fit_wan(rows: list[Row], reference) -> dict:
+def fit_wan(rows: list[Row], reference, costs) -> dict:
     """Wan's own constants: the stream copies that best fit the allocated peaks of its measured rows (least squares
     of the relative errors), and its step time from the 3-s row (the step with the inputs kept: the measured time
-    over the setup's time factor, CogVideoX-5B's); the window-wise form's stream copies the same way from its rows,
-    and its time factor from the timed one (its step over the plain form's predicted step). Every other constant
-    stays CogVideoX-5B's."""
+    less its optimizer step, over the setup's time factor, CogVideoX-5B's); the window-wise form's stream copies the
+    same way from its rows, and its time factor from the timed one (its step less its optimizer step over the plain
+    form's predicted step). Every other constant stays CogVideoX-5B's."""
     import dataclasses
 
     from tttvideo.memory.plan.activations import Geometry
@@ -214,7 +230,7 @@ def fit_wan(rows: list[Row], reference) -> dict:
     own = dataclasses.replace(reference, stream_copies=copies, backbone="wan")
     window = [r for r in rows if r.calibrates == WINDOW_FORM and r.allocated]
     extra = {}
-    time_points = [[float(tokens), timed.step_s / factor]]
+    time_points = [[float(tokens), model_step_s(timed, costs) / factor]]
     if window:
         extra = {"window_stream_copies": _minimum(lambda c: sum(
             (alloc(r, dataclasses.replace(own, window_stream_copies=c)) / (r.allocated * GIB) - 1) ** 2
@@ -226,7 +242,7 @@ def fit_wan(rows: list[Row], reference) -> dict:
             wcfg = config_of(timed_window)
             g = Geometry.of(wcfg)
             plain = Curve(tuple(map(tuple, time_points)))(g.tokens) * own.step_factor(wcfg, g)
-            extra["window_time"] = timed_window.step_s / plain
+            extra["window_time"] = model_step_s(timed_window, costs) / plain
     return {"stream_copies": copies, **extra, "time_points": time_points,
             "source": "benchmarks/plan_accuracy.py --fit: fit_24gb_wan_h100.json, the stream copies from the 3- and "
                       "18-s rows together (no Wan row holds them out), the step time from the 3-s row (the 18-s "

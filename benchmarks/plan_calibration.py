@@ -16,8 +16,10 @@ memory and the second step's time. `fit` subtracts the counted part (`tttvideo.m
 measured peak and keeps the activation per regime as a curve (and what the allocator reserved above the peak, as
 another) through the calibration durations of `SETUPS` (each memory technique's `calibration`,
 `tttvideo.memory.techniques`; `tttvideo.memory.plan.costs.Curve`), and step time
-likewise; then it predicts every setup and prints the errors. `--also` takes the profiler runs of
-benchmarks/fit_24gb.py's JSON as the setups with the same switches (so they are not measured twice).
+likewise, each step less its optimizer step (`--optimizer-step`: benchmarks/optimizer_step.py's JSON, fitted per
+optimizer by `tttvideo.memory.plan.optimizer_time`; a profile step holds one), then it predicts every setup (at one
+micro-batch a step, as profiled) and prints the errors. `--also` takes the profiler runs of benchmarks/fit_24gb.py's
+JSON as the setups with the same switches (so they are not measured twice).
 """
 
 from __future__ import annotations
@@ -193,10 +195,29 @@ def calibrates(row: dict) -> bool:
     return row["duration"] in design[row["name"]] if row["name"] in design else bool(row.get("calibrate", False))
 
 
+def optimizer_costs(path: str | None, gpu: str) -> dict:
+    """Per optimizer, one step's fitted cost from benchmarks/optimizer_step.py's JSON at `path` (or this GPU kind's
+    committed one); {} where there is none."""
+    from tttvideo.memory.plan.optimizer_time import fit_optimizer_costs
+
+    file = Path(path) if path else ROOT / "benchmarks" / "results" / f"optimizer_step_{gpu}.json"
+    if not file.is_file():
+        if path:
+            raise SystemExit(f"--optimizer-step: {path} does not exist")
+        print(f"no {file.relative_to(ROOT)}: the time curves keep the profiles' optimizer steps")
+        return {}
+    costs = fit_optimizer_costs(json.loads(file.read_text())["rows"])
+    for name, cost in costs.items():
+        print(f"{name} step: {1e3 * cost.per_tensor_s:.3f} ms a trainable tensor + "
+              f"{1e12 * cost.per_gradient_byte_s:.2f} s a TB of gradients ({file.name})")
+    return costs
+
+
 def cmd_fit(args) -> int:
     from tttvideo.layout import VideoLayout
     from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, chunked_floor_streams, save_costs, time_key
     from tttvideo.memory.plan.count import count
+    from tttvideo.memory.plan.optimizer_time import optimizer_step_s
 
     data = json.loads(Path(args.measured).read_text()) if args.measured else {"gpu_kind": None, "setups": []}
     rows = [{**r, "calibrate": calibrates(r)} for r in data["setups"] if r.get("status") == "ok"]
@@ -205,6 +226,8 @@ def cmd_fit(args) -> int:
         data["device"] = json.loads(Path(args.also[0]).read_text()).get("device", "")
     if not rows:
         raise SystemExit("no measured setup to fit")
+    gpu = args.gpu_kind or data["gpu_kind"] or "h100"
+    optimizer = optimizer_costs(args.optimizer_step, gpu)
     points: dict[str, dict[str, list]] = {"activation": {}, "time": {}}
     reserve: dict[str, list] = {}  # per regime: (tokens, reserved - allocated at the peak) of its calibration runs
     floors: dict[str, float] = {}  # per chunked regime: the least (activation - FLOOR_STREAMS streams), costs.py
@@ -215,7 +238,9 @@ def cmd_fit(args) -> int:
         tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens * (cfg.train.batch_size if phase == "train"
                                                                                else 1)
         counted = count(cfg, phase).total
-        prepared.append((r, cfg, phase, tokens, counted))
+        # a profile step is one micro-batch and one optimizer step: the curves hold the rest
+        opt_s = (optimizer_step_s(optimizer, cfg) or 0.0) if phase == "train" else 0.0
+        prepared.append((r, cfg, phase, tokens, counted, opt_s))
         if r.get("calibrate"):
             points["activation"].setdefault(activation_key(cfg, phase), []).append(
                 (tokens, r["peak_allocated"] - counted))
@@ -223,29 +248,29 @@ def cmd_fit(args) -> int:
                 reserve.setdefault(activation_key(cfg, phase), []).append(
                     (tokens, r["peak_reserved"] - r["peak_allocated"]))
             if r.get("step_seconds"):
-                points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1]))
+                points["time"].setdefault(time_key(cfg, phase), []).append((tokens, r["step_seconds"][-1] - opt_s))
             streams = chunked_floor_streams(cfg) if phase == "sample" else None
             if streams is not None:
                 key = activation_key(cfg, phase)
                 floors[key] = min(floors.get(key, float("inf")), r["peak_allocated"] - counted - streams)
     sources = ", ".join(str(x) for x in ([args.measured] if args.measured else []) + args.also)
-    table = CostTable(args.gpu_kind or data["gpu_kind"] or "h100", data.get("device", ""), sources,
+    table = CostTable(gpu, data.get("device", ""), sources,
                       {k: Curve.fit(v) for k, v in points["activation"].items()},
                       {k: Curve.fit(v) for k, v in points["time"].items()},
                       {int(k): v for k, v in (args.sp_efficiency or {}).items()},
                       {k: Curve.fit(v) for k, v in reserve.items()}, None,
-                      _shared_floors(floors))
+                      _shared_floors(floors), optimizer)
     save_costs(table, *([Path(args.costs_out)] if args.costs_out else []))
     print(f"wrote {len(table.activation)} activation and {len(table.time)} time regimes for {table.gpu}")
     print("\n| setup | duration | calibration? | measured peak GiB | predicted GiB | error | measured s | "
           "predicted s | error |")
     print("|---|---|---|---|---|---|---|---|---|")
     mem_err, time_err = [], []
-    for r, cfg, phase, tokens, counted in prepared:
+    for r, cfg, phase, tokens, counted, opt_s in prepared:
         act = table.activation.get(activation_key(cfg, phase))
         tim = table.time.get(time_key(cfg, phase))
         pred = None if act is None else counted + max(act(tokens), table.floor(cfg, phase) or 0)
-        pred_s = None if tim is None else tim(tokens)
+        pred_s = None if tim is None else tim(tokens) + opt_s
         meas_s = r["step_seconds"][-1] if r.get("step_seconds") else None
         e_m = None if pred is None else (pred - r["peak_allocated"]) / r["peak_allocated"]
         e_t = None if pred_s is None or not meas_s else (pred_s - meas_s) / meas_s
@@ -357,6 +382,10 @@ def main(argv=None) -> int:
     f.add_argument("--gpu-kind", default=None)
     f.add_argument("--costs-out", default=None,
                    help="write the table here (default: tttvideo's memory/plan/costs.json)")
+    f.add_argument("--optimizer-step", default=None,
+                   help="benchmarks/optimizer_step.py JSON of this GPU kind (default: benchmarks/results/"
+                        "optimizer_step_<gpu kind>.json where it exists; none: the time curves keep the profiles' "
+                        "optimizer steps and the planner adds none)")
     f.add_argument("--sp-efficiency", type=json.loads, default=None,
                    help='measured sequence-parallel efficiency per degree, e.g. \'{"2": 0.75}\'')
     c = sub.add_parser("check", help="run the planner's choice for each card size under its cap")

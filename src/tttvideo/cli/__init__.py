@@ -53,8 +53,9 @@ UNWRAPPED_COLUMNS = 10_000
 
 def main(argv: list[str] | None = None) -> int:
     use_tttv_allocator()
-    if hasattr(signal, "SIGUSR1"):  # not on Windows
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # not on Windows, nor without a stderr
+        with contextlib.suppress(OSError, ValueError):  # a stderr without a file descriptor
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     quiet_library_noise()
     try:
         parser = build_parser()

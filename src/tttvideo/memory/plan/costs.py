@@ -15,11 +15,13 @@ whose `regime` is "activation", `tttvideo.memory.techniques`, each naming its pa
 - activation, training: preset, weight dtype (fp32 weights under bf16 autocast keep bf16 copies), adapter, activation
   checkpointing policy, activation offload;
 - activation, sampling: preset, weight dtype, forward (plain at batch 2 or 1, or chunked with G TTT head groups);
-- time: the activation regime alone. Weight storage, optimizer and streaming are left out: an fp8 layer's upcast
-  and the host copies of streamed weights each cost a few percent of a step (docs/memory.md: streamed fp8 weights
-  +1.7% at 9 s, streamed sampling blocks +2% at 63 s); an 8-bit AdamW step costs about 0.4 ms per trainable tensor
-  (0.5 s for the lora set, against AdamW's 0.04 s; benchmarks/optimizer_step.py), paid once per optimizer step:
-  about 7 % of a one-micro-batch lora step at 3 s, 0.1-0.2 % of a recipe step of 64 micro-batches.
+- time: the activation regime alone, a micro-batch's step without its optimizer step. Weight storage and streaming
+  are left out: an fp8 layer's upcast and the host copies of streamed weights each cost a few percent of a step
+  (docs/memory.md: streamed fp8 weights +1.7% at 9 s, streamed sampling blocks +2% at 63 s). The optimizer step is
+  not: an 8-bit AdamW step costs about 0.4 ms per trainable tensor (0.5 s for the lora set, against AdamW's 0.04
+  s), about 7 % of a one-micro-batch lora step at 3 s. Its measured cost per optimizer (`optimizer`, fitted from
+  benchmarks/optimizer_step.py by `tttvideo.memory.plan.optimizer_time`) is taken out of every calibration step
+  and added back per target, divided by its micro-batches a step.
 Weights, gradients and optimizer state are counted, not fitted, so one regime covers every weight dtype and
 optimizer. A regime with no measurement has no prediction: the planner lists it as unmeasured and never picks it.
 """
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tttvideo.config.schema import Config
+from tttvideo.memory.plan.optimizer_time import OptimizerCost
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
                                         GUIDANCE_PASSES, NESTED_CHECKPOINTING)
 
@@ -84,6 +87,9 @@ class CostTable:
     blocks: dict[str, Any] | None = None
     # per chunked sampling regime: the fixed part of the floor under its curve (`floor`), bytes
     floors: dict[str, float] = field(default_factory=dict)
+    # per optimizer (train.optimizer): one step's time (`optimizer_time`); empty: the time curves hold the
+    # calibration runs' optimizer steps, and no target's is added
+    optimizer: dict[str, OptimizerCost] = field(default_factory=dict)
 
     def floor(self, cfg: Config, phase: str) -> int | None:
         """The least activation of a chunked sampling forward's batch-1 pass (`FLOOR_STREAMS`): its streams plus the
@@ -101,6 +107,8 @@ class CostTable:
                 "sp_efficiency": {str(k): v for k, v in sorted(self.sp_efficiency.items())},
                 "reserve": lines(self.reserve),
                 **({"floors": dict(sorted(self.floors.items()))} if self.floors else {}),
+                **({"optimizer": {k: v.to_dict() for k, v in sorted(self.optimizer.items())}}
+                   if self.optimizer else {}),
                 **({"blocks": self.blocks} if self.blocks else {})}
 
     @classmethod
@@ -111,7 +119,8 @@ class CostTable:
         return cls(d["gpu"], d.get("device", ""), d.get("source", ""), lines(d.get("activation", {})),
                    lines(d.get("time", {})), {int(k): float(v) for k, v in d.get("sp_efficiency", {}).items()},
                    lines(d.get("reserve", {})), d.get("blocks"),
-                   {k: float(v) for k, v in d.get("floors", {}).items()})
+                   {k: float(v) for k, v in d.get("floors", {}).items()},
+                   {k: OptimizerCost.from_dict(v) for k, v in d.get("optimizer", {}).items()})
 
 
 def known_gpus(path: Path = COSTS_FILE) -> list[str]:
@@ -137,7 +146,8 @@ def load_costs(gpu: str, path: Path = COSTS_FILE) -> CostTable:
 
 def save_costs(table: CostTable, path: Path = COSTS_FILE) -> None:
     """Write `table` as its GPU kind's entry; a table without block-model constants keeps those already there
-    (benchmarks/plan_calibration.py fits the curves, benchmarks/plan_accuracy.py --fit the block model)."""
+    (benchmarks/plan_calibration.py fits the curves and the optimizer step, benchmarks/plan_accuracy.py --fit the
+    block model)."""
     tables = json.loads(path.read_text()) if path.is_file() else {}
     kept = tables.get(table.gpu, {}).get("blocks")
     tables[table.gpu] = table.to_dict()

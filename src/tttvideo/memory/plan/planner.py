@@ -45,6 +45,7 @@ from tttvideo.memory.plan.activations import (MEASURED_ADAPTERS, MEASURED_BACKBO
                                               Geometry, Part, fits_block_model, train_peak)
 from tttvideo.memory.plan.costs import FLOOR_STREAMS, CostTable, Curve, activation_key, time_key
 from tttvideo.memory.plan.count import Counted, count, fsdp_shard_degree, process_host_bytes
+from tttvideo.memory.plan.optimizer_time import micro_batches, optimizer_step_s
 from tttvideo.memory.techniques import (ACTIVATION_OFFLOAD, ADAMW_8BIT, CHECKPOINTING, CHUNKED_INFERENCE, FFN_CHUNKS,
                                         FP8_STREAMING, FP8_WEIGHTS, GUIDANCE_PASSES, NESTED_CHECKPOINTING, REGISTRY,
                                         SAMPLE_BLOCK_OFFLOAD, SEQUENCE_PARALLEL, WINDOW_FORM, MemoryTechnique,
@@ -341,6 +342,17 @@ def predict(cfg: Config, phase: str, candidate: Candidate, costs: CostTable, gpu
             notes.append(f"sp {sp} efficiency not measured")
     else:
         notes.append("time not measured")
+    if step_s is not None and phase == "train" and costs.optimizer:
+        # the curves hold a micro-batch's step without its optimizer step (`optimizer_time`): this setup's, once
+        # per optimizer step
+        optimizer_s = optimizer_step_s(costs.optimizer, c, gpus)
+        accum = micro_batches(c, gpus)
+        if optimizer_s is None:
+            notes.append(f"{c.train.optimizer} step time not measured")
+        else:
+            step_s += optimizer_s / accum
+            notes.append(f"{c.train.optimizer} step {optimizer_s:.2f} s" + (
+                f" once per {accum} micro-batches: +{optimizer_s / accum:.3f} s each" if accum > 1 else ""))
     fits = gpu_fits = None
     if reserved is not None and gpu_mem is not None:
         fits = gpu_fits = card_holds(reserved, gpu_mem, margin)

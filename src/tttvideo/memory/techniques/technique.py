@@ -57,6 +57,7 @@ class ModelBytes:
     block_fp8: int  # of one block
     frozen_linear_saving: int  # what fp8 storage would free of the frozen plain nn.Linear weights
     trainable: int  # a count of values
+    trainable_tensors: int  # a count of tensors (an 8-bit AdamW step costs per tensor: memory.plan.optimizer_time)
     gradients: int
     optimizer: dict[str, int]  # both moments of every trainable tensor, per optimizer
     dim: int  # width of the residual stream (0 when the model does not say)
@@ -80,7 +81,8 @@ class ModelBytes:
         return cls(weights=nbytes(model.parameters()) + nbytes(model.buffers()), buffers=nbytes(model.buffers()),
                    block=nbytes(block.parameters()) + nbytes(block.buffers()), blocks=len(blocks),
                    fp8=fp8_code_bytes(model), block_fp8=fp8_code_bytes(block), frozen_linear_saving=saving,
-                   trainable=sum(p.numel() for p in trainable), gradients=nbytes(trainable),
+                   trainable=sum(p.numel() for p in trainable), trainable_tensors=len(trainable),
+                   gradients=nbytes(trainable),
                    optimizer={name: sum(optimizer_state_bytes(name, p.numel(), p.element_size()) for p in trainable)
                               for name in get_args(Optimizer)},
                    dim=getattr(spec, "dim", 0))
