@@ -225,10 +225,10 @@ EXPLAINED_UNIT_CYCLES = {
 }
 # Between top-level packages, where a package is split between layers:
 EXPLAINED_PACKAGE_CYCLES = {
-    ("memory", "sample", "train"): "memory is four packages in three layers: memory.guard and memory.techniques "
-                                   "below sample and train, which import them; memory.plan and memory.profile "
-                                   "above (the profiler drives train's step and sample's denoiser); memory.studies "
-                                   "on top",
+    ("memory", "sample", "train"): "memory's six subpackages in three layers: memory.guard and "
+                                   "memory.techniques below sample and train, which import them; memory.plan, "
+                                   "memory.profile and memory.trace above (the profiler drives train's step and "
+                                   "sample's denoiser); memory.studies on top",
     ("models", "parallel", "sequence", "ttt"): "parallel.sequence and parallel.mesh are base plumbing the "
                                                "long-range layers are handed; parallel.fsdp walks models' blocks",
 }
