@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # safetensors writer of model and state files
     ("base", ("errors", "locks", "outputs", "device", "dtypes", "initializers", "config", "layout", "rope", "diffusion",
               "parallel.sequence", "parallel.mesh", "parallel.group", "parallel.launch", "parallel.watchdog",
-              "tensorfile")),
+              "tensorfile", "ffmpeg")),
     # the long-range layers: TTT and the baselines beside it, which share its gated bidirectional wrapper
     ("ttt", ("ttt", "sequence")),
     # FSDP sharding walks the model's blocks, and the parallel package's __init__ imports it

@@ -33,13 +33,15 @@ class VideoReadError(Exception):
 
 def probe(path: str | Path) -> VideoInfo:
     """Frame rate, size and the exact frame count (ffmpeg decodes the stream to count; containers' counts lie)."""
-    import imageio_ffmpeg
+    from tttvideo.ffmpeg import imageio_ffmpeg
+
+    ffmpeg = imageio_ffmpeg()
 
     try:
-        gen = imageio_ffmpeg.read_frames(str(path))
+        gen = ffmpeg.read_frames(str(path))
         meta = next(gen)
         gen.close()
-        frames, _ = imageio_ffmpeg.count_frames_and_secs(str(path))
+        frames, _ = ffmpeg.count_frames_and_secs(str(path))
     except (OSError, RuntimeError, StopIteration) as err:
         raise VideoReadError(f"cannot read the video stream ({_first_line(err)})") from None
     width, height = meta.get("size") or (0, 0)
@@ -63,10 +65,12 @@ def layout_problems(info: VideoInfo, layout: VideoLayout) -> list[str]:
 
 def read_frames(path: str | Path, expected: VideoInfo | None = None) -> np.ndarray:
     """All frames as uint8 [T, H, W, 3]."""
-    import imageio_ffmpeg
+    from tttvideo.ffmpeg import imageio_ffmpeg
+
+    ffmpeg = imageio_ffmpeg()
 
     try:
-        gen = imageio_ffmpeg.read_frames(str(path), pix_fmt="rgb24")
+        gen = ffmpeg.read_frames(str(path), pix_fmt="rgb24")
         meta = next(gen)
         width, height = meta["size"]
         frames = [np.frombuffer(buf, dtype=np.uint8).reshape(height, width, 3) for buf in gen]

@@ -42,14 +42,14 @@ class Mp4Writer:
 
     def __init__(self, path: str | Path, fps: int = 16, quality: float = 8.0):
         check_mp4_writer()
-        import imageio_ffmpeg
+        from tttvideo.ffmpeg import imageio_ffmpeg
 
         self.path = Path(path)
         self.tmp = temporary_name(self.path)
         self.fps = fps
         self.quality = quality
         self.frames_written = 0
-        self._ffmpeg = imageio_ffmpeg
+        self._ffmpeg = imageio_ffmpeg()
         self._gen = None
         self._size: tuple[int, int] | None = None
         try:
