@@ -244,9 +244,10 @@ def ran_out_of_memory(said: list[str]) -> bool:
 
 
 def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
-    """What `tttv plan` predicts for the stage's setup as configured (the steady state: optimizer state live). A GPU
-    kind without measured costs is predicted from the H100's: its memory (the same kernels allocate the same bytes),
-    not its step time."""
+    """What `tttv plan` predicts for the stage's setup as configured (the steady state: optimizer state live), at
+    the chain's batch (`train_command`: one micro-batch a rank, so every step holds an optimizer step). A GPU kind
+    without measured costs is predicted from the H100's: its memory (the same kernels allocate the same bytes), not
+    its step time."""
     from tttvideo.memory.plan.costs import known_gpus, load_costs
     from tttvideo.memory.plan.planner import Candidate, gpu_kind, predict
 
@@ -254,8 +255,10 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
     measured = kind in known_gpus()
     if not measured and "h100" not in known_gpus():
         return {}
-    p = predict(resolved(duration, args), "train", Candidate("as configured", ()),
-                load_costs(kind if measured else "h100"), gpus=args.gpus)
+    cfg = resolved(duration, args)
+    cfg.train.grad_accum, cfg.train.global_batch, cfg.train.batch_size = 0, data_parallel(duration, args), 1
+    p = predict(cfg, "train", Candidate("as configured", ()), load_costs(kind if measured else "h100"),
+                gpus=args.gpus)
     gib = 2**30
     return {"predicted_allocated_gib": p.peak / gib if p.peak is not None else None,
             "predicted_reserved_gib": p.reserved / gib if p.reserved is not None else None,
