@@ -52,7 +52,7 @@ def test_the_fit_recovers_each_optimizers_cost_and_never_goes_negative():
 
 def test_the_committed_h100_cost_reproduces_its_measurements():
     """costs.json's optimizer entry, fitted from benchmarks/results/optimizer_step_h100.json, within 10 % of each
-    of its six rows (measured: 3.7 % at worst)."""
+    of its six rows (measured: 4.9 % at worst)."""
     table = load_costs("h100")
     rows = json.loads((ROOT / "benchmarks/results/optimizer_step_h100.json").read_text())["rows"]
     assert set(table.optimizer) == {r["optimizer"] for r in rows} == {"adamw", "adamw8bit"}
