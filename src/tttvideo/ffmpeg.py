@@ -23,8 +23,9 @@ from typing import Any
 _DONE = False
 
 
-def _popen_kwargs(prevent_sigint: bool = False) -> dict[str, Any]:
-    """imageio-ffmpeg's Popen keywords (`imageio_ffmpeg._utils._popen_kwargs`), POSIX, without a preexec_fn."""
+def _popen_kwargs(prevent_sigint: bool = False, **_: Any) -> dict[str, Any]:
+    """imageio-ffmpeg's Popen keywords (`imageio_ffmpeg._utils._popen_kwargs`), POSIX, without a preexec_fn (any
+    argument a later version adds is taken and ignored)."""
     if not prevent_sigint:
         return {}
     return {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
