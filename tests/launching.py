@@ -18,16 +18,31 @@ from pathlib import Path
 STACK_DUMP_WAIT_S = 2.0
 
 
+def processes() -> list[tuple[int, int, str, str]]:
+    """(pid, parent pid, name, state) of every process, from /proc/PID/stat (a thread's /proc `children` file misses
+    children while others are being created or reaped)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            name, rest = (entry / "stat").read_text().split(" (", 1)[1].rsplit(") ", 1)
+            state, ppid = rest.split()[:2]
+        except (OSError, ValueError):
+            continue
+        found.append((int(entry.name), int(ppid), name, state))
+    return found
+
+
 def descendants(pid: int) -> list[int]:
-    """The processes under `pid` (children first), read from /proc; [] where /proc has no children files."""
+    """The live processes under `pid`, children first."""
+    table = [(p, parent) for p, parent, _, state in processes() if state not in "ZX"]
     found, todo = [], [pid]
     while todo:
         parent = todo.pop()
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{parent}/task").iterdir():
-                kids = [int(c) for c in (task / "children").read_text().split()]
-                found.extend(kids)
-                todo.extend(kids)
+        kids = [p for p, pp in table if pp == parent]
+        found.extend(kids)
+        todo.extend(kids)
     return found
 
 

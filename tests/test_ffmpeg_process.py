@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,26 +14,16 @@ pytest.importorskip("imageio_ffmpeg")
 if os.name != "posix":
     pytest.skip("process groups are POSIX", allow_module_level=True)
 
+from tests.launching import processes  # noqa: E402
 from tttvideo.data.video import read_frames  # noqa: E402
 from tttvideo.ffmpeg import imageio_ffmpeg  # noqa: E402
 from tttvideo.sample.video import Mp4Writer  # noqa: E402
 
 
 def ffmpeg_children() -> list[int]:
-    """The running ffmpeg processes this process started (read from every /proc/PID/stat: a thread's `children`
-    file misses children while others are being created)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            comm, rest = (entry / "stat").read_text().split(" (", 1)[1].rsplit(") ", 1)
-        except (OSError, ValueError):
-            continue
-        state, ppid = rest.split()[:2]
-        if int(ppid) == os.getpid() and comm.startswith("ffmpeg") and state != "Z":
-            pids.append(int(entry.name))
-    return pids
+    """The running ffmpeg processes this process started."""
+    return [pid for pid, parent, name, state in processes()
+            if parent == os.getpid() and name.startswith("ffmpeg") and state not in "ZX"]
 
 
 def test_no_preexec_fn_and_isolation_by_the_childs_own_code():
