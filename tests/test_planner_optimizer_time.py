@@ -79,7 +79,7 @@ def test_step_time_counts_tensors_whole_and_bytes_per_fsdp_shard():
     (("train.global_batch=63",), 2, 32),  # the trainer refuses it; rounded up here
 ])
 def test_micro_batches_per_step_follow_the_trainers_batch_plan(sets, gpus, expected):
-    from tttvideo.train.trainer import batch_plan
+    from tttvideo.config.batch import batch_plan
 
     cfg = demo("train.batch_size=1", "train.grad_accum=0", *sets)
     assert micro_batches(cfg, gpus) == expected

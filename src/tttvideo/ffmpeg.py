@@ -20,8 +20,6 @@ import sys
 from types import ModuleType
 from typing import Any
 
-_DONE = False
-
 
 def _popen_kwargs(prevent_sigint: bool = False, **_: Any) -> dict[str, Any]:
     """imageio-ffmpeg's Popen keywords (`imageio_ffmpeg._utils._popen_kwargs`), POSIX, without a preexec_fn (any
@@ -34,15 +32,13 @@ def _popen_kwargs(prevent_sigint: bool = False, **_: Any) -> dict[str, Any]:
 def imageio_ffmpeg() -> ModuleType:
     """The imageio_ffmpeg module (ImportError when it is not installed), its ffmpeg processes started without
     Python code in the child."""
-    global _DONE
     import imageio_ffmpeg as module
 
-    if not _DONE and os.name == "posix":
+    if os.name == "posix":
         from imageio_ffmpeg import _io
 
         if callable(getattr(_io, "_popen_kwargs", None)):
             _io._popen_kwargs = _popen_kwargs
         else:
             os.environ.setdefault("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
-        _DONE = True
     return module

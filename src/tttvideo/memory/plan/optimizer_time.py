@@ -20,7 +20,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tttvideo.config.batch import batch_plan
 from tttvideo.config.schema import Config
+from tttvideo.errors import ConfigError
 
 # bytes a value of each dtype the optimizer_step results name
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -100,11 +102,12 @@ def optimizer_step_s(costs: dict[str, OptimizerCost], cfg: Config, gpus: int = 1
 
 
 def micro_batches(cfg: Config, gpus: int = 1) -> int:
-    """Micro-batches per optimizer step of a training launch on `gpus` GPUs: `train.grad_accum`, or what
-    `train.global_batch` makes of it over the data-parallel replicas (`tttvideo.train.trainer.batch_plan`, which
-    also refuses a global batch they do not divide: rounded up here, so that the planner still ranks the setup)."""
+    """Micro-batches per optimizer step of a training launch on `gpus` GPUs, as the trainer derives them
+    (`tttvideo.config.batch.batch_plan` over the data-parallel replicas); a global batch the launch does not divide,
+    which the trainer refuses, is rounded up here, so that the planner still ranks the setup."""
     t = cfg.train
-    if t.grad_accum:
-        return t.grad_accum
     replicas = max(1, gpus // max(1, cfg.parallel.sp))
-    return max(1, math.ceil(t.global_batch / (t.batch_size * replicas))) if t.global_batch else 1
+    try:
+        return batch_plan(t, replicas)[0]
+    except ConfigError:
+        return max(1, math.ceil(t.global_batch / (t.batch_size * replicas)))
