@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tttvideo.config.loader import load_config
+from tttvideo.memory.techniques import quantised_by_adamw8bit
 from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import build_model
 from tttvideo.train.optim import build_optimizer
@@ -99,7 +100,7 @@ def measure(config: str, optimizer: str, args: argparse.Namespace) -> dict:
     before = params[-1].detach().clone()
     times = time_steps(opt, device, args.warmup, args.steps)
     updated = not torch.equal(before, params[-1].detach())  # the steps timed did update (a check, not a figure)
-    eligible = sum(p.numel() >= 4096 and p.numel() % 256 == 0 for p in params)  # torchao's rule for 8-bit state
+    eligible = sum(quantised_by_adamw8bit(p.numel()) for p in params)
     row = {"optimizer": optimizer, "adapter": cfg.model.adapter, "dtype": str(params[0].dtype).split(".")[-1],
            "tensors": len(params), "tensors_8bit_eligible": eligible, "params": sum(p.numel() for p in params),
            "median_step_s": statistics.median(times), "step_s": times, "updated": updated,

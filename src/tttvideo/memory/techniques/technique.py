@@ -36,11 +36,16 @@ Regime = Literal["activation", "counted", "parallel"]
 Q_MIN_SIZE, Q_BLOCK = 4096, 256
 
 
+def quantised_by_adamw8bit(numel: int) -> bool:
+    """Whether torchao's AdamW8bit keeps 8-bit moments for a tensor of `numel` values."""
+    return numel >= Q_MIN_SIZE and numel % Q_BLOCK == 0
+
+
 def optimizer_state_bytes(optimizer: Optimizer, numel: int, element_size: int) -> int:
     """Bytes of both moments of one parameter tensor of `numel` values (`element_size` bytes each) under
     `optimizer`: AdamW's in the parameter's dtype; 8-bit AdamW's (torchao) 1 byte per value plus one fp32 scale per
     256 values where torchao quantizes, else AdamW's. The optimizers' scalar step counters are left out."""
-    if optimizer == "adamw8bit" and numel >= Q_MIN_SIZE and numel % Q_BLOCK == 0:
+    if optimizer == "adamw8bit" and quantised_by_adamw8bit(numel):
         return 2 * (numel + 4 * (numel // Q_BLOCK))
     return 2 * element_size * numel
 
