@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tttvideo.config.batch import batch_plan
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError
@@ -49,32 +51,19 @@ class OptimizerCost:
 def _least_squares(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(a, b) >= 0 minimising the squared relative error of a x tensors + b x bytes against seconds, over rows of
     (tensors, bytes, seconds); one term alone where both together would make one negative."""
-    def solve(cols: tuple[int, ...]) -> tuple[float, float]:
-        # normal equations of sum ((a t + b g) / s - 1)^2 over the chosen columns
-        xs = [[r[c] / r[2] for c in cols] for r in rows]
-        n = len(cols)
-        m = [[sum(x[i] * x[j] for x in xs) for j in range(n)] for i in range(n)]
-        v = [sum(x[i] for x in xs) for i in range(n)]
-        if n == 1:
-            sol = [v[0] / m[0][0]] if m[0][0] else [0.0]
-        else:
-            det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
-            if abs(det) < 1e-30:
-                return (-1.0, -1.0)
-            sol = [(v[0] * m[1][1] - m[0][1] * v[1]) / det, (m[0][0] * v[1] - m[1][0] * v[0]) / det]
-        out = [0.0, 0.0]
-        for c, x in zip(cols, sol):
-            out[c] = x
-        return out[0], out[1]
+    x = np.array([[t / s, g / s] for t, g, s in rows])
+    ones = np.ones(len(rows))
 
-    both = solve((0, 1))
-    if min(both) >= 0:
-        return both
+    def solve(cols: list[int]) -> np.ndarray:
+        out = np.zeros(2)
+        out[cols] = np.linalg.lstsq(x[:, cols], ones, rcond=None)[0]
+        return out
 
-    def err(ab: tuple[float, float]) -> float:
-        return sum(((ab[0] * t + ab[1] * g) / s - 1) ** 2 for t, g, s in rows)
-
-    return min((solve((0,)), solve((1,))), key=err)
+    both = solve([0, 1])
+    if (both >= 0).all():
+        return float(both[0]), float(both[1])
+    best = min((solve([0]), solve([1])), key=lambda ab: float(((x @ ab - 1) ** 2).sum()))
+    return float(best[0]), float(best[1])
 
 
 def fit_optimizer_costs(rows: list[dict[str, Any]]) -> dict[str, OptimizerCost]:
