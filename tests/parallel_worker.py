@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import faulthandler
 import os
+import signal
 import sys
 
 import torch
@@ -151,6 +153,8 @@ def run_variant(name: str, keys: dict, fsdp: bool, remat: bool, base: torch.nn.M
 
 
 def main() -> int:
+    # a launch past its time limit asks for the stacks (tests/launching.run_launch), as `tttv` answers it
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.launching import run_launch
 from tttvideo.cli.train_cmd import resume_command
 from tttvideo.config.schema import Config
 from tttvideo.parallel import watchdog
@@ -333,7 +334,7 @@ def test_ranks_with_different_configs_stop_with_one_sentence(tmp_path):
            "--set", f"train.output_dir={out}", "--set", f"data.demo_dir={tmp_path / 'data'}",
            "--set", "train.tensorboard=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    run = run_launch(cmd, env, 120, cwd=ROOT)
     assert run.returncode != 0 and "exitcode  : 2" in run.stderr, run.stderr[-4000:]
     err = next(logs.glob("*/attempt_0/0/stderr.log")).read_text()
     assert err.strip().count("\n") == 0 and "Traceback" not in err, err

@@ -5,7 +5,6 @@ run: loss, output and every parameter gradient within rtol 1e-4, atol 1e-5 (fp32
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.launching import run_launch
 from tttvideo.config.loader import load_config
 from tttvideo.config.schema import ParallelConfig
 from tttvideo.errors import ConfigError
@@ -90,10 +90,7 @@ def test_parallel_runs_match_one_process(ranks):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
            str(WORKER)]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"torchrun with {ranks} ranks did not finish in {LAUNCH_TIMEOUT_S} s: {err.stdout}{err.stderr}")
+    run = run_launch(cmd, env, LAUNCH_TIMEOUT_S)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
     variants = 3 if ranks == 2 else 4

@@ -7,11 +7,12 @@ and the same kill among four processes, resumed on four and on two."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.launching import run_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def test_two_process_chain_kill_resume_reshard_and_samples(tmp_path):
            "--device", "cpu", "--gpus", "2", "--durations", "3", "6", "--kill-at", "3", "--reshard-gpus", "1",
            "--steps", "2", "--sample-steps", "1", "--out", str(out), "--set", "layout.height=64",
            "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo", *NO_PLOTS]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    run = run_launch(cmd, None, 540, cwd=ROOT, logs=lambda: sorted((tmp_path / "work").glob("*.log")))
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = json.loads(out.read_text())
     killed, last = result["stages"]
@@ -70,7 +71,7 @@ def test_four_process_chain_kill_says_one_sentence_and_reshards_to_two(tmp_path)
            "--device", "cpu", "--gpus", "4", "--durations", "3", "--kill-at", "3", "--reshard-gpus", "2",
            "--steps", "2", "--no-sample", "--out", str(out), "--set", "layout.height=64",
            "--set", "layout.width=96", "--set", "layout.text_tokens=8", "--set", "model.adapter=qkvo", *NO_PLOTS]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    run = run_launch(cmd, None, 540, cwd=ROOT, logs=lambda: sorted((tmp_path / "work").glob("*.log")))
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     (killed,) = json.loads(out.read_text())["stages"]
     assert killed["config"] == "stage1-3s-4gpu.toml" and killed["killed"] == "rank 1"
@@ -95,7 +96,7 @@ def test_wan_recipe_chain_through_its_24gb_configs_and_sample_config(tmp_path):
            "--sample-config", "configs/wan2.1-1.3b/sample-63s-24gb.toml", "--out", str(out),
            "--set", "layout.height=32", "--set", "layout.width=32", "--set", "layout.text_tokens=16",
            "--set", "train.precision=fp32", "--set", "checkpointing.offload_host_gib=0", *NO_PLOTS]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = run_launch(cmd, None, 300, cwd=ROOT, logs=lambda: sorted((tmp_path / "work").glob("*.log")))
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     result = json.loads(out.read_text())
     assert [r["config"] for r in result["stages"]] == ["stage1-3s-24gb.toml", "stage2-9s-24gb.toml",
