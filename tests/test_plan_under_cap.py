@@ -105,14 +105,21 @@ def test_plan_accuracy_reads_plan_cap_check_runs(tmp_path, monkeypatch):
     assert ok.name == "a, under the plan's cap 21.7 GiB" and ok.overrides == ["layout.duration=9s"]
 
 
-def test_plan_cap_check_runs_again_a_setup_whose_cap_grew_past_the_one_it_ran_out_of_memory_under():
+def test_plan_cap_check_runs_again_a_setup_whose_cap_grew_past_the_one_it_ran_out_of_memory_under(monkeypatch):
     """The 12 GB sample config at 3 s ran out of memory under its plan's cap then (2.27 GiB, plan_cap_check_h200.json);
-    its prediction has since grown (the chunked floor) to a cap of about 2.66 GiB, which no run answers, so it is a
-    candidate again (at any threshold it passes); the 24 GB streamed setup ran under a cap no larger than its
-    current one and stays answered."""
-    from benchmarks import plan_cap_check
+    its prediction has since grown (the chunked floor) to a cap of about 2.66 GiB. Without a run under that cap it is
+    a candidate again (at any threshold it passes); the run under 2.66 GiB (plan_cap_check_h100.json) answers it.
+    The 24 GB streamed setup ran under a cap no larger than its current one and stays answered."""
+    from benchmarks import plan_accuracy_rows, plan_cap_check
 
+    name = "sample: chunked, 4 head groups, fp8 streamed @ 3s"
+    every_row = plan_accuracy_rows.all_rows
+    answering = [r for r in every_row() if r.plan_cap is not None and r.name.startswith(name)]
+    assert sorted((r.plan_cap, r.oom_under) for r in answering) == [(2.27, 2.27), (2.66, None)]
+    assert not any(r.name == name for r in plan_cap_check.candidates(0.0))
+
+    monkeypatch.setattr(plan_accuracy_rows, "all_rows",
+                        lambda: [r for r in every_row() if not (r.plan_cap == 2.66 and r.name.startswith(name))])
     rows = {r.name: r for r in plan_cap_check.candidates(0.0)}
-    row = rows["sample: chunked, 4 head groups, fp8 streamed @ 3s"]
-    assert plan_cap_check.cap_of(row, 0.05) > 2.27
+    assert plan_cap_check.cap_of(rows[name], 0.05) > 2.27
     assert "lora, sub-block ckpt + offload, fp8 streamed, 8-bit AdamW @ 9s" not in rows
