@@ -296,7 +296,7 @@ def cap_check_rows() -> list[Row]:
             if r["status"] not in ("ok", "oom"):
                 continue
             ok = r["status"] == "ok"
-            row = Row(f"{r['setup']}, under the plan's cap {r['cap_gib']:.1f} GiB", path.name, r["config"],
+            row = Row(f"{r['setup']}, under the plan's cap {r['cap_gib']:g} GiB", path.name, r["config"],
                       r["overrides"], r["phase"], "held out", r["peak_allocated_gib"] if ok else None,
                       r["peak_reserved_gib"] if ok else None, plan_cap=r["cap_gib"])
             row.oom_under = None if ok else r["cap_gib"]

@@ -102,7 +102,7 @@ def test_plan_accuracy_reads_plan_cap_check_runs(tmp_path, monkeypatch):
     ok, oom = plan_accuracy_rows.cap_check_rows()
     assert ok.plan_cap == 21.74 and ok.oom_under is None and ok.reserved == 21.5 and ok.role == "held out"
     assert oom.oom_under == oom.plan_cap == 21.74 and oom.reserved is None
-    assert ok.name == "a, under the plan's cap 21.7 GiB" and ok.overrides == ["layout.duration=9s"]
+    assert ok.name == "a, under the plan's cap 21.74 GiB" and ok.overrides == ["layout.duration=9s"]
 
 
 def test_plan_cap_check_runs_again_a_setup_whose_cap_grew_past_the_one_it_ran_out_of_memory_under(monkeypatch):
