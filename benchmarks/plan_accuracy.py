@@ -45,11 +45,31 @@ from pathlib import Path
 
 try:  # one module object for the rows, whether this runs as a script or is imported from the package
     from benchmarks.plan_accuracy_rows import (FSDP_RESERVE, GIB, RESULTS, WHOLE_BLOCK, WINDOW_FORM, Row, all_rows,
-                                               config_of)
+                                               cap_answers, capped_runs, config_of, setup_key)
 except ImportError:  # run as a script: this folder is on sys.path
-    from plan_accuracy_rows import FSDP_RESERVE, GIB, RESULTS, WHOLE_BLOCK, WINDOW_FORM, Row, all_rows, config_of
+    from plan_accuracy_rows import (FSDP_RESERVE, GIB, RESULTS, WHOLE_BLOCK, WINDOW_FORM, Row, all_rows, cap_answers,
+                                    capped_runs, config_of, setup_key)
+TOLERANCE = 0.10  # the issue's bar for a held-out reserved peak
 
 H100_CARD = 85_520_809_984  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3
+
+
+def beyond_tolerance(rows: list[Row]) -> list[dict]:
+    """The held-out rows (predicted) whose reserved peak is off by more than TOLERANCE, each with whether a run of its
+    setup under the plan's cap (the prediction + tttv plan's margin) answers it: one that ran there shows the free
+    run's extra reserve was the allocator's cache, not need (plan_accuracy_rows.cap_answers)."""
+    from tttvideo.memory.plan.planner import MARGIN
+
+    runs_under_cap = capped_runs(rows)
+    out = []
+    for row in rows:
+        err = rel(row.predicted["reserved_gib"], row.reserved)
+        if row.role != "held out" or row.plan_cap is not None or err is None or abs(err) <= TOLERANCE:
+            continue
+        cap = round(row.predicted["reserved_gib"] * (1 + MARGIN), 2)
+        out.append({"setup": row.name, "error": err,
+                    "answered_by_a_run_under_the_plan": cap_answers(runs_under_cap.get(setup_key(row), []), cap)})
+    return out
 
 
 def predict_row(row: Row, costs) -> dict:
@@ -307,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     capped = [r["measured"] for r in out["rows"] if r["measured"]["plan_cap_gib"] is not None]
     capped_oom = sum(m["oom_under_gib"] is not None for m in capped)
     capped_ran = len(capped) - capped_oom
+    beyond = beyond_tolerance(rows)
+    unanswered = [b["setup"] for b in beyond if not b["answered_by_a_run_under_the_plan"]]
     out["summary"] = {"held_out_rows": len(held),
                       "worst_held_out_reserved_error": worst and worst["error"]["reserved"],
                       "worst_held_out_setup": worst and worst["setup"],
@@ -315,13 +337,15 @@ def main(argv: list[str] | None = None) -> int:
                       "worst_held_out_block_model_step_error": worst_time and worst_time["error"]["step_s"],
                       "worst_held_out_block_model_step_setup": worst_time and worst_time["setup"],
                       "out_of_memory_predicted_to_fit": bad_fit,
-                      "under_planned_cap": {"ran": capped_ran, "out_of_memory": capped_oom}}
+                      "under_planned_cap": {"ran": capped_ran, "out_of_memory": capped_oom},
+                      "beyond_tolerance": beyond}
     print(f"\nheld out: {len(held)} rows with a reserved peak; worst {worst and worst['error']['reserved']:+.1%} "
           f"({worst and worst['setup']}); block model: {len(counted)} rows, worst "
           f"{worst_counted and worst_counted['error']['reserved']:+.1%} ({worst_counted and worst_counted['setup']}), "
           f"step time worst {worst_time and worst_time['error']['step_s']:+.1%} ({worst_time and worst_time['setup']})"
           f"; out-of-memory runs predicted to fit: {bad_fit or 'none'}; setups run under the plan's cap (predicted "
-          f"reserved + margin): {capped_ran} ran, {capped_oom} out of memory")
+          f"reserved + margin): {capped_ran} ran, {capped_oom} out of memory; held out beyond {TOLERANCE:.0%} "
+          f"reserved: {len(beyond)}, of which not answered by a run under the plan's cap: {unanswered or 'none'}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")

@@ -162,6 +162,11 @@ def chain_rows() -> list[Row]:
                     and "cap_gib" not in r:
                 row.role, row.calibrates = "calibration", FSDP_RESERVE
             row.gpus = gpus
+            if "superseded" in r:
+                # a run whose program had a bug that changed its memory (the reason in the file, and the later runs
+                # of the same config that replace it): shown, its step time still held out, its memory in no figure
+                row.role, row.time_role = "superseded", "held out"
+                row.name += " (memory superseded)"
             rows.append(row)
     return rows
 
@@ -302,6 +307,26 @@ def cap_check_rows() -> list[Row]:
             row.oom_under = None if ok else r["cap_gib"]
             rows.append(row)
     return rows
+
+
+def setup_key(row: Row) -> tuple:
+    """What makes two rows runs of one setup: config, overrides and phase."""
+    return row.config, tuple(row.overrides), row.phase
+
+
+def capped_runs(rows: list[Row]) -> dict[tuple, list[tuple[float, bool]]]:
+    """Every run under the plan's cap by setup: (cap GiB, whether it ran) each."""
+    capped: dict[tuple, list[tuple[float, bool]]] = {}
+    for r in rows:
+        if r.plan_cap is not None:
+            capped.setdefault(setup_key(r), []).append((r.plan_cap, r.oom_under is None))
+    return capped
+
+
+def cap_answers(runs: list[tuple[float, bool]], cap: float) -> bool:
+    """Whether capped runs of a setup answer a cap of `cap` GiB: one ran under it or a smaller one (so the cap is
+    memory enough), or one ran out of memory under it or a larger one (so it is not)."""
+    return any(c <= cap if ran else c >= cap for c, ran in runs)
 
 
 def all_rows() -> list[Row]:

@@ -11,8 +11,8 @@ same config and overrides, `tttv profile --steps 2` in its own process (the stud
 `tttvideo.memory.studies.matrix`): it either fits that cap (the prediction was enough; the allocator's reserve under
 it is recorded) or runs out of memory (a plan that said "fits" wrongly). One GPU's rows only; rows of several GPUs
 run under `benchmarks/stage_chain.py --cap-at-plan`. A row is left out when a capped run of its setup already
-answers today's cap: it ran under that cap or a larger one, or ran out of memory under it or a smaller one (a setup
-whose prediction grew past the cap it ran out of memory under runs again).
+answers today's cap: it ran under a cap no larger than today's, or ran out of memory under a cap no smaller than
+today's (a setup whose prediction grew past the cap it ran out of memory under runs again).
 
 Rows run concurrently with --jobs (each its own process under its own cap: the caps are per process, so memory
 figures are unaffected; times are contended and not recorded as step times). The JSON (default
@@ -42,16 +42,13 @@ GIB, ROOT, STEP_SETUP = plan_accuracy_rows.GIB, plan_accuracy_rows.ROOT, plan_ac
 def candidates(worse_than: float, only: str | None = None, margin: float = 0.05) -> list[plan_accuracy_rows.Row]:
     """plan_accuracy's held-out one-GPU rows measured above their predicted reserved peak by more than `worse_than`
     (a share), each with its prediction, but for those whose setup has a run under a cap that already answers the
-    plan's cap now (prediction + `margin`): one that ran under it or a larger one, one that ran out of memory under
-    it or a smaller one. A setup whose prediction has grown past the cap it ran out of memory under runs again."""
+    plan's cap now (prediction + `margin`, `plan_accuracy_rows.cap_answers`). A setup whose prediction has grown past
+    the cap it ran out of memory under runs again."""
     from tttvideo.memory.plan.costs import load_costs
 
     rows = plan_accuracy_rows.all_rows()
     costs = load_costs("h100")
-    capped: dict[tuple, list[tuple[float, bool]]] = {}
-    for r in rows:
-        if r.plan_cap is not None:
-            capped.setdefault((r.config, tuple(r.overrides), r.phase), []).append((r.plan_cap, r.oom_under is None))
+    capped = plan_accuracy_rows.capped_runs(rows)
     out = []
     for row in rows:
         if row.role != "held out" or row.gpus != 1 or row.reserved is None or row.plan_cap is not None:
@@ -60,8 +57,7 @@ def candidates(worse_than: float, only: str | None = None, margin: float = 0.05)
             continue
         row.predicted = plan_accuracy.predict_row(row, costs)
         cap = cap_of(row, margin)
-        runs = capped.get((row.config, tuple(row.overrides), row.phase), [])
-        if any(c <= cap if ran else c >= cap for c, ran in runs):
+        if plan_accuracy_rows.cap_answers(capped.get(plan_accuracy_rows.setup_key(row), []), cap):
             continue
         err = plan_accuracy.rel(row.predicted["reserved_gib"], row.reserved)
         if err is not None and err < -worse_than:
