@@ -49,6 +49,7 @@ try:  # one module object for the rows, whether this runs as a script or is impo
 except ImportError:  # run as a script: this folder is on sys.path
     from plan_accuracy_rows import (FSDP_RESERVE, GIB, RESULTS, WHOLE_BLOCK, WINDOW_FORM, Row, all_rows, cap_answers,
                                     capped_runs, config_of, setup_key)
+
 TOLERANCE = 0.10  # the bar for a held-out reserved peak
 
 H100_CARD = 85_520_809_984  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3
