@@ -221,7 +221,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "long-range-d64.toml"))
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"rows of the main table, comma separated, of {', '.join(VARIANTS)}")
+                    help=f"rows of the main table, comma separated, of {', '.join(VARIANTS)} ('none' is local "
+                         "attention's row; an empty value runs no main row, only --ablations)")
     ap.add_argument("--durations", default="9s,18s", help="of the main table, comma separated, 6 s and longer")
     ap.add_argument("--seeds", default="0,1,2,3,4", help="of the main table")
     ap.add_argument("--ablations", default=",".join(ABLATIONS),

@@ -396,6 +396,12 @@ def test_the_run_plan_of_the_default_config_is_its_measured_runs(tmp_path, capsy
     assert f"1 of them at the median of the held runs of their row and duration with 3 jobs, the rest at a step of " \
            f"{step_s} s" in printed
 
+    # an empty --variants plans ablation runs alone ('none' would be local attention's main row)
+    assert lr.main(["--plan", "--variants", "", "--ablations", "ttt-mlp-lr1", "--ablation-seeds", "2",
+                    "--out", str(tmp_path / "lr.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "run plan: 1 runs (0 held already)" in printed and "runs per row: ttt-mlp-lr1 1\n" in printed
+
 
 def test_runs_spread_over_the_gpus_of_a_host(tmp_path, capsys, monkeypatch):
     """--gpus N: --jobs runs on each GPU, a new run on the GPU with the fewest (each run's process sees its GPU alone,
