@@ -72,8 +72,8 @@ from launch_watch import Watched, failure, gpu_name, gpu_total_gib, tttv, worker
 from stage_chain_report import merged, print_table  # noqa: E402
 from stage_chain_sample import compare_latents, run_sample, sample_layouts  # noqa: E402
 from stage_chain_stages import (  # noqa: E402
-    COGVIDEOX_CONFIGS, REPO, STAGES, base_read_later, check_chain_disk, data_parallel, disk_figures, killed_stage,
-    reads_previous, resolved, stage_config, stage_schedule)
+    COGVIDEOX_CONFIGS, REPO, STAGES, base_read_later, chain_batch, check_chain_disk, data_parallel, disk_figures,
+    killed_stage, reads_previous, resolved, stage_config, stage_schedule)
 
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 from tttvideo.train.checkpoint import folder_bytes  # noqa: E402
@@ -213,8 +213,7 @@ def train_command(args: argparse.Namespace, duration: int, out: Path, manifest: 
     # a two-GPU machine held 110-128 GiB: the stages save only their final step, the killed one every step (the
     # kill -9 needs a checkpoint before the step it interrupts), and one checkpoint is kept
     sets = [f"model.preset={args.preset}", f"layout.duration={duration}s", f"data.manifest={manifest}",
-            f"train.output_dir={out}", f"train.steps={steps}", "train.grad_accum=0",
-            f"train.global_batch={data_parallel(duration, args)}", "train.batch_size=1",
+            f"train.output_dir={out}", f"train.steps={steps}", *chain_batch(duration, args),
             f"train.checkpoint_every={every}", "train.keep_checkpoints=1",
             "train.sample_at_end=false", "train.validate_every=0", "train.tensorboard=false", "data.num_workers=0",
             f"train.device={args.device}", *start, *args.overrides]
@@ -255,8 +254,7 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
     measured = kind in known_gpus()
     if not measured and "h100" not in known_gpus():
         return {}
-    cfg = resolved(duration, args)
-    cfg.train.grad_accum, cfg.train.global_batch, cfg.train.batch_size = 0, data_parallel(duration, args), 1
+    cfg = resolved(duration, args, *chain_batch(duration, args))
     p = predict(cfg, "train", Candidate("as configured", ()), load_costs(kind if measured else "h100"),
                 gpus=args.gpus)
     gib = 2**30

@@ -23,17 +23,23 @@ def stage_config(duration: int, gpus: int = 1, patterns: tuple[str, ...] | list[
     return next((p for p in paths if p.is_file()), paths[0])
 
 
-def resolved(duration: int, args: argparse.Namespace) -> Any:
-    """The stage's config for this launch's GPUs (--gpus), as `tttv train` will read it."""
+def resolved(duration: int, args: argparse.Namespace, *sets: str) -> Any:
+    """The stage's config for this launch's GPUs (--gpus), as `tttv train` will read it, with `sets` before the
+    chain's own --set overrides (as the launch orders them)."""
     from tttvideo.config.loader import load_config
 
     return load_config(stage_config(duration, args.gpus, args.configs),
-                       [f"model.preset={args.preset}", f"layout.duration={duration}s", *args.overrides])
+                       [f"model.preset={args.preset}", f"layout.duration={duration}s", *sets, *args.overrides])
 
 
 def data_parallel(duration: int, args: argparse.Namespace) -> int:
     """How many videos one optimizer step of the stage takes at one micro-batch per rank: its global batch."""
     return args.gpus // max(1, resolved(duration, args).parallel.sp)
+
+
+def chain_batch(duration: int, args: argparse.Namespace) -> list[str]:
+    """The batch every launch of the chain trains at: one micro-batch a rank, so each step is one optimizer step."""
+    return ["train.grad_accum=0", f"train.global_batch={data_parallel(duration, args)}", "train.batch_size=1"]
 
 
 def base_read_later(args: argparse.Namespace) -> bool:
