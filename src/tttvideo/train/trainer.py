@@ -95,7 +95,6 @@ class TrainResult:
     video: Path | None = None
 
 
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
