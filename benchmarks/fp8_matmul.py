@@ -7,14 +7,15 @@ output error of one guided prediction against bf16 weights, and each frozen laye
         --text-tokens 8 --long 6 --timed-blocks 1 --out /tmp/fp8.json                               # CPU smoke run
 
 One model (random weights, seed 0, `model.adapter` qkvo as the stage configs: q, k, v, o and TTT trained and kept
-in bf16, every other linear frozen) is measured three times, changed in place between: "bf16" (frozen weights in
-bf16), "fp8 storage" (`model.frozen_weights = 'fp8'`: e4m3 codes upcast to bf16 in every call) and "fp8 matmul"
-(`model.fp8_matmul`: activations quantised per token, torch._scaled_mm). The guided step is `benchmarks/sample.py`'s
-(batch 2, CUDA events around every block's attention and TTT); the long duration runs its first --timed-blocks
-blocks and adds the mean block time for the rest. The error is the relative L2 distance of one guided prediction
-at the short duration from the bf16 model's. The layer table times F.linear on the upcast weight against
-`fp8_linear` (quantisation of the input included) at the short step's token count (batch 2), median of --repeats,
-and the quantisation alone: `quantize_tokens_fast` (the Triton kernel on a GPU with fp8) against the
+in bf16, every other linear frozen) is measured four times, changed in place between: "bf16" (frozen weights in
+bf16), "fp8 storage" (`model.frozen_weights = 'fp8'`: e4m3 codes upcast to bf16 in every call), "fp8 matmul"
+(`model.fp8_matmul`: activations quantised per token, torch._scaled_mm) and "fp8 matmul, every linear" (sampling
+with `sample.fp8_linears = 'all'`: the trained linears in fp8 too; not a training variant). The guided step is
+`benchmarks/sample.py`'s (batch 2, CUDA events around every block's attention and TTT); the long duration runs its
+first --timed-blocks blocks and adds the mean block time for the rest. The error is the relative L2 distance of one
+guided prediction at the short duration from the bf16 model's. The layer table times F.linear on the upcast weight
+against `fp8_linear` (quantisation of the input included) at the short step's token count (batch 2), median of
+--repeats, and the quantisation alone: `quantize_tokens_fast` (the Triton kernel on a GPU with fp8) against the
 torch.compile'd `quantize_tokens` fp8_linear ran before it. With --train-durations, the trainer's training step
 (forward + backward of one video, `benchmarks/model_step.py`'s step and timing, its default checkpointing; weights
 in fp32 on the CPU) of each variant at those durations, a fresh model each.
@@ -43,15 +44,20 @@ from tttvideo.layout import VideoLayout  # noqa: E402
 from tttvideo.models.backbone import get_preset  # noqa: E402
 from tttvideo.models import build_model  # noqa: E402
 from tttvideo.models.fp8_storage import (Fp8Linear, check_fp8_matmul, fp8_linear, quantize_tokens,  # noqa: E402
-                                         quantize_tokens_fast, store_fp8, use_fp8_matmul, use_quantize_kernel)
+                                         quantize_tokens_fast, store_every_linear_fp8, store_fp8,
+                                         use_fp8_matmul, use_quantize_kernel)
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
 
 # each variant's settings on top of model_step's config (qkvo adapter: the trained layers stay in bf16), in the
 # order they are measured
 VARIANT_SETTINGS = {"bf16": ("model.frozen_weights=dtype",),
                     "fp8 storage": ("model.frozen_weights=fp8",),
-                    "fp8 matmul": ("model.frozen_weights=fp8", "model.fp8_matmul=true")}
+                    "fp8 matmul": ("model.frozen_weights=fp8", "model.fp8_matmul=true"),
+                    # sampling only: the trained linears too (nothing trains when sampling)
+                    "fp8 matmul, every linear": ("model.frozen_weights=fp8", "model.fp8_matmul=true",
+                                                 "sample.fp8_linears=all")}
 VARIANTS = tuple(VARIANT_SETTINGS)
+TRAIN_VARIANTS = VARIANTS[:3]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -131,7 +137,7 @@ def train_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """The training step of each variant at each of --train-durations (model_step's build, step and timing)."""
     rows = []
     for duration in args.train_durations:
-        for variant in VARIANTS:
+        for variant in TRAIN_VARIANTS:
             margs = model_step.parse_args([
                 "--preset", args.preset, "--device", str(device), "--durations", str(duration),
                 "--height", str(args.height), "--width", str(args.width), "--text-tokens", str(args.text_tokens),
@@ -187,6 +193,8 @@ def main(argv=None) -> int:
             data["fp8_layers"] = store_fp8(model)
         elif variant == "fp8 matmul":
             data["fp8_matmul_layers"] = use_fp8_matmul(model, device)[0]
+        elif variant == "fp8 matmul, every linear":
+            data["fp8_matmul_every_layers"] = store_every_linear_fp8(model, device, True)[0]
         with torch.no_grad():
             prediction = sample.guided_step(model, short, x, text, uncond, batched=True)
         reference = prediction if reference is None else reference

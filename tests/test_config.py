@@ -406,4 +406,4 @@ def test_choice_fields_are_typed_by_their_allowed_values():
                 assert typing.get_origin(hints[f.name]) is typing.Literal, f"{section.name}.{f.name}"
                 assert typing.get_args(hints[f.name]) == choices, f"{section.name}.{f.name}"
                 checked += 1
-    assert checked == 22
+    assert checked == 23

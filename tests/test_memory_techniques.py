@@ -5,6 +5,7 @@ preparation of a built model act, and its advice and the planner's count agree."
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 
 import pytest
@@ -12,8 +13,8 @@ import pytest
 from tttvideo.config.loader import config_to_dict
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError
-from tttvideo.memory.techniques import (ADAMW_8BIT, FP8_STREAMING, REGISTRY, SAMPLE_BLOCK_OFFLOAD, ModelBytes,
-                                        calibration_setups, check_techniques, techniques)
+from tttvideo.memory.techniques import (ADAMW_8BIT, FP8_EVERY_LINEAR, FP8_STREAMING, REGISTRY, SAMPLE_BLOCK_OFFLOAD,
+                                        ModelBytes, calibration_setups, check_techniques, techniques)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +33,7 @@ def tiny() -> Config:
 
 
 def test_names_are_unique_and_keys_are_config_keys():
-    assert len({t.name for t in REGISTRY}) == len(REGISTRY) == 12
+    assert len({t.name for t in REGISTRY}) == len(REGISTRY) == 13
     keys = flat(Config())
     for t in REGISTRY:
         assert t.keys and set(t.keys) <= set(keys), t.name
@@ -106,3 +107,26 @@ def test_calibration_setups_are_ordered_and_distinct():
     setups = calibration_setups()
     assert [s.order for s in setups] == sorted(s.order for s in setups)
     assert len({s.order for s in setups}) == len({s.name for s in setups}) == len(setups)
+
+
+def test_fp8_every_linear_counts_the_trained_linears_in_fp8_on_the_gpu():
+    """sample.fp8_linears = 'all' takes the adapter's trainable linears to fp8 in the sample count, by what fp8
+    storage saves of them (1 byte a value and a scale a row); with blocks streamed from host memory only the blocks
+    on the GPU count; nothing without fp8 storage or for training."""
+    from tttvideo.memory.plan.count import count, model_bytes
+
+    cfg = tiny()
+    cfg.model.adapter = "qkvo"
+    b = model_bytes(cfg)
+    assert b.trainable_linear_saving > 0 and b.block_trainable_linear_saving > 0
+    assert b.trainable_linear_saving == b.blocks * b.block_trainable_linear_saving  # tiny: only blocks train
+    frozen = count(cfg, "sample").weights
+    cfg.sample.fp8_linears = "all"
+    assert FP8_EVERY_LINEAR.is_on(cfg)
+    assert count(cfg, "sample").weights == frozen - b.trainable_linear_saving
+    assert FP8_EVERY_LINEAR.footprint(cfg, "train", b).weights == 0
+    cfg.sample.offload_blocks, cfg.sample.prefetch_blocks = True, 1
+    ten = dataclasses.replace(b, blocks=10, trainable_linear_saving=10 * b.block_trainable_linear_saving)
+    assert FP8_EVERY_LINEAR.footprint(cfg, "sample", ten).weights == -2 * b.block_trainable_linear_saving
+    cfg.model.frozen_weights = "dtype"
+    assert FP8_EVERY_LINEAR.footprint(cfg, "sample", b).weights == 0

@@ -18,6 +18,7 @@ SampleDtype = Literal["auto", "fp32", "bf16", "fp16"]
 Adapter = Literal["sft", "qkvo", "lora"]
 SequenceLayer = Literal["ttt", "none", "full-attention", "mamba2", "gated-deltanet"]
 FrozenWeights = Literal["dtype", "fp8"]
+SampleFp8Linears = Literal["frozen", "all"]
 TTTKind = Literal["mlp", "linear"]
 EtaLayout = Literal["per-token", "reference"]
 TTTBackend = Literal["auto", "triton", "reference"]
@@ -85,8 +86,8 @@ class ModelConfig:
         "help": "with frozen_weights = 'fp8': frozen linear layers multiply in fp8 (torch._scaled_mm: activations "
                 "quantised per token, the stored per-channel weight scales, fp32 accumulation) instead of "
                 "upcasting their weights to bf16; on Ada and Hopper GPUs (compute capability >= 8.9), at more output "
-                "error, and measured no faster on an H200 (docs/model.md 'fp8 matrix products for frozen weights'); "
-                "backward keeps the upcast weight"})
+                "error and little speed (docs/model.md 'fp8 matrix products for frozen weights'; sampling with "
+                "sample.fp8_linears = 'all' gains most); backward keeps the upcast weight"})
     compile_attention_glue: bool = field(default=True, metadata={
         "help": "torch.compile local attention's q/k norms, window gather and RoPE on CUDA (one write per tensor "
                 "instead of a gather, an fp32 copy and elementwise passes; the overlap merge is two gathers either "
@@ -303,6 +304,10 @@ class SampleConfig:
     dtype: SampleDtype = choice("auto", *get_args(SampleDtype), help=(
         "dtype the transformer samples in (no autocast): 'auto' is bf16 on a GPU where model.dtype is fp32 (a run's "
         "master weights; the trained weights are cast as they load) and model.dtype otherwise, CPU included"))
+    fp8_linears: SampleFp8Linears = choice("frozen", *get_args(SampleFp8Linears), help=(
+        "with model.frozen_weights = 'fp8', the transformer's linear layers stored in fp8 when sampling: 'frozen' "
+        "those the adapter froze in training; 'all' every one (nothing trains when sampling), multiplied in fp8 "
+        "too with model.fp8_matmul (more output error: docs/model.md 'fp8 matrix products for frozen weights')"))
     text_encoder_path: str = field(default="", metadata={"help": "T5 folder ('' = data.text_encoder_path; both "
                                                                  "empty = the demo text encoder)"})
     text_encoder_device: TextEncoderDevice = choice("auto", *get_args(TextEncoderDevice),

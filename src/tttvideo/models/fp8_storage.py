@@ -35,6 +35,8 @@ each frozen weight as it reads it (the same codes as loading into the unconverte
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,11 +101,29 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
     x_codes, x_scale = quantize_tokens_fast(rows)
     # CUDA's row-wise kernels write bf16 only: another compute dtype (fp16 autocast, fp32) gets bf16 cast to it
     out_dtype = torch.bfloat16 if rows.is_cuda else dtype
-    out = torch._scaled_mm(x_codes, codes.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=out_dtype)
+    # the bias in the product's epilogue, added to the fp32 sums: added apart, it cost a pass over the output
+    # about as long as the quantisation (docs/model.md)
+    fused = bias is not None and scaled_mm_takes_bias(rows.device, out_dtype)
+    out = torch._scaled_mm(x_codes, codes.t(), scale_a=x_scale, scale_b=scale.float()[None, :],
+                           bias=bias.to(out_dtype) if fused else None, out_dtype=out_dtype)
     out = out.to(dtype)
-    if bias is not None:  # added apart: not every version's row-wise kernel takes a bias
+    if bias is not None and not fused:
         out = out.add_(bias.to(dtype))
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@functools.cache
+def scaled_mm_takes_bias(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm with per-row scales adds a bias of `out_dtype` on `device` (asked once, at 16 x 16):
+    PyTorch builds and GPUs differ in which of its kernels take one."""
+    codes = torch.zeros(16, 16, device=device, dtype=FP8)
+    try:
+        torch._scaled_mm(codes, codes.t(), scale_a=torch.ones(16, 1, device=device),
+                         scale_b=torch.ones(1, 16, device=device), bias=torch.zeros(16, device=device, dtype=out_dtype),
+                         out_dtype=out_dtype)
+    except RuntimeError:
+        return False
+    return True
 
 
 def fp8_matmul_takes(in_features: int, out_features: int) -> bool:
@@ -218,6 +238,34 @@ def use_fp8_matmul(model: nn.Module, device: torch.device | str) -> tuple[int, i
     for m in on:
         m.fp8_matmul = True
     return len(on), len(layers)
+
+
+@torch.no_grad()
+def store_every_linear_fp8(model: nn.Module, device: torch.device | str, matmul: bool) -> tuple[int, int]:
+    """Sampling with `sample.fp8_linears = "all"`: once its weights are loaded nothing of the model trains, so the
+    linear layers its adapter trained (under 'qkvo' attention's and TTT's q/k/v/o: a third of a 5B block's linear
+    work) are stored in fp8 like the frozen ones and, with `matmul` (`model.fp8_matmul`), multiply in fp8.
+    Returns (layers that multiply in fp8, fp8 layers in all)."""
+    model.requires_grad_(False)
+    store_fp8(model)
+    if matmul:
+        return use_fp8_matmul(model, device)
+    return 0, sum(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def stacked_fp8_linear(x: torch.Tensor, layers: tuple[nn.Module, ...], rows: slice, heads: int) -> torch.Tensor | None:
+    """The outputs of `layers` (linears of one input and equal sizes, each split into `heads` groups of output
+    rows) for the head groups `rows` of each, concatenated: one quantisation of x and one fp8 product instead of one
+    per layer; None unless every layer multiplies in fp8 (`Fp8Linear.fp8_matmul`)."""
+    if not all(isinstance(m, Fp8Linear) and m.fp8_matmul for m in layers):
+        return None
+    n, C = len(layers), layers[0].in_features
+    pick = lambda ts, *tail: torch.stack(ts).view(n, heads, -1, *tail)[:, rows].reshape(-1, *tail)  # noqa: E731
+    codes = pick([m.weight_fp8 for m in layers], C)
+    scale = pick([m.weight_scale for m in layers])
+    bias = None if layers[0].bias is None else pick([m.bias for m in layers])
+    dtype = layers[0].compute_dtype(x)
+    return fp8_linear(x, codes, scale, None if bias is None else bias.to(dtype), dtype)
 
 
 def check_fp8_matmul(cfg: Config, device: torch.device | str) -> None:

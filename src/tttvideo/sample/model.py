@@ -13,6 +13,7 @@ import torch
 
 from tttvideo.config.schema import Config
 from tttvideo.dtypes import sampling_dtype
+from tttvideo.errors import ConfigError
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import Backbone
 from tttvideo.runs import ema_file_beside, is_full_checkpoint, load_trained, resolve_checkpoint
@@ -47,7 +48,12 @@ def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device,
     or run folder) on top; with `offload` the blocks stay in CPU memory and stream onto a CUDA device."""
     from tttvideo.memory.guard.cap import apply_memory_cap
     from tttvideo.models import build_model, load_checkpoint
+    from tttvideo.models.fp8_storage import store_every_linear_fp8
 
+    if cfg.sample.fp8_linears == "all" and cfg.model.frozen_weights != "fp8":
+        raise ConfigError("sample.fp8_linears = 'all' stores every linear layer as model.frozen_weights = 'fp8' "
+                          "stores the frozen ones; set model.frozen_weights = 'fp8' too, or sample.fp8_linears = "
+                          "'frozen'")
     apply_memory_cap(cfg.memory, device)
     cfg = copy.deepcopy(cfg)
     dtype = sampling_dtype(cfg.model.dtype, cfg.sample.dtype, device.type == "cuda")
@@ -69,6 +75,9 @@ def load_model(cfg: Config, checkpoint: str | Path | None, device: torch.device,
             load_checkpoint(model, ema_file)
             log.info("sampling with the EMA weights of %s", ema_file.parent)
     model.eval().requires_grad_(False)
+    if cfg.sample.fp8_linears == "all":
+        on, layers = store_every_linear_fp8(model, device, cfg.model.fp8_matmul)
+        log.info("sample.fp8_linears = 'all': %d linear layers in fp8, %d of them multiplying in fp8", layers, on)
     if not offload:
         return LoadedModel(model)
     if streamed:

@@ -285,8 +285,7 @@ class TTTLayer(nn.Module):
         """The scan inputs [3, B, h, n, D] and eta [B, h, n] of `heads` for the n stream rows `index` (in scan
         order; None: x is those rows already, reversed when `flip`)."""
         xs = gather_tokens(x, index) if index is not None else x.flip(1) if flip else x
-        w, b = self.qkv_projection(heads)
-        qkv = F.linear(xs, w, b).unflatten(-1, (3, heads.stop - heads.start, self.head_dim))
+        qkv = self.project_qkv(xs, heads).unflatten(-1, (3, heads.stop - heads.start, self.head_dim))
         qkv = prepare_scan_inputs(qkv, cos, sin, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads], 0, x.dtype,
                                   self.backend, self.compile_glue)
         return qkv, self.eta(xs, mini_batch_size, heads).transpose(1, 2)
@@ -386,9 +385,17 @@ class TTTLayer(nn.Module):
         b = torch.stack([self.wq.bias, self.wk.bias, self.wv.bias]).view(3, H, D)[:, heads]
         return w.reshape(-1, C), b.reshape(-1)
 
+    def project_qkv(self, x: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
+        """x [B, L, C] through the q/k/v projections of `heads` in one product: [B, L, 3 h D]. In fp8 where the
+        three multiply in fp8 (sampling with sample.fp8_linears = 'all')."""
+        from tttvideo.models.fp8_storage import stacked_fp8_linear  # models imports this module
+
+        fp8 = stacked_fp8_linear(x, (self.wq, self.wk, self.wv), heads, self.num_heads)
+        return F.linear(x, *self.qkv_projection(heads)) if fp8 is None else fp8
+
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The three projections in one matmul: [B, L, C] -> [B, L, 3, H, D]."""
-        return F.linear(x, *self.qkv_projection()).unflatten(-1, (3, self.num_heads, self.head_dim))
+        return self.project_qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))
 
     def _scan(self, qkv: torch.Tensor, eta: torch.Tensor, layout: VideoLayout, cos: torch.Tensor, sin: torch.Tensor,
               heads: slice | None, dtype: torch.dtype) -> torch.Tensor:

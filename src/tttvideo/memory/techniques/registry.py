@@ -3,9 +3,9 @@
 Training: activation checkpointing (whole blocks, keeping some outputs, or blocks and their four parts), nested
 checkpointing (one saved input per span of units), activation offload to host memory (an exact-size pool), fp8
 storage of the frozen weights, streaming those from host memory, 8-bit AdamW, the MLP over token chunks, Wan's
-window-wise block form, and on several GPUs sequence parallelism. Sampling: fp8 storage, the chunked
-(bounded-memory) forward, the guidance's two passes batched, in turn, or split over two groups of GPUs, blocks
-streamed from host memory, sequence parallelism.
+window-wise block form, and on several GPUs sequence parallelism. Sampling: fp8 storage (of every linear with
+sample.fp8_linears = 'all'), the chunked (bounded-memory) forward, the guidance's two passes batched, in turn, or
+split over two groups of GPUs, blocks streamed from host memory, sequence parallelism.
 `REGISTRY` holds them in the order the OOM advice lists savings of equal size and the calibration runs its setups.
 """
 
@@ -205,6 +205,30 @@ FP8_WEIGHTS = MemoryTechnique(
         CalibrationSetup("lora, block ckpt, fp8, 8-bit AdamW", LORA, "train",
                          BLOCK + ("checkpointing.offload_activations=false",), (), ("3s", "9s"), order=10),
     ),
+)
+
+
+# ------------------------------------------------------------------------------------------- fp8 every linear
+def _fp8_every_linear_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
+    if phase != "sample" or cfg.model.frozen_weights != "fp8":
+        return Footprint()
+    saving = b.trainable_linear_saving
+    if cfg.sample.offload_blocks:  # only the blocks on the GPU count there (SAMPLE_BLOCK_OFFLOAD's footprint)
+        saving -= (b.blocks - cfg.sample.prefetch_blocks - 1) * b.block_trainable_linear_saving
+    return Footprint(weights=-saving)
+
+
+FP8_EVERY_LINEAR = MemoryTechnique(
+    name="fp8 every linear (sampling)",
+    phases=("sample",),
+    keys=("sample.fp8_linears",),
+    # the planner's model is built for training (the adapter's trainable layers in the model dtype): the footprint
+    # takes those to fp8 as the sampler does once the weights are loaded
+    mechanism="tttvideo.models.fp8_storage.store_every_linear_fp8, in tttvideo.sample.model.load_model",
+    is_on=lambda cfg: cfg.sample.fp8_linears == "all",
+    # no options: it trades output error for speed more than for memory (docs/model.md), the user's call
+    footprint=_fp8_every_linear_footprint,
+    lossy=True,
 )
 
 
@@ -592,7 +616,7 @@ WINDOW_FORM = MemoryTechnique(
 
 REGISTRY: tuple[MemoryTechnique, ...] = (FP8_WEIGHTS, ADAMW_8BIT, FP8_STREAMING, CHECKPOINTING, ACTIVATION_OFFLOAD,
                                          NESTED_CHECKPOINTING, FFN_CHUNKS, WINDOW_FORM, SEQUENCE_PARALLEL,
-                                         CHUNKED_INFERENCE, GUIDANCE_PASSES, SAMPLE_BLOCK_OFFLOAD)
+                                         CHUNKED_INFERENCE, GUIDANCE_PASSES, SAMPLE_BLOCK_OFFLOAD, FP8_EVERY_LINEAR)
 
 
 def check_techniques(cfg: Config, processes: int) -> None:

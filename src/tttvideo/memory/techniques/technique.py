@@ -66,6 +66,10 @@ class ModelBytes:
     gradients: int
     optimizer: dict[str, int]  # both moments of every trainable tensor, per optimizer
     dim: int  # width of the residual stream (0 when the model does not say)
+    # what fp8 storage would free of the trainable plain nn.Linear weights, in all and in one block (sampling with
+    # sample.fp8_linears = 'all', where nothing trains)
+    trainable_linear_saving: int = 0
+    block_trainable_linear_saving: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelBytes:
@@ -79,18 +83,22 @@ class ModelBytes:
         blocks = list(getattr(model, "blocks", ()))
         block = blocks[0] if blocks else nn.Module()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        # fp8 storage: 1 byte a value and one fp32 scale per output row instead of the weight's dtype
-        saving = sum(m.weight.numel() * (m.weight.element_size() - 1) - 4 * m.weight.shape[0]
-                     for m in model.modules() if type(m) is nn.Linear and not m.weight.requires_grad)
+        def fp8_saving(module: nn.Module, trainable: bool) -> int:
+            # fp8 storage: 1 byte a value and one fp32 scale per output row instead of the weight's dtype
+            return sum(m.weight.numel() * (m.weight.element_size() - 1) - 4 * m.weight.shape[0]
+                       for m in module.modules() if type(m) is nn.Linear and m.weight.requires_grad == trainable)
+
         spec = getattr(model, "spec", None)
         return cls(weights=nbytes(model.parameters()) + nbytes(model.buffers()), buffers=nbytes(model.buffers()),
                    block=nbytes(block.parameters()) + nbytes(block.buffers()), blocks=len(blocks),
-                   fp8=fp8_code_bytes(model), block_fp8=fp8_code_bytes(block), frozen_linear_saving=saving,
+                   fp8=fp8_code_bytes(model), block_fp8=fp8_code_bytes(block),
+                   frozen_linear_saving=fp8_saving(model, False),
                    trainable=sum(p.numel() for p in trainable), trainable_tensors=len(trainable),
                    gradients=nbytes(trainable),
                    optimizer={name: sum(optimizer_state_bytes(name, p.numel(), p.element_size()) for p in trainable)
                               for name in get_args(Optimizer)},
-                   dim=getattr(spec, "dim", 0))
+                   dim=getattr(spec, "dim", 0), trainable_linear_saving=fp8_saving(model, True),
+                   block_trainable_linear_saving=fp8_saving(block, True))
 
 
 @dataclass(frozen=True)
