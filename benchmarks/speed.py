@@ -17,8 +17,9 @@
   of the 42 blocks and adds the mean block time for the rest (sample.py's extrapolation; exact up to noise, since
   every block has the same shapes): such figures are marked "extrapolated" in the table and the JSON.
 - ttt63: one block's bidirectional TTT of the 63-s guided step alone (`benchmarks/ttt_sample_minibatch.py`'s
-  `measure`), with the scan's kernel calls past the 32-bit limit run side by side (the default) and in sequence
-  (TTT_KERNEL_GROUPS=serial, the schedule before): the A/B of that change in one process.
+  `measure`; its two scans alone too), with the scan's kernel calls past the 32-bit limit run side by side (the
+  default), in sequence (TTT_KERNEL_GROUPS=serial, the schedule before) and as one launch (TTT_KERNEL_GROUPS=one:
+  the conditional and unconditional halves together).
 - train63: the training step at the long duration, TTT on and off (activation offload to host memory, which is what
   fits one 80 GB card; one unwarmed step each: minutes per step).
 The parts run by default: train, sample3, sample63, ttt63; --quick runs the long guided step over its first 2
@@ -87,7 +88,9 @@ INFO = {
     "sample_long_off_step_s": "guided sampling step, long, TTT off (s)",
     "sample_long_ttt_part_s": "guided sampling step, long: its TTT modules (s)",
     "ttt63_block_ms": "one block's TTT at the long guided step, parts side by side (ms)",
+    "ttt63_scans_ms": "of which its two scans alone (ms)",
     "ttt63_block_serial_ms": "the same, parts in sequence (TTT_KERNEL_GROUPS=serial) (ms)",
+    "ttt63_block_one_ms": "the same, the whole batch as one launch (TTT_KERNEL_GROUPS=one) (ms)",
     "train_ttt_long_s": "training step, long, TTT on (s)",
     "train_off_long_s": "training step, long, TTT off (s)",
 }
@@ -312,7 +315,7 @@ def ttt_long_part(args, device, result: dict) -> None:
     rows = {}
     previous = os.environ.get("TTT_KERNEL_GROUPS")
     try:
-        for schedule in ("concurrent", "serial"):
+        for schedule in ("concurrent", "serial", "one"):
             os.environ["TTT_KERNEL_GROUPS"] = schedule
             rows[schedule] = ttt_sample_minibatch.measure(targs, "mlp", f"{args.long}s", mini_batch, device, dtype)
             print(json.dumps({"schedule": schedule, **rows[schedule]}), flush=True)
@@ -323,7 +326,8 @@ def ttt_long_part(args, device, result: dict) -> None:
         else:
             os.environ["TTT_KERNEL_GROUPS"] = previous
     result["parts"]["ttt63"] = {"rows": rows, "git_commit": result["git_commit"], "figures": {
-        "ttt63_block_ms": rows["concurrent"].get("block_ms"), "ttt63_block_serial_ms": rows["serial"].get("block_ms")}}
+        "ttt63_block_ms": rows["concurrent"].get("block_ms"), "ttt63_scans_ms": rows["concurrent"].get("scans_ms"),
+        "ttt63_block_serial_ms": rows["serial"].get("block_ms"), "ttt63_block_one_ms": rows["one"].get("block_ms")}}
 
 
 # ------------------------------------------------------------------------------------------------- output

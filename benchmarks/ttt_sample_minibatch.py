@@ -9,7 +9,8 @@ without gradients, in bf16, at mini-batch 16 and 64, for TTT-MLP and TTT-Linear,
 training one and only the TTT padding and the scan's mini-batch change. The scan runs on the dispatching backend
 ("auto": the Triton kernels, which take mini-batches 16, 32 and 64). "step s" is the block's time times the 42
 blocks: the TTT share of one guided step (`benchmarks/sample.py` times the whole step). Medians of CUDA-event
-timings (benchmarks/ttt_kernel.py's `bench`). Prints a table last; writes JSON with device, torch and commit.
+timings (benchmarks/ttt_kernel.py's `bench`). "scans ms" is the block's two scans alone (the layer's `scan` on drawn
+inputs of its shapes, twice): the rest of "block ms" is the projections, the glue and the gates. Prints a table last; writes JSON with device, torch and commit.
 """
 
 from __future__ import annotations
@@ -77,19 +78,37 @@ def measure(args, kind: str, duration: str, mini_batch: int, device: torch.devic
             if device.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["step_s"] = row["block_ms"] * args.layers / 1e3
+        del x
+        row["scans_ms"] = scans_ms(block.ttt, kind, args.batch, layout, device, dtype, args.reps)
     except torch.OutOfMemoryError:
         row["error"] = "out of memory"
-    del x, block
+    del block
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
+@torch.no_grad()
+def scans_ms(layer, kind: str, batch: int, layout: VideoLayout, device: torch.device, dtype: torch.dtype,
+             reps: int) -> float:
+    """The block's two scans alone (the forward and the reverse pass scan sequences of one shape): twice one scan,
+    by the layer's `scan` on q, k, v and eta drawn at its shapes (`tttvideo.ttt.testing.make_inputs`); the rest of
+    `block_ms` is the projections, the glue and the gates."""
+    from tttvideo.ttt.testing import make_inputs
+
+    L = layout.total_tokens + layout.ttt_padding
+    q, k, v, eta = (t.detach() for t in make_inputs(kind, batch, layer.num_heads, L, layer.head_dim,
+                                                     layout.mini_batch_size, dtype, seed=0, device=device)[:4])
+    ms = 2 * timed(lambda: layer.scan(q, k, v, eta, layout), device, reps)
+    del q, k, v, eta
+    return ms
+
+
 def print_table(result: dict) -> None:
     print(f"\nTTT of one block in a guided sampling step (batch {result['batch']}, {result['dim']} wide, "
           f"{result['heads']} heads, {result['dtype']}) on {result['device']}, commit {result['git_commit'][:10]}")
-    print(f"{'kind':>6} {'duration':>8} {'tokens':>8} {'mini-batch':>10} {'block ms':>9} {'step s':>7} "
-          f"{'x vs 64':>8}")
+    print(f"{'kind':>6} {'duration':>8} {'tokens':>8} {'mini-batch':>10} {'block ms':>9} {'scans ms':>9} "
+          f"{'step s':>7} {'x vs 64':>8}")
     rows = result["rows"]
     for r in rows:
         if "block_ms" not in r:
@@ -98,8 +117,9 @@ def print_table(result: dict) -> None:
         base = next((b for b in rows if b["kind"] == r["kind"] and b["duration"] == r["duration"]
                      and b["mini_batch"] == 64 and "block_ms" in b), None)
         ratio = f"{r['block_ms'] / base['block_ms']:.2f}" if base else "-"
+        scans = f"{r['scans_ms']:.2f}" if "scans_ms" in r else "-"
         print(f"{r['kind']:>6} {r['duration']:>8} {r['tokens']:>8} {r['mini_batch']:>10} {r['block_ms']:>9.2f} "
-              f"{r['step_s']:>7.2f} {ratio:>8}")
+              f"{scans:>9} {r['step_s']:>7.2f} {ratio:>8}")
 
 
 def main(argv=None) -> int:

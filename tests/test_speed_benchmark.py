@@ -29,7 +29,7 @@ def test_every_part_on_cpu_then_one_part_again(tmp_path, capsys):
     figures = result["figures"]
     for key in ("train_ratio_short", "sample_ratio_short", "sample_ratio_long", "sample_long_ttt_step_s",
                 "backbone_forward_vs_diffusers", "backbone_train_vs_diffusers", "ttt63_block_ms",
-                "ttt63_block_serial_ms"):
+                "ttt63_block_serial_ms", "ttt63_block_one_ms", "ttt63_scans_ms"):
         assert figures[key] > 0, key
     train = result["parts"]["train"]["rows"]
     assert figures["train_ratio_short"] == pytest.approx(train["ttt"]["median_step_s"] / train["off"]["median_step_s"])

@@ -47,7 +47,7 @@ M64_CASES = [
 # the 32-bit limit lowered to one sample's elements (B = 2, H = 2, L = 64, D = 16) or to one head's, and the schedule
 ONE_SAMPLE, ONE_HEAD = 2 * 64 * 16, 64 * 16
 SPLIT_CASES = [("mlp", ONE_SAMPLE, "concurrent"), ("mlp", ONE_HEAD, "concurrent"), ("mlp", ONE_SAMPLE, "serial"),
-               ("linear", ONE_SAMPLE, "concurrent")]
+               ("linear", ONE_SAMPLE, "concurrent"), ("mlp", ONE_SAMPLE, "one")]
 
 
 def _inputs(kind, B, H, D, m, n, seed):
@@ -278,7 +278,8 @@ def test_mlp_minibatch_64_small_head_dim(interpreter_results, index):
 def test_call_past_32_bit_addressing_runs_in_parts(interpreter_results, index):
     """A scan whose q/k/v pass the kernels' 2^31-element limit (B = 2 at 63 s) runs as one kernel call per part
     (limit lowered here; B = 2, H = 2, 64 tokens of 16): one call per sample where a sample fits, one per sample and
-    head where it does not, and with TTT_KERNEL_GROUPS=serial the earlier cut (both samples, one head per call).
+    head where it does not, with TTT_KERNEL_GROUPS=serial the earlier cut (both samples, one head per call), and
+    with TTT_KERNEL_GROUPS=one (for measurements) one call over everything.
     The output and every gradient are the reference's (relative error <= TOL)."""
     seed, results = interpreter_results
     kind, limit, schedule = SPLIT_CASES[index]
@@ -288,7 +289,7 @@ def test_call_past_32_bit_addressing_runs_in_parts(interpreter_results, index):
     names = NAMES if kind == "mlp" else NAMES[:-2]
     assert set(res["errors"]) == set(names) and not bad, f"seed {seed}, {kind}: relative errors over {TOL}: {bad}"
     expected = {(ONE_SAMPLE, "concurrent"): [[1, 2]] * 2, (ONE_HEAD, "concurrent"): [[1, 1]] * 4,
-                (ONE_SAMPLE, "serial"): [[2, 1]] * 2}[limit, schedule]
+                (ONE_SAMPLE, "serial"): [[2, 1]] * 2, (ONE_SAMPLE, "one"): [[2, 2]]}[limit, schedule]
     assert res["calls"] == expected, res["calls"]
     # without gradients: the same calls, writing into one output, equal to one call's bit for bit
     assert res["no_grad_calls"] == expected and res["no_grad_equal"], res

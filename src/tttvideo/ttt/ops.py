@@ -82,9 +82,12 @@ def by_head_groups(scan, q, k, v, eta, *per_head, into=None):
     run one after another cost a chain each: the 47 + 1 head groups this function used to run in sequence at 63 s
     took two chains' time at the sampling mini-batch 16 (one program per stream: 94 programs on 132 SMs, then 2),
     where the same 96 programs side by side take one (at mini-batch 64, two programs per stream: three against two).
-    TTT_KERNEL_GROUPS=serial restores that schedule (the A/B of benchmarks/speed.py's part ttt63)."""
+    TTT_KERNEL_GROUPS=serial restores that schedule (the A/B of benchmarks/speed.py's part ttt63).
+    TTT_KERNEL_GROUPS=one runs the whole call as one launch, for the same A/B only: the forward kernels' per-stream
+    offsets are 64-bit (their stream index is), so at 63 s, B = 2 one launch gives the per-sample calls' output bit
+    for bit on an H100, and was not faster; the backward kernels are not checked past the limit."""
     B, H, L, D = q.shape
-    if B * H * L * D <= MAX_KERNEL_ELEMENTS:
+    if B * H * L * D <= MAX_KERNEL_ELEMENTS or os.environ.get("TTT_KERNEL_GROUPS") == "one":
         return scan(q, k, v, eta, *per_head)
     if os.environ.get("TTT_KERNEL_GROUPS", "concurrent") == "serial":
         parts = serial_head_groups(B, H, L, D, MAX_KERNEL_ELEMENTS)
