@@ -9,8 +9,9 @@ without gradients, in bf16, at mini-batch 16 and 64, for TTT-MLP and TTT-Linear,
 training one and only the TTT padding and the scan's mini-batch change. The scan runs on the dispatching backend
 ("auto": the Triton kernels, which take mini-batches 16, 32 and 64). "step s" is the block's time times the 42
 blocks: the TTT share of one guided step (`benchmarks/sample.py` times the whole step). Medians of CUDA-event
-timings (benchmarks/ttt_kernel.py's `bench`). "scans ms" is the block's two scans alone (the layer's `scan` on drawn
-inputs of its shapes, twice): the rest of "block ms" is the projections, the glue and the gates. Prints a table last; writes JSON with device, torch and commit.
+timings (benchmarks/ttt_kernel.py's `bench`). "scans ms" is the block's two scans alone (the layer's `scan` on
+drawn inputs of its shapes, twice): the rest of "block ms" is the projections, the glue and the gates. Prints a
+table last; writes JSON with device, torch and commit.
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ def measure(args, kind: str, duration: str, mini_batch: int, device: torch.devic
             if device.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["step_s"] = row["block_ms"] * args.layers / 1e3
-        del x
+        x = None  # the block input's memory back before the scans' inputs are drawn
         row["scans_ms"] = scans_ms(block.ttt, kind, args.batch, layout, device, dtype, args.reps)
     except torch.OutOfMemoryError:
         row["error"] = "out of memory"
-    del block
+    block = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -99,9 +100,7 @@ def scans_ms(layer, kind: str, batch: int, layout: VideoLayout, device: torch.de
     L = layout.total_tokens + layout.ttt_padding
     q, k, v, eta = (t.detach() for t in make_inputs(kind, batch, layer.num_heads, L, layer.head_dim,
                                                      layout.mini_batch_size, dtype, seed=0, device=device)[:4])
-    ms = 2 * timed(lambda: layer.scan(q, k, v, eta, layout), device, reps)
-    del q, k, v, eta
-    return ms
+    return 2 * timed(lambda: layer.scan(q, k, v, eta, layout), device, reps)
 
 
 def print_table(result: dict) -> None:
