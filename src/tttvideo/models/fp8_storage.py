@@ -199,6 +199,12 @@ class Fp8Linear(nn.Module):
             return fp8_linear(x, codes, scale, bias, dtype)
         return F.linear(x.to(dtype), dequantize_rows(codes, scale, dtype), bias)
 
+    @staticmethod
+    def stacked_product(x: torch.Tensor, layers: tuple[nn.Module, ...], rows: slice, heads: int) -> torch.Tensor | None:
+        """`stacked_fp8_linear`, for layers that stack their q/k/v products (`ttt.layer.TTTLayer.project_qkv`, which
+        cannot import this module: it sits in a lower layer of the package)."""
+        return stacked_fp8_linear(x, layers, rows, heads)
+
     def extra_repr(self) -> str:
         matmul = ", matmul=fp8" if self.fp8_matmul else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

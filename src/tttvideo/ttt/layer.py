@@ -387,11 +387,11 @@ class TTTLayer(nn.Module):
 
     def project_qkv(self, x: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
         """x [B, L, C] through the q/k/v projections of `heads` in one product: [B, L, 3 h D]. In fp8 where the
-        three multiply in fp8 (sampling with sample.fp8_linears = 'all')."""
-        from tttvideo.models.fp8_storage import stacked_fp8_linear  # models imports this module
-
-        fp8 = stacked_fp8_linear(x, (self.wq, self.wk, self.wv), heads, self.num_heads)
-        return F.linear(x, *self.qkv_projection(heads)) if fp8 is None else fp8
+        three multiply in fp8 (sampling with sample.fp8_linears = 'all'): a layer class with a `stacked_product`
+        (`models.fp8_storage.Fp8Linear`, a layer above this one) runs its own stacked product, or declines (None)."""
+        stacked = getattr(type(self.wq), "stacked_product", None)
+        out = None if stacked is None else stacked(x, (self.wq, self.wk, self.wv), heads, self.num_heads)
+        return F.linear(x, *self.qkv_projection(heads)) if out is None else out
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The three projections in one matmul: [B, L, C] -> [B, L, 3, H, D]."""
