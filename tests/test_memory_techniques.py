@@ -13,8 +13,9 @@ import pytest
 from tttvideo.config.loader import config_to_dict
 from tttvideo.config.schema import Config
 from tttvideo.errors import ConfigError
-from tttvideo.memory.techniques import (ADAMW_8BIT, FP8_EVERY_LINEAR, FP8_STREAMING, REGISTRY, SAMPLE_BLOCK_OFFLOAD,
-                                        ModelBytes, calibration_setups, check_techniques, techniques)
+from tttvideo.memory.techniques import (ADAMW_8BIT, FP8_EVERY_LINEAR, FP8_STREAMING, FP8_WEIGHTS, REGISTRY,
+                                        SAMPLE_BLOCK_OFFLOAD, ModelBytes, calibration_setups, check_techniques,
+                                        techniques)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,3 +131,6 @@ def test_fp8_every_linear_counts_the_trained_linears_in_fp8_on_the_gpu():
     assert FP8_EVERY_LINEAR.footprint(cfg, "sample", ten).weights == -2 * b.block_trainable_linear_saving
     cfg.model.frozen_weights = "dtype"
     assert FP8_EVERY_LINEAR.footprint(cfg, "sample", b).weights == 0
+    # the planner's sample setups keep the fp8 storage that every linear in fp8 needs; training ones may drop it
+    assert [o.label for o in FP8_WEIGHTS.options(cfg, "sample", 1)] == ["fp8"]
+    assert [o.label for o in FP8_WEIGHTS.options(cfg, "train", 1)] == ["dtype", "fp8"]

@@ -189,6 +189,14 @@ def _fp8_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[
     return [Saving("model.frozen_weights = 'fp8'", "of frozen linear weights", saved)] if saved > 0 else []
 
 
+def _fp8_storages(cfg: Config, phase: Phase) -> tuple[str, ...]:
+    if cfg.model.adapter == "sft":  # it trains every weight: none is frozen
+        return ("dtype",)
+    if phase == "sample" and cfg.sample.fp8_linears == "all":  # every linear in fp8 needs the fp8 storage
+        return ("fp8",)
+    return ("dtype", "fp8")
+
+
 FP8_WEIGHTS = MemoryTechnique(
     name="fp8 frozen weights",
     phases=("train", "sample"),
@@ -196,9 +204,7 @@ FP8_WEIGHTS = MemoryTechnique(
     # the planner builds the model with the setting, so its counted weights are the fp8 codes and scales
     mechanism="tttvideo.models.fp8_storage.store_fp8, in build_model",
     is_on=lambda cfg: cfg.model.frozen_weights == "fp8",
-    # sft trains every weight: none is frozen
-    options=lambda cfg, phase, gpus: tuple(_setting(s, "model.frozen_weights", s)
-                                           for s in (("dtype",) if cfg.model.adapter == "sft" else ("dtype", "fp8"))),
+    options=lambda cfg, phase, gpus: tuple(_setting(s, "model.frozen_weights", s) for s in _fp8_storages(cfg, phase)),
     advice=_fp8_advice,
     lossy=True,
     calibration=(
