@@ -74,9 +74,10 @@ if pytest is not None:
         assert err <= TOL, f"TTT-MLP sampling launch, B={B}: relative error {err} over {TOL}"
         assert triton_mlp.LAUNCHED["fwd"].metadata.num_warps == 4
 
-    def test_mlp_past_32_bit_addressing_equals_per_sample_calls():
-        # B = 2 at 63 s: q/k/v hold more than 2^31 elements, past the kernels' 32-bit offsets, so ops runs the call
-        # over groups of heads; each sample run alone (under the limit) must give the same output, bit for bit
+    def test_mlp_past_32_bit_addressing_equals_per_sample_calls(monkeypatch):
+        # B = 2 at 63 s: q/k/v hold more than 2^31 elements, so ops runs the call per sample; each sample run alone
+        # (under the limit) must give the same output, bit for bit, and so must the whole batch as one launch
+        # (TTT_KERNEL_GROUPS=one: the stream offsets are 64-bit)
         from tttvideo.ttt import ops
         from tttvideo.ttt.testing import make_inputs
 
@@ -89,6 +90,9 @@ if pytest is not None:
                 one = ops.ttt_mlp(*(t[b:b + 1] for t in ins[:4]), *ins[4:], mini_batch_size=64,
                                   checkpoint_group_size=16, backend="triton")
                 assert torch.equal(both[b:b + 1], one), f"sample {b}"
+            monkeypatch.setenv("TTT_KERNEL_GROUPS", "one")
+            whole = ops.ttt_mlp(*ins, mini_batch_size=64, checkpoint_group_size=16, backend="triton")
+            assert torch.equal(whole, both), "one launch"
 
     @pytest.mark.parametrize("kind", ["mlp", "linear"])
     @pytest.mark.parametrize("limit_heads", [3, 1])

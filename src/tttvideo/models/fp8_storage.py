@@ -95,8 +95,8 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
                dtype: torch.dtype) -> torch.Tensor:
     """x W^T + b multiplied in fp8 (`model.fp8_matmul`): x quantised per token here, W the stored e4m3 codes with
     their per-output-channel scales, accumulated in fp32 by torch._scaled_mm, the result in `dtype`. The product
-    runs at up to twice bf16's rate on Hopper, the layer as a whole did not (docs/model.md); the error is x's
-    quantisation on top of the weights'."""
+    runs at up to twice bf16's rate on Hopper, the 5B model's large layers at 1.0-1.2x bf16's at 36,096 rows
+    (docs/model.md); the error is x's quantisation on top of the weights'."""
     rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     x_codes, x_scale = quantize_tokens_fast(rows)
     # CUDA's row-wise kernels write bf16 only: another compute dtype (fp16 autocast, fp32) gets bf16 cast to it

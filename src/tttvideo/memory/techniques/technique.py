@@ -83,6 +83,7 @@ class ModelBytes:
         blocks = list(getattr(model, "blocks", ()))
         block = blocks[0] if blocks else nn.Module()
         trainable = [p for p in model.parameters() if p.requires_grad]
+
         def fp8_saving(module: nn.Module, trainable: bool) -> int:
             # fp8 storage: 1 byte a value and one fp32 scale per output row instead of the weight's dtype
             return sum(m.weight.numel() * (m.weight.element_size() - 1) - 4 * m.weight.shape[0]
