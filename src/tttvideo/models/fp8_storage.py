@@ -114,16 +114,9 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
 
 @functools.cache
 def scaled_mm_takes_bias(device: torch.device, out_dtype: torch.dtype) -> bool:
-    """Whether torch._scaled_mm with per-row scales adds a bias of `out_dtype` on `device` (asked once, at 16 x 16):
-    PyTorch builds and GPUs differ in which of its kernels take one."""
-    codes = torch.zeros(16, 16, device=device, dtype=FP8)
-    try:
-        torch._scaled_mm(codes, codes.t(), scale_a=torch.ones(16, 1, device=device),
-                         scale_b=torch.ones(1, 16, device=device), bias=torch.zeros(16, device=device, dtype=out_dtype),
-                         out_dtype=out_dtype)
-    except RuntimeError:
-        return False
-    return True
+    """Whether torch._scaled_mm with per-row scales adds a bias of `out_dtype` on `device` (asked once): PyTorch
+    builds and GPUs differ in which of its kernels take one."""
+    return _scaled_mm_error(device, out_dtype, bias=True) is None
 
 
 def fp8_matmul_takes(in_features: int, out_features: int) -> bool:
@@ -301,11 +294,18 @@ def check_fp8_matmul(cfg: Config, device: torch.device | str) -> None:
 
 def scaled_mm_refusal(device: torch.device) -> str | None:
     """None when torch._scaled_mm multiplies with per-row scales on `device`, else the first line of its error:
-    which scalings it runs depends on the GPU and on the PyTorch build, so it is asked once, at 16 x 16."""
+    which scalings it runs depends on the GPU and on the PyTorch build, so it is asked once."""
+    return _scaled_mm_error(device, torch.bfloat16, bias=False)
+
+
+def _scaled_mm_error(device: torch.device, out_dtype: torch.dtype, bias: bool) -> str | None:
+    """The first line of torch._scaled_mm's error for a 16 x 16 product with per-row scales (and a bias of
+    `out_dtype`) on `device`, None where it runs."""
     codes = torch.zeros(16, 16, device=device, dtype=FP8)
     try:
         torch._scaled_mm(codes, codes.t(), scale_a=torch.ones(16, 1, device=device),
-                         scale_b=torch.ones(1, 16, device=device), out_dtype=torch.bfloat16)
+                         scale_b=torch.ones(1, 16, device=device),
+                         bias=torch.zeros(16, device=device, dtype=out_dtype) if bias else None, out_dtype=out_dtype)
     except RuntimeError as err:
         return str(err).splitlines()[0] if str(err) else type(err).__name__
     return None
