@@ -84,9 +84,9 @@ def by_head_groups(scan, q, k, v, eta, *per_head, into=None):
     where the same 96 programs side by side take one (at mini-batch 64, two programs per stream: three against two).
     TTT_KERNEL_GROUPS=serial restores that schedule (the A/B of benchmarks/speed.py's part ttt63).
     TTT_KERNEL_GROUPS=one runs the whole call as one launch, for the same A/B only: the forward kernels' per-stream
-    offsets are 64-bit (their stream index is): at 63 s, B = 2 one launch gave the per-sample calls' output bit for
-    bit on an H100 (tests/gpu/test_ttt_triton_gpu.py checks it) and was not faster; the backward kernels are not
-    checked past the limit."""
+    offsets are 64-bit (their stream index is); tests/gpu/test_ttt_triton_gpu.py holds one launch at 63 s, B = 2 to
+    the per-sample calls bit for bit, and benchmarks/speed.py's part ttt63 measured it no faster. The backward
+    kernels are not checked past the limit."""
     B, H, L, D = q.shape
     if B * H * L * D <= MAX_KERNEL_ELEMENTS or os.environ.get("TTT_KERNEL_GROUPS") == "one":
         return scan(q, k, v, eta, *per_head)
