@@ -25,8 +25,9 @@
 The parts run by default: train, sample3, sample63, ttt63; --quick runs the long guided step over its first 2
 blocks (--timed-blocks 2) instead of all 42. --profile adds a torch.profiler
 breakdown (device time by kind of kernel: TTT scan, attention, matrix products, norms, copies, the rest; and the top
-operators; `tttvideo.memory.profile.trace`) of the short training step and of the long guided step (its timed
-blocks, --profile-blocks), written beside the JSON as speed_profile_<gpu>.json and .md.
+operators; `tttvideo.memory.profile.trace`) of the short training step, of the short guided step and of the long
+guided step (its first --profile-blocks blocks), each with its commit, written beside the JSON as
+speed_profile_<gpu>.json and .md.
 
 The JSON (default benchmarks/results/speed_<gpu>.json, <gpu> from the device name: h100, h200, cpu) holds the
 device, torch, Triton, git commit, every figure and each part's raw rows. A part run again replaces its own entries
@@ -205,7 +206,7 @@ def profiled(call, device: torch.device, what: str) -> dict[str, Any]:
         model_step.sync(device)
     top = top_operators(prof.key_averages(), on_cuda, top=20)
     top.pop("by_memory", None)  # not recorded (profile_memory off: it slows the step)
-    return {"what": what, **top}
+    return {"what": what, "git_commit": model_step.git_commit(), **top}
 
 
 def train_part(args, device, result: dict) -> None:
@@ -277,10 +278,10 @@ def sample_part(args, device, result: dict, durations: list[str]) -> None:
             "rows": runs, "figures": figures, "git_commit": result["git_commit"],
             "extrapolated": {k: f"{runs[k]['blocks_timed']} of {runs[k]['blocks_total']} blocks run"
                              for k in extrapolated}}
-        if which == "long" and args.profile:
+        if args.profile:  # the long step over its first --profile-blocks blocks, the short one whole
             free(device)
-            result.setdefault("profile", {})["sample_long"] = profile_guided(model, layout, args.profile_blocks,
-                                                                             device, dtype)
+            blocks = args.profile_blocks if which == "long" else len(model.blocks)
+            result.setdefault("profile", {})[f"sample_{which}"] = profile_guided(model, layout, blocks, device, dtype)
     del model
     free(device)
 
@@ -397,7 +398,8 @@ def profile_markdown(profile: dict) -> str:
 
     lines = ["# Where the time goes (benchmarks/speed.py --profile)", ""]
     for entry in profile.values():
-        lines += [f"## {entry['what']}", ""]
+        commit = f" (commit {entry['git_commit']})" if entry.get("git_commit") else ""
+        lines += [f"## {entry['what']}{commit}", ""]
         if entry.get("by_kind"):
             lines += kind_table(entry["by_kind"], "device time by kind of kernel")
         lines += [f"top operators by own {entry['clock']} time", "", "| operator | calls | ms |", "|---|---|---|"]

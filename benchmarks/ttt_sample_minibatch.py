@@ -61,10 +61,13 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(args, kind: str, duration: str, mini_batch: int, device: torch.device, dtype: torch.dtype) -> dict:
+def measure(args, kind: str, duration: str, mini_batch: int, device: torch.device, dtype: torch.dtype,
+            overrides: tuple[str, ...] = ()) -> dict:
+    """One block's TTT (`overrides`: further config settings, e.g. ttt.compile_glue=false)."""
     cfg = load_config(None, [f'ttt.kind="{kind}"', f"ttt.sample_mini_batch_size={mini_batch}",
                              f"layout.height={args.height}", f"layout.width={args.width}",
-                             f"layout.text_tokens={args.text_tokens}", "ttt.scan_checkpoint_group_size=0"])
+                             f"layout.text_tokens={args.text_tokens}", "ttt.scan_checkpoint_group_size=0",
+                             *overrides])
     layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
     torch.manual_seed(0)
     block = BidirectionalTTT(args.dim, args.heads, cfg.ttt).to(device, dtype).requires_grad_(False)

@@ -125,3 +125,19 @@ def test_oom_advice_names_the_chunks_and_the_hidden_layer_they_free():
     assert saving.nbytes == cfg.train.batch_size * (394680 - FFN_CHUNK_TOKENS) * 128 * 2
     cfg.checkpointing.ffn_chunk_tokens = 4096
     assert FFN_CHUNKS.is_on(cfg) and FFN_CHUNKS.advice(cfg, net, "train", 1) == []
+
+
+def test_linear_gelu_is_the_product_then_gelu_tanh():
+    """linear_gelu (the MLP's first product with the bias and GELU in one cuBLASLt epilogue on CUDA; the two ops
+    elsewhere, since the CPU's torch._addmm_activation takes the erf GELU) equals F.gelu(F.linear(...),
+    approximate="tanh") in fp32 on the CPU, for 2-d and 3-d inputs; the MLP takes it only for a CUDA forward without
+    gradients (gelu_in_epilogue; tests/gpu/test_sampling_glue_gpu.py checks the epilogue's GELU there)."""
+    from tttvideo.models.layers import gelu_in_epilogue, linear_gelu
+
+    torch.manual_seed(0)
+    mlp = MLP(16, 64)
+    for x in (torch.randn(5, 16), torch.randn(2, 7, 16)):
+        want = torch.nn.functional.gelu(mlp.fc1(x), approximate="tanh")
+        torch.testing.assert_close(linear_gelu(x, mlp.fc1.weight, mlp.fc1.bias), want, rtol=1e-6, atol=1e-6)
+        with torch.no_grad():
+            assert not gelu_in_epilogue(mlp.fc1, x)  # the CPU keeps the two ops

@@ -45,7 +45,8 @@ def test_every_part_on_cpu_then_one_part_again(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "speed targets (issue 36)" in table and "(extrapolated)" in table
     profile = json.loads((tmp_path / "speed_profile_cpu.json").read_text())
-    assert set(profile) == {"train_short", "sample_long"}
+    assert set(profile) == {"train_short", "sample_short", "sample_long"}
+    assert all("git_commit" in entry for entry in profile.values())
     assert all(entry["by_time"] for entry in profile.values())
     assert "## guided sampling step, 6 s, TTT on, 2 of 2 blocks" in (tmp_path / "speed_profile_cpu.md").read_text()
 

@@ -165,3 +165,61 @@ def test_gather_tokens_equals_indexing():
     got = torch.autograd.grad((gather_tokens(x, index) * w).sum(), x)[0]
     want = torch.autograd.grad((x[:, index] * w).sum(), x)[0]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("duration,text", [("3s", 5), ("9s", 7)])
+def test_sampling_forward_equals_the_plain_composition(duration, text):
+    """Without gradients the layer takes the sampling output path (the residual order restored before the post-norm
+    and the output projection, `post_norm_rows`): equal to the plain composition and to the path with gradients,
+    fp32, padding included."""
+    from tttvideo.ttt.plain_layer import plain_ttt_layer
+
+    lay = layout(duration, text=text)
+    assert lay.ttt_padding > 0
+    torch.manual_seed(2)
+    layer = TTTLayer(DIM, HEADS, TTTConfig(kind="mlp", scan_checkpoint_group_size=2, base_lr=0.1,
+                                           backend="reference"))
+    with torch.no_grad():
+        layer.post_norm.weight.add_(0.3 * torch.randn_like(layer.post_norm.weight))
+        layer.post_norm.bias.add_(0.3 * torch.randn_like(layer.post_norm.bias))
+    x = torch.randn(2, lay.total_tokens, DIM)
+    with torch.no_grad():
+        sampled = layer(x, lay)
+        reverse = layer(x, lay, reverse=True)
+    trained = layer(x.requires_grad_(), lay)
+    torch.testing.assert_close(sampled, trained.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sampled, plain_ttt_layer(layer, x, lay).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reverse, layer(x, lay, reverse=True).detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_post_norm_rows_is_transpose_gather_norm():
+    """post_norm_rows: the rows of [B, H, L + pad, D] at `index`, heads joined, layer-normalised; bit for bit the
+    eager composition it replaces (transpose, join, norm, then the gather)."""
+    from tttvideo.ttt.layer import post_norm_rows
+
+    B, H, L, pad, D = 2, 3, 11, 5, 4
+    scanned = torch.randn(B, H, L + pad, D)
+    index = torch.randperm(L)
+    w, b = torch.randn(H * D), torch.randn(H * D)
+    want = torch.nn.functional.layer_norm(scanned[:, :, :L].transpose(1, 2).reshape(B, L, H * D), (H * D,), w, b,
+                                          1e-6)[:, index]
+    assert torch.equal(post_norm_rows(scanned, index, w, b, 1e-6), want)
+
+
+def test_gates_add_in_one_rounding():
+    """The gated residual x + tanh(gate) * y (text gate on the text tokens): the fp32 sum of the bf16 operands,
+    rounded once to bf16, where a product rounded before the sum would differ."""
+    lay = layout("3s")
+    m = block()
+    with torch.no_grad():
+        m.forward_gate_text.normal_()
+        m.forward_gate_video.normal_()
+    T = lay.total_text_tokens
+    x = torch.randn(2, lay.total_tokens, DIM, dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+    got = m._gated_residual(x, y, T, m.forward_gate_text, m.forward_gate_video)
+    gates = torch.cat([torch.tanh(m.forward_gate_text).bfloat16().expand(T, DIM),
+                       torch.tanh(m.forward_gate_video).bfloat16().expand(lay.total_tokens - T, DIM)]).float()
+    want = (x.float() + y.float() * gates).bfloat16()
+    assert torch.equal(got, want)
+    assert not torch.equal(want, x + y * gates.bfloat16())  # the two-rounding form differs somewhere

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.sequence.chunks import ChunkPlan
 
@@ -47,6 +48,20 @@ def gated(y: torch.Tensor, text_gate: torch.Tensor, video_gate: torch.Tensor, te
     """tanh(gate) * y with the text gate on the first `text_tokens` tokens and the video gate on the rest."""
     return torch.cat([torch.tanh(text_gate).to(y.dtype) * y[:, :text_tokens],
                       torch.tanh(video_gate).to(y.dtype) * y[:, text_tokens:]], dim=1)
+
+
+def gated_add(x: torch.Tensor, y: torch.Tensor, text_tokens: int, text_gate: torch.Tensor,
+              video_gate: torch.Tensor) -> torch.Tensor:
+    """x + gate * y with gates [B, C] (or [1, C]) per modality: the text gate on the first `text_tokens` tokens, the
+    video gate on the rest. One rounding per element (addcmul); compiled (`compiled_on_cuda`), one pass over the
+    stream."""
+    return torch.cat(
+        [
+            torch.addcmul(x[:, :text_tokens], y[:, :text_tokens], text_gate[:, None]),
+            torch.addcmul(x[:, text_tokens:], y[:, text_tokens:], video_gate[:, None]),
+        ],
+        dim=1,
+    )
 
 
 class GatedBidirectional(nn.Module):
@@ -101,9 +116,16 @@ class GatedBidirectional(nn.Module):
     def forward(self, x: torch.Tensor, layout: VideoLayout, sp: SequenceParallel | None = None) -> torch.Tensor:
         """x [B, L, C] in residual order (with `sp`: this rank's shard [B, L / sp, C]) -> the same shape."""
         T = layout.total_text_tokens if sp is None else sp.text_tokens(layout)
-        z = x + gated(self._pass(x, layout, False, self.checkpoint_forward, sp), self.forward_gate_text,
-                      self.forward_gate_video, T)
+        z = self._gated_residual(x, self._pass(x, layout, False, self.checkpoint_forward, sp), T,
+                                 self.forward_gate_text, self.forward_gate_video)
         if not self.bidirectional:
             return z
         back = self._pass(z, layout, True, self.checkpoint_reverse, sp)
-        return z + gated(back, self.reverse_gate_text, self.reverse_gate_video, T)
+        return self._gated_residual(z, back, T, self.reverse_gate_text, self.reverse_gate_video)
+
+    def _gated_residual(self, x: torch.Tensor, y: torch.Tensor, text_tokens: int, text_gate: torch.Tensor,
+                        video_gate: torch.Tensor) -> torch.Tensor:
+        """x + tanh(gate) * y (`gated_add`), compiled where the inner layer compiles its glue (`compile_glue`): one
+        pass over the stream instead of a product, a concatenation and a sum (three)."""
+        gates = (torch.tanh(g).to(y.dtype)[None] for g in (text_gate, video_gate))
+        return compiled_on_cuda(gated_add, x, getattr(self.ttt, "compile_glue", False))(x, y, text_tokens, *gates)

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tttvideo import initializers as init
 from tttvideo.config.schema import TTTConfig
+from tttvideo.device import compiled_on_cuda
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import rope_cos_sin
 from tttvideo.sequence.bidirectional import GatedBidirectional, gated, gather_tokens, scan_permutations
@@ -59,6 +60,18 @@ def layout_tensors(layout: VideoLayout, head_dim: int, theta: float, device: tor
         cos[:, None, :].to(device),  # [L, 1, D]: broadcast over heads
         sin[:, None, :].to(device),
     )
+
+
+def post_norm_rows(scanned: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+    """Scan outputs [B, H, L + pad, D] in scan order -> the post-LayerNorm (over H D) of the rows at scan positions
+    `index` [n] (the residual order), [B, n, H D]. One function so that torch.compile reads the scan output once and
+    writes the normalised rows once (eager: a transposed copy, a gather and the norm each write the stream); the
+    token order changes before the output projection instead of after it, which commutes with it (it is per
+    token)."""
+    B, H, padded, D = scanned.shape
+    rows = gather_tokens(scanned.transpose(1, 2).reshape(B, padded, H * D), index)
+    return F.layer_norm(rows, (H * D,), weight, bias, eps)
 
 
 class _WriteRows(torch.autograd.Function):
@@ -217,8 +230,14 @@ class TTTLayer(nn.Module):
             # Everything runs in scan order: one gather of x replaces a gather of each of q, k, v and eta, and all
             # per-token ops commute with the permutation.
             xs = gather_tokens(x, scan_order)
-            out = self._scan(self._qkv(xs), self.eta(xs, layout.mini_batch_size), layout, cos, sin, None, x.dtype)
-            out = self.wo(self.post_norm(out.reshape(B, L, C).to(x.dtype)))
+            scanned = self._scan_padded(self._qkv(xs), self.eta(xs, layout.mini_batch_size), layout, cos, sin, None,
+                                        x.dtype)
+            if not torch.is_grad_enabled():  # sampling: back to residual order before the output projection
+                norm = self.post_norm
+                return self.wo(compiled_on_cuda(post_norm_rows, x, self.compile_glue)(
+                    scanned, residual_order, norm.weight, norm.bias, norm.eps))
+            out = scanned[:, :, :L].transpose(1, 2).reshape(B, L, C)
+            out = self.wo(self.post_norm(out.to(x.dtype)))
             return gather_tokens(out, residual_order)
 
         # the projections and eta on this rank's tokens, the permutation on the whole sequence after the exchange
@@ -402,13 +421,17 @@ class TTTLayer(nn.Module):
         """The TTT scan of a whole scan-order sequence: qkv [B, L, 3, h, D], eta [B, L, h] -> [B, L, h, D], where
         the h heads are `heads` of the layer's H (None: all of them); q/k/v enter the scan in `dtype` (the
         residual stream's)."""
-        L = qkv.shape[1]
+        return self._scan_padded(qkv, eta, layout, cos, sin, heads, dtype)[:, :, :qkv.shape[1]].transpose(1, 2)
+
+    def _scan_padded(self, qkv: torch.Tensor, eta: torch.Tensor, layout: VideoLayout, cos: torch.Tensor,
+                     sin: torch.Tensor, heads: slice | None, dtype: torch.dtype) -> torch.Tensor:
+        """`_scan`'s output as the scan leaves it: [B, h, L + pad, D], padding included."""
         pad = layout.ttt_padding
         heads = slice(None) if heads is None else heads
         q, k, v = prepare_scan_inputs(qkv, cos, sin, self.ttt_norm_weight[heads], self.ttt_norm_bias[heads], pad,
                                       dtype, self.backend, self.compile_glue)
         eta = F.pad(eta.transpose(1, 2), (0, pad))  # padded tokens: eta = 0, no update
-        return self.scan(q, k, v, eta, layout, heads)[:, :, :L].transpose(1, 2)
+        return self.scan(q, k, v, eta, layout, heads)
 
     def scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eta: torch.Tensor, layout: VideoLayout,
              heads: slice = slice(None)) -> torch.Tensor:

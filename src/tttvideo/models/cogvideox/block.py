@@ -28,6 +28,7 @@ from tttvideo.models.attention import LocalAttention
 from tttvideo.models.checkpointing import long_range_layer, maybe_checkpoint
 from tttvideo.models.layers import MLP
 from tttvideo.models.cogvideox.presets import ModelSpec
+from tttvideo.sequence.bidirectional import gated_add
 from tttvideo.sequence.build import sequence_layer
 from tttvideo.sequence.chunks import ChunkPlan, modal_chunks
 
@@ -44,18 +45,6 @@ def modulate(h: torch.Tensor, text_tokens: int, text: tuple[torch.Tensor, torch.
         [
             torch.addcmul(t_shift[:, None], h[:, :text_tokens], 1 + t_scale[:, None]),
             torch.addcmul(v_shift[:, None], h[:, text_tokens:], 1 + v_scale[:, None]),
-        ],
-        dim=1,
-    )
-
-
-def gated_add(x: torch.Tensor, y: torch.Tensor, text_tokens: int, text_gate: torch.Tensor,
-              video_gate: torch.Tensor) -> torch.Tensor:
-    """x + gate * y with gates [B, C] per modality."""
-    return torch.cat(
-        [
-            torch.addcmul(x[:, :text_tokens], y[:, :text_tokens], text_gate[:, None]),
-            torch.addcmul(x[:, text_tokens:], y[:, text_tokens:], video_gate[:, None]),
         ],
         dim=1,
     )

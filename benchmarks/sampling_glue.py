@@ -1,0 +1,133 @@
+"""The sampling forward's fused glue, each against what it replaced, in one process on one GPU, at the guided step's
+shapes (batch 2: conditional and unconditional) of CogVideoX-5B, bf16, without gradients:
+
+- one block's bidirectional TTT (`benchmarks/ttt_sample_minibatch.py`'s `measure`) with its glue compiled (the
+  default: the scan output gathered back to residual order and post-normalised in one pass, `ttt.layer.post_norm_rows`,
+  and each gated residual add in one pass, `sequence.bidirectional.gated_add`) and with `ttt.compile_glue = false`
+  (the same functions eager: a transposed copy, a gather and the norm; a product, a concatenation and a sum);
+- the block's MLP (3,072 -> 12,288 -> 3,072) with the GELU in the first product's cuBLASLt epilogue
+  (`models.layers.linear_gelu`, the default without gradients on CUDA) and as its own kernel after the product,
+  with the relative error between them.
+
+"step s" multiplies a block's time by the 42 blocks: the share of one guided step.
+
+    PYTHONPATH=src python3 benchmarks/sampling_glue.py --out benchmarks/results/sampling_glue_h100.json
+
+(PYTHONPATH=src is not needed with the package installed.) Prints a table last; writes JSON with device, torch and
+commit. Medians of CUDA-event timings (benchmarks/ttt_kernel.py's `bench`); on the CPU a smoke run (wall clock, the
+epilogue is not taken there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks this one reuses, run as a script or loaded
+import ttt_sample_minibatch  # noqa: E402
+from ttt_kernel import git_commit  # noqa: E402
+
+from tttvideo.config.loader import load_config  # noqa: E402
+from tttvideo.layout import VideoLayout  # noqa: E402
+from tttvideo.models.layers import MLP  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--durations", nargs="+", default=["3s", "63s"])
+    ap.add_argument("--dim", type=int, default=3072)
+    ap.add_argument("--heads", type=int, default=48)
+    ap.add_argument("--layers", type=int, default=ttt_sample_minibatch.LAYERS_5B)
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--width", type=int, default=720)
+    ap.add_argument("--text-tokens", type=int, default=0, help="0: the original's length per duration")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="benchmarks/results/sampling_glue.json")
+    return ap.parse_args(argv)
+
+
+def ttt_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    targs = ttt_sample_minibatch.parse_args(["--dim", str(args.dim), "--heads", str(args.heads),
+                                             "--height", str(args.height), "--width", str(args.width),
+                                             "--text-tokens", str(args.text_tokens), "--layers", str(args.layers),
+                                             "--reps", str(args.reps), "--device", str(device)])
+    mini_batch = load_config(None, []).ttt.sample_mini_batch()
+    rows = []
+    for variant, overrides in (("fused (compiled)", ()), ("eager", ("ttt.compile_glue=false",))):
+        row = ttt_sample_minibatch.measure(targs, "mlp", duration, mini_batch, device, dtype, overrides)
+        rows.append({"part": "bidirectional TTT", "variant": variant, **row})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.no_grad()
+def mlp_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    cfg = load_config(None, [f"layout.height={args.height}", f"layout.width={args.width}",
+                             f"layout.text_tokens={args.text_tokens}"])
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
+    torch.manual_seed(0)
+    mlp = MLP(args.dim, 4 * args.dim).to(device, dtype)
+    x = torch.randn(2, layout.total_tokens, args.dim, device=device, dtype=dtype)
+
+    def two_ops():
+        return mlp.fc2(F.gelu(mlp.fc1(x), approximate="tanh"))
+
+    fused, plain = mlp(x).float(), two_ops().float()
+    error = float((fused - plain).norm() / plain.norm())
+    del fused, plain
+    rows = []
+    for variant, fn in (("GELU in the epilogue", lambda: mlp(x)), ("GELU apart", two_ops)):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        ms = ttt_sample_minibatch.timed(fn, device, args.reps)
+        row = {"part": "MLP", "variant": variant, "duration": duration, "tokens": layout.total_tokens,
+               "block_ms": ms, "step_s": ms * args.layers / 1e3, "rel_err_vs_apart": error}
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def print_table(result: dict) -> None:
+    print(f"\nsampling glue, guided batch 2, {result['dim']} wide, {result['dtype']}, on {result['device']}, "
+          f"commit {result['git_commit']}")
+    print(f"{'part':<18} {'variant':<22} {'duration':>8} {'block ms':>9} {'step s':>7} {'x vs 2nd':>8}")
+    rows = result["rows"]
+    for r in rows:
+        if "block_ms" not in r:
+            print(f"{r['part']:<18} {r['variant']:<22} {r['duration']:>8} {r.get('error')}")
+            continue
+        other = [b for b in rows if b["part"] == r["part"] and b["duration"] == r["duration"] and "block_ms" in b]
+        ratio = f"{r['block_ms'] / other[-1]['block_ms']:.3f}" if len(other) == 2 else "-"
+        print(f"{r['part']:<18} {r['variant']:<22} {r['duration']:>8} {r['block_ms']:>9.2f} {r['step_s']:>7.2f} "
+              f"{ratio:>8}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    result = {"benchmark": "sampling_glue", "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
+              "git_commit": git_commit() or "unknown (no .git on the device copy)", "dim": args.dim,
+              "heads": args.heads, "layers": args.layers, "dtype": str(dtype).split(".")[-1], "rows": []}
+    for duration in args.durations:
+        result["rows"] += ttt_rows(args, duration, device, dtype)
+        result["rows"] += mlp_rows(args, duration, device, dtype)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
