@@ -330,3 +330,33 @@ def test_attention_window_glue_round_trips_and_stays_eager_on_cpu():
                                                one, 16, 10000.0, torch.device("cpu"))[1:3])
     merged_one = attention.merge_windows(whole, None, 1, None, one.total_tokens)
     assert torch.equal(merged_one, v[:, :one.total_tokens].flatten(2))
+
+
+def test_glue_compiles_once_per_shape_past_dynamos_default_limit(monkeypatch):
+    """compiled_on_cuda raises Dynamo's recompile limit (allow_glue_recompiles) before it compiles: a glue function
+    called at more shapes than Dynamo's default 8 (a process running several layouts) is compiled for each of them
+    instead of falling back to eager. Counted with a backend that records each compile (the CPU builds no kernels)."""
+    import torch._dynamo.config as dynamo
+
+    from tttvideo.device import GLUE_RECOMPILE_LIMIT, allow_glue_recompiles
+
+    def count_compiles(limit_raised: bool) -> int:
+        torch._dynamo.reset()
+        monkeypatch.setattr(dynamo, "recompile_limit", 8)
+        if limit_raised:
+            allow_glue_recompiles()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        fn = torch.compile(lambda x, y: torch.addcmul(x, y, y), dynamic=False, backend=backend)
+        for n in range(1, 13):
+            fn(torch.ones(n, 2), torch.ones(n, 2))
+        return len(graphs)
+
+    assert GLUE_RECOMPILE_LIMIT >= 12
+    assert count_compiles(limit_raised=False) == 8  # Dynamo's default: shapes 9-12 ran eagerly
+    assert count_compiles(limit_raised=True) == 12
+    torch._dynamo.reset()

@@ -39,16 +39,31 @@ def cap_process_memory(gib: float, device: torch.device | str) -> float | None:
 
 _COMPILED: dict[Callable, Callable] = {}
 
+# Compiles of one glue function a process may make (torch._dynamo's recompile_limit, 8 by default): one per input
+# shape, gradient mode and caller (the block's gated add and the TTT wrapper's share a function). Past the limit
+# Dynamo runs the function eagerly, with only a warning: a process that runs several layouts (the speed benchmark's
+# training and 3-s and 63-s guided steps; training that samples at the end) lost its 63-s gated adds that way.
+GLUE_RECOMPILE_LIMIT = 64
+
 
 def compiled_on_cuda(fn: Callable, x: torch.Tensor, enabled: bool) -> Callable:
     """`fn` torch.compile'd when `enabled` and `x` is on CUDA (dynamic=False: one compile per input shape, the
-    compiled function shared by every caller), `fn` itself elsewhere: compiling for the CPU is a C++ build per shape.
-    For the elementwise glue around the model's big kernels (`ttt.compile_glue`, `model.compile_attention_glue`)."""
+    compiled function shared by every caller, up to GLUE_RECOMPILE_LIMIT shapes), `fn` itself elsewhere: compiling
+    for the CPU is a C++ build per shape. For the elementwise glue around the model's big kernels
+    (`ttt.compile_glue`, `model.compile_attention_glue`, `model.compile_block_glue`)."""
     if not (enabled and x.is_cuda):
         return fn
     if fn not in _COMPILED:
+        allow_glue_recompiles()
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
+
+
+def allow_glue_recompiles() -> None:
+    """Raise Dynamo's per-function recompile limit to GLUE_RECOMPILE_LIMIT (never lower it)."""
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, GLUE_RECOMPILE_LIMIT)
 
 
 def triton_runs_on(x: torch.Tensor, min_capability: tuple[int, int]) -> bool:
