@@ -20,8 +20,10 @@
   `measure`; its two scans alone too), with the scan's kernel calls past the 32-bit limit run side by side (the
   default), in sequence (TTT_KERNEL_GROUPS=serial, the schedule before) and as one launch (TTT_KERNEL_GROUPS=one:
   the conditional and unconditional halves together).
-- train63: the training step at the long duration, TTT on and off (activation offload to host memory, which is what
-  fits one 80 GB card; one unwarmed step each: minutes per step).
+- train63: the training step at the long duration, TTT on and off, whole blocks checkpointed with their inputs
+  offloaded to host memory (`checkpointing.offload_activations`); one unwarmed step each (minutes per step, the first
+  compile and autotuning included). With TTT it peaks at 113 GiB allocated (H200): it needs a card of more than
+  80 GB; docs/training.md's 63-s setup for one 80 GB card checkpoints every sub-module as well.
 The parts run by default: train, sample3, sample63, ttt63; --quick runs the long guided step over its first 2
 blocks (--timed-blocks 2) instead of all 42. --profile adds a torch.profiler
 breakdown (device time by kind of kernel: TTT scan, attention, matrix products, norms, copies, the rest; and the top
@@ -227,7 +229,7 @@ def train_part(args, device, result: dict) -> None:
 
 
 def train_long_part(args, device, result: dict) -> None:
-    """The long training step: activation offload (model_step_long's fastest setup that fits 80 GB), one step."""
+    """The long training step, whole blocks checkpointed and their inputs offloaded, one unwarmed step."""
     extra = ["checkpointing.offload_activations=true"] if device.type == "cuda" else []
     on = train_case(args, device, args.long, True, extra, steps=1, warmup=0)
     off = train_case(args, device, args.long, False, extra, steps=1, warmup=0)
