@@ -47,13 +47,18 @@ def _rope_t(g, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _program_rows(QKV, COS, SIN, L, NH, s_b, s_l, s_i, s_h, s_cl, D: tl.constexpr, BL: tl.constexpr):
+def _program_rows(QKV, COS, SIN, L, NH, NBH, s_b, s_l, s_i, s_h, s_cl, D: tl.constexpr, BL: tl.constexpr):
     """This program's (batch b, head h, their index bh), tokens rl, columns rd and RoPE signs; the q, k, v rows of
     those tokens in fp32 (zeros past L), their cos / sin, and the mask of tokens before L. Offsets are 64-bit: at
-    63 s a token's row (351,168 x 3 x 3,072) starts past element 2^31."""
-    bh = tl.program_id(1).to(tl.int64)
+    63 s a token's row (351,168 x 3 x 3,072) starts past element 2^31.
+
+    The grid is one dimension, (batch, head) varying fastest: the NBH programs of one block of tokens run together,
+    so the block's RoPE rows (fp32, more bytes than its q/k/v) come from L2 for all but the first, and the rows of q/k/v
+    they read are adjacent in memory. With the tokens fastest, every (batch, head) streamed the whole table again."""
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid % NBH
     b, h = bh // NH, bh % NH
-    rl = tl.program_id(0).to(tl.int64) * BL + tl.arange(0, BL)
+    rl = (pid // NBH) * BL + tl.arange(0, BL)
     rd = tl.arange(0, D)
     sgn = tl.where(rd % 2 == 0, -1.0, 1.0)[None, :]
     m = (rl < L)[:, None] & (rd >= 0)[None, :]
@@ -76,10 +81,11 @@ def _target_stats(d, D: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def _scan_inputs_fwd_kernel(
-    QKV, COS, SIN, NW, NB, OUT, L, LP, NH, s_b, s_l, s_i, s_h, s_cl, s_out,
+    QKV, COS, SIN, NW, NB, OUT, L, LP, NH, NBH, s_b, s_l, s_i, s_h, s_cl, s_out,
     D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
 ):
-    b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, s_b, s_l, s_i, s_h, s_cl, D, BL)
+    b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, NBH, s_b, s_l, s_i, s_h, s_cl, D,
+                                                              BL)
     q = _rope(q / tl.maximum(tl.sqrt(tl.sum(q * q, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
     k = _rope(k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
     _c, _std, y = _target_stats(v - k, D, EPS)
@@ -111,7 +117,8 @@ def _scan_inputs_bwd_kernel(
     G, QKV, COS, SIN, NW, DQKV, DNW, DNB, L, LP, NH, NBH, s_b, s_l, s_i, s_h, s_cl, s_g,
     D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
 ):
-    b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, s_b, s_l, s_i, s_h, s_cl, D, BL)
+    b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, NBH, s_b, s_l, s_i, s_h, s_cl, D,
+                                                              BL)
     src = G + bh * LP * D + rl[:, None] * D + rd[None, :]
     s_g = s_g.to(tl.int64)
     gq = tl.load(src, mask=m, other=0.0).to(tl.float32)
@@ -124,7 +131,7 @@ def _scan_inputs_bwd_kernel(
     s = std + EPS
     # v = nw y + nb + kr: the ttt_norm gradients (this program's partial sums) and the LayerNorm's backward
     nw = tl.load(NW + h * D + rd).to(tl.float32)[None, :]
-    pid = tl.program_id(0) * NBH + bh
+    pid = tl.program_id(0)  # = token block x NBH + bh: the partial sums' row
     tl.store(DNW + pid * D + rd, tl.sum(tl.where(m, gv * y, 0.0), 0))
     tl.store(DNB + pid * D + rd, tl.sum(gv, 0))
     gy = gv * nw
@@ -158,9 +165,9 @@ def scan_inputs_forward(qkv, cos, sin, norm_w, norm_b, pad: int, dtype: torch.dt
     B, L, H, D, qkv, cos, sin = _geometry(qkv, cos, sin)
     LP = L + pad
     out = new_output(None, (3, B, H, LP, D), dtype, qkv.device)
-    grid = (triton.cdiv(LP, TOKENS_PER_PROGRAM), B * H)
+    grid = (triton.cdiv(LP, TOKENS_PER_PROGRAM) * B * H,)
     _scan_inputs_fwd_kernel[grid](
-        qkv, cos, sin, norm_w.contiguous(), norm_b.contiguous(), out, L, LP, H, *qkv.stride()[:2], qkv.stride(2),
+        qkv, cos, sin, norm_w.contiguous(), norm_b.contiguous(), out, L, LP, H, B * H, *qkv.stride()[:2], qkv.stride(2),
         qkv.stride(3), D, out.stride(0),
         D=D, BL=TOKENS_PER_PROGRAM, EPS=TARGET_LN_EPS, NEPS=NORMALIZE_EPS, num_warps=WARPS,
     )
@@ -176,7 +183,7 @@ def scan_inputs_backward(grad, qkv, cos, sin, norm_w):
     dqkv = new_output(None, qkv.shape, qkv.dtype, qkv.device)
     dnw = new_output(None, (nblk, B * H, D), torch.float32, qkv.device)
     dnb = new_output(None, (nblk, B * H, D), torch.float32, qkv.device)
-    _scan_inputs_bwd_kernel[(nblk, B * H)](
+    _scan_inputs_bwd_kernel[(nblk * B * H,)](
         grad, qkv, cos, sin, norm_w.contiguous(), dqkv, dnw, dnb, L, LP, H, B * H,
         qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3), D, grad.stride(0),
         D=D, BL=TOKENS_PER_PROGRAM, EPS=TARGET_LN_EPS, NEPS=NORMALIZE_EPS, num_warps=WARPS,
