@@ -91,7 +91,7 @@ def mlp_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> l
         row = {"part": "MLP", "variant": variant, "duration": duration, "tokens": layout.total_tokens,
                "block_ms": ms, "step_s": ms * args.layers / 1e3, "rel_err_vs_apart": error}
         if device.type == "cuda":
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -80,7 +80,7 @@ def measure(args, kind: str, duration: str, mini_batch: int, device: torch.devic
                 torch.cuda.reset_peak_memory_stats()
             row["block_ms"] = timed(lambda: block(x, layout), device, args.reps)
             if device.type == "cuda":
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["step_s"] = row["block_ms"] * args.layers / 1e3
         x = None  # the block input's memory back before the scans' inputs are drawn
         row["scans_ms"] = scans_ms(block.ttt, kind, args.batch, layout, device, dtype, args.reps)
