@@ -129,6 +129,15 @@ def test_fp8_every_linear_counts_the_trained_linears_in_fp8_on_the_gpu():
     cfg.sample.offload_blocks, cfg.sample.prefetch_blocks = True, 1
     ten = dataclasses.replace(b, blocks=10, trainable_linear_saving=10 * b.block_trainable_linear_saving)
     assert FP8_EVERY_LINEAR.footprint(cfg, "sample", ten).weights == -2 * b.block_trainable_linear_saving
+    # more blocks prefetched than the model has: every block is on the GPU, none counted twice
+    cfg.sample.prefetch_blocks = 8
+    five = dataclasses.replace(b, blocks=5, trainable_linear_saving=5 * b.block_trainable_linear_saving)
+    assert FP8_EVERY_LINEAR.footprint(cfg, "sample", five).weights == -five.trainable_linear_saving
+    assert SAMPLE_BLOCK_OFFLOAD.footprint(cfg, "sample", five).weights == 0
+    cfg.sample.prefetch_blocks = 3
+    assert SAMPLE_BLOCK_OFFLOAD.footprint(cfg, "sample", ten).weights == -6 * ten.block
+    assert SAMPLE_BLOCK_OFFLOAD.footprint(cfg, "sample", ten).host == 10 * ten.block
+    cfg.sample.prefetch_blocks = 1
     cfg.model.frozen_weights = "dtype"
     assert FP8_EVERY_LINEAR.footprint(cfg, "sample", b).weights == 0
     # the planner's sample setups keep the fp8 storage that every linear in fp8 needs; training ones may drop it

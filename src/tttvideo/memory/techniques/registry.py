@@ -220,7 +220,7 @@ def _fp8_every_linear_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Foo
         return Footprint()
     saving = b.trainable_linear_saving
     if cfg.sample.offload_blocks:  # only the blocks on the GPU count there (SAMPLE_BLOCK_OFFLOAD's footprint)
-        saving -= (b.blocks - cfg.sample.prefetch_blocks - 1) * b.block_trainable_linear_saving
+        saving -= (b.blocks - resident_blocks(cfg, b)) * b.block_trainable_linear_saving
     return Footprint(weights=-saving)
 
 
@@ -397,11 +397,16 @@ GUIDANCE_PASSES = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- sample block offload
+def resident_blocks(cfg: Config, b: ModelBytes) -> int:
+    """Blocks on the GPU at once with `sample.offload_blocks`: the running one and `prefetch_blocks` copied ahead
+    (`tttvideo.sample.offload`), at most the model's blocks."""
+    return min(cfg.sample.prefetch_blocks + 1, b.blocks)
+
+
 def _offload_blocks_footprint(cfg: Config, phase: Phase, b: ModelBytes) -> Footprint:
     if phase != "sample":
         return Footprint()
-    resident = b.block * (cfg.sample.prefetch_blocks + 1)
-    return Footprint(weights=resident - b.blocks * b.block, host=b.blocks * b.block)
+    return Footprint(weights=(resident_blocks(cfg, b) - b.blocks) * b.block, host=b.blocks * b.block)
 
 
 def _offload_blocks_advice(cfg: Config, model: nn.Module, phase: Phase, gpus: int) -> list[Saving]:
