@@ -332,17 +332,19 @@ def test_attention_window_glue_round_trips_and_stays_eager_on_cpu():
     assert torch.equal(merged_one, v[:, :one.total_tokens].flatten(2))
 
 
-def test_glue_compiles_once_per_shape_past_dynamos_default_limit(monkeypatch):
+def test_glue_compiles_once_per_shape_past_dynamos_default_limit():
     """compiled_on_cuda raises Dynamo's recompile limit (allow_glue_recompiles) before it compiles: a glue function
     called at more shapes than Dynamo's default 8 (a process running several layouts) is compiled for each of them
-    instead of falling back to eager. Counted with a backend that records each compile (the CPU builds no kernels)."""
+    instead of falling back to eager. Counted with a backend that records each compile (the CPU builds no kernels).
+    The limit is restored by assignment: pytest's monkeypatch deletes the attribute on undo, which removes the
+    setting from torch's config module for every later test."""
     import torch._dynamo.config as dynamo
 
     from tttvideo.device import GLUE_RECOMPILE_LIMIT, allow_glue_recompiles
 
     def count_compiles(limit_raised: bool) -> int:
         torch._dynamo.reset()
-        monkeypatch.setattr(dynamo, "recompile_limit", 8)
+        dynamo.recompile_limit = 8
         if limit_raised:
             allow_glue_recompiles()
         graphs = []
@@ -356,7 +358,11 @@ def test_glue_compiles_once_per_shape_past_dynamos_default_limit(monkeypatch):
             fn(torch.ones(n, 2), torch.ones(n, 2))
         return len(graphs)
 
-    assert GLUE_RECOMPILE_LIMIT >= 12
-    assert count_compiles(limit_raised=False) == 8  # Dynamo's default: shapes 9-12 ran eagerly
-    assert count_compiles(limit_raised=True) == 12
-    torch._dynamo.reset()
+    before = dynamo.recompile_limit
+    try:
+        assert GLUE_RECOMPILE_LIMIT >= 12
+        assert count_compiles(limit_raised=False) == 8  # Dynamo's default: shapes 9-12 ran eagerly
+        assert count_compiles(limit_raised=True) == 12
+    finally:
+        dynamo.recompile_limit = before
+        torch._dynamo.reset()
