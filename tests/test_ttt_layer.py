@@ -223,3 +223,29 @@ def test_gates_add_in_one_rounding():
     want = (x.float() + y.float() * gates).bfloat16()
     assert torch.equal(got, want)
     assert not torch.equal(want, x + y * gates.bfloat16())  # the two-rounding form differs somewhere
+
+
+def test_sampling_frees_the_projection_before_the_scan():
+    """Without gradients the layer drops the scan-order copy of its input and the q/k/v projection's output once
+    read (16 GiB of a guided 63-s block): while each pass scans, neither is alive (memory.trace.LiveBytes, CPU)."""
+    from tttvideo.memory.trace.live_bytes import LiveBytes
+
+    lay = layout("9s")
+    m = block()
+    m.requires_grad_(False)
+    x = torch.randn(2, lay.total_tokens, DIM)
+    seen = []
+    scan = m.ttt.scan
+
+    def watched(*args, **kwargs):
+        seen.append([a for a in live._live.values() if a.shape[-1] in (DIM, 3 * DIM)])  # rows of x or of q/k/v
+        return scan(*args, **kwargs)
+
+    m.ttt.scan = watched
+    with torch.no_grad(), LiveBytes(m) as live:
+        x = x.clone()  # the input, allocated where it is counted
+        m(x, lay)
+    assert len(seen) == 2  # the forward and the reverse pass
+    for alive in seen:
+        assert not [a for a in alive if "project_qkv" in a.site or "gather_tokens" in a.site], alive
+        assert [a for a in alive if a.shape == tuple(x.shape)]  # the block's input itself is still there
