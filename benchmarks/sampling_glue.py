@@ -4,7 +4,7 @@ shapes (batch 2: conditional and unconditional) of CogVideoX-5B, bf16, without g
 - one block's bidirectional TTT (`benchmarks/ttt_sample_minibatch.py`'s `measure`) with its glue compiled (the
   default: the scan output gathered back to residual order and post-normalised in one pass, `ttt.layer.post_norm_rows`,
   and each gated residual add in one pass, `sequence.bidirectional.gated_add`) and with `ttt.compile_glue = false`
-  (the same functions eager: a transposed copy, a gather and the norm; a product, a concatenation and a sum);
+  (the same functions eager: a transposed copy, a gather and the norm; two addcmul and a concatenation);
 - the block's MLP (3,072 -> 12,288 -> 3,072) with the GELU in the first product's cuBLASLt epilogue
   (`models.layers.linear_gelu`, the default without gradients on CUDA) and as its own kernel after the product,
   with the relative error between them.

@@ -126,6 +126,6 @@ class GatedBidirectional(nn.Module):
     def _gated_residual(self, x: torch.Tensor, y: torch.Tensor, text_tokens: int, text_gate: torch.Tensor,
                         video_gate: torch.Tensor) -> torch.Tensor:
         """x + tanh(gate) * y (`gated_add`), compiled where the inner layer compiles its glue (`compile_glue`): one
-        pass over the stream instead of a product, a concatenation and a sum (three)."""
+        pass over the stream (eager: the two modalities' addcmul, then their concatenation)."""
         gates = (torch.tanh(g).to(y.dtype)[None] for g in (text_gate, video_gate))
         return compiled_on_cuda(gated_add, x, getattr(self.ttt, "compile_glue", False))(x, y, text_tokens, *gates)
