@@ -69,7 +69,8 @@ def test_ttt_sees_attention_output_before_the_gate():
                                       model.ttt_config.mini_batch_size)
     T = layout.total_text_tokens
     x, z = seen["x"], seen["ttt_out"]
-    expect = torch.cat([x[:, :T] + seen["text_gate"][:, None] * z[:, :T], x[:, T:] + seen["gate"][:, None] * z[:, T:]], 1)
+    expect = torch.cat([x[:, :T] + seen["text_gate"][:, None] * z[:, :T],
+                        x[:, T:] + seen["gate"][:, None] * z[:, T:]], 1)
     torch.testing.assert_close(seen["x1"], expect)
     # and the TTT output is not its input (gates 0.1): the TTT layer takes part
     assert rel(z, seen["attn"]) > 1e-3

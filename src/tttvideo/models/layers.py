@@ -25,16 +25,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def timestep_sinusoid(
-    timesteps: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, freq_shift: float = 0.0, max_period: float = 10000.0
-) -> torch.Tensor:
+def timestep_sinusoid(timesteps: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, freq_shift: float = 0.0,
+                      max_period: float = 10000.0) -> torch.Tensor:
     """[B] (possibly fractional) timesteps -> [B, dim] fp32 sinusoidal features ([cos | sin] if flipped)."""
     half = dim // 2
     exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device)
     freqs = torch.exp(exponent / (half - freq_shift))
     angles = timesteps[:, None].float() * freqs[None, :]
-    emb = torch.cat([torch.cos(angles), torch.sin(angles)] if flip_sin_to_cos else [torch.sin(angles), torch.cos(angles)],
-                    dim=-1)
+    parts = [torch.cos(angles), torch.sin(angles)]
+    emb = torch.cat(parts if flip_sin_to_cos else parts[::-1], dim=-1)
     if dim % 2:
         emb = F.pad(emb, (0, 1))
     return emb
