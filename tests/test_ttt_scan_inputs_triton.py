@@ -93,6 +93,11 @@ def _interpreter_main() -> None:
     except Exception as e:
         errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
     results.append({"errors": errors, "fault": fault})
+    try:
+        (error, untouched), fault = _slice_case(seed + 60), None
+    except Exception as e:
+        error, untouched, fault = None, False, f"{type(e).__name__}: {e}"[:2000]
+    results.append({"error": error, "untouched": untouched, "fault": fault})
     print("RESULTS " + json.dumps(results))
 
 
@@ -124,6 +129,25 @@ def test_layer_with_the_kernels_matches_the_reference(interpreter_results):
     assert len(r["errors"]) > 10 and not bad, f"seed {seed}: relative errors over 1e-4: {bad}"
 
 
+def test_kernel_writes_into_a_token_slice(interpreter_results):
+    """out= (the chunked inference pass's scan-input buffer): the kernel writes the slice as the reference computes
+    it (fp32, 1e-5 relative) and leaves every row outside it as it was."""
+    seed, results = interpreter_results
+    r = results[len(CASES) + 1]
+    assert r["fault"] is None, f"seed {seed}: {r['fault']}"
+    assert r["error"] <= 1e-5 and r["untouched"], f"seed {seed}: {r}"
+
+
+def test_out_is_refused_with_gradients():
+    from tttvideo.ttt.scan_inputs import prepare_scan_inputs
+
+    qkv = torch.zeros(1, 4, 3, 2, 16, requires_grad=True)
+    table = torch.zeros(4, 1, 16)
+    with pytest.raises(ValueError, match="without gradients"):
+        prepare_scan_inputs(qkv, table, table, torch.ones(2, 16), torch.zeros(2, 16), 0, torch.float32,
+                            out=torch.empty(3, 1, 2, 4, 16))
+
+
 def test_dispatch():
     """The kernels run on CUDA (backend auto / triton) or in the interpreter with backend triton; the reference
     everywhere else, and always with backend "reference"."""
@@ -133,3 +157,25 @@ def test_dispatch():
     assert use_kernel(qkv, "triton") == interpreting
     assert not use_kernel(qkv, "reference")
     assert not use_kernel(torch.zeros(1, 4, 3, 2, 24), "triton")  # head dim not a power of two
+
+
+def _slice_case(seed):
+    """The forward kernel writing into a token slice of a longer buffer (out=, as the chunked inference pass does)
+    against the reference: relative error of the slice, and whether the rows outside it kept their values."""
+    from tttvideo.ttt.scan_inputs import prepare_scan_inputs, scan_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    B, L, H, D, s = 2, 70, 3, 16, 37
+    qkv = torch.randn(B, L, 3, H, D, generator=g)
+    angle = 3 * torch.randn(L, 1, D, generator=g)
+    cos, sin = angle.cos(), angle.sin()
+    nw, nb = 1 + 0.2 * torch.randn(H, D, generator=g), 0.2 * torch.randn(H, D, generator=g)
+    buffer = torch.randn(3, B, H, 150, D, generator=g)
+    before = buffer.clone()
+    with torch.no_grad():
+        prepare_scan_inputs(qkv, cos, sin, nw, nb, 0, torch.float32, backend="triton", out=buffer[:, :, :, s:s + L])
+    want = scan_inputs(qkv, cos, sin, nw, nb, 0, torch.float32)
+    got = buffer[:, :, :, s:s + L]
+    outside = torch.cat([buffer[:, :, :, :s], buffer[:, :, :, s + L:]], 3)
+    untouched = torch.equal(outside, torch.cat([before[:, :, :, :s], before[:, :, :, s + L:]], 3))
+    return float((got - want).norm() / want.norm()), untouched

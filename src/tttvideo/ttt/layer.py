@@ -379,15 +379,16 @@ class TTTLayer(nn.Module):
         for group in groups:
             heads = slice(int(group[0]), int(group[-1]) + 1)
             h = heads.stop - heads.start
-            inputs = x.new_zeros(3, B, h, padded, D)
+            # every token's rows are written below, in place (`out=`): only the padding is zeroed here
+            inputs = x.new_empty(3, B, h, padded, D)
+            inputs[:, :, :, L:] = 0
             eta = torch.zeros(B, h, padded, device=x.device, dtype=torch.float32)
             w_qkv, b_qkv = self.qkv_projection(heads)
             for s, e in token_chunks(0, L, plan.tokens):
                 xs = gather_tokens(x, scan_order[s:e])
                 qkv = F.linear(xs, w_qkv, b_qkv).unflatten(-1, (3, h, D))
-                inputs[:, :, :, s:e] = prepare_scan_inputs(qkv, cos[s:e], sin[s:e], self.ttt_norm_weight[heads],
-                                                           self.ttt_norm_bias[heads], 0, x.dtype, self.backend,
-                                                           self.compile_glue)
+                prepare_scan_inputs(qkv, cos[s:e], sin[s:e], self.ttt_norm_weight[heads], self.ttt_norm_bias[heads],
+                                    0, x.dtype, self.backend, self.compile_glue, out=inputs[:, :, :, s:e])
                 eta[:, :, s:e] = self.eta(xs, layout.mini_batch_size, heads).transpose(1, 2)
             del xs, qkv, w_qkv
             result = self.scan(inputs[0], inputs[1], inputs[2], eta, layout, heads)

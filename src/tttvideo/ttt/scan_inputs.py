@@ -56,10 +56,17 @@ def use_kernel(qkv: torch.Tensor, backend: str) -> bool:
 
 def prepare_scan_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: torch.Tensor,
                         norm_b: torch.Tensor, pad: int, dtype: torch.dtype, backend: str = "auto",
-                        compile_glue: bool = True) -> torch.Tensor:
-    """`scan_inputs` by the implementation `backend` (the layer's `ttt.backend`) and the device select."""
+                        compile_glue: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`scan_inputs` by the implementation `backend` (the layer's `ttt.backend`) and the device select. `out`
+    (without gradients): a [3, B, H, L + pad, D] tensor, e.g. a token slice of a longer buffer, to write the result
+    into; the kernels write it there directly, the reference is copied in."""
+    if out is not None and torch.is_grad_enabled():
+        raise ValueError("prepare_scan_inputs: out= is for forwards without gradients")
     if use_kernel(qkv, backend):
-        from tttvideo.ttt.triton_scan_inputs import ScanInputsFunction
+        from tttvideo.ttt.triton_scan_inputs import ScanInputsFunction, scan_inputs_forward
 
+        if out is not None:
+            return scan_inputs_forward(qkv, cos, sin, norm_w, norm_b, pad, dtype, out=out)
         return ScanInputsFunction.apply(qkv, cos, sin, norm_w, norm_b, pad, dtype)
-    return compiled_on_cuda(scan_inputs, qkv, compile_glue)(qkv, cos, sin, norm_w, norm_b, pad, dtype)
+    result = compiled_on_cuda(scan_inputs, qkv, compile_glue)(qkv, cos, sin, norm_w, norm_b, pad, dtype)
+    return result if out is None else out.copy_(result)

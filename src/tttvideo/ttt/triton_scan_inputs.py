@@ -81,7 +81,7 @@ def _target_stats(d, D: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def _scan_inputs_fwd_kernel(
-    QKV, COS, SIN, NW, NB, OUT, L, LP, NH, NBH, s_b, s_l, s_i, s_h, s_cl, s_out,
+    QKV, COS, SIN, NW, NB, OUT, L, LP, NH, NBH, s_b, s_l, s_i, s_h, s_cl, s_out, s_bh,
     D: tl.constexpr, BL: tl.constexpr, EPS: tl.constexpr, NEPS: tl.constexpr,
 ):
     b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, NBH, s_b, s_l, s_i, s_h, s_cl, D,
@@ -93,7 +93,8 @@ def _scan_inputs_fwd_kernel(
     nb = tl.load(NB + h * D + rd).to(tl.float32)[None, :]
     v = nw * y + nb + k
     # padding rows (L <= token < LP) are written as zeros
-    dst = OUT + bh * LP * D + rl[:, None] * D + rd[None, :]
+    # s_bh: a (batch, head)'s rows apart, LP x D in a fresh output, more in a token slice of a longer buffer
+    dst = OUT + bh * s_bh.to(tl.int64) + rl[:, None] * D + rd[None, :]
     s_out = s_out.to(tl.int64)  # 2 x [B, H, L + pad, D] passes 2^31 at 63 s
     keep = (rl < LP)[:, None] & (rd >= 0)[None, :]
     ty = OUT.dtype.element_ty
@@ -159,16 +160,24 @@ def _geometry(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return B, L, H, D, qkv.contiguous(), cos, sin
 
 
-def scan_inputs_forward(qkv, cos, sin, norm_w, norm_b, pad: int, dtype: torch.dtype) -> torch.Tensor:
-    """[3, B, H, L + pad, D] in `dtype`: what `scan_inputs.scan_inputs` returns."""
+def scan_inputs_forward(qkv, cos, sin, norm_w, norm_b, pad: int, dtype: torch.dtype,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """[3, B, H, L + pad, D] in `dtype`: what `scan_inputs.scan_inputs` returns. `out`: where to write it instead of
+    a new tensor, e.g. a token slice buffer[:, :, :, s:e] of a longer scan-input buffer (rows of D contiguous, heads
+    and batches evenly apart)."""
     check_device(qkv, cos, sin, norm_w, norm_b)
     B, L, H, D, qkv, cos, sin = _geometry(qkv, cos, sin)
     LP = L + pad
-    out = new_output(None, (3, B, H, LP, D), dtype, qkv.device)
+    if out is None:
+        out = new_output(None, (3, B, H, LP, D), dtype, qkv.device)
+    elif (tuple(out.shape) != (3, B, H, LP, D) or out.dtype != dtype or out.device != qkv.device
+          or out.stride(4) != 1 or out.stride(3) != D or out.stride(1) != H * out.stride(2)):
+        raise ValueError(f"scan_inputs kernel: out must be [3, {B}, {H}, {LP}, {D}] {dtype} on {qkv.device} with rows "
+                         f"of {D} contiguous elements, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     grid = (triton.cdiv(LP, TOKENS_PER_PROGRAM) * B * H,)
     _scan_inputs_fwd_kernel[grid](
         qkv, cos, sin, norm_w.contiguous(), norm_b.contiguous(), out, L, LP, H, B * H, *qkv.stride()[:2], qkv.stride(2),
-        qkv.stride(3), D, out.stride(0),
+        qkv.stride(3), D, out.stride(0), out.stride(2),
         D=D, BL=TOKENS_PER_PROGRAM, EPS=TARGET_LN_EPS, NEPS=NORMALIZE_EPS, num_warps=WARPS,
     )
     return out
