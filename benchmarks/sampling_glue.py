@@ -88,7 +88,8 @@ def mlp_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> l
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         ms = ttt_sample_minibatch.timed(fn, device, args.reps)
-        row = {"part": "MLP", "variant": variant, "duration": duration, "tokens": layout.total_tokens,
+        row = {"part": "MLP", "variant": variant, "duration": duration, "duration_s": layout.duration_s,
+               "tokens": layout.total_tokens,
                "block_ms": ms, "step_s": ms * args.layers / 1e3, "rel_err_vs_apart": error}
         if device.type == "cuda":
             row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30

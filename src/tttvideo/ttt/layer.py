@@ -431,12 +431,8 @@ class TTTLayer(nn.Module):
         """The TTT scan of a whole scan-order sequence: qkv [B, L, 3, h, D], eta [B, L, h] -> [B, L, h, D], where
         the h heads are `heads` of the layer's H (None: all of them); q/k/v enter the scan in `dtype` (the
         residual stream's)."""
-        return self._scan_padded(qkv, eta, layout, cos, sin, heads, dtype)[:, :, :qkv.shape[1]].transpose(1, 2)
-
-    def _scan_padded(self, qkv: torch.Tensor, eta: torch.Tensor, layout: VideoLayout, cos: torch.Tensor,
-                     sin: torch.Tensor, heads: slice | None, dtype: torch.dtype) -> torch.Tensor:
-        """`_scan`'s output as the scan leaves it: [B, h, L + pad, D], padding included."""
-        return self._scan_prepared(*self._scan_inputs(qkv, layout, cos, sin, heads, dtype), eta, layout, heads)
+        scanned = self._scan_prepared(*self._scan_inputs(qkv, layout, cos, sin, heads, dtype), eta, layout, heads)
+        return scanned[:, :, :qkv.shape[1]].transpose(1, 2)
 
     def _scan_inputs(self, qkv: torch.Tensor, layout: VideoLayout, cos: torch.Tensor, sin: torch.Tensor,
                      heads: slice | None, dtype: torch.dtype) -> torch.Tensor:
