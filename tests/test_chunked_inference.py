@@ -99,3 +99,19 @@ def test_chunked_inference_refuses_sequence_parallelism():
     cfg.parallel.sp = 2
     with pytest.raises(ConfigError, match="memory.chunked_inference"):
         resolve_sample_degrees(cfg, heads=48, world_size=2)
+
+
+def test_chunked_pass_multiplies_in_fp8_where_every_linear_does():
+    """sample.fp8_linears = 'all' (every linear stored and multiplied in fp8): the chunked TTT pass projects q/k/v
+    with the layers' stacked fp8 product too (`TTTLayer.qkv_product`), so it equals the plain forward, which does;
+    an upcast bf16 product there would differ by the input's quantisation (about 1e-2)."""
+    from tttvideo.models.fp8_storage import store_every_linear_fp8
+
+    model = model_with_heads()
+    store_every_linear_fp8(model, "cpu", matmul=True)
+    latents, text, t = inputs(2)
+    with torch.no_grad():
+        plain = model(latents, text, t)
+        set_plan(model, ChunkPlan(tokens=16, ttt_head_groups=2))
+        chunked = model(latents, text, t)
+    assert rel(chunked, plain) < 1e-5

@@ -36,6 +36,7 @@ each frozen weight as it reads it (the same codes as loading into the unconverte
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -193,10 +194,11 @@ class Fp8Linear(nn.Module):
         return F.linear(x.to(dtype), dequantize_rows(codes, scale, dtype), bias)
 
     @staticmethod
-    def stacked_product(x: torch.Tensor, layers: tuple[nn.Module, ...], rows: slice, heads: int) -> torch.Tensor | None:
-        """`stacked_fp8_linear`, for layers that stack their q/k/v products (`ttt.layer.TTTLayer.project_qkv`, which
-        cannot import this module: it sits in a lower layer of the package)."""
-        return stacked_fp8_linear(x, layers, rows, heads)
+    def stacked_product(layers: tuple[nn.Module, ...], rows: slice,
+                        heads: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`stacked_fp8_product`, for layers that stack their q/k/v products (`ttt.layer.TTTLayer.qkv_product`,
+        which cannot import this module: it sits in a lower layer of the package)."""
+        return stacked_fp8_product(layers, rows, heads)
 
     def extra_repr(self) -> str:
         matmul = ", matmul=fp8" if self.fp8_matmul else ""
@@ -252,10 +254,12 @@ def store_every_linear_fp8(model: nn.Module, device: torch.device | str, matmul:
     return 0, sum(isinstance(m, Fp8Linear) for m in model.modules())
 
 
-def stacked_fp8_linear(x: torch.Tensor, layers: tuple[nn.Module, ...], rows: slice, heads: int) -> torch.Tensor | None:
-    """The outputs of `layers` (linears of one input and equal sizes, each split into `heads` groups of output
+def stacked_fp8_product(layers: tuple[nn.Module, ...], rows: slice,
+                        heads: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x -> the outputs of `layers` (linears of one input and equal sizes, each split into `heads` groups of output
     rows) for the head groups `rows` of each, concatenated: one quantisation of x and one fp8 product instead of one
-    per layer; None unless every layer multiplies in fp8 (`Fp8Linear.fp8_matmul`)."""
+    per layer, the codes stacked here once (a caller projecting many chunks keeps the product); None unless every
+    layer multiplies in fp8 (`Fp8Linear.fp8_matmul`)."""
     if not all(isinstance(m, Fp8Linear) and m.fp8_matmul for m in layers):
         return None
     n, C = len(layers), layers[0].in_features
@@ -263,8 +267,12 @@ def stacked_fp8_linear(x: torch.Tensor, layers: tuple[nn.Module, ...], rows: sli
     codes = pick([m.weight_fp8 for m in layers], C)
     scale = pick([m.weight_scale for m in layers])
     bias = None if layers[0].bias is None else pick([m.bias for m in layers])
-    dtype = layers[0].compute_dtype(x)
-    return fp8_linear(x, codes, scale, None if bias is None else bias.to(dtype), dtype)
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        dtype = layers[0].compute_dtype(x)
+        return fp8_linear(x, codes, scale, None if bias is None else bias.to(dtype), dtype)
+
+    return product
 
 
 def check_fp8_matmul(cfg: Config, device: torch.device | str) -> None:

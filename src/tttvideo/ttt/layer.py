@@ -19,8 +19,9 @@ scan-order permutation, since a rank never holds the whole residual stream.
 
 from __future__ import annotations
 
+import functools
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -383,14 +384,14 @@ class TTTLayer(nn.Module):
             inputs = x.new_empty(3, B, h, padded, D)
             inputs[:, :, :, L:] = 0
             eta = torch.zeros(B, h, padded, device=x.device, dtype=torch.float32)
-            w_qkv, b_qkv = self.qkv_projection(heads)
+            project = self.qkv_product(heads)
             for s, e in token_chunks(0, L, plan.tokens):
                 xs = gather_tokens(x, scan_order[s:e])
-                qkv = F.linear(xs, w_qkv, b_qkv).unflatten(-1, (3, h, D))
+                qkv = project(xs).unflatten(-1, (3, h, D))
                 prepare_scan_inputs(qkv, cos[s:e], sin[s:e], self.ttt_norm_weight[heads], self.ttt_norm_bias[heads],
                                     0, x.dtype, self.backend, self.compile_glue, out=inputs[:, :, :, s:e])
                 eta[:, :, s:e] = self.eta(xs, layout.mini_batch_size, heads).transpose(1, 2)
-            del xs, qkv, w_qkv
+            del xs, qkv, project
             result = self.scan(inputs[0], inputs[1], inputs[2], eta, layout, heads)
             del inputs, eta
             if len(groups) == 1:
@@ -414,13 +415,21 @@ class TTTLayer(nn.Module):
         b = torch.stack([self.wq.bias, self.wk.bias, self.wv.bias]).view(3, H, D)[:, heads]
         return w.reshape(-1, C), b.reshape(-1)
 
-    def project_qkv(self, x: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
-        """x [B, L, C] through the q/k/v projections of `heads` in one product: [B, L, 3 h D]. In fp8 where the
-        three multiply in fp8 (sampling with sample.fp8_linears = 'all'): a layer class with a `stacked_product`
-        (`models.fp8_storage.Fp8Linear`, a layer above this one) runs its own stacked product, or declines (None)."""
+    def qkv_product(self, heads: slice = slice(None)) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The q/k/v projections of `heads` as one product x [..., C] -> [..., 3 h D], its weights stacked once (a
+        caller projecting many chunks keeps it). In fp8 where the three multiply in fp8 (sampling with
+        sample.fp8_linears = 'all'): a layer class with a `stacked_product` (`models.fp8_storage.Fp8Linear`, a
+        layer above this one) returns its own stacked product, or declines (None)."""
         stacked = getattr(type(self.wq), "stacked_product", None)
-        out = None if stacked is None else stacked(x, (self.wq, self.wk, self.wv), heads, self.num_heads)
-        return F.linear(x, *self.qkv_projection(heads)) if out is None else out
+        product = None if stacked is None else stacked((self.wq, self.wk, self.wv), heads, self.num_heads)
+        if product is not None:
+            return product
+        weight, bias = self.qkv_projection(heads)
+        return functools.partial(F.linear, weight=weight, bias=bias)
+
+    def project_qkv(self, x: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
+        """x [B, L, C] through the q/k/v projections of `heads` in one product: [B, L, 3 h D]."""
+        return self.qkv_product(heads)(x)
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The three projections in one matmul: [B, L, C] -> [B, L, 3, H, D]."""
