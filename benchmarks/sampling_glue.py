@@ -2,12 +2,14 @@
 shapes (batch 2: conditional and unconditional) of CogVideoX-5B, bf16, without gradients:
 
 - one block's bidirectional TTT (`benchmarks/ttt_sample_minibatch.py`'s `measure`) with its glue compiled (the
-  default: the scan output gathered back to residual order and post-normalised in one pass, `ttt.layer.post_norm_rows`,
-  and each gated residual add in one pass, `sequence.bidirectional.gated_add`) and with `ttt.compile_glue = false`
-  (the same functions eager: a transposed copy, a gather and the norm; two addcmul and a concatenation);
+  default: each gated residual add in one pass, `sequence.bidirectional.gated_add`) and with `ttt.compile_glue =
+  false` (two addcmul and a concatenation); in both the scan output is gathered back to residual order and
+  post-normalised in one pass by the Triton kernel (`ttt.triton_post_norm`);
 - the block's MLP (3,072 -> 12,288 -> 3,072) with the GELU in the first product's cuBLASLt epilogue
   (`models.layers.linear_gelu`, the default without gradients on CUDA) and as its own kernel after the product,
-  with the relative error between them.
+  with the relative error between them;
+- on CUDA, that post-norm alone (two calls a block) in the Triton kernel and as the torch.compile'd reference it
+  replaced (`ttt.layer.post_norm_rows`), with the relative error between them.
 
 "step s" multiplies a block's time by the 42 blocks: the share of one guided step.
 
@@ -98,6 +100,41 @@ def mlp_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> l
     return rows
 
 
+@torch.no_grad()
+def post_norm_rows_timed(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The TTT output's gather to residual order and post-norm alone: the Triton kernel (`triton_post_norm`, the
+    default on CUDA) against the torch.compile'd reference (`post_norm_rows`, which the kernel replaced), on a scan
+    output of the pass's shape; "block ms" is two calls (the block's forward and reverse pass)."""
+    from tttvideo.ttt.layer import layout_tensors, post_norm_rows
+    from tttvideo.ttt.triton_post_norm import post_norm_rows_forward
+
+    cfg = load_config(None, [f"layout.height={args.height}", f"layout.width={args.width}",
+                             f"layout.text_tokens={args.text_tokens}", "ttt.sample_mini_batch_size=16"])
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
+    head_dim = args.dim // args.heads
+    (_, index), _, _, _ = layout_tensors(layout, head_dim, 10000.0, device)
+    torch.manual_seed(0)
+    scanned = torch.randn(2, args.heads, layout.total_tokens + layout.ttt_padding, head_dim, device=device,
+                          dtype=dtype)
+    weight, bias = 1 + 0.1 * torch.randn(args.dim, device=device), 0.1 * torch.randn(args.dim, device=device)
+    compiled = torch.compile(post_norm_rows, dynamic=False)
+    kernel_out = post_norm_rows_forward(scanned, index, weight.to(dtype), bias.to(dtype), 1e-6).float()
+    ref = compiled(scanned, index, weight.to(dtype), bias.to(dtype), 1e-6).float()
+    error = float((kernel_out - ref).norm() / ref.norm())
+    del kernel_out, ref
+    rows = []
+    for variant, fn in (("Triton kernel", lambda: post_norm_rows_forward(scanned, index, weight.to(dtype),
+                                                                          bias.to(dtype), 1e-6)),
+                        ("compiled", lambda: compiled(scanned, index, weight.to(dtype), bias.to(dtype), 1e-6))):
+        ms = 2 * ttt_sample_minibatch.timed(fn, device, args.reps)
+        row = {"part": "TTT post-norm", "variant": variant, "duration": duration, "duration_s": layout.duration_s,
+               "tokens": layout.total_tokens, "block_ms": ms, "step_s": ms * args.layers / 1e3,
+               "rel_err_vs_compiled": error}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def print_table(result: dict) -> None:
     print(f"\nsampling glue, guided batch 2, {result['dim']} wide, {result['dtype']}, on {result['device']}, "
           f"commit {result['git_commit']}")
@@ -124,6 +161,8 @@ def main(argv=None) -> int:
     for duration in args.durations:
         result["rows"] += ttt_rows(args, duration, device, dtype)
         result["rows"] += mlp_rows(args, duration, device, dtype)
+        if device.type == "cuda":
+            result["rows"] += post_norm_rows_timed(args, duration, device, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)

@@ -3,6 +3,8 @@
 - the TTT layer without gradients (`post_norm_rows` compiled: the scan output gathered to residual order and
   post-normalised in one pass) against the same layer with gradients (transpose, norm, output projection, gather);
 - the gated residual add of the bidirectional wrapper compiled against eager;
+- the post-norm's Triton kernel (`triton_post_norm`) against the fp32 reference and the compiled one at 3 s, and at
+  a guided 63-s pass's shape (its output past 2^31 elements: 64-bit offsets) on the first and last rows;
 - the MLP's first product with the GELU in cuBLASLt's epilogue (`linear_gelu`) against F.linear then F.gelu(tanh),
   and in fp32 closer to the tanh GELU than to the erf one (the form CogVideoX and Wan use).
 
@@ -43,6 +45,34 @@ def test_sampling_ttt_layer_equals_the_training_path():
         eager = block(x, lay)
     trained = block(x.clone().requires_grad_(), lay).detach()  # the training path, eager gates
     assert rel(sampled, trained) < 1e-2 and rel(eager, trained) < 1e-2
+
+
+@pytest.mark.parametrize("duration", ["3s", "63s"])
+def test_post_norm_kernel(duration):
+    from tttvideo.layout import VideoLayout
+    from tttvideo.ttt.layer import layout_tensors, post_norm_rows
+    from tttvideo.ttt.triton_post_norm import post_norm_rows_forward
+
+    lay = VideoLayout.create(duration, height=480, width=720, text_tokens=226, mini_batch_size=16)
+    L, pad = lay.total_tokens, lay.ttt_padding
+    _, (_, index), _, _ = layout_tensors(lay, 64, 10000.0, torch.device("cuda"))  # the reverse pass's order
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scanned = torch.randn(2, 48, L + pad, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = (1 + 0.3 * torch.randn(3072, device="cuda", generator=gen)).bfloat16()
+    b = (0.3 * torch.randn(3072, device="cuda", generator=gen)).bfloat16()
+    with torch.no_grad():
+        got = post_norm_rows_forward(scanned, index, w, b, 1e-6)
+        assert got.shape == (2, L, 3072) and got.dtype == torch.bfloat16
+        if duration == "3s":
+            assert got.numel() < 2**31
+            want = post_norm_rows(scanned.float(), index, w.float(), b.float(), 1e-6)
+            compiled = torch.compile(post_norm_rows, dynamic=False)(scanned, index, w, b, 1e-6)
+            assert rel(got, want) < 1e-2 and rel(got, want) <= 1.5 * rel(compiled, want) + 1e-3
+        else:
+            assert got.numel() > 2**31
+            for rows in (slice(0, 1024), slice(L - 1024, L)):
+                want = post_norm_rows(scanned.float(), index[rows], w.float(), b.float(), 1e-6)
+                assert rel(got[:, rows], want) < 1e-2, rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -37,7 +37,7 @@ from tttvideo.sequence.bidirectional import GatedBidirectional, gated, gather_to
 from tttvideo.sequence.chunks import ChunkPlan, modal_chunks, token_chunks
 from tttvideo.ttt import ops
 from tttvideo.ttt.eta_layout import ETA_LAYOUTS, REFERENCE, eta_rows_on
-from tttvideo.ttt.scan_inputs import prepare_scan_inputs
+from tttvideo.ttt.scan_inputs import prepare_scan_inputs, use_kernel
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the layer needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
@@ -67,12 +67,26 @@ def post_norm_rows(scanned: torch.Tensor, index: torch.Tensor, weight: torch.Ten
                    eps: float) -> torch.Tensor:
     """Scan outputs [B, H, L + pad, D] in scan order -> the post-LayerNorm (over H D) of the rows at scan positions
     `index` [n] (the residual order), [B, n, H D]. One function so that torch.compile reads the scan output once and
-    writes the normalised rows once (eager: a transposed copy, a gather and the norm each write the stream); the
+    writes the normalised rows once (eager: the gather, a transposed copy and the norm each write the rows); the
     token order changes before the output projection instead of after it, which commutes with it (it is per
     token)."""
-    B, H, padded, D = scanned.shape
-    rows = gather_tokens(scanned.transpose(1, 2).reshape(B, padded, H * D), index)
+    B, H, _, D = scanned.shape
+    # the gather first: run eagerly (the chunked pass), only the n rows are transposed, not the whole output
+    rows = scanned.index_select(2, index).transpose(1, 2).reshape(B, index.numel(), H * D)
     return F.layer_norm(rows, (H * D,), weight, bias, eps)
+
+
+def sampling_post_norm(scanned: torch.Tensor, index: torch.Tensor, norm: nn.LayerNorm, backend: str,
+                       compile_glue: bool) -> torch.Tensor:
+    """`post_norm_rows` without gradients: the Triton kernel (`triton_post_norm`, one pass) where the layer's glue
+    kernels run (`scan_inputs.use_kernel`: CUDA from compute capability 8.0 unless `ttt.backend` is "reference",
+    the interpreter with "triton") and no autocast would change the norm's dtype; else the reference, torch.compile'd
+    on CUDA by `compile_glue`."""
+    if use_kernel(scanned, backend) and not torch.is_autocast_enabled(scanned.device.type):
+        from tttvideo.ttt.triton_post_norm import post_norm_rows_forward
+
+        return post_norm_rows_forward(scanned, index, norm.weight, norm.bias, norm.eps)
+    return compiled_on_cuda(post_norm_rows, scanned, compile_glue)(scanned, index, norm.weight, norm.bias, norm.eps)
 
 
 class _WriteRows(torch.autograd.Function):
@@ -243,9 +257,8 @@ class TTTLayer(nn.Module):
             scanned = self._scan_prepared(q, k, v, eta, layout, None)
             del q, k, v
             if not torch.is_grad_enabled():  # sampling: back to residual order before the output projection
-                norm = self.post_norm
-                return self.wo(compiled_on_cuda(post_norm_rows, x, self.compile_glue)(
-                    scanned, residual_order, norm.weight, norm.bias, norm.eps))
+                return self.wo(sampling_post_norm(scanned, residual_order, self.post_norm, self.backend,
+                                                  self.compile_glue))
             out = scanned[:, :, :L].transpose(1, 2).reshape(B, L, C)
             out = self.wo(self.post_norm(out.to(x.dtype)))
             return gather_tokens(out, residual_order)
@@ -404,8 +417,8 @@ class TTTLayer(nn.Module):
         T = layout.total_text_tokens
         text_gate, video_gate = (torch.tanh(g).to(x.dtype) for g in gates)
         for s, e, is_text in modal_chunks(L, T, plan.tokens):
-            y = out[:, :, residual_order[s:e]].transpose(1, 2).reshape(B, e - s, C).to(x.dtype)
-            y = self.wo(self.post_norm(y))
+            # eager where the kernel does not run: compiled, each chunk length would be a recompile
+            y = self.wo(sampling_post_norm(out, residual_order[s:e], self.post_norm, self.backend, False))
             x[:, s:e].add_(y.mul_(text_gate if is_text else video_gate))
 
     def qkv_projection(self, heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
