@@ -9,7 +9,9 @@ shapes (batch 2: conditional and unconditional) of CogVideoX-5B, bf16, without g
   (`models.layers.linear_gelu`, the default without gradients on CUDA) and as its own kernel after the product,
   with the relative error between them;
 - on CUDA, that post-norm alone (two calls a block) in the Triton kernel and as the torch.compile'd reference it
-  replaced (`ttt.layer.post_norm_rows`), with the relative error between them.
+  replaced (`ttt.layer.post_norm_rows`), with the relative error between them;
+- on CUDA, local attention's glue before SDPA (q/k norms, RoPE, the window gather) in its Triton kernel
+  (`models.triton_window_gather`) and as the torch.compile'd reference it replaced (`models.attention.gather_windows`).
 
 "step s" multiplies a block's time by the 42 blocks: the share of one guided step.
 
@@ -135,6 +137,42 @@ def post_norm_rows_timed(args, duration: str, device: torch.device, dtype: torch
     return rows
 
 
+@torch.no_grad()
+def window_glue_timed(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Local attention's glue before SDPA alone (q/k norms, RoPE, the window gather of q, k, v): the Triton kernel
+    (`models.triton_window_gather`, the default without gradients on CUDA) against the torch.compile'd reference
+    (`models.attention.gather_windows`, which it replaced), on q, k, v of the block's shapes, strided views of one
+    projection output as in the block; "block ms" is one call."""
+    from tttvideo.models.attention import gather_windows, window_tensors
+    from tttvideo.models.triton_window_gather import window_gather
+
+    cfg = load_config(None, [f"layout.height={args.height}", f"layout.width={args.width}",
+                             f"layout.text_tokens={args.text_tokens}", "ttt.sample_mini_batch_size=16"])
+    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
+    D = args.dim // args.heads
+    index, cos, sin, _ = window_tensors(layout, D, 10000.0, device)
+    n = index.shape[0]
+    flat = index.reshape(-1)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, layout.total_tokens, 3, args.heads, D, device=device, dtype=dtype).unbind(2)
+    norms = [(1 + 0.1 * torch.randn(D, device=device, dtype=dtype), 0.1 * torch.randn(D, device=device, dtype=dtype),
+              1e-6) for _ in range(2)]
+    compiled = torch.compile(gather_windows, dynamic=False)
+    kernel = lambda: window_gather(q, k, v, flat, n, cos, sin, *norms)  # noqa: E731
+    reference = lambda: compiled(q, k, v, flat if n > 1 else None, n, cos, sin, *norms)  # noqa: E731
+    errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(kernel(), reference())]
+    rows = []
+    for variant, fn in (("Triton kernel", kernel), ("compiled", reference)):
+        torch.cuda.empty_cache()
+        ms = ttt_sample_minibatch.timed(fn, device, args.reps)
+        row = {"part": "attention window glue", "variant": variant, "duration": duration,
+               "duration_s": layout.duration_s, "tokens": layout.total_tokens, "windows": n, "block_ms": ms,
+               "step_s": ms * args.layers / 1e3, "rel_err_vs_compiled_qkv": errors}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def print_table(result: dict) -> None:
     print(f"\nsampling glue, guided batch 2, {result['dim']} wide, {result['dtype']}, on {result['device']}, "
           f"commit {result['git_commit']}")
@@ -163,6 +201,7 @@ def main(argv=None) -> int:
         result["rows"] += mlp_rows(args, duration, device, dtype)
         if device.type == "cuda":
             result["rows"] += post_norm_rows_timed(args, duration, device, dtype)
+            result["rows"] += window_glue_timed(args, duration, device, dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)

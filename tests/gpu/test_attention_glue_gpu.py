@@ -1,11 +1,12 @@
 """model.compile_attention_glue on CUDA (skipped without it): local attention's q/k norms, window gather and RoPE
 compiled by torch.compile against the same functions eager (the overlap merge after them eager in both), at 9 s (3
 windows, 5B shapes: 48 heads of 64), bf16, forward and the gradients of q, k, v and of the norms' weights and biases
-through the gather, and of the attention output through the merge; and the merge against the scatter it
-replaced, bit for bit. The glue's two versions are held to the same fp32 computation: the
-compiled glue's error, relative to each tensor's largest value, must be at most 1.5x the eager glue's plus 1e-3
-(bf16: the compiled version keeps the norm and RoPE in fp32 and rounds once where eager rounds after each, so it is
-usually the closer of the two; a wrong fusion is off by far more).
+through the gather, and of the attention output through the merge; the merge against the scatter it replaced, bit
+for bit; and the sampling path's window-glue kernel (`triton_window_gather`) against the references. The glue's two
+versions are held to the same fp32 computation: the compiled glue's error, relative to each tensor's largest value,
+must be at most 1.5x the eager glue's plus 1e-3 (bf16: the compiled version keeps the norm and RoPE in fp32 and
+rounds once where eager rounds after each, so it is usually the closer of the two; a wrong fusion is off by far
+more).
 
 Run: `pytest tests/gpu/test_attention_glue_gpu.py`.
 """
@@ -75,3 +76,44 @@ def test_merge_equals_the_atomic_scatter_on_cuda():
         merged.backward(grad)
         got.append((merged.detach(), o.grad))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@pytest.mark.parametrize("duration", [9, 63])
+def test_window_kernel_matches_the_reference(duration):
+    """The window-glue Triton kernel (sampling: no gradients) against gather_windows in fp32 and compiled (9 s, whole;
+    the kernel within 1.5x the compiled glue's error plus 1e-3), and at 63 s (guided batch 2, windows past 2^31
+    elements) on the first and last windows, each tensor's error relative to its largest value under 1e-2."""
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models import attention
+    from tttvideo.models.triton_window_gather import window_gather
+
+    layout = VideoLayout.create(duration, 480, 720)
+    index, cos, sin, _ = attention.window_tensors(layout, 64, 10000.0, torch.device("cuda"))
+    n, flat, L = index.shape[0], index.reshape(-1), layout.total_tokens
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = torch.randn(2, L, 3, 48, 64, device="cuda", dtype=torch.bfloat16, generator=gen).unbind(2)
+    norms = [(1 + 0.1 * torch.randn(64, device="cuda", generator=gen), 0.1 * torch.randn(64, device="cuda",
+                                                                                         generator=gen), 1e-6)
+             for _ in range(2)]
+    low = [tuple(t.bfloat16() if torch.is_tensor(t) else t for t in norm) for norm in norms]
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+    with torch.no_grad():
+        assert attention.use_window_kernel(q)
+        got = window_gather(q, k, v, flat, n, cos, sin, *low)
+        if duration == 9:
+            exact = attention.gather_windows(q.float(), k.float(), v.float(), flat, n, cos, sin, *norms)
+            compiled = torch.compile(attention.gather_windows)(q, k, v, flat, n, cos, sin, *low)
+            for name, fast, ref, want in zip("qkv", got, compiled, exact):
+                assert error(fast, want) <= 1.5 * error(ref, want) + 1e-3, (name, error(fast, want), error(ref, want))
+        else:
+            assert got[2].numel() > 2**31
+            for w in (0, 2 * n - 1):  # sample 0's first window, sample 1's last
+                b, i = divmod(w, n)
+                rows = index[i]
+                want = attention.gather_windows(q[b:b + 1, rows].float(), k[b:b + 1, rows].float(),
+                                                v[b:b + 1, rows].float(), None, 1, cos, sin, *norms)
+                for name, fast, ref in zip("qkv", got, want):
+                    assert error(fast[w:w + 1], ref) < 1e-2, (w, name)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tttvideo.device import compiled_on_cuda
+from tttvideo.device import compiled_on_cuda, triton_runs_on
 from tttvideo.layout import VideoLayout
 from tttvideo.rope import apply_rope, rope_cos_sin
 from tttvideo.sequence.chunks import ChunkPlan, token_chunks
@@ -69,6 +69,29 @@ def gather_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torc
         return t.transpose(1, 2)
 
     return apply_rope(windows(q, norm_q), cos, sin), apply_rope(windows(k, norm_k), cos, sin), windows(v)
+
+
+def use_window_kernel(q: torch.Tensor) -> bool:
+    """Whether `window_glue` runs the Triton kernel (`triton_window_gather`): without gradients (sampling) and
+    autocast, with a power-of-two head dim, on CUDA from compute capability 8.0 with Triton installed, or on CPU
+    inside the Triton interpreter (the tests)."""
+    D = q.shape[-1]
+    return (not torch.is_grad_enabled() and not torch.is_autocast_enabled(q.device.type) and D >= 2
+            and not D & (D - 1) and triton_runs_on(q, (8, 0)))
+
+
+def window_glue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor | None, n: int,
+                cos: torch.Tensor, sin: torch.Tensor, norm_q: HeadNorm | None, norm_k: HeadNorm | None,
+                compile_glue: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gather_windows` by the Triton kernel where `use_window_kernel` says (one pass over q, k, v; q, k and v of
+    one stride set, rows contiguous), else the function itself, torch.compile'd on CUDA by `compile_glue`
+    (`model.compile_attention_glue`)."""
+    if use_window_kernel(q) and q.stride() == k.stride() == v.stride() and q.stride(-1) == 1:
+        from tttvideo.models.triton_window_gather import window_gather
+
+        index = flat if flat is not None else torch.arange(q.shape[1], device=q.device)
+        return window_gather(q, k, v, index, n, cos, sin, norm_q, norm_k)
+    return compiled_on_cuda(gather_windows, q, compile_glue)(q, k, v, flat, n, cos, sin, norm_q, norm_k)
 
 
 def merge_covers(flat: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,9 +207,8 @@ class LocalAttention(nn.Module):
             q, k, v = sp.to_head_shards(torch.stack([q, k, v], dim=2), layout, head_axis=3).unbind(2)
             B, L, H, _ = q.shape
         flat = index.reshape(-1) if n > 1 else None
-        q, k, v = compiled_on_cuda(gather_windows, q, self.compile_glue)(q, k, v, flat, n, cos, sin,
-                                                                        self.head_norm(self.norm_q),
-                                                                        self.head_norm(self.norm_k))
+        q, k, v = window_glue(q, k, v, flat, n, cos, sin, self.head_norm(self.norm_q), self.head_norm(self.norm_k),
+                              self.compile_glue)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         # eager: the merge is two gathers (torch.compile's would fall back to an atomic index_add)
         out = merge_windows(out, flat, n, inv_count, L, window_covers(layout, x.device))

@@ -1,0 +1,134 @@
+"""The Triton kernel of local attention's glue before SDPA without gradients (`tttvideo.models.triton_window_gather`)
+against the PyTorch reference (`tttvideo.models.attention.gather_windows`), on CPU in the Triton interpreter
+(switched on before triton is imported, so the comparison runs in a subprocess with TRITON_INTERPRET=1,
+TTT_TRITON_POISON=1 and every memory access bounds-checked: tests/test_ttt_triton.py).
+
+Also the local-attention module without gradients (the kernel, by `attention.window_glue`) against the same module
+with gradients on (the reference), with one and with three windows. Fresh random inputs each run (the seed is in the
+failure message). fp32: the kernel computes in fp32 like the reference, in another order, so they agree to ~1e-7;
+bound 1e-5 relative (||a-b|| / ||b||). bf16: 1e-2 (one bf16 rounding is 4e-3; the reference rounds twice).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+# B, heads, head dim, duration (windows), dtype, q/k norms
+CASES = [
+    (2, 3, 16, 9, "float32", True),  # three windows sharing frames, heads not a power of two
+    (1, 4, 64, 3, "float32", True),  # one window: no gather
+    (2, 2, 32, 9, "float32", False),  # without the q/k norms (RoPE only)
+    (1, 5, 64, 9, "bfloat16", True),  # the model's dtype
+]
+
+
+def _case(B, H, D, duration, dtype, norms, seed):
+    """Relative errors of the kernel's q, k, v windows against the reference's computed in fp32, and whether the
+    kernel's outputs have the reference's shape, strides and dtype."""
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models.attention import gather_windows, window_tensors
+    from tttvideo.models.triton_window_gather import window_gather
+
+    layout = VideoLayout.create(duration, height=32, width=48, text_tokens=5)
+    index, cos, sin, _ = window_tensors(layout, D, 10000.0, torch.device("cpu"))
+    n, L = index.shape[0], layout.total_tokens
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    # one [B, L, 3, H, D] buffer: q, k, v are strided views of it, as after a stacked projection
+    qkv = (torch.randn(B, L, 3, H, D, generator=g) + 0.5).to(dt).unbind(2)
+    affine = [1 + 0.3 * torch.randn(D, generator=g) if i % 2 == 0 else 0.3 * torch.randn(D, generator=g)
+              for i in range(4)]
+    norm_q, norm_k = ((affine[0], affine[1], 1e-6), (affine[2], affine[3], 1e-5)) if norms else (None, None)
+    got = window_gather(*qkv, index.reshape(-1), n, cos, sin, norm_q, norm_k)
+    want = gather_windows(*(t.float() for t in qkv), index.reshape(-1) if n > 1 else None, n, cos, sin, norm_q,
+                          norm_k)
+    ref_dtype = gather_windows(*qkv, index.reshape(-1) if n > 1 else None, n, cos, sin, norm_q, norm_k)
+    alike = all(a.shape == r.shape and a.stride() == r.stride() and a.dtype == r.dtype for a, r in zip(got, ref_dtype))
+    return [float((a.float() - b).norm() / b.norm()) for a, b in zip(got, want)], alike
+
+
+def _module_case(seed):
+    """LocalAttention (fp32, 4 heads of 16) without gradients against the same call with gradients on, at one and
+    three windows: relative errors of the outputs."""
+    from tttvideo.layout import VideoLayout
+    from tttvideo.models.attention import LocalAttention
+
+    errors = {}
+    for duration in (3, 9):
+        layout = VideoLayout.create(duration, height=32, width=48, text_tokens=5)
+        torch.manual_seed(seed)
+        attn = LocalAttention(64, 4, 16)
+        with torch.no_grad():
+            for norm in (attn.norm_q, attn.norm_k):
+                norm.weight.normal_(1, 0.3)
+                norm.bias.normal_(0, 0.3)
+        x = torch.randn(2, layout.total_tokens, 64)
+        with torch.no_grad():
+            sampled = attn(x, layout)
+        trained = attn(x, layout).detach()
+        errors[f"{duration}s"] = float((sampled - trained).norm() / trained.norm())
+    return errors
+
+
+def _interpreter_main() -> None:
+    """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
+    from tests.test_ttt_triton import _install_bounds_check
+
+    seed = int(sys.argv[1])
+    _install_bounds_check()
+    results = []
+    for i, c in enumerate(CASES):
+        try:
+            (errors, alike), fault = _case(*c, seed + i), None
+        except Exception as e:  # an out-of-bounds access is this case's result
+            errors, alike, fault = [], False, f"{type(e).__name__}: {e}"[:2000]
+        results.append({"errors": errors, "alike": alike, "fault": fault})
+    try:
+        errors, fault = _module_case(seed + 50), None
+    except Exception as e:
+        errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
+    results.append({"errors": errors, "fault": fault})
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    from tests.test_ttt_triton import run_in_interpreter
+
+    return run_in_interpreter("tests.test_window_gather_triton", timeout=300)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[f"B{c[0]}H{c[1]}D{c[2]}-{c[3]}s-{c[4]}{'' if c[5] else '-rope-only'}" for c in CASES])
+def test_kernel_matches_reference(interpreter_results, index):
+    seed, results = interpreter_results
+    r = results[index]
+    assert r["fault"] is None, f"seed {seed}, case {CASES[index]}: {r['fault']}"
+    bound = 1e-5 if CASES[index][4] == "float32" else 1e-2
+    assert len(r["errors"]) == 3 and all(e <= bound for e in r["errors"]), \
+        f"seed {seed}, case {CASES[index]}: relative errors (q, k, v) {r['errors']} over {bound}"
+    assert r["alike"], f"seed {seed}, case {CASES[index]}: shape, strides or dtype differ from the reference's"
+
+
+def test_attention_without_gradients_matches_with(interpreter_results):
+    seed, results = interpreter_results
+    r = results[len(CASES)]
+    assert r["fault"] is None, f"seed {seed}: {r['fault']}"
+    assert set(r["errors"]) == {"3s", "9s"} and all(e <= 1e-5 for e in r["errors"].values()), f"seed {seed}: {r}"
+
+
+def test_dispatch():
+    """The kernel runs without gradients on CUDA or in the interpreter, never with gradients or off them."""
+    from tttvideo.models.attention import use_window_kernel
+
+    q = torch.zeros(1, 4, 2, 16)
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    assert not use_window_kernel(q)  # gradients on (the default)
+    with torch.no_grad():
+        assert use_window_kernel(q) == interpreting
+        assert not use_window_kernel(torch.zeros(1, 4, 2, 24))  # head dim not a power of two
