@@ -17,9 +17,10 @@ shapes (batch 2: conditional and unconditional) of CogVideoX-5B, bf16, without g
 
     PYTHONPATH=src python3 benchmarks/sampling_glue.py --out benchmarks/results/sampling_glue_h100.json
 
-(PYTHONPATH=src is not needed with the package installed.) Prints a table last; writes JSON with device, torch and
-commit. Medians of CUDA-event timings (benchmarks/ttt_kernel.py's `bench`); on the CPU a smoke run (wall clock, the
-epilogue is not taken there).
+(PYTHONPATH=src is not needed with the package installed.) `--parts` times some of them (ttt, mlp, post_norm,
+window_glue) and keeps the other rows already in the JSON, if of the same device; every row names its commit.
+Prints a table last; writes JSON with device, torch and commit. Medians of CUDA-event timings
+(benchmarks/ttt_kernel.py's `bench`); on the CPU a smoke run (wall clock, the epilogue is not taken there).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=720)
     ap.add_argument("--text-tokens", type=int, default=0, help="0: the original's length per duration")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
+                    help="what to time (default: all); rows of the other parts already in --out are kept (of the "
+                         "same device), each row naming its commit")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results/sampling_glue.json")
     return ap.parse_args(argv)
@@ -173,37 +177,52 @@ def window_glue_timed(args, duration: str, device: torch.device, dtype: torch.dt
     return rows
 
 
+# --parts: name -> (the function timing it, whether it needs CUDA)
+PARTS = {"ttt": (ttt_rows, False), "mlp": (mlp_rows, False), "post_norm": (post_norm_rows_timed, True),
+         "window_glue": (window_glue_timed, True)}
+
+
 def print_table(result: dict) -> None:
     print(f"\nsampling glue, guided batch 2, {result['dim']} wide, {result['dtype']}, on {result['device']}, "
           f"commit {result['git_commit']}")
-    print(f"{'part':<18} {'variant':<22} {'duration':>8} {'block ms':>9} {'step s':>7} {'x vs 2nd':>8}")
+    print(f"{'part':<22} {'variant':<22} {'duration':>8} {'block ms':>9} {'step s':>7} {'x vs 2nd':>8} commit")
     rows = result["rows"]
     for r in rows:
         if "block_ms" not in r:
-            print(f"{r['part']:<18} {r['variant']:<22} {r['duration']:>8} {r.get('error')}")
+            print(f"{r['part']:<22} {r['variant']:<22} {r['duration']:>8} {r.get('error')}")
             continue
         other = [b for b in rows if b["part"] == r["part"] and b["duration"] == r["duration"] and "block_ms" in b]
         ratio = f"{r['block_ms'] / other[-1]['block_ms']:.3f}" if len(other) == 2 else "-"
-        print(f"{r['part']:<18} {r['variant']:<22} {r['duration']:>8} {r['block_ms']:>9.2f} {r['step_s']:>7.2f} "
-              f"{ratio:>8}")
+        print(f"{r['part']:<22} {r['variant']:<22} {r['duration']:>8} {r['block_ms']:>9.2f} {r['step_s']:>7.2f} "
+              f"{ratio:>8} {str(r.get('git_commit', ''))[:7]}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    commit = git_commit() or "unknown (no .git on the device copy)"
     result = {"benchmark": "sampling_glue", "device": torch.cuda.get_device_name(device) if device.type == "cuda"
               else platform.processor() or "cpu", "torch": torch.__version__, "python": platform.python_version(),
-              "git_commit": git_commit() or "unknown (no .git on the device copy)", "dim": args.dim,
-              "heads": args.heads, "layers": args.layers, "dtype": str(dtype).split(".")[-1], "rows": []}
+              "git_commit": commit, "dim": args.dim, "heads": args.heads, "layers": args.layers,
+              "dtype": str(dtype).split(".")[-1], "rows": []}
     for duration in args.durations:
-        result["rows"] += ttt_rows(args, duration, device, dtype)
-        result["rows"] += mlp_rows(args, duration, device, dtype)
-        if device.type == "cuda":
-            result["rows"] += post_norm_rows_timed(args, duration, device, dtype)
-            result["rows"] += window_glue_timed(args, duration, device, dtype)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        for part in args.parts:
+            if PARTS[part][1] and device.type != "cuda":
+                continue
+            result["rows"] += [{**row, "git_commit": commit}
+                               for row in PARTS[part][0](args, duration, device, dtype)]
+    out = Path(args.out)
+    if out.exists():  # keep the rows of what this run did not time, if they are of this device
+        earlier = json.loads(out.read_text())
+        if earlier.get("device") == result["device"]:
+            timed = {(r["part"], r["duration"]) for r in result["rows"]}
+            kept = [r for r in earlier.get("rows", []) if (r["part"], r["duration"]) not in timed]
+            for r in kept:
+                r.setdefault("git_commit", earlier.get("git_commit"))
+            result["rows"] = kept + result["rows"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
     return 0
 

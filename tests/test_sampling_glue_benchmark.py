@@ -21,3 +21,19 @@ def test_sampling_glue_smoke(tmp_path):
                         ("MLP", "GELU in the epilogue"), ("MLP", "GELU apart")]
     assert all(r["block_ms"] > 0 for r in result["rows"])
     assert all(r["rel_err_vs_apart"] == 0.0 for r in result["rows"] if r["part"] == "MLP")  # one path on the CPU
+
+
+def test_parts_keep_the_other_rows(tmp_path):
+    """--parts times only those; the rows of the other parts already in --out (same device) stay, each with its
+    commit."""
+    sampling_glue = load_benchmark("sampling_glue")
+    out = tmp_path / "glue.json"
+    common = ["--device", "cpu", "--height", "32", "--width", "48", "--text-tokens", "8", "--dim", "64", "--heads",
+              "4", "--durations", "3s", "--reps", "1", "--out", str(out)]
+    assert sampling_glue.main(common) == 0
+    first = json.loads(out.read_text())["rows"]
+    assert sampling_glue.main(common + ["--parts", "mlp"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["part"], r["variant"]) for r in rows] == [(r["part"], r["variant"]) for r in first]
+    assert rows[:2] == first[:2]  # the TTT rows kept as they were
+    assert rows[2]["block_ms"] != first[2]["block_ms"] and all("git_commit" in r for r in rows)
