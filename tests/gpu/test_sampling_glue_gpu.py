@@ -49,11 +49,13 @@ def test_sampling_ttt_layer_equals_the_training_path():
 
 @pytest.mark.parametrize("duration", ["3s", "63s"])
 def test_post_norm_kernel(duration):
+    from tttvideo.config.loader import load_config
     from tttvideo.layout import VideoLayout
     from tttvideo.ttt.layer import layout_tensors, post_norm_rows
     from tttvideo.ttt.triton_post_norm import post_norm_rows_forward
 
-    lay = VideoLayout.create(duration, height=480, width=720, text_tokens=226, mini_batch_size=16)
+    cfg = load_config(None, ["ttt.sample_mini_batch_size=16"])  # the sampling layout: 351,168 tokens at 63 s
+    lay = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
     L, pad = lay.total_tokens, lay.ttt_padding
     _, (_, index), _, _ = layout_tensors(lay, 64, 10000.0, torch.device("cuda"))  # the reverse pass's order
     gen = torch.Generator(device="cuda").manual_seed(0)
