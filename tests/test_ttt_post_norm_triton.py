@@ -79,22 +79,17 @@ def _layer_case(seed):
 
 def _interpreter_main() -> None:
     """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
-    from tests.test_ttt_triton import _install_bounds_check
+    from tests.test_ttt_triton import _install_bounds_check, guarded
 
     seed = int(sys.argv[1])
     _install_bounds_check()
     results = []
     for i, c in enumerate(CASES):
-        try:
-            (error, same_dtype, follows), fault = _case(*c, seed + i), None
-        except Exception as e:  # an out-of-bounds access is this case's result
-            error, same_dtype, follows, fault = None, False, False, f"{type(e).__name__}: {e}"[:2000]
+        value, fault = guarded(_case, *c, seed + i)
+        error, same_dtype, follows = value or (None, False, False)
         results.append({"error": error, "same_dtype": same_dtype, "follows": follows, "fault": fault})
-    try:
-        errors, fault = _layer_case(seed + 50), None
-    except Exception as e:
-        errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
-    results.append({"errors": errors, "fault": fault})
+    errors, fault = guarded(_layer_case, seed + 50)
+    results.append({"errors": errors or {}, "fault": fault})
     print("RESULTS " + json.dumps(results))
 
 

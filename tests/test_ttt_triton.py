@@ -212,6 +212,15 @@ def _interpreter_main() -> None:
     print("RESULTS " + json.dumps(results))
 
 
+def guarded(fn, *args):
+    """(fn(*args), None), or (None, the exception in one line): inside the interpreter an out-of-bounds access is one
+    case's result, and the run goes on to the next."""
+    try:
+        return fn(*args), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"[:2000]
+
+
 def run_in_interpreter(module: str, timeout: float = 600) -> tuple[int, list]:
     """(seed, results) of `module._interpreter_main()` run with a fresh seed in a subprocess with TRITON_INTERPRET=1
     and TTT_TRITON_POISON=1; it prints its results as one line "RESULTS <json>"."""
