@@ -85,14 +85,12 @@ def window_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch
                          f"{n} windows of {NW} positions, tables {tuple(cos.shape)}")
     # one window gathers nothing: v goes on as its transposed view, as in the reference
     outs = [new_output(None, (B * n, W, H, D), q.dtype, q.device) for _ in range(3 if n > 1 else 2)]
-    one = torch.ones(D, device=q.device, dtype=torch.float32)
-    zero = torch.zeros(D, device=q.device, dtype=torch.float32)
-
-    def affine(norm):
+    def affine(norm):  # (weight, bias, eps) as the kernel reads them; a norm's missing affine part is the identity
         if norm is None:
-            return one, zero, 0.0
+            return q, q, 0.0  # not read: the kernel skips the norm
         weight, bias, eps = norm
-        return (one if weight is None else weight.contiguous()), (zero if bias is None else bias.contiguous()), eps
+        weight = torch.ones(D, device=q.device) if weight is None else weight.contiguous()
+        return weight, torch.zeros(D, device=q.device) if bias is None else bias.contiguous(), eps
 
     (wq, bq, eps_q), (wk, bk, eps_k) = affine(norm_q), affine(norm_k)
     grid = (triton.cdiv(NW, TOKENS_PER_PROGRAM), B)
