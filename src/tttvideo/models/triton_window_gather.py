@@ -2,16 +2,15 @@
 gathered into the windows, q and k through their per-head LayerNorm and RoPE (`attention.gather_windows` is the
 reference it matches; `attention.window_glue` picks which runs).
 
-The windows are gathered into the batch dim: window position p (of n W) of sample b is token flat[p], and its
-output row is b n W + p of a [B n W, H, D] buffer, i.e. [B n, W, H, D], handed on transposed as the reference's
-[B n, H, W, D] view. A program takes TOKENS window positions of one sample. For each it reads the token's H rows
-of D contiguous elements of q, k and v (one 128-byte line per head in bf16 at D = 64; heads padded to a power of
-two are masked); for q and k it normalises each head's row in fp32 (mean, then the biased variance of the centred
-values, as F.layer_norm, with its weight and bias) and rotates adjacent pairs by the window-local RoPE row of the
-position (`triton_scan_inputs._rope`; the table holds the identity on the text prefix); it writes each row once,
-rounded once. So q, k and v are each read once and written once (v not at all with one window: nothing to
-gather, it goes on as its view, as in the reference). Offsets are 64-bit: at 63 s two samples' windows
-hold more than 2^31 elements.
+The windows are gathered into the batch dim: window position p (of n W) of sample b is token flat[p], and its output
+row is b n W + p of a [B n W, H, D] buffer, i.e. [B n, W, H, D], handed on transposed as the reference's [B n, H, W,
+D] view. A program takes TOKENS window positions of one sample. For each it reads the token's H rows of D contiguous
+elements of q, k and v (one 128-byte line per head in bf16 at D = 64; heads padded to a power of two are masked);
+for q and k it normalises each head's row in fp32 (mean, then the biased variance of the centred values, as
+F.layer_norm, with its weight and bias) and rotates adjacent pairs by the window-local RoPE row of the position
+(`triton_common.rope_rotate`; the table holds the identity on the text prefix); it writes each row once, rounded
+once. So q, k and v are each read once and written once (v not at all with one window: nothing to gather, it goes on
+as its view, as in the reference). Offsets are 64-bit: at 63 s two samples' windows hold more than 2^31 elements.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tttvideo.ttt.triton_common import check_device, new_output
-from tttvideo.ttt.triton_scan_inputs import _rope
+from tttvideo.ttt.triton_common import check_device, new_output, rope_rotate
 
 TOKENS_PER_PROGRAM = 4
 WARPS = 4
@@ -35,7 +33,7 @@ def _norm_rope(x, W_, B_, eps, cs, sn, sgn, rd, NORM: tl.constexpr, HP: tl.const
         xc = x - mean[:, None]
         x = xc * tl.rsqrt(tl.sum(xc * xc, 1) / D + eps)[:, None]
         x = x * tl.load(W_ + rd).to(tl.float32)[None, :] + tl.load(B_ + rd).to(tl.float32)[None, :]
-    return _rope(x, cs, sn, sgn, HP, D)
+    return rope_rotate(x, cs, sn, sgn, HP, D)
 
 
 @triton.jit

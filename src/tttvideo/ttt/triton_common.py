@@ -1,8 +1,9 @@
 """Pieces shared by the Triton TTT kernels: element-wise math, LayerNorm pieces, dot precision, launch checks.
 
 Everything here is written once and inlined into the TTT-MLP and TTT-Linear kernels (`triton_mlp.py`,
-`triton_linear.py`). Row vectors are [rows, cols] tiles reduced along axis 1; the inner LayerNorm epsilon and the
-tanh-GELU constants are those of `tttvideo.ttt.reference`, which is the ground truth.
+`triton_linear.py`) and the glue kernels around them (RoPE: `triton_scan_inputs.py`, and local attention's
+`models/triton_window_gather.py`). Row vectors are [rows, cols] tiles reduced along axis 1; the inner LayerNorm
+epsilon and the tanh-GELU constants are those of `tttvideo.ttt.reference`, which is the ground truth.
 
 Dot precision (`DOT` constexpr): the inner state and every accumulation are fp32 whatever the mode.
     DOT_IEEE  fp32 operands, full-precision products (fp32 inputs; the CPU interpreter)
@@ -225,3 +226,22 @@ def ln_l2_bwd(u, xh, rstd, y, gh, a, c, nw, D: tl.constexpr):
 
 
 LN_EPS = INNER_LN_EPS
+
+
+@triton.jit
+def pair_swap(x, BL: tl.constexpr, D: tl.constexpr):
+    """x[:, d xor 1]: the RoPE partner of every column."""
+    even, odd = tl.split(tl.reshape(x, (BL, D // 2, 2)))
+    return tl.reshape(tl.join(odd, even), (BL, D))
+
+
+@triton.jit
+def rope_rotate(x, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
+    """x cos + rotate(x) sin, rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i] (tttvideo.rope.apply_rope)."""
+    return x * cs + sgn * pair_swap(x, BL, D) * sn
+
+
+@triton.jit
+def rope_rotate_t(g, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
+    """The transpose of `rope_rotate` applied to a gradient."""
+    return g * cs - sgn * pair_swap(g * sn, BL, D)

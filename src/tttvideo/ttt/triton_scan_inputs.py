@@ -1,16 +1,16 @@
-"""Fused Triton kernels of the glue between the TTT layer's q/k/v projection and the scan (`scan_inputs.scan_inputs`
-is the reference they match): forward and backward, one pass over the sequence each.
+"""Fused Triton kernels of the glue between the TTT layer's q/k/v projection and the scan (`scan_inputs.scan_inputs` is
+the reference they match): forward and backward, one pass over the sequence each.
 
 Per token and head (rows of D, math in fp32): q, k L2-normalised (`F.normalize`, eps 1e-12) and rotated by RoPE
 (adjacent pairs), v replaced by the reconstruction target LN_ttt(v - k) + k with the original's (unbiased std + eps)
 normalisation, written as [3, B, H, L + pad, D] (heads before tokens, the scan's layout) with zero padding.
 
 A program takes BL tokens of one (batch, head): it reads their q/k/v rows ([B, L, 3, H, D] rows of D contiguous
-elements, one cache line each in bf16 at D = 64) and writes BL x D contiguous elements of each output, so both
-sides stay coalesced across the transpose that torch.compile's fused kernels did at about 550 GB/s on an H100. The
-RoPE partner of a column (d xor 1) is taken in registers (`_pair_swap`), not loaded twice. The backward recomputes
-the norms from q/k/v and writes per-program partial sums of the ttt_norm gradients (summed on the host: no atomics,
-so the result does not depend on the order programs run in).
+elements, one cache line each in bf16 at D = 64) and writes BL x D contiguous elements of each output, so both sides
+stay coalesced across the transpose that torch.compile's fused kernels did at about 550 GB/s on an H100. The RoPE
+partner of a column (d xor 1) is taken in registers (`triton_common.pair_swap`), not loaded twice. The backward
+recomputes the norms from q/k/v and writes per-program partial sums of the ttt_norm gradients (summed on the host:
+no atomics, so the result does not depend on the order programs run in).
 """
 
 from __future__ import annotations
@@ -20,30 +20,11 @@ import triton
 import triton.language as tl
 
 from tttvideo.ttt.scan_inputs import TARGET_LN_EPS
-from tttvideo.ttt.triton_common import check_device, new_output
+from tttvideo.ttt.triton_common import check_device, new_output, rope_rotate, rope_rotate_t
 
 NORMALIZE_EPS = 1e-12  # F.normalize's default
 TOKENS_PER_PROGRAM = 64
 WARPS = 4
-
-
-@triton.jit
-def _pair_swap(x, BL: tl.constexpr, D: tl.constexpr):
-    """x[:, d xor 1]: the RoPE partner of every column."""
-    even, odd = tl.split(tl.reshape(x, (BL, D // 2, 2)))
-    return tl.reshape(tl.join(odd, even), (BL, D))
-
-
-@triton.jit
-def _rope(x, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
-    """x cos + rotate(x) sin, rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i] (tttvideo.rope.apply_rope)."""
-    return x * cs + sgn * _pair_swap(x, BL, D) * sn
-
-
-@triton.jit
-def _rope_t(g, cs, sn, sgn, BL: tl.constexpr, D: tl.constexpr):
-    """The transpose of `_rope` applied to a gradient."""
-    return g * cs - sgn * _pair_swap(g * sn, BL, D)
 
 
 @triton.jit
@@ -86,8 +67,8 @@ def _scan_inputs_fwd_kernel(
 ):
     b, h, bh, rl, rd, sgn, q, k, v, cs, sn, m = _program_rows(QKV, COS, SIN, L, NH, NBH, s_b, s_l, s_i, s_h, s_cl, D,
                                                               BL)
-    q = _rope(q / tl.maximum(tl.sqrt(tl.sum(q * q, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
-    k = _rope(k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
+    q = rope_rotate(q / tl.maximum(tl.sqrt(tl.sum(q * q, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
+    k = rope_rotate(k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), NEPS)[:, None], cs, sn, sgn, BL, D)
     _c, _std, y = _target_stats(v - k, D, EPS)
     nw = tl.load(NW + h * D + rd).to(tl.float32)[None, :]
     nb = tl.load(NB + h * D + rd).to(tl.float32)[None, :]
@@ -127,7 +108,7 @@ def _scan_inputs_bwd_kernel(
     gv = tl.load(src + 2 * s_g, mask=m, other=0.0).to(tl.float32)
     # the forward again, up to the target's statistics
     kn = k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), NEPS)[:, None]
-    kr = _rope(kn, cs, sn, sgn, BL, D)
+    kr = rope_rotate(kn, cs, sn, sgn, BL, D)
     c, std, y = _target_stats(v - kr, D, EPS)
     s = std + EPS
     # v = nw y + nb + kr: the ttt_norm gradients (this program's partial sums) and the LayerNorm's backward
@@ -139,8 +120,8 @@ def _scan_inputs_bwd_kernel(
     # a constant row (std 0; every padding row) has no spread to scale: its term is 0, not 0 / 0
     coef = tl.where(std > 0, tl.sum(gy * c, 1) / (s * s * (D - 1) * tl.where(std > 0, std, 1.0)), 0.0)
     dd = (gy - (tl.sum(gy, 1) / D)[:, None]) / s[:, None] - c * coef[:, None]
-    dq, _n = _normalize_t(_rope_t(gq, cs, sn, sgn, BL, D), q, NEPS)
-    dk, _n = _normalize_t(_rope_t(gk + gv - dd, cs, sn, sgn, BL, D), k, NEPS)
+    dq, _n = _normalize_t(rope_rotate_t(gq, cs, sn, sgn, BL, D), q, NEPS)
+    dk, _n = _normalize_t(rope_rotate_t(gk + gv - dd, cs, sn, sgn, BL, D), k, NEPS)
     dst = DQKV + b * s_b + rl[:, None] * s_l + h * s_h + rd[None, :]
     ty = DQKV.dtype.element_ty
     tl.store(dst, dq.to(ty), mask=m)
