@@ -137,3 +137,28 @@ def test_planner_takes_the_traced_working_sets():
     traced = [p for p in b.parts if p.how == HOW]
     assert traced == (forward if b.phase == "end of forward" else backward)
     assert any("traced" in n for n in b.notes)
+
+
+def test_sampling_forward_takes_the_glue_kernels_without_launching(monkeypatch):
+    """Under `cuda_like` without gradients, the TTT layer's post-norm and local attention's window glue take their
+    Triton wrappers (what a GPU runs when sampling), with no kernel launched: the outputs have the shapes the
+    references give, and each wrapper runs once per pass."""
+    from tttvideo.config.schema import TTTConfig
+    from tttvideo.layout import VideoLayout
+    from tttvideo.memory.trace.gpu_stand_ins import cuda_like
+    from tttvideo.models import triton_window_gather
+    from tttvideo.models.attention import LocalAttention
+    from tttvideo.ttt import triton_post_norm
+    from tttvideo.ttt.layer import BidirectionalTTT
+
+    calls = []
+    for module, name in ((triton_post_norm, "post_norm_rows_forward"), (triton_window_gather, "window_gather")):
+        wrapped = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=wrapped, _n=name: calls.append(_n) or _f(*a))
+    lay = VideoLayout.create("9s", height=32, width=48, text_tokens=5, mini_batch_size=16)
+    x = torch.randn(2, lay.total_tokens, 64)
+    ttt = BidirectionalTTT(64, 4, TTTConfig(kind="mlp", scan_checkpoint_group_size=0))
+    attn = LocalAttention(64, 4, 16)
+    with cuda_like(), torch.no_grad():
+        assert ttt(x, lay).shape == x.shape and attn(x, lay).shape == x.shape
+    assert calls == ["post_norm_rows_forward"] * 2 + ["window_gather"]

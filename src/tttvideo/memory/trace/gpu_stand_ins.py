@@ -11,8 +11,8 @@ Fake CUDA tensors cannot go through autograd on a CPU-only build of torch, so th
   output and a fp32 log-sum-exp per query row; in backward dq, dk, dv and a fp32 row of softmax sums), where the
   CPU kernel would materialise the whole score matrix.
 - Triton: the TTT scan and its input glue take their Triton path (what `backend = "auto"` picks on an sm_90 GPU),
-  with every kernel launch skipped: the Python wrappers allocate their outputs, checkpoints and backward scratch
-  exactly as on the GPU.
+  and without gradients the TTT post-norm and local attention's window glue too, with every kernel launch skipped:
+  the Python wrappers allocate their outputs, checkpoints and backward scratch exactly as on the GPU.
 """
 
 from __future__ import annotations
@@ -97,11 +97,12 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def triton_allocations() -> Iterator[None]:
-    """Inside: the TTT scan and its scan-input glue run their Triton wrappers on CPU tensors with no kernel
-    launched."""
+    """Inside: the TTT scan, its scan-input glue and the sampling glue kernels run their Triton wrappers on CPU tensors
+    with no kernel launched."""
     from triton.runtime.jit import KernelInterface
 
-    from tttvideo.ttt import ops, scan_inputs, triton_mlp, triton_mlp_bwd, triton_scan_inputs
+    from tttvideo.models import attention, triton_window_gather
+    from tttvideo.ttt import layer, ops, scan_inputs, triton_mlp, triton_mlp_bwd, triton_post_norm, triton_scan_inputs
 
     def use_triton(kind, backend, q, hidden, mini_batch_size, eta_matrices=False):
         return backend != "reference" and not eta_matrices and ops.uncovered_reason(kind, q, hidden,
@@ -111,9 +112,15 @@ def triton_allocations() -> Iterator[None]:
         D = qkv.shape[-1]
         return backend != "reference" and D >= 2 and not D & (D - 1)
 
+    def use_window_kernel(q):
+        D = q.shape[-1]
+        return not torch.is_grad_enabled() and D >= 2 and not D & (D - 1)
+
     patches = [mock.patch.object(ops, "_use_triton", use_triton),
-               mock.patch.object(scan_inputs, "use_kernel", use_kernel)]
-    for module in (triton_mlp, triton_mlp_bwd, triton_scan_inputs):
+               mock.patch.object(scan_inputs, "use_kernel", use_kernel),
+               mock.patch.object(layer, "use_kernel", use_kernel),  # the sampling post-norm's dispatch
+               mock.patch.object(attention, "use_window_kernel", use_window_kernel)]
+    for module in (triton_mlp, triton_mlp_bwd, triton_scan_inputs, triton_post_norm, triton_window_gather):
         if hasattr(module, "check_device"):
             patches.append(mock.patch.object(module, "check_device", lambda *t: None))
         for name, value in vars(module).items():
