@@ -1,6 +1,7 @@
 """The memory trace of a block unit on the CPU (tttvideo.memory.trace: live_bytes, gpu_stand_ins, fake_trace):
 live bytes equal a hand count, on real and on fake tensors; the fake trace of a Wan unit equals the same trace on
-real tensors; the CPU emulation of CUDA autocast gives a Wan block the dtypes CUDA autocast gives it, op by op."""
+real tensors; the CPU emulation of CUDA autocast gives a Wan block the dtypes CUDA autocast gives it, op by op; a
+forward without gradients takes the sampling glue kernels' wrappers, unlaunched."""
 
 from __future__ import annotations
 
