@@ -80,17 +80,19 @@ def use_window_kernel(q: torch.Tensor) -> bool:
             and not D & (D - 1) and triton_runs_on(q, (8, 0)))
 
 
-def window_glue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor | None, n: int,
-                cos: torch.Tensor, sin: torch.Tensor, norm_q: HeadNorm | None, norm_k: HeadNorm | None,
+def window_glue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, norm_q: HeadNorm | None, norm_k: HeadNorm | None,
                 compile_glue: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gather_windows` by the Triton kernel where `use_window_kernel` says (one pass over q, k, v; q, k and v of
-    one stride set, rows contiguous), else the function itself, torch.compile'd on CUDA by `compile_glue`
+    """`gather_windows` for the windows of `index` [n, W] (`window_tensors`' gather index; with one window the
+    identity) by the Triton kernel where `use_window_kernel` says (one pass over q, k, v; q, k and v of one stride
+    set, rows contiguous), else the function itself, torch.compile'd on CUDA by `compile_glue`
     (`model.compile_attention_glue`)."""
+    n = index.shape[0]
     if use_window_kernel(q) and q.stride() == k.stride() == v.stride() and q.stride(-1) == 1:
         from tttvideo.models.triton_window_gather import window_gather
 
-        index = flat if flat is not None else torch.arange(q.shape[1], device=q.device)
-        return window_gather(q, k, v, index, n, cos, sin, norm_q, norm_k)
+        return window_gather(q, k, v, index.reshape(-1), n, cos, sin, norm_q, norm_k)
+    flat = index.reshape(-1) if n > 1 else None
     return compiled_on_cuda(gather_windows, q, compile_glue)(q, k, v, flat, n, cos, sin, norm_q, norm_k)
 
 
@@ -207,7 +209,7 @@ class LocalAttention(nn.Module):
             q, k, v = sp.to_head_shards(torch.stack([q, k, v], dim=2), layout, head_axis=3).unbind(2)
             B, L, H, _ = q.shape
         flat = index.reshape(-1) if n > 1 else None
-        q, k, v = window_glue(q, k, v, flat, n, cos, sin, self.head_norm(self.norm_q), self.head_norm(self.norm_k),
+        q, k, v = window_glue(q, k, v, index, cos, sin, self.head_norm(self.norm_q), self.head_norm(self.norm_k),
                               self.compile_glue)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         # eager: the merge is two gathers (torch.compile's would fall back to an atomic index_add)

@@ -83,6 +83,7 @@ def window_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch
                          f"{n} windows of {NW} positions, tables {tuple(cos.shape)}")
     # one window gathers nothing: v goes on as its transposed view, as in the reference
     outs = [new_output(None, (B * n, W, H, D), q.dtype, q.device) for _ in range(3 if n > 1 else 2)]
+
     def affine(norm):  # (weight, bias, eps) as the kernel reads them; a norm's missing affine part is the identity
         if norm is None:
             return q, q, 0.0  # not read: the kernel skips the norm

@@ -35,9 +35,9 @@ from tttvideo.layout import VideoLayout
 from tttvideo.rope import rope_cos_sin
 from tttvideo.sequence.bidirectional import GatedBidirectional, gated, gather_tokens, scan_permutations
 from tttvideo.sequence.chunks import ChunkPlan, modal_chunks, token_chunks
-from tttvideo.ttt import ops
+from tttvideo.ttt import ops, scan_inputs
 from tttvideo.ttt.eta_layout import ETA_LAYOUTS, REFERENCE, eta_rows_on
-from tttvideo.ttt.scan_inputs import prepare_scan_inputs, use_kernel
+from tttvideo.ttt.scan_inputs import prepare_scan_inputs
 
 if TYPE_CHECKING:  # the parallel package imports torch.distributed; the layer needs it only when given a group
     from tttvideo.parallel.sequence import SequenceParallel
@@ -82,7 +82,8 @@ def sampling_post_norm(scanned: torch.Tensor, index: torch.Tensor, norm: nn.Laye
     kernels run (`scan_inputs.use_kernel`: CUDA from compute capability 8.0 unless `ttt.backend` is "reference",
     the interpreter with "triton") and no autocast would change the norm's dtype; else the reference, torch.compile'd
     on CUDA by `compile_glue`."""
-    if use_kernel(scanned, backend) and not torch.is_autocast_enabled(scanned.device.type):
+    # through the module: the memory trace's stand-in for the rule (`memory.trace.gpu_stand_ins`) covers this call
+    if scan_inputs.use_kernel(scanned, backend) and not torch.is_autocast_enabled(scanned.device.type):
         from tttvideo.ttt.triton_post_norm import post_norm_rows_forward
 
         return post_norm_rows_forward(scanned, index, norm.weight, norm.bias, norm.eps)

@@ -102,7 +102,7 @@ def triton_allocations() -> Iterator[None]:
     from triton.runtime.jit import KernelInterface
 
     from tttvideo.models import attention, triton_window_gather
-    from tttvideo.ttt import layer, ops, scan_inputs, triton_mlp, triton_mlp_bwd, triton_post_norm, triton_scan_inputs
+    from tttvideo.ttt import ops, scan_inputs, triton_mlp, triton_mlp_bwd, triton_post_norm, triton_scan_inputs
 
     def use_triton(kind, backend, q, hidden, mini_batch_size, eta_matrices=False):
         return backend != "reference" and not eta_matrices and ops.uncovered_reason(kind, q, hidden,
@@ -112,14 +112,10 @@ def triton_allocations() -> Iterator[None]:
         D = qkv.shape[-1]
         return backend != "reference" and D >= 2 and not D & (D - 1)
 
-    def use_window_kernel(q):
-        D = q.shape[-1]
-        return not torch.is_grad_enabled() and D >= 2 and not D & (D - 1)
-
     patches = [mock.patch.object(ops, "_use_triton", use_triton),
-               mock.patch.object(scan_inputs, "use_kernel", use_kernel),
-               mock.patch.object(layer, "use_kernel", use_kernel),  # the sampling post-norm's dispatch
-               mock.patch.object(attention, "use_window_kernel", use_window_kernel)]
+               mock.patch.object(scan_inputs, "use_kernel", use_kernel),  # also the TTT post-norm's rule
+               # attention's own rule (no gradients, a power-of-two head dim), with these CPU tensors a GPU's
+               mock.patch.object(attention, "triton_runs_on", lambda x, capability: True)]
     for module in (triton_mlp, triton_mlp_bwd, triton_scan_inputs, triton_post_norm, triton_window_gather):
         if hasattr(module, "check_device"):
             patches.append(mock.patch.object(module, "check_device", lambda *t: None))
