@@ -75,11 +75,17 @@ def ttt_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> l
     return rows
 
 
-@torch.no_grad()
-def mlp_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def sample_layout(args, duration: str) -> VideoLayout:
+    """The guided step's layout at `duration` (the default sampling mini-batch; the frame size and text length of
+    the arguments)."""
     cfg = load_config(None, [f"layout.height={args.height}", f"layout.width={args.width}",
                              f"layout.text_tokens={args.text_tokens}"])
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
+    return VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
+
+
+@torch.no_grad()
+def mlp_rows(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    layout = sample_layout(args, duration)
     torch.manual_seed(0)
     mlp = MLP(args.dim, 4 * args.dim).to(device, dtype)
     x = torch.randn(2, layout.total_tokens, args.dim, device=device, dtype=dtype)
@@ -114,9 +120,7 @@ def post_norm_rows_timed(args, duration: str, device: torch.device, dtype: torch
     from tttvideo.ttt.layer import layout_tensors, post_norm_rows
     from tttvideo.ttt.triton_post_norm import post_norm_rows_forward
 
-    cfg = load_config(None, [f"layout.height={args.height}", f"layout.width={args.width}",
-                             f"layout.text_tokens={args.text_tokens}", "ttt.sample_mini_batch_size=16"])
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
+    layout = sample_layout(args, duration)
     head_dim = args.dim // args.heads
     (_, index), _, _, _ = layout_tensors(layout, head_dim, 10000.0, device)
     torch.manual_seed(0)
@@ -160,9 +164,7 @@ def window_glue_timed(args, duration: str, device: torch.device, dtype: torch.dt
     from tttvideo.models.attention import gather_windows, window_tensors
     from tttvideo.models.triton_window_gather import window_gather
 
-    cfg = load_config(None, [f"layout.height={args.height}", f"layout.width={args.width}",
-                             f"layout.text_tokens={args.text_tokens}", "ttt.sample_mini_batch_size=16"])
-    layout = VideoLayout.from_config(cfg.layout, cfg.ttt, duration, phase="sample")
+    layout = sample_layout(args, duration)
     D = args.dim // args.heads
     index, cos, sin, _ = window_tensors(layout, D, 10000.0, device)
     n = index.shape[0]
