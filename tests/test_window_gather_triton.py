@@ -3,10 +3,11 @@ against the PyTorch reference (`tttvideo.models.attention.gather_windows`), on C
 (switched on before triton is imported, so the comparison runs in a subprocess with TRITON_INTERPRET=1,
 TTT_TRITON_POISON=1 and every memory access bounds-checked: tests/test_ttt_triton.py).
 
-Also the local-attention module without gradients (the kernel, by `attention.window_glue`) against the same module
-with gradients on (the reference), with one and with three windows. Fresh random inputs each run (the seed is in the
-failure message). fp32: the kernel computes in fp32 like the reference, in another order, so they agree to ~1e-7;
-bound 1e-5 relative (||a-b|| / ||b||). bf16: 1e-2 (one bf16 rounding is 4e-3; the reference rounds twice).
+Also the local-attention modules without gradients (the kernel, by `attention.window_glue`) against the same module
+with gradients on (the reference), with one and with three windows: CogVideoX's and Wan's. Fresh random inputs each
+run (the seed is in the failure message). fp32: the kernel computes in fp32 like the reference, in another order, so
+they agree to ~1e-7; bound 1e-5 relative (||a-b|| / ||b||). bf16: 1e-2 (one bf16 rounding is 4e-3; the reference
+rounds twice).
 """
 
 from __future__ import annotations
@@ -75,6 +76,50 @@ def _module_case(seed):
     return errors
 
 
+def _wan_module_case(seed):
+    """Wan's WindowSelfAttention (fp32, 4 heads of 16: RMSNorm over all heads, no per-head norm in the kernel)
+    without gradients against the same call with gradients on, at one and three windows."""
+    from tttvideo.models.wan.attention import WindowSelfAttention
+    from tttvideo.models.wan.layout import wan_layout
+
+    errors = {}
+    for duration in (3, 9):
+        layout = wan_layout(duration, height=32, width=48)
+        torch.manual_seed(seed)
+        attn = WindowSelfAttention(64, 4, eps=1e-6)
+        with torch.no_grad():
+            for norm in (attn.norm_q, attn.norm_k):
+                norm.weight.normal_(1, 0.3)
+        x = torch.randn(2, layout.total_tokens, 64)
+        with torch.no_grad():
+            sampled = attn(x, layout)
+        trained = attn(x, layout).detach()
+        errors[f"{duration}s"] = float((sampled - trained).norm() / trained.norm())
+    return errors
+
+
+def _counting_kernel_calls(case):
+    """`case`'s errors plus "kernel calls": how often the module reached the kernel (the errors alone would also be
+    small if it never did)."""
+    import tttvideo.models.triton_window_gather as kernel
+
+    def run(seed):
+        calls, inner = [], kernel.window_gather
+
+        def counted(*args):
+            calls.append(1)
+            return inner(*args)
+
+        kernel.window_gather = counted
+        try:
+            errors = case(seed)
+        finally:
+            kernel.window_gather = inner
+        return {**errors, "kernel calls": len(calls)}
+
+    return run
+
+
 def _interpreter_main() -> None:
     """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
     from tests.test_ttt_triton import _install_bounds_check, guarded
@@ -86,8 +131,9 @@ def _interpreter_main() -> None:
         value, fault = guarded(_case, *c, seed + i)
         errors, alike = value or ([], False)
         results.append({"errors": errors, "alike": alike, "fault": fault})
-    errors, fault = guarded(_module_case, seed + 50)
-    results.append({"errors": errors or {}, "fault": fault})
+    for case, offset in ((_module_case, 50), (_wan_module_case, 60)):
+        errors, fault = guarded(_counting_kernel_calls(case), seed + offset)
+        results.append({"errors": errors or {}, "fault": fault})
     print("RESULTS " + json.dumps(results))
 
 
@@ -110,11 +156,15 @@ def test_kernel_matches_reference(interpreter_results, index):
     assert r["alike"], f"seed {seed}, case {CASES[index]}: shape, strides or dtype differ from the reference's"
 
 
-def test_attention_without_gradients_matches_with(interpreter_results):
+@pytest.mark.parametrize("offset", [0, 1], ids=["cogvideox", "wan"])
+def test_attention_without_gradients_matches_with(interpreter_results, offset):
     seed, results = interpreter_results
-    r = results[len(CASES)]
+    r = results[len(CASES) + offset]
     assert r["fault"] is None, f"seed {seed}: {r['fault']}"
-    assert set(r["errors"]) == {"3s", "9s"} and all(e <= 1e-5 for e in r["errors"].values()), f"seed {seed}: {r}"
+    errors = dict(r["errors"])
+    assert errors.pop("kernel calls", 0) == 2, \
+        f"seed {seed}: the kernel ran {r['errors'].get('kernel calls')} times, not once a module call"
+    assert set(errors) == {"3s", "9s"} and all(e <= 1e-5 for e in errors.values()), f"seed {seed}: {r}"
 
 
 def test_dispatch():

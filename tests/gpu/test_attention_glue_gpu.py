@@ -117,3 +117,39 @@ def test_window_kernel_matches_the_reference(duration):
                                                 v[b:b + 1, rows].float(), None, 1, cos, sin, *norms)
                 for name, fast, ref in zip("qkv", got, want):
                     assert error(fast[w:w + 1], ref) < 1e-2, (w, name)
+
+
+def test_wan_window_attention_takes_the_kernel():
+    """Wan2.1-1.3B's windowed self-attention (12 heads of 128, 3 windows at 9 s, bf16) without gradients, where
+    `window_glue` runs the kernel with RoPE only (Wan's q/k RMSNorms span all heads and run before it), against the
+    same module with gradients (eager gather_windows) and in fp32: the kernel's output within 1.5x the eager
+    module's error plus 1e-3, relative to the largest value."""
+    import copy
+
+    from tttvideo.models import attention
+    from tttvideo.models.wan.attention import WindowSelfAttention
+    from tttvideo.models.wan.layout import wan_layout
+
+    layout = wan_layout(9)
+    assert layout.num_segments == 3
+    torch.manual_seed(4)
+    exact = WindowSelfAttention(1536, 12, eps=1e-6).cuda()
+    with torch.no_grad():
+        for norm in (exact.norm_q, exact.norm_k):
+            norm.weight.normal_(1, 0.1)
+    attn = copy.deepcopy(exact).bfloat16()
+    x = torch.randn(1, layout.total_tokens, 1536, device="cuda")
+    calls = []
+    kernel = attention.use_window_kernel
+    attention.use_window_kernel = lambda q: calls.append(kernel(q)) or calls[-1]
+    try:
+        with torch.no_grad():
+            got = attn(x.bfloat16(), layout).float()
+            want = exact(x, layout)
+        eager = attn(x.bfloat16(), layout).detach().float()
+    finally:
+        attention.use_window_kernel = kernel
+    assert calls == [True, False]
+    scale = want.abs().max()
+    err, ref = ((got - want).abs().max() / scale).item(), ((eager - want).abs().max() / scale).item()
+    assert err <= 1.5 * ref + 1e-3, (err, ref)

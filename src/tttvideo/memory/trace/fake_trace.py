@@ -89,10 +89,10 @@ def _cold_layout_tables():
     from tttvideo.sequence import bidirectional, full_attention
     from tttvideo.ttt import eta_layout, layer
 
-    caches = (wan_attention.window_gather, wan_attention.window_rope, wan_attention.window_indices,
-              layer.layout_tensors, bidirectional.scan_permutations, cogvideox_attention.window_tensors,
-              cogvideox_attention.window_covers,
-              full_attention.global_rope, eta_layout.eta_rows_on)
+    caches = (wan_attention.window_gather, wan_attention.window_table, wan_attention.window_rope,
+              wan_attention.window_indices, layer.layout_tensors, bidirectional.scan_permutations,
+              cogvideox_attention.window_tensors, cogvideox_attention.window_covers, full_attention.global_rope,
+              eta_layout.eta_rows_on)
     for c in caches:
         c.cache_clear()
     try:

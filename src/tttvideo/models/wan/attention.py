@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.layout import VideoLayout
-from tttvideo.models.attention import gather_windows, merge_windows, window_covers
+from tttvideo.models.attention import gather_windows, merge_windows, window_covers, window_glue
 
 
 def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
@@ -53,6 +53,13 @@ def window_gather(layout: VideoLayout, device: torch.device) -> tuple[torch.Tens
     flat = layout.flat_window_index().to(device) if n > 1 else None
     inv_count = (1.0 / layout.window_overlap_count.double()).float()[:, None]
     return flat, inv_count.to(device)
+
+
+@lru_cache(maxsize=16)
+def window_table(layout: VideoLayout, device: torch.device) -> torch.Tensor:
+    """Per layout and device: the window gather index as [n, W] (`attention.window_glue`'s form; the identity with
+    one window)."""
+    return layout.flat_window_index().reshape(layout.num_segments, -1).to(device)
 
 
 @lru_cache(maxsize=16)
@@ -93,7 +100,8 @@ class WindowSelfAttention(nn.Module):
         q = project_heads(x, self.to_q, self.norm_q, self.num_heads)
         k = project_heads(x, self.to_k, self.norm_k, self.num_heads)
         v = project_heads(x, self.to_v, None, self.num_heads)
-        q, k, v = gather_windows(q, k, v, flat, n, cos, sin)  # [B n, H, W, D], RoPE on q and k
+        # [B n, H, W, D], RoPE on q and k; without gradients one Triton pass (the q/k RMSNorms ran over all heads)
+        q, k, v = window_glue(q, k, v, window_table(layout, x.device), cos, sin, None, None, compile_glue=False)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         return self.to_out(merge_windows(out, flat, n, inv_count, L, window_covers(layout, x.device)))
 
