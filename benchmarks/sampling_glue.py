@@ -11,15 +11,17 @@ shapes (batch 2: conditional and unconditional) of CogVideoX-5B, bf16, without g
 - on CUDA, that post-norm alone (two calls a block) in the Triton kernel and as the torch.compile'd reference it
   replaced (`ttt.layer.post_norm_rows`), with the relative error between them;
 - on CUDA, local attention's glue before SDPA (q/k norms, RoPE, the window gather) in its Triton kernel
-  (`models.triton_window_gather`) and as the torch.compile'd reference it replaced (`models.attention.gather_windows`).
+  (`models.triton_window_gather`) and as the torch.compile'd reference it replaced (`models.attention.gather_windows`);
+- on CUDA, the same kernel at Wan2.1-1.3B's self-attention (RoPE and the gather; 12 heads of 128, its 30 blocks)
+  against the eager `gather_windows` Wan ran before it.
 
 "step s" multiplies a block's time by the 42 blocks: the share of one guided step.
 
     PYTHONPATH=src python3 benchmarks/sampling_glue.py --out benchmarks/results/sampling_glue_h100.json
 
 (PYTHONPATH=src is not needed with the package installed.) `--parts` times some of them (ttt, mlp, post_norm,
-window_glue) and keeps the other rows already in the JSON, if of the same device; every row names its commit.
-Prints a table last; writes JSON with device, torch and commit. Medians of CUDA-event timings
+window_glue, wan_window_glue) and keeps the other rows already in the JSON, if of the same device; every row names
+its commit. Prints a table last; writes JSON with device, torch and commit. Medians of CUDA-event timings
 (benchmarks/ttt_kernel.py's `bench`); on the CPU a smoke run (wall clock, the epilogue is not taken there).
 """
 
@@ -155,43 +157,71 @@ def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (num / den) ** 0.5
 
 
-@torch.no_grad()
-def window_glue_timed(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Local attention's glue before SDPA alone (q/k norms, RoPE, the window gather of q, k, v): the Triton kernel
-    (`models.triton_window_gather`, the default without gradients on CUDA) against the torch.compile'd reference
-    (`models.attention.gather_windows`, which it replaced), on q, k, v of the block's shapes, strided views of one
-    projection output as in the block; "block ms" is one call."""
-    from tttvideo.models.attention import gather_windows, window_tensors
+def _window_glue_rows(part: str, duration: str, layout: VideoLayout, heads: int, head_dim: int, cos, sin,
+                      index: torch.Tensor, norms, replaced: str, reference, layers: int, reps: int,
+                      device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The window-glue kernel against `reference` (what it replaced, named `replaced`) on q, k, v of the block's
+    shapes at guided batch 2, strided views of one projection output as in the block; "block ms" is one call."""
     from tttvideo.models.triton_window_gather import window_gather
 
-    layout = sample_layout(args, duration)
-    D = args.dim // args.heads
-    index, cos, sin, _ = window_tensors(layout, D, 10000.0, device)
     n = index.shape[0]
     flat = index.reshape(-1)
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, layout.total_tokens, 3, args.heads, D, device=device, dtype=dtype).unbind(2)
-    norms = [(1 + 0.1 * torch.randn(D, device=device, dtype=dtype), 0.1 * torch.randn(D, device=device, dtype=dtype),
-              1e-6) for _ in range(2)]
-    compiled = torch.compile(gather_windows, dynamic=False)
+    q, k, v = torch.randn(2, layout.total_tokens, 3, heads, head_dim, device=device, dtype=dtype).unbind(2)
     kernel = lambda: window_gather(q, k, v, flat, n, cos, sin, *norms)  # noqa: E731
-    reference = lambda: compiled(q, k, v, flat if n > 1 else None, n, cos, sin, *norms)  # noqa: E731
-    errors = [_rel_error(a, b) for a, b in zip(kernel(), reference())]
+    slow = lambda: reference(q, k, v, flat if n > 1 else None, n, cos, sin, *norms)  # noqa: E731
+    errors = [_rel_error(a, b) for a, b in zip(kernel(), slow())]
     rows = []
-    for variant, fn in (("Triton kernel", kernel), ("compiled", reference)):
+    for variant, fn in (("Triton kernel", kernel), (replaced, slow)):
         torch.cuda.empty_cache()
-        ms = ttt_sample_minibatch.timed(fn, device, args.reps)
-        row = {"part": "attention window glue", "variant": variant, "duration": duration,
-               "duration_s": layout.duration_s, "tokens": layout.total_tokens, "windows": n, "block_ms": ms,
-               "step_s": ms * args.layers / 1e3, "rel_err_vs_compiled_qkv": errors}
+        ms = ttt_sample_minibatch.timed(fn, device, reps)
+        row = {"part": part, "variant": variant, "duration": duration, "duration_s": layout.duration_s,
+               "tokens": layout.total_tokens, "windows": n, "heads": heads, "head_dim": head_dim, "block_ms": ms,
+               "step_s": ms * layers / 1e3, "rel_err_vs_replaced_qkv": errors}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
+@torch.no_grad()
+def window_glue_timed(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Local attention's glue before SDPA alone (q/k norms, RoPE, the window gather of q, k, v): the Triton kernel
+    (`models.triton_window_gather`, the default without gradients on CUDA) against the torch.compile'd reference
+    (`models.attention.gather_windows`, which it replaced)."""
+    from tttvideo.models.attention import gather_windows, window_tensors
+
+    layout = sample_layout(args, duration)
+    D = args.dim // args.heads
+    index, cos, sin, _ = window_tensors(layout, D, 10000.0, device)
+    torch.manual_seed(1)
+    norms = [(1 + 0.1 * torch.randn(D, device=device, dtype=dtype), 0.1 * torch.randn(D, device=device, dtype=dtype),
+              1e-6) for _ in range(2)]
+    return _window_glue_rows("attention window glue", duration, layout, args.heads, D, cos, sin, index, norms,
+                             "compiled", torch.compile(gather_windows, dynamic=False), args.layers, args.reps,
+                             device, dtype)
+
+
+@torch.no_grad()
+def wan_window_glue_timed(args, duration: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The same kernel in Wan2.1-1.3B's windowed self-attention (12 heads of 128 at Wan's 480 x 832, RoPE only, 30
+    blocks) against the eager `gather_windows` Wan ran before."""
+    from tttvideo.models.attention import gather_windows
+    from tttvideo.models.wan.attention import window_rope, window_table
+    from tttvideo.models.wan.layout import wan_layout
+    from tttvideo.models.wan.spec import get_wan_preset
+
+    spec = get_wan_preset("wan2.1-t2v-1.3b")
+    layout = wan_layout(duration)
+    D = spec.attention_head_dim
+    cos, sin = window_rope(layout, D, spec.rope_theta, device)
+    return _window_glue_rows("Wan window glue", duration, layout, spec.num_attention_heads, D, cos, sin,
+                             window_table(layout, device), (None, None), "eager", gather_windows, spec.num_layers,
+                             args.reps, device, dtype)
+
+
 # --parts: name -> (the function timing it, whether it needs CUDA)
 PARTS = {"ttt": (ttt_rows, False), "mlp": (mlp_rows, False), "post_norm": (post_norm_rows_timed, True),
-         "window_glue": (window_glue_timed, True)}
+         "window_glue": (window_glue_timed, True), "wan_window_glue": (wan_window_glue_timed, True)}
 
 
 def print_table(result: dict) -> None:
