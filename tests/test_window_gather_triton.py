@@ -53,49 +53,43 @@ def _case(B, H, D, duration, dtype, norms, seed):
     return [float((a.float() - b).norm() / b.norm()) for a, b in zip(got, want)], alike
 
 
+def _sampled_against_trained(make_attention, layout_of, seed):
+    """An attention module (64 wide, fp32) without gradients against the same call with gradients on, at one and
+    three windows (3 s, 9 s): relative errors of the outputs."""
+    errors = {}
+    for duration in (3, 9):
+        layout = layout_of(duration)
+        torch.manual_seed(seed)
+        attn = make_attention()
+        with torch.no_grad():
+            for norm in (attn.norm_q, attn.norm_k):
+                norm.weight.normal_(1, 0.3)
+                if getattr(norm, "bias", None) is not None:
+                    norm.bias.normal_(0, 0.3)
+        x = torch.randn(2, layout.total_tokens, 64)
+        with torch.no_grad():
+            sampled = attn(x, layout)
+        trained = attn(x, layout).detach()
+        errors[f"{duration}s"] = float((sampled - trained).norm() / trained.norm())
+    return errors
+
+
 def _module_case(seed):
-    """LocalAttention (fp32, 4 heads of 16) without gradients against the same call with gradients on, at one and
-    three windows: relative errors of the outputs."""
+    """CogVideoX's LocalAttention, 4 heads of 16 (per-head LayerNorms in the kernel)."""
     from tttvideo.layout import VideoLayout
     from tttvideo.models.attention import LocalAttention
 
-    errors = {}
-    for duration in (3, 9):
-        layout = VideoLayout.create(duration, height=32, width=48, text_tokens=5)
-        torch.manual_seed(seed)
-        attn = LocalAttention(64, 4, 16)
-        with torch.no_grad():
-            for norm in (attn.norm_q, attn.norm_k):
-                norm.weight.normal_(1, 0.3)
-                norm.bias.normal_(0, 0.3)
-        x = torch.randn(2, layout.total_tokens, 64)
-        with torch.no_grad():
-            sampled = attn(x, layout)
-        trained = attn(x, layout).detach()
-        errors[f"{duration}s"] = float((sampled - trained).norm() / trained.norm())
-    return errors
+    return _sampled_against_trained(lambda: LocalAttention(64, 4, 16),
+                                    lambda d: VideoLayout.create(d, height=32, width=48, text_tokens=5), seed)
 
 
 def _wan_module_case(seed):
-    """Wan's WindowSelfAttention (fp32, 4 heads of 16: RMSNorm over all heads, no per-head norm in the kernel)
-    without gradients against the same call with gradients on, at one and three windows."""
+    """Wan's WindowSelfAttention, 4 heads of 16 (RMSNorm over all heads before the kernel, RoPE only in it)."""
     from tttvideo.models.wan.attention import WindowSelfAttention
     from tttvideo.models.wan.layout import wan_layout
 
-    errors = {}
-    for duration in (3, 9):
-        layout = wan_layout(duration, height=32, width=48)
-        torch.manual_seed(seed)
-        attn = WindowSelfAttention(64, 4, eps=1e-6)
-        with torch.no_grad():
-            for norm in (attn.norm_q, attn.norm_k):
-                norm.weight.normal_(1, 0.3)
-        x = torch.randn(2, layout.total_tokens, 64)
-        with torch.no_grad():
-            sampled = attn(x, layout)
-        trained = attn(x, layout).detach()
-        errors[f"{duration}s"] = float((sampled - trained).norm() / trained.norm())
-    return errors
+    return _sampled_against_trained(lambda: WindowSelfAttention(64, 4, eps=1e-6),
+                                    lambda d: wan_layout(d, height=32, width=48), seed)
 
 
 def _counting_kernel_calls(case):
