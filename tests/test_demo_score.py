@@ -15,8 +15,8 @@ from tttvideo.config.loader import load_config
 from tttvideo.data.cache import LatentCache
 from tttvideo.data.demo import (BACKGROUNDS, COLOURS, DIRECTIONS, LONG_RANGE_SHAPES, SHAPES, DemoVideo, Scene,
                                 build_demo_cache, render_video)
-from tttvideo.data.demo_score import (CHANCE, CHANCE_OVERALL, latent_frames, parse_caption, score_frames,
-                                      score_video_file, segment_bounds)
+from tttvideo.data.demo_score import (CHANCE, CHANCE_OVERALL, REGION_DISTANCE, _nearest, background_colour,
+                                      latent_frames, parse_caption, score_frames, score_video_file, segment_bounds)
 from tttvideo.layout import VideoLayout
 
 # the layout `make demo` trains and samples at (8x8 latent frames): the score must be exact where it is used
@@ -149,3 +149,20 @@ def test_a_flat_frame_shows_no_shape():
     (scene,) = score.scenes
     assert scene.background_ok and not (scene.colour_ok or scene.direction_ok or scene.shape_ok)
     assert score.overall == 0.25
+
+
+def test_colour_of_a_shape_on_a_noisy_background():
+    """A white pillar on grey where faint purple noise covers a third of the background, just past REGION_DISTANCE: the
+    region's plain mean is a grey nearer magenta than white; weighted by distance from the background (the shape's
+    core counts most) it is white, as a sampled demo scene with a noisy background showed."""
+    rng = np.random.default_rng(0)
+    frames = np.empty((12, 16, 16, 3), dtype=np.float32)
+    frames[:] = (0.33, 0.31, 0.27)
+    noise = rng.random((12, 16, 16)) < 0.3
+    frames[noise] += (0.2, 0.1, 0.25)  # 0.34 from the background: inside the region
+    for i in range(12):
+        frames[i, 3:13, 12 - i // 2:14 - i // 2] = 0.95  # a pillar moving left
+    region = np.linalg.norm(frames - background_colour(frames), axis=-1) > REGION_DISTANCE
+    assert _nearest(frames[region].mean(0), COLOURS) == "magenta"  # what the unweighted mean would say
+    (scene,) = score_frames(frames * 2 - 1, ["a white pillar moves left on a grey background"]).scenes
+    assert scene.colour == "white" and scene.shape == "pillar" and scene.direction == "left", scene

@@ -5,12 +5,13 @@ one of four directions, and says so in the caption: "a {colour} {shape} moves {d
 background". A video generated from those captions can therefore be checked against them, scene by scene:
 
 1. the scene's **background** is the densest colour of all its pixels (`background_colour`: the flat background is
-   the biggest cluster of colours, the shape covers a smaller part of the frame); it is scored as right when the nearest of the four demo `BACKGROUNDS` is the captioned one
-   (chance 1/4);
+   the biggest cluster of colours, the shape covers a smaller part of the frame); it is scored as right when the
+   nearest of the four demo `BACKGROUNDS` is the captioned one (chance 1/4);
 2. the **shape region** of each frame is the set of pixels farther than `REGION_DISTANCE` (RGB in [0, 1],
    Euclidean) from that background colour;
-3. **colour**: the mean colour of the region over the scene's frames; right when the nearest of the six demo
-   `COLOURS` is the captioned one (chance 1/6);
+3. **colour**: the mean colour of the region over the scene's frames, each pixel weighted by its distance from the
+   background (the shape's core counts most, background noise that just passes the threshold least); right when
+   the nearest of the six demo `COLOURS` is the captioned one (chance 1/6);
 4. **direction**: a least-squares line through the region's centroid over the scene's frames gives its
    displacement; right when the captioned direction has the largest component along it (chance 1/4);
 5. **shape**: from the region's bounding box, whose sides are its summed soft coverage of rows and columns (a pixel
@@ -249,7 +250,9 @@ def score_scene(frames: np.ndarray, caption: str) -> SceneScore:
     colour = direction = shape = "none"
     fill = aspect = float("nan")
     if region.any():
-        colour = _nearest(frames[region].mean(0), COLOURS)
+        # each region pixel weighted by its distance from the background: the shape's core decides, not the faint
+        # background noise that just passes REGION_DISTANCE (a plain mean drifts towards the background's grey)
+        colour = _nearest(np.average(frames[region], axis=0, weights=dist[region]), COLOURS)
         fill, aspect = float(np.median(fills)), float(np.median(aspects))
         if want.shape in SHAPES:  # the scenes set: bar or pillar
             shape = "bar" if aspect > ASPECT_THRESHOLD else "pillar"
