@@ -3,11 +3,11 @@ against the PyTorch reference (`tttvideo.models.attention.gather_windows`), on C
 (switched on before triton is imported, so the comparison runs in a subprocess with TRITON_INTERPRET=1,
 TTT_TRITON_POISON=1 and every memory access bounds-checked: tests/test_ttt_triton.py).
 
-Also the local-attention modules without gradients (the kernel, by `attention.window_glue`) against the same module
-with gradients on (the reference), with one and with three windows: CogVideoX's and Wan's. Fresh random inputs each
-run (the seed is in the failure message). fp32: the kernel computes in fp32 like the reference, in another order, so
-they agree to ~1e-7; bound 1e-5 relative (||a-b|| / ||b||). bf16: 1e-2 (one bf16 rounding is 4e-3; the reference
-rounds twice).
+Also the local-attention modules without gradients (the kernel, by `attention.window_glue`), whole and window by
+window as the 24-GB mode runs them, against the same module with gradients on (the reference), with one and with
+three windows: CogVideoX's and Wan's. Fresh random inputs each run (the seed is in the failure message). fp32: the
+kernel computes in fp32 like the reference, in another order, so they agree to ~1e-7; bound 1e-5 relative (||a-b|| /
+||b||). bf16: 1e-2 (one bf16 rounding is 4e-3; the reference rounds twice).
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def _case(B, H, D, duration, dtype, norms, seed):
     return [float((a.float() - b).norm() / b.norm()) for a, b in zip(got, want)], alike
 
 
-def _sampled_against_trained(make_attention, layout_of, seed):
-    """An attention module (64 wide, fp32) without gradients against the same call with gradients on, at one and
-    three windows (3 s, 9 s): relative errors of the outputs."""
+def _sampled_against_trained(make_attention, layout_of, seed, chunked):
+    """An attention module (64 wide, fp32) without gradients, whole and by `chunked(attn, x, layout)` (its
+    window-by-window path of the 24-GB mode), against the same call with gradients on, at one and three windows
+    (3 s, 9 s; `chunked` may return None to skip one): relative errors of the outputs."""
     errors = {}
     for duration in (3, 9):
         layout = layout_of(duration)
@@ -69,8 +70,11 @@ def _sampled_against_trained(make_attention, layout_of, seed):
         x = torch.randn(2, layout.total_tokens, 64)
         with torch.no_grad():
             sampled = attn(x, layout)
+            by_window = chunked(attn, x, layout)
         trained = attn(x, layout).detach()
         errors[f"{duration}s"] = float((sampled - trained).norm() / trained.norm())
+        if by_window is not None:
+            errors[f"{duration}s chunked"] = float((by_window - trained).norm() / trained.norm())
     return errors
 
 
@@ -79,8 +83,12 @@ def _module_case(seed):
     from tttvideo.layout import VideoLayout
     from tttvideo.models.attention import LocalAttention
 
+    from tttvideo.sequence.chunks import ChunkPlan
+
     return _sampled_against_trained(lambda: LocalAttention(64, 4, 16),
-                                    lambda d: VideoLayout.create(d, height=32, width=48, text_tokens=5), seed)
+                                    lambda d: VideoLayout.create(d, height=32, width=48, text_tokens=5), seed,
+                                    lambda attn, x, layout: attn.chunked_forward(x, lambda t: t, layout,
+                                                                                 ChunkPlan(tokens=40)))
 
 
 def _wan_module_case(seed):
@@ -88,8 +96,15 @@ def _wan_module_case(seed):
     from tttvideo.models.wan.attention import WindowSelfAttention
     from tttvideo.models.wan.layout import wan_layout
 
+    from tttvideo.models.wan.attention import window_rope
+
+    def one_window(attn, x, layout):  # the chunked block's call, on the one window of 3 s
+        if layout.num_segments > 1:
+            return None
+        return attn.to_out(attn.window_forward(x, *window_rope(layout, attn.head_dim, attn.rope_theta, x.device)))
+
     return _sampled_against_trained(lambda: WindowSelfAttention(64, 4, eps=1e-6),
-                                    lambda d: wan_layout(d, height=32, width=48), seed)
+                                    lambda d: wan_layout(d, height=32, width=48), seed, one_window)
 
 
 def _counting_kernel_calls(case):
@@ -150,15 +165,21 @@ def test_kernel_matches_reference(interpreter_results, index):
     assert r["alike"], f"seed {seed}, case {CASES[index]}: shape, strides or dtype differ from the reference's"
 
 
-@pytest.mark.parametrize("offset", [0, 1], ids=["cogvideox", "wan"])
-def test_attention_without_gradients_matches_with(interpreter_results, offset):
+# per module: the outputs compared, and the kernel's calls (a whole forward: one; chunked: one a window)
+MODULE_CASES = {"cogvideox": ({"3s", "9s", "3s chunked", "9s chunked"}, 1 + 1 + 1 + 3),
+                "wan": ({"3s", "9s", "3s chunked"}, 1 + 1 + 1)}
+
+
+@pytest.mark.parametrize("offset,module", list(enumerate(MODULE_CASES)))
+def test_attention_without_gradients_matches_with(interpreter_results, offset, module):
     seed, results = interpreter_results
     r = results[len(CASES) + offset]
     assert r["fault"] is None, f"seed {seed}: {r['fault']}"
     errors = dict(r["errors"])
-    assert errors.pop("kernel calls", 0) == 2, \
-        f"seed {seed}: the kernel ran {r['errors'].get('kernel calls')} times, not once a module call"
-    assert set(errors) == {"3s", "9s"} and all(e <= 1e-5 for e in errors.values()), f"seed {seed}: {r}"
+    compared, calls = MODULE_CASES[module]
+    assert errors.pop("kernel calls", 0) == calls, \
+        f"seed {seed}: the kernel ran {r['errors'].get('kernel calls')} times, not {calls}"
+    assert set(errors) == compared and all(e <= 1e-5 for e in errors.values()), f"seed {seed}: {r}"
 
 
 def test_dispatch():

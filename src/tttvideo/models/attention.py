@@ -222,22 +222,23 @@ class LocalAttention(nn.Module):
                         plan: ChunkPlan) -> torch.Tensor:
         """`forward(norm(x))` without gradients, one window at a time: `norm` (the block's adaLN, which modulates
         a window's text and video tokens apart: every window starts with its text) of the window's tokens, q/k/v,
-        their norms, RoPE and SDPA, summed into one accumulator [B, L, H D] (a new tensor); then the overlap
-        average and the output projection over `plan.tokens`-token chunks, in place."""
+        their norms and RoPE (`window_glue`: the Triton kernel on a GPU) and SDPA, summed into one accumulator
+        [B, L, H D] (a new tensor); then the overlap average and the output projection over `plan.tokens`-token
+        chunks, in place."""
         B, L, _ = x.shape
         H, D = self.num_heads, self.head_dim
         index, cos, sin, inv_count = window_tensors(layout, D, self.rope_theta, x.device)
         n, W = index.shape
+        one_window = torch.arange(W, device=x.device)[None]  # a window's own tokens: window_glue gathers nothing
         acc = x.new_zeros(B, L, H * D)
         for i in range(n):
             idx = index[i]
             h = norm(x[:, idx])
-            q = self.norm_q(self.to_q(h).view(B, W, H, D)).transpose(1, 2)
-            k = self.norm_k(self.to_k(h).view(B, W, H, D)).transpose(1, 2)
-            v = self.to_v(h).view(B, W, H, D).transpose(1, 2)
+            q, k, v = (proj(h).view(B, W, H, D) for proj in (self.to_q, self.to_k, self.to_v))
             del h
-            out = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, dropout_p=0.0,
-                                                 is_causal=False)
+            q, k, v = window_glue(q, k, v, one_window, cos, sin, self.head_norm(self.norm_q),
+                                  self.head_norm(self.norm_k), self.compile_glue)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
             del q, k, v
             add_window(acc, layout, i, out.transpose(1, 2).reshape(B, W, H * D))
         if n > 1:

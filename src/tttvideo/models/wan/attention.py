@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tttvideo.layout import VideoLayout
-from tttvideo.models.attention import gather_windows, merge_windows, window_covers, window_glue
+from tttvideo.models.attention import merge_windows, window_covers, window_glue
 
 
 def wan_rope_split(head_dim: int) -> tuple[int, int, int]:
@@ -111,7 +111,8 @@ class WindowSelfAttention(nn.Module):
         q = project_heads(h, self.to_q, self.norm_q, self.num_heads)
         k = project_heads(h, self.to_k, self.norm_k, self.num_heads)
         v = project_heads(h, self.to_v, None, self.num_heads)
-        q, k, v = gather_windows(q, k, v, None, 1, cos, sin)
+        one_window = torch.arange(h.shape[1], device=h.device)[None]  # the window's own tokens: nothing to gather
+        q, k, v = window_glue(q, k, v, one_window, cos, sin, None, None, compile_glue=False)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         return out.transpose(1, 2).flatten(2)
 
