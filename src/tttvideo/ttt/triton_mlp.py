@@ -40,8 +40,6 @@ from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, s
 
 # the last compiled kernel of each launcher (its n_regs / n_spills are read by the benchmark)
 LAUNCHED: dict = {}
-# the output partial of mini-batch i computed after the flag of exchange i + 2 is raised (A/B; tune "lag")
-LAG_OUTPUT = int(os.environ.get("TTT_MLP_LAG", "0"))
 
 
 @triton.jit
@@ -98,7 +96,6 @@ def _mlp_fwd_kernel(
     H, L, I0, NMB,
     D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     EPS: tl.constexpr, SAVE: tl.constexpr, OUTPUT: tl.constexpr, SAVE_ACT: tl.constexpr, PREFETCH: tl.constexpr = 1,
-    LAG: tl.constexpr = 0,
 ):
     """NMB mini-batches from I0, per (stream, role).
 
@@ -137,32 +134,22 @@ def _mlp_fwd_kernel(
     x2t, gpt = _activation(z1t, XS, GPS, GPPS, stream * (NSLOT - 1) * (E * M) + zrows, SAVE_ACT, DOT)
     seq = 1
     stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
-    q_prev = k  # LAG: Q of the previous mini-batch (a placeholder until step 0 loads one)
     for i0 in range(0, NMB, GROUP):  # the checkpoint store sits between groups, not inside the step loop
         for i in range(i0, tl.minimum(i0 + GROUP, NMB)):
             ib = I0 + i
             off = tok + ib * (M * D) + tile
-            raise_flag(SYNC, stream, role, 2 * seq, SPLIT)
+            raise_flag(SYNC, stream, role, seq, SPLIT)
             if OUTPUT:
-                if LAG:
-                    if i > 0:  # mini-batch i - 1's output partial, at its state (this one), while the flag travels
-                        stage(XB, stream, role, seq, 1, _out_partial(q_prev, w1t, b1, w2, b2, role, DOT), M, D,
-                              SPLIT)
-                        raise_flag(SYNC, stream, role, 2 * seq + 1, SPLIT)
-                    q_prev = tl.load(Q + off)
-                elif PREFETCH:  # used after the update, so its load is off the chain
+                if PREFETCH:  # used after the update, so its load is off the chain
                     q = tl.load(Q + off)
             v = tl.load(V + off)
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
             if PREFETCH:  # K of the next mini-batch is loaded one step ahead, off the chain
                 k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
-            wait_all(SYNC, stream, role, 2 * seq, SPLIT)
+            wait_all(SYNC, stream, role, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:
-                if LAG:  # the other roles' flags at 2 seq say their partials of exchange seq - 1 are out
-                    if i > 1:
-                        _write_out(Q, OUT, XB, stream, seq - 1, role, tok, ib - 2, nw, nb, M, D, SPLIT, EPS)
-                elif i > 0:
+                if i > 0:
                     _write_out(Q, OUT, XB, stream, seq, role, tok, ib - 1, nw, nb, M, D, SPLIT, EPS)
             if SAVE_ACT:
                 tl.store(Z2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, z2, mask=(tile >= 0) & (role == 0))
@@ -186,23 +173,15 @@ def _mlp_fwd_kernel(
                 x2t, gpt = _activation(z1t, XS, GPS, GPPS, (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows,
                                        SAVE_ACT, DOT)
                 stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
-            if OUTPUT:
-                if not LAG:  # this mini-batch's output partial, at the same new state: it rides on the same exchange
-                    if not PREFETCH:
-                        q = tl.load(Q + off)
-                    stage(XB, stream, role, seq, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
+            if OUTPUT:  # this mini-batch's output partial, at the same new state: it rides on the same exchange
+                if not PREFETCH:
+                    q = tl.load(Q + off)
+                stage(XB, stream, role, seq, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries only the output of the last mini-batch
-        if LAG:
-            stage(XB, stream, role, seq, 1, _out_partial(q_prev, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
-            raise_flag(SYNC, stream, role, 2 * seq + 1, SPLIT)
-            wait_all(SYNC, stream, role, 2 * seq + 1, SPLIT)
-            if NMB > 1:
-                _write_out(Q, OUT, XB, stream, seq - 1, role, tok, I0 + NMB - 2, nw, nb, M, D, SPLIT, EPS)
-        else:
-            raise_flag(SYNC, stream, role, 2 * seq, SPLIT)
-            wait_all(SYNC, stream, role, 2 * seq, SPLIT)
+        raise_flag(SYNC, stream, role, seq, SPLIT)
+        wait_all(SYNC, stream, role, seq, SPLIT)
         _write_out(Q, OUT, XB, stream, seq, role, tok, I0 + NMB - 1, nw, nb, M, D, SPLIT, EPS)
 
 
@@ -245,7 +224,7 @@ def _state_buffers(slots: int, D: int, E: int, device) -> tuple[torch.Tensor, ..
 
 
 def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots, nslot, group, acts, i0, nmb, M,
-                output, split, num_warps, key, prefetch=1, lag=None):
+                output, split, num_warps, key, prefetch=1):
     """Launch the forward kernel over mini-batches [i0, i0 + nmb) of every stream.
 
     init: (W1, b1, W2, b2) with a leading index that is the head ([H, D, E], [H, E], [H, E, D], [H, D]: the layer's
@@ -267,8 +246,7 @@ def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots,
         *(acts if acts is not None else (dummy,) * 5), xb, sync,
         H, L, i0, nmb,
         D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(q.dtype), EPS=LN_EPS, SAVE=save, OUTPUT=output,
-        SAVE_ACT=acts is not None, PREFETCH=prefetch, LAG=int(LAG_OUTPUT if lag is None else lag),
-        num_warps=num_warps, num_stages=1,
+        SAVE_ACT=acts is not None, PREFETCH=prefetch, num_warps=num_warps, num_stages=1,
     )
 
 
@@ -295,7 +273,7 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
     _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
-                output, split, warps, "fwd", tune.get("prefetch", 1), tune.get("lag"))
+                output, split, warps, "fwd", tune.get("prefetch", 1))
     return out, ck
 
 
