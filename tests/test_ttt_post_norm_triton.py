@@ -11,9 +11,7 @@ the kernel computes in fp32 like the reference, in another order, so they agree 
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import pytest
 import torch
@@ -79,18 +77,13 @@ def _layer_case(seed):
 
 def _interpreter_main() -> None:
     """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
-    from tests.test_ttt_triton import _install_bounds_check, guarded
+    from tests.test_ttt_triton import interpreter_main
 
-    seed = int(sys.argv[1])
-    _install_bounds_check()
-    results = []
-    for i, c in enumerate(CASES):
-        value, fault = guarded(_case, *c, seed + i)
+    def row(value, fault):
         error, same_dtype, follows = value or (None, False, False)
-        results.append({"error": error, "same_dtype": same_dtype, "follows": follows, "fault": fault})
-    errors, fault = guarded(_layer_case, seed + 50)
-    results.append({"errors": errors or {}, "fault": fault})
-    print("RESULTS " + json.dumps(results))
+        return {"error": error, "same_dtype": same_dtype, "follows": follows, "fault": fault}
+
+    interpreter_main(_case, CASES, row, [(_layer_case, 50)])
 
 
 @pytest.fixture(scope="module")

@@ -221,6 +221,19 @@ def guarded(fn, *args):
         return None, f"{type(e).__name__}: {e}"[:2000]
 
 
+def interpreter_main(case, cases, row, extras=()) -> None:
+    """The body of an interpreter module's `_interpreter_main` (the seed in sys.argv[1]): the bounds check on, then
+    `row(value, fault)` of `case(*c, seed + i)` for each c of `cases`, then {"errors", "fault"} of `fn(seed +
+    offset)` for each (fn, offset) of `extras`, each run `guarded`; printed as one line "RESULTS <json>"."""
+    seed = int(sys.argv[1])
+    _install_bounds_check()
+    results = [row(*guarded(case, *c, seed + i)) for i, c in enumerate(cases)]
+    for fn, offset in extras:
+        errors, fault = guarded(fn, seed + offset)
+        results.append({"errors": errors or {}, "fault": fault})
+    print("RESULTS " + json.dumps(results))
+
+
 def run_in_interpreter(module: str, timeout: float = 600) -> tuple[int, list]:
     """(seed, results) of `module._interpreter_main()` run with a fresh seed in a subprocess with TRITON_INTERPRET=1
     and TTT_TRITON_POISON=1; it prints its results as one line "RESULTS <json>"."""

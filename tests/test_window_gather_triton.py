@@ -12,9 +12,7 @@ kernel computes in fp32 like the reference, in another order, so they agree to ~
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import pytest
 import torch
@@ -131,19 +129,14 @@ def _counting_kernel_calls(case):
 
 def _interpreter_main() -> None:
     """Entry point of the subprocess: TRITON_INTERPRET=1 is already in its environment."""
-    from tests.test_ttt_triton import _install_bounds_check, guarded
+    from tests.test_ttt_triton import interpreter_main
 
-    seed = int(sys.argv[1])
-    _install_bounds_check()
-    results = []
-    for i, c in enumerate(CASES):
-        value, fault = guarded(_case, *c, seed + i)
+    def row(value, fault):
         errors, alike = value or ([], False)
-        results.append({"errors": errors, "alike": alike, "fault": fault})
-    for case, offset in ((_module_case, 50), (_wan_module_case, 60)):
-        errors, fault = guarded(_counting_kernel_calls(case), seed + offset)
-        results.append({"errors": errors or {}, "fault": fault})
-    print("RESULTS " + json.dumps(results))
+        return {"errors": errors, "alike": alike, "fault": fault}
+
+    interpreter_main(_case, CASES, row,
+                     [(_counting_kernel_calls(_module_case), 50), (_counting_kernel_calls(_wan_module_case), 60)])
 
 
 @pytest.fixture(scope="module")
