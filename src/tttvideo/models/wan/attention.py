@@ -44,22 +44,22 @@ def wan_rope_cos_sin(positions: torch.Tensor, head_dim: int,
 
 
 @lru_cache(maxsize=16)
+def window_table(layout: VideoLayout, device: torch.device) -> torch.Tensor:
+    """Per layout and device: the window gather index as [n, W] (`attention.window_glue`'s form; the identity with
+    one window)."""
+    return layout.flat_window_index().reshape(layout.num_segments, -1).to(device)
+
+
+@lru_cache(maxsize=16)
 def window_gather(layout: VideoLayout, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Per layout and device, shared by every layer: the window gather index [n W] over stream positions (None with
     one window: no gather) and the reciprocal count of windows covering each position [L, 1]."""
     if layout.total_text_tokens:
         raise ValueError("Wan's layout has no text in the stream; build it with tttvideo.models.wan.layout")
     n = layout.num_segments
-    flat = layout.flat_window_index().to(device) if n > 1 else None
+    flat = window_table(layout, device).reshape(-1) if n > 1 else None  # a view: one index tensor serves both
     inv_count = (1.0 / layout.window_overlap_count.double()).float()[:, None]
     return flat, inv_count.to(device)
-
-
-@lru_cache(maxsize=16)
-def window_table(layout: VideoLayout, device: torch.device) -> torch.Tensor:
-    """Per layout and device: the window gather index as [n, W] (`attention.window_glue`'s form; the identity with
-    one window)."""
-    return layout.flat_window_index().reshape(layout.num_segments, -1).to(device)
 
 
 @lru_cache(maxsize=16)
