@@ -145,11 +145,11 @@ def test_wan_window_attention_takes_the_kernel():
     try:
         with torch.no_grad():
             got = attn(x.bfloat16(), layout).float()
-            want = exact(x, layout)
+        want = exact(x, layout).detach()  # with gradients: the eager glue in fp32, not the kernel
         eager = attn(x.bfloat16(), layout).detach().float()
     finally:
         attention.use_window_kernel = kernel
-    assert calls == [True, False]
+    assert calls == [True, False, False]
     scale = want.abs().max()
     err, ref = ((got - want).abs().max() / scale).item(), ((eager - want).abs().max() / scale).item()
     assert err <= 1.5 * ref + 1e-3, (err, ref)
