@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tttvideo.memory.profile.profiler import git_commit
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks this one reuses, run as a script or module
+import model_step  # noqa: E402
+
+from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -138,8 +141,7 @@ def main(argv=None) -> int:
     result = dict(benchmark="attention_batch", device=name, torch=torch.__version__, git_commit=git_commit(),
                   tokens=args.tokens, heads=args.heads, dim=args.dim, windows=args.windows, rows=rows)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        model_step.write_result(result, args.out)
     print(f"\n{name}  torch {torch.__version__}  commit {result['git_commit']}  "
           f"{args.heads} heads x {args.dim}, {args.tokens} tokens a window")
     print(f"{'case':24} {'backend':16} {'ms':>9} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>5} {'C':>3}")
