@@ -18,7 +18,6 @@ import argparse
 import datetime
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks this one reuses, run as a script or module
-import model_step  # noqa: E402
-
-from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
+from tttvideo.memory.profile.profiler import git_commit
+from tttvideo.results import save_json
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -141,7 +138,7 @@ def main(argv=None) -> int:
     result = dict(benchmark="attention_batch", device=name, torch=torch.__version__, git_commit=git_commit(),
                   tokens=args.tokens, heads=args.heads, dim=args.dim, windows=args.windows, rows=rows)
     if args.out:
-        model_step.write_result(result, args.out)
+        save_json(args.out, result)
     print(f"\n{name}  torch {torch.__version__}  commit {result['git_commit']}  "
           f"{args.heads} heads x {args.dim}, {args.tokens} tokens a window")
     print(f"{'case':24} {'backend':16} {'ms':>9} {'TFLOP/s':>8} {'SM MHz':>7} {'W':>5} {'C':>3}")

@@ -20,14 +20,12 @@ The table is printed and the rows written as JSON (--out). Medians of --repeats 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +36,7 @@ from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.memory.profile.trace import is_kernel, kernel_kind
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.fp8_storage import quantize_rows
+from tttvideo.results import save_json
 
 
 def median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
                   "python": platform.python_version(), "duration_s": args.duration, "tokens": tokens, "rows": rows}
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        save_json(args.out, result)
     return 0
 
 

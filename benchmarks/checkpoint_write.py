@@ -119,14 +119,14 @@ def main(argv=None) -> int:
     for r in rows:
         Path(r.pop("file")).unlink(missing_ok=True)
     from tttvideo.memory.profile.profiler import git_commit
+    from tttvideo.results import save_json
 
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {"benchmark": "checkpoint_write", "device": device, "torch": torch.__version__, "git_commit": git_commit(),
               "gib": args.gib, "reps": args.reps, "folder": str(folder), "files_equal": equal,
               "command": " ".join(["python3", "benchmarks/checkpoint_write.py", *(argv or sys.argv[1:])]), "rows": rows}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        save_json(args.out, result)
     print(f"\n{device}, {args.device} tensors, {rows[0]['bytes'] / 2**30:.2f} GiB, median of {args.reps}, "
           f"files read back equal: {equal}")
     print(f"{'writer':<20} {'s':>7} {'GB/s':>6} {'host peak over GiB':>19}")

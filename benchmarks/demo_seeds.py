@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tttvideo.data.demo_score import CHANCE, score_frames, score_video_file
+from tttvideo.results import save_json
 
 ATTRIBUTES = tuple(CHANCE)
 
@@ -122,10 +123,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         record = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                   "git_commit": commit, "config": args.config, "overrides": args.overrides, "runs": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(args.out)
+        save_json(args.out, record)
 
 
 if __name__ == "__main__":

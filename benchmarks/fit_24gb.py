@@ -346,6 +346,8 @@ def main(argv=None) -> int:
         ap.error("--backbone wan has the parts train-profile and sample")
     EXTRA[:] = args.overrides
     use_environment()
+    from tttvideo.results import save_json
+
     work = Path(args.work or f"runs/fit_24gb{suffix}")
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or f"benchmarks/results/fit_24gb{suffix}.json")
@@ -354,10 +356,7 @@ def main(argv=None) -> int:
     data.update({"benchmark": f"fit_24gb{suffix}", **environment()})
 
     def save() -> None:  # atomically, after every part (every row for Wan): a later failure keeps what was measured
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, out)
+        save_json(out, data)
 
     if wan:
         wan_suite(args, work, data, save)

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -30,6 +27,7 @@ from tttvideo.layout import VideoLayout
 from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import build_model
 from tttvideo.models.fp8_storage import Fp8Linear, store_fp8
+from tttvideo.results import save_json
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,10 +97,7 @@ def main() -> int:
         "rows": rows,
         "seconds": time.perf_counter() - start,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], Path(args.out).name).write_text(json.dumps(result, indent=2))
+    save_json(args.out, result)
     print(f"\n{result['device']}, {args.preset} + TTT-MLP ({spec.num_layers} blocks), {layout.total_tokens} tokens, "
           f"t = {args.timestep}, {converted} frozen linears in fp8; relative error of the output (L2)")
     print(f"{'seed':>4} {'bf16 vs fp32':>13} {'fp8 vs fp32':>12} {'fp8 vs bf16':>12}")

@@ -404,9 +404,9 @@ def rebuild_report(out: Path, held: dict | None = None) -> int:
     if not rows:
         raise SystemExit(f"--report: {out} holds no runs")
     held["summary"] = rows
-    from tttvideo.data.cache import atomic_write_text
+    from tttvideo.results import save_json
 
-    atomic_write_text(out, json.dumps(held, indent=1))
+    save_json(out, held)
     return report(out, rows, runs, held.get("failed"), held.get("device"))
 
 
@@ -544,8 +544,8 @@ def die_with_parent() -> None:
 
 def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dict] | None = None,
           failed: list[dict] | None = None) -> dict:
-    from tttvideo.data.cache import atomic_write_text
     from tttvideo.memory.profile.profiler import git_commit
+    from tttvideo.results import save_json
 
     commit, device = git_commit(), device_name(torch)
     result = {"benchmark": "long_range", "device": device, "gpus": 1 if torch.cuda.is_available() else 0,
@@ -553,7 +553,7 @@ def write(out: Path, runs: list[dict], probes: dict, args, torch, rows: list[dic
               "config": config_name(args.config), "overrides": args.overrides, "eval_videos": args.eval_videos,
               "settings": run_settings(args), "chance": 1 / 6, "probe": probes, "runs": runs,
               "failed": failed or [], "summary": rows or summarize(runs, list(ROWS), device)}
-    atomic_write_text(out, json.dumps(result, indent=1))
+    save_json(out, result)
     return result
 
 

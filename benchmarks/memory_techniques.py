@@ -42,6 +42,7 @@ from tttvideo.config.schema import CHECKPOINT_PARTS, Config
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import get_preset
 from tttvideo.models.checkpointing import apply_checkpointing
+from tttvideo.results import save_json
 from tttvideo.train.distributed import TrainRanks
 
 OFFLOADED = {"offload_activations": True}
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
               "python": platform.python_version(), "git_commit": args.commit, "gpus": 1, "use_ttt": True,
               "preset": args.preset, "duration_s": args.duration, "tokens": layout.total_tokens, "switches": SWITCHES,
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "results": rows}
-    model_step.write_result(result, out)
+    save_json(out, result)
     print(f"\n{result['device']}, torch {torch.__version__}, {args.preset} at {args.duration} s "
           f"({layout.total_tokens} tokens), {', '.join(SWITCHES)}")
     print(f"time ratios against {base['variant'] if base else '-'} (this run)")

@@ -41,7 +41,6 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +53,7 @@ from tttvideo.memory.guard.cap import apply_memory_cap
 from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import CogVideoXTTT, build_model, trainable_summary
 from tttvideo.models.backbone import get_preset
+from tttvideo.results import save_json
 from tttvideo.train.distributed import TrainRanks, rank_device
 from tttvideo.train.loss import NoiseSource
 from tttvideo.train.step import TrainStep, build_train_step
@@ -423,14 +423,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def write_result(result: dict[str, Any], out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2))
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir, Path(out).name).write_text(json.dumps(result, indent=2))
-
-
 def print_table(result: dict[str, Any], cfg: Config) -> None:
     ck = result["checkpointing"]
     print(f"\n{result['device']}, torch {result['torch']}, {cfg.model.preset} + TTT-MLP, "
@@ -530,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": config_to_dict(cfg),
         "results": rows,
     }
-    write_result(result, args.out)
+    save_json(args.out, result)
     print_table(result, cfg)
     print_yardstick(result, cfg)
     ranks.close()

@@ -17,10 +17,8 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,6 +27,7 @@ from tttvideo.config.loader import load_config
 from tttvideo.memory.techniques import quantised_by_adamw8bit
 from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import build_model
+from tttvideo.results import save_json
 from tttvideo.train.optim import build_optimizer
 from tttvideo.train.step import synchronize
 
@@ -135,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               "gpus": 1 if device.type == "cuda" else 0, "torch": torch.__version__, "git_commit": args.commit,
               "preset": args.preset or "cogvideox-5b",
               "warmup": args.warmup, "steps": args.steps, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    save_json(args.out, result)
     print(f"\noptimizer step alone ({result['device']}, torch {result['torch']}, median of {args.steps})\n")
     print("| setup | optimizer | trainable tensors (8-bit eligible) | parameters | step ms | ms per tensor |")
     print("|---|---|---|---|---|---|")

@@ -41,7 +41,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 try:  # one module object for the rows, whether this runs as a script or is imported from the package
     from benchmarks.plan_accuracy_rows import (FSDP_RESERVE, GIB, RESULTS, WHOLE_BLOCK, WINDOW_FORM, Row, all_rows,
@@ -286,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row.predicted = predict_row(row, costs)
     from tttvideo.memory.profile.profiler import git_commit
+    from tttvideo.results import save_json
 
     commit = git_commit()
     out = {"benchmark": "plan_accuracy", "gpu_kind": "h100", "device": "NVIDIA H100 80GB HBM3 (measurements)",
@@ -347,10 +347,7 @@ def main(argv: list[str] | None = None) -> int:
           f"; out-of-memory runs predicted to fit: {bad_fit or 'none'}; setups run under the plan's cap (predicted "
           f"reserved + margin): {capped_ran} ran, {capped_oom} out of memory; held out beyond {TOLERANCE:.0%} "
           f"reserved: {len(beyond)}, of which not answered by a run under the plan's cap: {unanswered or 'none'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(args.out)
+    save_json(args.out, out)
     return 0
 
 

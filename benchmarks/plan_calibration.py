@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from tttvideo.memory.techniques import calibration_setups
+from tttvideo.results import save_json
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -89,7 +90,7 @@ def cmd_run(args) -> int:
             rows.append(row)
             print(f"  {row['status']} peak {row.get('peak_allocated', 0) / GIB:.2f} GiB, steps "
                   f"{row.get('step_seconds')}", flush=True)
-            out.write_text(json.dumps(_result(rows, args, torch), indent=1))
+            save_json(out, _result(rows, args, torch))
     return 0
 
 
@@ -354,9 +355,8 @@ def cmd_check(args) -> int:
                          "peak_reserved": s.get("totals", {}).get("peak_reserved"),
                          "step_seconds": s.get("step_seconds", [])})
             print(f"  {r.status} {r.note}", flush=True)
-            out.write_text(json.dumps({**_result(rows, args, torch), "benchmark": "plan_check",
-                                       "config": args.config, "phase": args.phase, "superseded": superseded},
-                                      indent=1))
+            save_json(out, {**_result(rows, args, torch), "benchmark": "plan_check",
+                            "config": args.config, "phase": args.phase, "superseded": superseded})
     return 0
 
 

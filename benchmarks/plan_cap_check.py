@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tttvideo.memory.profile.profiler import git_commit
+    from tttvideo.results import save_json
 
     out = Path(args.out) if args.out else default_out()
     old = json.loads(out.read_text()) if out.is_file() else {}
@@ -145,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run_row(row, cap_of(row, args.margin), work, args.timeout)
         with lock:
             result["rows"].append(r)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            tmp.replace(out)
+            save_json(out, result)
             print(f"{r['status']:<6} {r['setup'][:60]:<60} cap {r['cap_gib']:.2f}: reserved "
                   f"{r['peak_reserved_gib']} allocated {r['peak_allocated_gib']} {r['note']}", flush=True)
 

@@ -40,6 +40,7 @@ from tttvideo.config.schema import Config
 from tttvideo.layout import VideoLayout
 from tttvideo.memory.profile.profiler import git_commit
 from tttvideo.models import build_model
+from tttvideo.results import save_json
 from tttvideo.sample.guidance import GuidedPrediction
 
 
@@ -283,10 +284,7 @@ class Report:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(self) -> None:
-        text = json.dumps(self.data, indent=1) + "\n"
-        self.path.write_text(text)
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], self.path.name).write_text(text)
+        save_json(self.path, self.data)
 
 
 def measure_duration(model, layout: VideoLayout, args, device, dtype, use_ttt: bool, batched: bool | None) -> dict:

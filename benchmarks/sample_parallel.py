@@ -243,6 +243,7 @@ def main(argv=None) -> int:
     for name in layouts:
         parse_layout(name)
     from tttvideo.layout import parse_duration
+    from tttvideo.results import save_json
 
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -254,12 +255,10 @@ def main(argv=None) -> int:
         rows.append(launch(name, args, work))
         rows.sort(key=lambda r: layouts.index(r["layout"]))
         compare(rows, work)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"benchmark": "sample_parallel", **environment(args.device),
-                                   "duration": args.duration, "duration_s": parse_duration(args.duration),
-                                   "preset": args.preset, "dtype": args.dtype,
-                                   "resolution": [args.height, args.width], "timed_steps": args.steps,
-                                   "rows": rows}, indent=1))
+        save_json(out, {"benchmark": "sample_parallel", **environment(args.device),
+                        "duration": args.duration, "duration_s": parse_duration(args.duration),
+                        "preset": args.preset, "dtype": args.dtype,
+                        "resolution": [args.height, args.width], "timed_steps": args.steps, "rows": rows})
     print(table(rows))
     print(f"results: {out}")
     return 0

@@ -43,6 +43,7 @@ from ttt_kernel import git_commit  # noqa: E402
 from tttvideo.config.loader import load_config  # noqa: E402
 from tttvideo.layout import VideoLayout  # noqa: E402
 from tttvideo.models.layers import MLP  # noqa: E402
+from tttvideo.results import save_json  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -263,8 +264,7 @@ def main(argv=None) -> int:
             for r in kept:
                 r.setdefault("git_commit", earlier.get("git_commit"))
             result["rows"] = kept + result["rows"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    save_json(out, result)
     print_table(result)
     return 0
 

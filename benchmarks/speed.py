@@ -65,6 +65,7 @@ from tttvideo.dtypes import torch_dtype  # noqa: E402
 from tttvideo.layout import VideoLayout  # noqa: E402
 from tttvideo.models import build_model  # noqa: E402
 from tttvideo.models.backbone import get_preset  # noqa: E402
+from tttvideo.results import save_json, save_text  # noqa: E402
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
 
 PARTS = ("train", "sample3", "sample63", "ttt63", "train63")
@@ -411,20 +412,12 @@ def profile_markdown(profile: dict) -> str:
 
 
 def write(result: dict, path: Path) -> None:
-    """Atomic writes of the JSON (and the profile beside it), copied to $OUT on the device machine."""
-    def put(target: Path, text: str) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(target)
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], target.name).write_text(text)
-
+    """The JSON, and the profile beside it as JSON and markdown (`tttvideo.results`: atomic, copied to $OUT)."""
     profile = result.get("profile")
-    put(path, json.dumps({k: v for k, v in result.items() if k != "profile"}, indent=1) + "\n")
+    save_json(path, {k: v for k, v in result.items() if k != "profile"})
     if profile:
-        put(profile_path(path).with_suffix(".json"), json.dumps(profile, indent=1) + "\n")
-        put(profile_path(path).with_suffix(".md"), profile_markdown(profile))
+        save_json(profile_path(path).with_suffix(".json"), profile)
+        save_text(profile_path(path).with_suffix(".md"), profile_markdown(profile))
 
 
 def profile_path(path: Path) -> Path:

@@ -76,6 +76,7 @@ from stage_chain_stages import (  # noqa: E402
     killed_stage, reads_previous, resolved, stage_config, stage_schedule)
 
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
+from tttvideo.results import save_json  # noqa: E402
 from tttvideo.train.checkpoint import folder_bytes  # noqa: E402
 
 
@@ -483,8 +484,7 @@ def main(argv: list[str] | None = None) -> int:
            **({"from_base": True} if args.from_base else {})}
 
     def save() -> None:  # after each stage and sample, in case the machine goes
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(merged(out, result), indent=2) + "\n")
+        save_json(out, merged(out, result))
 
     # the first stage starts from the base weights whatever its config's init_from says (the 63-s config names stage 4)
     start = [f"model.pretrained_path={weights}", 'train.init_from=""']

@@ -29,6 +29,7 @@ import time
 import torch
 
 from tttvideo.memory.profile.profiler import git_commit
+from tttvideo.results import save_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, for the commit
 
@@ -300,9 +301,7 @@ def main():
 
 
 def write_json(out: str, name: str, res: dict) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as f:
-        json.dump(res, f, indent=1)
+    save_json(os.path.join(out, name), res)
 
 
 def _table(res):

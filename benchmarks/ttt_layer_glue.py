@@ -29,6 +29,7 @@ except ImportError:  # python benchmarks/ttt_layer_glue.py: this script's folder
 
 from tttvideo.config.schema import TTTConfig
 from tttvideo.layout import VideoLayout
+from tttvideo.results import save_json
 from tttvideo.ttt import scan_inputs
 from tttvideo.ttt.layer import TTTLayer
 from tttvideo.ttt.plain_layer import plain_ttt_layer
@@ -90,8 +91,7 @@ def main() -> None:
     commit = git_commit()[:7]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "git_commit": commit or "unknown (no .git on the device copy)", "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(args.out, result)
     print(f"\nTTT layer (3072 wide, 48 heads, TTT-MLP, bf16) on {result['device']}")
     print(f"{'duration':>8} {'batch':>5} {'variant':>20} {'fwd ms':>9} {'fwd+bwd ms':>11} {'peak GiB':>9} "
           f"{'rel err':>9}")

@@ -26,6 +26,7 @@ from ttt_kernel import bench, git_commit  # this script's folder: benchmarks/ttt
 
 from tttvideo.config.loader import load_config
 from tttvideo.layout import VideoLayout
+from tttvideo.results import save_json
 from tttvideo.ttt.layer import BidirectionalTTT
 
 LAYERS_5B = 42
@@ -139,8 +140,7 @@ def main(argv=None) -> int:
                 row = measure(args, kind, duration, mini_batch, device, dtype)
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(args.out, result)
     print_table(result)
     return 0
 

@@ -14,7 +14,6 @@ forward and of forward + backward.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ttt_kernel import bench  # noqa: E402
 from tttvideo.layout import VideoLayout  # noqa: E402
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 from tttvideo.models import attention  # noqa: E402
+from tttvideo.results import save_json  # noqa: E402
 
 HEADS, HEAD_DIM = 48, 64
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
               "git_commit": git_commit(), "rows": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.out, result)
     print(f"{'length':>6} {'tokens':>8} {'merge':24} {'forward ms':>11} {'fwd+bwd ms':>11} equal")
     for r in rows:
         print(f"{r['duration_s']:>5}s {r['tokens']:>8} {r['merge']:24} {r['forward_ms']:>11.2f} "
