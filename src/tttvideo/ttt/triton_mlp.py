@@ -77,15 +77,21 @@ def _out_partial(q, w1t, b1, w2, b2, role, DOT: tl.constexpr):
 
 
 @triton.jit
-def _write_out(Q, OUT, XB, stream, seq, role, tok, ib, nw, nb,
-               M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, EPS: tl.constexpr):
-    """Output rows [role * M / SPLIT, ...) of mini-batch ib, from the summed partials (tile 1) of exchange seq."""
+def _out_rows(tok, ib, role, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """Offsets of the output rows [role * M / SPLIT, ...) of mini-batch ib that this role writes."""
     MS: tl.constexpr = M // SPLIT
-    row0 = role * MS
-    xq, _r = ln_stats(gather(XB, stream, seq, 1, row0, MS, M, D, SPLIT), D, EPS)
-    off = tok + ib * (M * D) + (row0 + tl.arange(0, MS))[:, None] * D + tl.arange(0, D)[None, :]
-    q = tl.load(Q + off).to(tl.float32)
-    tl.store(OUT + off, (q + nw * xq + nb).to(OUT.dtype.element_ty))
+    return tok + ib * (M * D) + (role * MS + tl.arange(0, MS))[:, None] * D + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _write_out(OUT, XB, stream, seq, role, off, q, write,
+               nw, nb, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, EPS: tl.constexpr):
+    """Output rows `off` (`_out_rows`) from the summed partials (tile 1) of exchange seq and their Q rows `q`, loaded
+    before the wait (off the chain). `write` masks the store instead of branching around the whole: no branch
+    parts the loads of this tile from those of the step's Z2 tile, so both share one round trip to L2."""
+    MS: tl.constexpr = M // SPLIT
+    xq, _r = ln_stats(gather(XB, stream, seq, 1, role * MS, MS, M, D, SPLIT), D, EPS)
+    tl.store(OUT + off, (q.to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty), mask=(off >= 0) & write)
 
 
 @triton.jit
@@ -142,6 +148,9 @@ def _mlp_fwd_kernel(
             if OUTPUT:
                 if PREFETCH:  # used after the update, so its load is off the chain
                     q = tl.load(Q + off)
+                # the Q rows of the output this step writes (mini-batch ib - 1; none at i = 0), off the chain too
+                out_off = _out_rows(tok, ib - 1, role, M, D, SPLIT)
+                q_out = tl.load(Q + out_off, mask=(out_off >= 0) & (i > 0), other=0.0)
             v = tl.load(V + off)
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
             if PREFETCH:  # K of the next mini-batch is loaded one step ahead, off the chain
@@ -149,8 +158,7 @@ def _mlp_fwd_kernel(
             wait_all(SYNC, stream, role, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:
-                if i > 0:
-                    _write_out(Q, OUT, XB, stream, seq, role, tok, ib - 1, nw, nb, M, D, SPLIT, EPS)
+                _write_out(OUT, XB, stream, seq, role, out_off, q_out, i > 0, nw, nb, M, D, SPLIT, EPS)
             if SAVE_ACT:
                 tl.store(Z2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, z2, mask=(tile >= 0) & (role == 0))
             lg, _xh, _rs, _y, _gh, _a, _c = ln_l2_fwd(z2, v.to(tl.float32) - k.to(tl.float32), nw, nb, D, EPS)
@@ -180,9 +188,11 @@ def _mlp_fwd_kernel(
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries only the output of the last mini-batch
+        out_off = _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT)
+        q_out = tl.load(Q + out_off)
         raise_flag(SYNC, stream, role, seq, SPLIT)
         wait_all(SYNC, stream, role, seq, SPLIT)
-        _write_out(Q, OUT, XB, stream, seq, role, tok, I0 + NMB - 1, nw, nb, M, D, SPLIT, EPS)
+        _write_out(OUT, XB, stream, seq, role, out_off, q_out, True, nw, nb, M, D, SPLIT, EPS)
 
 
 def split_for(E: int, M: int, D: int) -> int:
