@@ -105,7 +105,6 @@ def _write_out(OUT, off, q, zq, write, nw, nb, D: tl.constexpr, EPS: tl.constexp
 @triton.jit
 def _stage(XB, stream, role, seq, which: tl.constexpr, x, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
            LL: tl.constexpr):
-    """`stage` in the launch's exchange protocol (LL: `stage_ll`)."""
     if LL:
         stage_ll(XB, stream, role, seq, which, x, M, D, SPLIT)
     else:
