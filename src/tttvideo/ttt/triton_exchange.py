@@ -26,11 +26,10 @@ the same way, with one role).
 
 A second protocol, "LL" (low latency; the name and the idea are NCCL's), has no flags: each fp32 partial is stored
 in a 64-bit word whose high half is the exchange's sequence number (`stage_ll`), and a role polls the words
-themselves until every one carries the sequence number (`load_ll`, `wait_ll`). A naturally aligned 64-bit store is
+themselves until every one carries the sequence number (`wait_gather_ll`). A naturally aligned 64-bit store is
 single-copy atomic, so a word that shows the number also shows its value; the producer needs no fence and no
 flag, and the consumer's poll is its gather. Per exchange that removes the fence's round trip to L2 and the flag's,
-at twice the bytes per tile; and a consumer can take one tile of an exchange before the other is staged
-(`wait2_ll` polls tiles of two exchanges at once). XB is then int64 and zeroed (no word carries a sequence number, which start at 1). A
+at twice the bytes per tile. XB is then int64 and zeroed (no word carries a sequence number, which start at 1). A
 slot is safe to overwrite for the same reason as above: a role stages exchange s only after it has read every
 role's words of s - 1, which those roles staged only after reading s - 3.
 """
@@ -134,46 +133,39 @@ def _ll_value(words):
 
 
 @triton.jit
-def load_ll(XB, stream, seq, which: tl.constexpr, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
-    """The words of tile `which` of exchange `seq` of roles 0 and SPLIT - 1 (SPLIT 1 or 2), as they are now: issued
-    early, their round trip overlaps work; `wait_ll` checks them and polls again only if they were not all there."""
-    return (_ll_words(XB, stream, 0, seq, which, M, D, SPLIT),
-            _ll_words(XB, stream, SPLIT - 1, seq, which, M, D, SPLIT))
+def _ll_ready(a0, b0, a1, b1, seq, need0, need1):
+    """1 once every word of the tiles asked for carries `seq` (both roles' words; one block-wide reduction over
+    every element at once)."""
+    ok = ((_ll_carry(a0, seq) & _ll_carry(b0, seq)) | (need0 == 0)) & \
+        ((_ll_carry(a1, seq) & _ll_carry(b1, seq)) | (need1 == 0))
+    return tl.min(ok.to(tl.int32))
 
 
 @triton.jit
-def _ll_ready(a, b, seq, need):
-    """1 once every word of both roles carries `seq`, or where not `need` (one block-wide reduction over every
-    element at once)."""
-    return tl.min(((_ll_carry(a, seq) & _ll_carry(b, seq)) | (need == 0)).to(tl.int32))
-
-
-@triton.jit
-def wait_ll(a, b, XB, stream, seq, which: tl.constexpr, need, M: tl.constexpr, D: tl.constexpr,
-            SPLIT: tl.constexpr):
-    """`wait_all` and `gather` of one tile in the LL protocol, from its words `load_ll` loaded: poll until every
-    word carries `seq` (not at all where not `need`), then the [M, D] sum over roles. The loop carries only the
-    words (Triton 3.6's layout pass fails on a while loop that also carries their check)."""
-    while _ll_ready(a, b, seq, need) == 0:
-        a = _ll_words(XB, stream, 0, seq, which, M, D, SPLIT)
-        b = _ll_words(XB, stream, SPLIT - 1, seq, which, M, D, SPLIT)
-    if SPLIT == 1:
-        return _ll_value(a)
+def wait_gather_ll(XB, stream, seq, need0, need1, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                   TILE1: tl.constexpr):
+    """`wait_all` and `gather` in the LL protocol, for SPLIT 1 or 2: poll every role's words of tile 0 (and of tile
+    1 where TILE1) of exchange `seq` until each tile asked for (`need0`, `need1`) carries `seq` in every word, in
+    one loop, so once the words are there both tiles cost one round trip to L2 together. Returns the two [M, D]
+    sums over roles (tile 0 again where not TILE1; a tile not asked for holds whatever its slot held). The loop
+    carries only the words (Triton 3.6's layout pass fails on a while loop that also carries their check)."""
+    a0 = _ll_words(XB, stream, 0, seq, 0, M, D, SPLIT)
+    b0 = _ll_words(XB, stream, SPLIT - 1, seq, 0, M, D, SPLIT)
+    if TILE1:
+        a1 = _ll_words(XB, stream, 0, seq, 1, M, D, SPLIT)
+        b1 = _ll_words(XB, stream, SPLIT - 1, seq, 1, M, D, SPLIT)
     else:
-        return _ll_value(a) + _ll_value(b)
-
-
-@triton.jit
-def wait2_ll(a0, b0, seq0, which0: tl.constexpr, need0, a1, b1, seq1, which1: tl.constexpr, need1, XB, stream,
-             M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
-    """`wait_ll` of two tiles at once (each of its own exchange), from the words `load_ll` loaded: one poll, one
-    block-wide reduction, so once both are there they cost one round trip together. Returns both sums."""
-    while tl.min((((_ll_carry(a0, seq0) & _ll_carry(b0, seq0)) | (need0 == 0))
-                  & ((_ll_carry(a1, seq1) & _ll_carry(b1, seq1)) | (need1 == 0))).to(tl.int32)) == 0:
-        a0 = _ll_words(XB, stream, 0, seq0, which0, M, D, SPLIT)
-        b0 = _ll_words(XB, stream, SPLIT - 1, seq0, which0, M, D, SPLIT)
-        a1 = _ll_words(XB, stream, 0, seq1, which1, M, D, SPLIT)
-        b1 = _ll_words(XB, stream, SPLIT - 1, seq1, which1, M, D, SPLIT)
+        a1 = a0
+        b1 = b0
+    while _ll_ready(a0, b0, a1, b1, seq, need0, need1) == 0:
+        a0 = _ll_words(XB, stream, 0, seq, 0, M, D, SPLIT)
+        b0 = _ll_words(XB, stream, SPLIT - 1, seq, 0, M, D, SPLIT)
+        if TILE1:
+            a1 = _ll_words(XB, stream, 0, seq, 1, M, D, SPLIT)
+            b1 = _ll_words(XB, stream, SPLIT - 1, seq, 1, M, D, SPLIT)
+        else:
+            a1 = a0
+            b1 = b0
     if SPLIT == 1:
         return _ll_value(a0), _ll_value(a1)
     else:

@@ -36,8 +36,8 @@ from tttvideo.ttt.triton_common import (
     DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting,
     ln_l2_fwd, ln_stats, new_output, op, output_for, warp_cap,
 )
-from tttvideo.ttt.triton_exchange import (exchange_buffers, gather, load_ll, raise_flag, stage, stage_ll, take_ticket,
-                                          wait2_ll, wait_all, wait_ll)
+from tttvideo.ttt.triton_exchange import (exchange_buffers, gather, raise_flag, stage, stage_ll, take_ticket, wait_all,
+                                          wait_gather_ll)
 
 # the last compiled kernel of each launcher (its n_regs / n_spills are read by the benchmark)
 LAUNCHED: dict = {}
@@ -168,22 +168,16 @@ def _mlp_fwd_kernel(
             if OUTPUT:
                 if PREFETCH:  # used after the update, so its load is off the chain
                     q = tl.load(Q + off)
-                # the Q rows of the output this step writes, off the chain too: mini-batch ib - 1 (none at i = 0),
-                # with the LL exchange ib - 2 (none at i < 2), whose partials were staged a whole step ago
-                out_off, mine = _out_rows(tok, ib - 1 - LL, role, M, D, SPLIT, LL)
-                mine = mine & (i > LL)
+                # the Q rows of the output this step writes (mini-batch ib - 1; none at i = 0), off the chain too
+                out_off, mine = _out_rows(tok, ib - 1, role, M, D, SPLIT, LL)
+                mine = mine & (i > 0)
                 q_out = tl.load(Q + out_off, mask=mine, other=0.0)
             v = tl.load(V + off)
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
             if PREFETCH:  # K of the next mini-batch is loaded one step ahead, off the chain
                 k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
-            if LL:  # the Z2 tile of this exchange, and the output tile of the one before (no wait on this one's)
-                z2a, z2b = load_ll(XB, stream, seq, 0, M, D, SPLIT)
-                if OUTPUT:
-                    zqa, zqb = load_ll(XB, stream, seq - 1, 1, M, D, SPLIT)
-                    z2p, zq = wait2_ll(z2a, z2b, seq, 0, 1, zqa, zqb, seq - 1, 1, i > 1, XB, stream, M, D, SPLIT)
-                else:
-                    z2p = wait_ll(z2a, z2b, XB, stream, seq, 0, 1, M, D, SPLIT)
+            if LL:
+                z2p, zq = wait_gather_ll(XB, stream, seq, 1, i > 0, M, D, SPLIT, OUTPUT)
             else:
                 wait_all(SYNC, stream, role, seq, SPLIT)
                 z2p = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT)
@@ -220,19 +214,11 @@ def _mlp_fwd_kernel(
                 _stage(XB, stream, role, seq, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT, LL)
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
-    if OUTPUT:  # exchange seq carries only the output of the last mini-batch (LL: seq - 1 that of the one before)
-        if LL:
-            out_off, mine = _out_rows(tok, I0 + NMB - 2, role, M, D, SPLIT, LL)
-            mine = mine & (NMB > 1)
-            q_out = tl.load(Q + out_off, mask=mine, other=0.0)
-            zqa, zqb = load_ll(XB, stream, seq - 1, 1, M, D, SPLIT)
-            zq = wait_ll(zqa, zqb, XB, stream, seq - 1, 1, NMB > 1, M, D, SPLIT)
-            _write_out(OUT, out_off, q_out, zq, mine, nw, nb, D, EPS)
+    if OUTPUT:  # exchange seq carries only the output of the last mini-batch
         out_off, mine = _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT, LL)
         q_out = tl.load(Q + out_off, mask=mine, other=0.0)
         if LL:
-            zqa, zqb = load_ll(XB, stream, seq, 1, M, D, SPLIT)
-            zq = wait_ll(zqa, zqb, XB, stream, seq, 1, 1, M, D, SPLIT)
+            _z, zq = wait_gather_ll(XB, stream, seq, 0, 1, M, D, SPLIT, True)
         else:
             raise_flag(SYNC, stream, role, seq, SPLIT)
             wait_all(SYNC, stream, role, seq, SPLIT)
