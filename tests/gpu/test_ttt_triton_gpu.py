@@ -74,32 +74,6 @@ if pytest is not None:
         assert err <= TOL, f"TTT-MLP sampling launch, B={B}: relative error {err} over {TOL}"
         assert triton_mlp.LAUNCHED["fwd"].metadata.num_warps == 4
 
-    @pytest.mark.parametrize("shape", ["sampling", "training", "split 2, 64"])
-    def test_mlp_ll_exchange_equals_flag_exchange(shape, monkeypatch):
-        # the roles' LL exchange (sequence-numbered words, triton_exchange) hands over the same partial sums as the
-        # flag exchange: the forward's output and checkpoints and the backward (whose recompute takes it too) bit
-        # for bit, at the sampling launch (2 roles at 4 warps, 96 streams), the training forward (48 streams) and a
-        # forced split of 2 at mini-batch 64 without saves
-        from tttvideo.ttt import triton_mlp
-        from tttvideo.ttt.testing import make_inputs
-
-        B, m, save, tune = {"sampling": (2, 16, False, {}), "training": (1, 64, True, {}),
-                            "split 2, 64": (2, 64, False, {"split": 2})}[shape]
-        L = m * (1128 if m == 16 else 282)
-        ins = [t.detach() for t in make_inputs("mlp", B, 48, L, 64, m, seed=2)]
-        runs = {}
-        for protocol in ("flag", "ll"):
-            out, ck = triton_mlp.mlp_forward(*ins, m, 16, save, exchange=protocol, **tune)
-            runs[protocol] = [out, *(ck or ())]
-            if save:
-                monkeypatch.setenv("TTT_MLP_EXCHANGE", protocol)
-                dout = torch.randn(out.shape, device=out.device, generator=torch.Generator("cuda").manual_seed(3))
-                runs[protocol] += [g for g in triton_mlp.mlp_backward(dout.to(out.dtype), *ins[:6], ck, m, 16)
-                                   if g is not None]
-        torch.cuda.synchronize()
-        for i, (a, b) in enumerate(zip(runs["flag"], runs["ll"])):
-            assert torch.equal(a, b), f"{shape}: tensor {i} differs (largest difference {(a - b).abs().max()})"
-
     def test_mlp_past_32_bit_addressing_equals_per_sample_calls(monkeypatch):
         # B = 2 at 63 s: q/k/v hold more than 2^31 elements, so ops runs the call per sample; each sample run alone
         # (under the limit) must give the same output, bit for bit, and so must the whole batch as one launch

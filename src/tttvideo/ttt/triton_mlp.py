@@ -36,8 +36,7 @@ from tttvideo.ttt.triton_common import (
     DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting,
     ln_l2_fwd, ln_stats, new_output, op, output_for, warp_cap,
 )
-from tttvideo.ttt.triton_exchange import (exchange_buffers, gather, raise_flag, stage, stage_ll, take_ticket, wait_all,
-                                          wait_gather_ll)
+from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, stage, take_ticket, wait_all
 
 # the last compiled kernel of each launcher (its n_regs / n_spills are read by the benchmark)
 LAUNCHED: dict = {}
@@ -78,37 +77,21 @@ def _out_partial(q, w1t, b1, w2, b2, role, DOT: tl.constexpr):
 
 
 @triton.jit
-def _out_rows(tok, ib, role, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, ALL: tl.constexpr):
-    """(offsets, mask) of the output rows of mini-batch ib that this role writes, [role * M / SPLIT, ...): those rows
-    alone, or with ALL every row of the mini-batch and a mask of this role's (the LL exchange hands over whole
-    tiles)."""
+def _out_rows(tok, ib, role, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """Offsets of the output rows [role * M / SPLIT, ...) of mini-batch ib that this role writes."""
     MS: tl.constexpr = M // SPLIT
-    if ALL:
-        r = tl.arange(0, M)
-        off = tok + ib * (M * D) + r[:, None] * D + tl.arange(0, D)[None, :]
-        return off, (r[:, None] // MS == role) & (off >= 0)
-    else:
-        off = tok + ib * (M * D) + (role * MS + tl.arange(0, MS))[:, None] * D + tl.arange(0, D)[None, :]
-        return off, off >= 0
+    return tok + ib * (M * D) + (role * MS + tl.arange(0, MS))[:, None] * D + tl.arange(0, D)[None, :]
 
 
 @triton.jit
-def _write_out(OUT, off, q, zq, write, nw, nb, D: tl.constexpr, EPS: tl.constexpr):
-    """Output rows `off` (`_out_rows`) from their summed pre-LN partials `zq` (tile 1 of the exchange) and their Q
-    rows `q`, loaded before the wait (off the chain). The mask `write` (nothing at the first step) stands in for a
-    branch around the whole: no branch parts the loads of this tile from those of the step's Z2 tile, so both share
-    one round trip to L2."""
-    xq, _r = ln_stats(zq, D, EPS)
-    tl.store(OUT + off, (q.to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty), mask=write)
-
-
-@triton.jit
-def _stage(XB, stream, role, seq, which: tl.constexpr, x, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-           LL: tl.constexpr):
-    if LL:
-        stage_ll(XB, stream, role, seq, which, x, M, D, SPLIT)
-    else:
-        stage(XB, stream, role, seq, which, x, M, D, SPLIT)
+def _write_out(OUT, XB, stream, seq, role, off, q, write,
+               nw, nb, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, EPS: tl.constexpr):
+    """Output rows `off` (`_out_rows`) from the summed partials (tile 1) of exchange seq and their Q rows `q`, loaded
+    before the wait (off the chain). `write` masks the store instead of branching around the whole: no branch
+    parts the loads of this tile from those of the step's Z2 tile, so both share one round trip to L2."""
+    MS: tl.constexpr = M // SPLIT
+    xq, _r = ln_stats(gather(XB, stream, seq, 1, role * MS, MS, M, D, SPLIT), D, EPS)
+    tl.store(OUT + off, (q.to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty), mask=(off >= 0) & write)
 
 
 @triton.jit
@@ -119,7 +102,6 @@ def _mlp_fwd_kernel(
     H, L, I0, NMB,
     D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     EPS: tl.constexpr, SAVE: tl.constexpr, OUTPUT: tl.constexpr, SAVE_ACT: tl.constexpr, PREFETCH: tl.constexpr = 1,
-    LL: tl.constexpr = 0,
 ):
     """NMB mini-batches from I0, per (stream, role).
 
@@ -157,35 +139,26 @@ def _mlp_fwd_kernel(
     z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
     x2t, gpt = _activation(z1t, XS, GPS, GPPS, stream * (NSLOT - 1) * (E * M) + zrows, SAVE_ACT, DOT)
     seq = 1
-    _stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT, LL)
-    MS: tl.constexpr = M // SPLIT
+    stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
     for i0 in range(0, NMB, GROUP):  # the checkpoint store sits between groups, not inside the step loop
         for i in range(i0, tl.minimum(i0 + GROUP, NMB)):
             ib = I0 + i
             off = tok + ib * (M * D) + tile
-            if not LL:
-                raise_flag(SYNC, stream, role, seq, SPLIT)
+            raise_flag(SYNC, stream, role, seq, SPLIT)
             if OUTPUT:
                 if PREFETCH:  # used after the update, so its load is off the chain
                     q = tl.load(Q + off)
                 # the Q rows of the output this step writes (mini-batch ib - 1; none at i = 0), off the chain too
-                out_off, mine = _out_rows(tok, ib - 1, role, M, D, SPLIT, LL)
-                mine = mine & (i > 0)
-                q_out = tl.load(Q + out_off, mask=mine, other=0.0)
+                out_off = _out_rows(tok, ib - 1, role, M, D, SPLIT)
+                q_out = tl.load(Q + out_off, mask=(out_off >= 0) & (i > 0), other=0.0)
             v = tl.load(V + off)
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
             if PREFETCH:  # K of the next mini-batch is loaded one step ahead, off the chain
                 k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
-            if LL:
-                z2p, zq = wait_gather_ll(XB, stream, seq, 1, i > 0, M, D, SPLIT, OUTPUT)
-            else:
-                wait_all(SYNC, stream, role, seq, SPLIT)
-                z2p = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT)
-                if OUTPUT:
-                    zq = gather(XB, stream, seq, 1, role * MS, MS, M, D, SPLIT)
-            z2 = z2p + b2[None, :]
+            wait_all(SYNC, stream, role, seq, SPLIT)
+            z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:
-                _write_out(OUT, out_off, q_out, zq, mine, nw, nb, D, EPS)
+                _write_out(OUT, XB, stream, seq, role, out_off, q_out, i > 0, nw, nb, M, D, SPLIT, EPS)
             if SAVE_ACT:
                 tl.store(Z2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, z2, mask=(tile >= 0) & (role == 0))
             lg, _xh, _rs, _y, _gh, _a, _c = ln_l2_fwd(z2, v.to(tl.float32) - k.to(tl.float32), nw, nb, D, EPS)
@@ -207,23 +180,19 @@ def _mlp_fwd_kernel(
                 z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
                 x2t, gpt = _activation(z1t, XS, GPS, GPPS, (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows,
                                        SAVE_ACT, DOT)
-                _stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT, LL)
+                stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
             if OUTPUT:  # this mini-batch's output partial, at the same new state: it rides on the same exchange
                 if not PREFETCH:
                     q = tl.load(Q + off)
-                _stage(XB, stream, role, seq, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT, LL)
+                stage(XB, stream, role, seq, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries only the output of the last mini-batch
-        out_off, mine = _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT, LL)
-        q_out = tl.load(Q + out_off, mask=mine, other=0.0)
-        if LL:
-            _z, zq = wait_gather_ll(XB, stream, seq, 0, 1, M, D, SPLIT, True)
-        else:
-            raise_flag(SYNC, stream, role, seq, SPLIT)
-            wait_all(SYNC, stream, role, seq, SPLIT)
-            zq = gather(XB, stream, seq, 1, role * MS, MS, M, D, SPLIT)
-        _write_out(OUT, out_off, q_out, zq, mine, nw, nb, D, EPS)
+        out_off = _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT)
+        q_out = tl.load(Q + out_off)
+        raise_flag(SYNC, stream, role, seq, SPLIT)
+        wait_all(SYNC, stream, role, seq, SPLIT)
+        _write_out(OUT, XB, stream, seq, role, out_off, q_out, True, nw, nb, M, D, SPLIT, EPS)
 
 
 def split_for(E: int, M: int, D: int) -> int:
@@ -259,36 +228,25 @@ def forward_shape(E: int, M: int, D: int, device: torch.device, save: bool) -> t
     return 2, min(4, warps_for(E, 2, M, D))
 
 
-def exchange_protocol() -> str:
-    """How the forward kernel's roles exchange partial sums (triton_exchange): "flag" (a release flag per role and
-    exchange), or "ll" (sequence-numbered words, no fence; TTT_MLP_EXCHANGE=ll) for measurements."""
-    name = os.environ.get("TTT_MLP_EXCHANGE", "flag")
-    if name not in ("flag", "ll"):
-        raise ValueError(f"TTT_MLP_EXCHANGE={name!r}: use flag or ll")
-    return name
-
-
 def _state_buffers(slots: int, D: int, E: int, device) -> tuple[torch.Tensor, ...]:
     """fp32 state slots: W1^T [E, D], b1 [E], W2 [E, D], b2 [D]."""
     return tuple(torch.empty(slots, *s, device=device, dtype=torch.float32) for s in ((E, D), (E,), (E, D), (D,)))
 
 
 def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots, nslot, group, acts, i0, nmb, M,
-                output, split, num_warps, key, prefetch=1, exchange=None):
+                output, split, num_warps, key, prefetch=1):
     """Launch the forward kernel over mini-batches [i0, i0 + nmb) of every stream.
 
     init: (W1, b1, W2, b2) with a leading index that is the head ([H, D, E], [H, E], [H, E, D], [H, D]: the layer's
     weights) or the stream (views of state slots, W1^T [S, E, D] when init_transposed). slots: state slot buffers
     to save into, nslot slots per stream (None: no saving); acts: the five activation buffers of a recompute
-    (triton_mlp_bwd) or None; out: None without output. exchange: the roles' protocol, "flag" or "ll"
-    (triton_exchange; None: `exchange_protocol()`)."""
+    (triton_mlp_bwd) or None; out: None without output."""
     B, H, L, D = q.shape
     E = init[1].shape[-1]
     w1, b1, w2, b2 = init
     sd, se = (w1.stride(2), w1.stride(1)) if init_transposed else (w1.stride(1), w1.stride(2))
     streams = B * H
-    ll = (exchange or exchange_protocol()) == "ll" and split <= 2  # the LL poll is written for one or two roles
-    sync, xb = exchange_buffers(streams, split, M, D, q.device, ll=ll)
+    sync, xb = exchange_buffers(streams, split, M, D, q.device)
     save = slots is not None
     dummy = q  # stands in for unused pointers (never dereferenced: their constexpr switch is off)
     LAUNCHED[key] = _mlp_fwd_kernel[(streams * split,)](
@@ -298,7 +256,7 @@ def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots,
         *(acts if acts is not None else (dummy,) * 5), xb, sync,
         H, L, i0, nmb,
         D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(q.dtype), EPS=LN_EPS, SAVE=save, OUTPUT=output,
-        SAVE_ACT=acts is not None, PREFETCH=prefetch, LL=int(ll), num_warps=num_warps, num_stages=1,
+        SAVE_ACT=acts is not None, PREFETCH=prefetch, num_warps=num_warps, num_stages=1,
     )
 
 
@@ -309,7 +267,7 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     q's shape and dtype to write the output into (None: a new one).
     `tune` overrides the launch shape for measurements: split (programs per stream), num_warps, prefetch (0: load K
     of a mini-batch in its own step instead of one step ahead, and Q right before its output product instead of at
-    the start of its step), exchange ("flag" or "ll": `exchange_protocol`)."""
+    the start of its step)."""
     check_device(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2)
     B, H, L, D = q.shape
     E = w1.shape[-1]
@@ -325,7 +283,7 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
     nslot = (n + group - 1) // group + 1
     ck = _state_buffers(B * H * nslot, D, E, q.device) if save else None
     _launch_fwd(q, k, v, eta, norm_w, norm_b, (w1, b1, w2, b2), False, out, ck, nslot, group, None, 0, n, M,
-                output, split, warps, "fwd", tune.get("prefetch", 1), tune.get("exchange"))
+                output, split, warps, "fwd", tune.get("prefetch", 1))
     return out, ck
 
 
