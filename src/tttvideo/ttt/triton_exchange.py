@@ -33,10 +33,12 @@ import triton.language as tl
 
 
 def exchange_buffers(streams: int, split: int, M: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """SYNC (zeroed) and XB for one launch of `streams` streams split over `split` roles, [M, D] tiles."""
+    """SYNC (zeroed) and XB for one launch of `streams` streams split over `split` roles, [M, D] tiles. A sampling
+    forward's first step reads an output tile no role wrote (its store is masked), so on the CPU (the interpreter,
+    where numpy warns about the garbage) XB is zeroed."""
     sync = torch.zeros(1 + streams * split, device=device, dtype=torch.int32)
-    xb = torch.empty(streams, split, 3, 2, M, D, device=device, dtype=torch.float32)
-    return sync, xb
+    new = torch.zeros if torch.device(device).type == "cpu" else torch.empty
+    return sync, new(streams, split, 3, 2, M, D, device=device, dtype=torch.float32)
 
 
 @triton.jit

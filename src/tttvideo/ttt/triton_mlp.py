@@ -84,14 +84,19 @@ def _out_rows(tok, ib, role, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constex
 
 
 @triton.jit
-def _write_out(OUT, XB, stream, seq, role, off, q, write,
-               nw, nb, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, EPS: tl.constexpr):
-    """Output rows `off` (`_out_rows`) from the summed partials (tile 1) of exchange seq and their Q rows `q`, loaded
-    before the wait (off the chain). `write` masks the store instead of branching around the whole: no branch
-    parts the loads of this tile from those of the step's Z2 tile, so both share one round trip to L2."""
+def _write_out(OUT, Q, XB, stream, seq, role, tok, ib, q, write, nw, nb, M: tl.constexpr, D: tl.constexpr,
+               SPLIT: tl.constexpr, EPS: tl.constexpr, LOAD_Q: tl.constexpr):
+    """This role's output rows of mini-batch ib (`_out_rows`) from the summed partials (tile 1) of exchange seq and
+    their Q rows: `q`, or with LOAD_Q loaded here, after the gather (the training forward, which branches around
+    the call: measured faster there). Sampling loads `q` before the wait and writes under the mask `write` instead
+    of a branch, so no branch parts this tile's loads from the Z2 tile's and both share one round trip to L2."""
     MS: tl.constexpr = M // SPLIT
     xq, _r = ln_stats(gather(XB, stream, seq, 1, role * MS, MS, M, D, SPLIT), D, EPS)
-    tl.store(OUT + off, (q.to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty), mask=(off >= 0) & write)
+    off = _out_rows(tok, ib, role, M, D, SPLIT)
+    if LOAD_Q:  # (the caller branched: no mask)
+        tl.store(OUT + off, (tl.load(Q + off).to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty))
+    else:
+        tl.store(OUT + off, (q.to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty), mask=(off >= 0) & write)
 
 
 @triton.jit
@@ -148,17 +153,23 @@ def _mlp_fwd_kernel(
             if OUTPUT:
                 if PREFETCH:  # used after the update, so its load is off the chain
                     q = tl.load(Q + off)
-                # the Q rows of the output this step writes (mini-batch ib - 1; none at i = 0), off the chain too
-                out_off = _out_rows(tok, ib - 1, role, M, D, SPLIT)
-                q_out = tl.load(Q + out_off, mask=(out_off >= 0) & (i > 0), other=0.0)
+                if not SAVE:  # the Q rows of the output this step writes (none at i = 0), off the chain too
+                    out_off = _out_rows(tok, ib - 1, role, M, D, SPLIT)
+                    q_out = tl.load(Q + out_off, mask=(out_off >= 0) & (i > 0), other=0.0)
             v = tl.load(V + off)
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
             if PREFETCH:  # K of the next mini-batch is loaded one step ahead, off the chain
                 k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
             wait_all(SYNC, stream, role, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
-            if OUTPUT:
-                _write_out(OUT, XB, stream, seq, role, out_off, q_out, i > 0, nw, nb, M, D, SPLIT, EPS)
+            if OUTPUT:  # the output of mini-batch ib - 1
+                if SAVE:  # the training forward: the write behind a branch measured 2.6 % faster (fewer spills)
+                    if i > 0:
+                        _write_out(OUT, Q, XB, stream, seq, role, tok, ib - 1, 0.0, True, nw, nb, M, D, SPLIT, EPS,
+                                   True)
+                else:  # sampling: masked, not branched, so its tile shares the Z2 tile's round trip (6 % faster)
+                    _write_out(OUT, Q, XB, stream, seq, role, tok, ib - 1, q_out, i > 0, nw, nb, M, D, SPLIT, EPS,
+                               False)
             if SAVE_ACT:
                 tl.store(Z2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, z2, mask=(tile >= 0) & (role == 0))
             lg, _xh, _rs, _y, _gh, _a, _c = ln_l2_fwd(z2, v.to(tl.float32) - k.to(tl.float32), nw, nb, D, EPS)
@@ -189,10 +200,15 @@ def _mlp_fwd_kernel(
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries only the output of the last mini-batch
         out_off = _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT)
-        q_out = tl.load(Q + out_off)
+        if not SAVE:
+            q_out = tl.load(Q + out_off)
         raise_flag(SYNC, stream, role, seq, SPLIT)
         wait_all(SYNC, stream, role, seq, SPLIT)
-        _write_out(OUT, XB, stream, seq, role, out_off, q_out, True, nw, nb, M, D, SPLIT, EPS)
+        if SAVE:
+            _write_out(OUT, Q, XB, stream, seq, role, tok, I0 + NMB - 1, 0.0, True, nw, nb, M, D, SPLIT, EPS, True)
+        else:
+            _write_out(OUT, Q, XB, stream, seq, role, tok, I0 + NMB - 1, q_out, True, nw, nb, M, D, SPLIT, EPS,
+                       False)
 
 
 def split_for(E: int, M: int, D: int) -> int:
