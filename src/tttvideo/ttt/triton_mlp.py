@@ -145,6 +145,9 @@ def _mlp_fwd_kernel(
     x2t, gpt = _activation(z1t, XS, GPS, GPPS, stream * (NSLOT - 1) * (E * M) + zrows, SAVE_ACT, DOT)
     seq = 1
     stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
+    # the output write: masked (no branch) in the sampling forward at mini-batch 16, a step 6 % faster there; behind a
+    # branch elsewhere, where the masked form spilled more and the training forward measured 2.6 % slower with it
+    BRANCHED_OUT: tl.constexpr = SAVE or M != 16
     for i0 in range(0, NMB, GROUP):  # the checkpoint store sits between groups, not inside the step loop
         for i in range(i0, tl.minimum(i0 + GROUP, NMB)):
             ib = I0 + i
@@ -153,7 +156,7 @@ def _mlp_fwd_kernel(
             if OUTPUT:
                 if PREFETCH:  # used after the update, so its load is off the chain
                     q = tl.load(Q + off)
-                if not SAVE:  # the Q rows of the output this step writes (none at i = 0), off the chain too
+                if not BRANCHED_OUT:  # the Q rows of the output this step writes (none at i = 0), off the chain
                     out_off = _out_rows(tok, ib - 1, role, M, D, SPLIT)
                     q_out = tl.load(Q + out_off, mask=(out_off >= 0) & (i > 0), other=0.0)
             v = tl.load(V + off)
@@ -163,11 +166,11 @@ def _mlp_fwd_kernel(
             wait_all(SYNC, stream, role, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:  # the output of mini-batch ib - 1
-                if SAVE:  # the training forward: the write behind a branch measured 2.6 % faster (fewer spills)
+                if BRANCHED_OUT:
                     if i > 0:
                         _write_out(OUT, Q, XB, stream, seq, role, tok, ib - 1, 0.0, True, nw, nb, M, D, SPLIT, EPS,
                                    True)
-                else:  # sampling: masked, not branched, so its tile shares the Z2 tile's round trip (6 % faster)
+                else:  # masked, not branched, so its tile shares the Z2 tile's round trip
                     _write_out(OUT, Q, XB, stream, seq, role, tok, ib - 1, q_out, i > 0, nw, nb, M, D, SPLIT, EPS,
                                False)
             if SAVE_ACT:
@@ -200,11 +203,11 @@ def _mlp_fwd_kernel(
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries only the output of the last mini-batch
         out_off = _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT)
-        if not SAVE:
+        if not BRANCHED_OUT:
             q_out = tl.load(Q + out_off)
         raise_flag(SYNC, stream, role, seq, SPLIT)
         wait_all(SYNC, stream, role, seq, SPLIT)
-        if SAVE:
+        if BRANCHED_OUT:
             _write_out(OUT, Q, XB, stream, seq, role, tok, I0 + NMB - 1, 0.0, True, nw, nb, M, D, SPLIT, EPS, True)
         else:
             _write_out(OUT, Q, XB, stream, seq, role, tok, I0 + NMB - 1, q_out, True, nw, nb, M, D, SPLIT, EPS,
