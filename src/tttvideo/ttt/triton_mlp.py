@@ -87,8 +87,8 @@ def _out_rows(tok, ib, role, M: tl.constexpr, D: tl.constexpr, SPLIT: tl.constex
 def _write_out(OUT, Q, XB, stream, seq, role, tok, ib, q, write, nw, nb, M: tl.constexpr, D: tl.constexpr,
                SPLIT: tl.constexpr, EPS: tl.constexpr, LOAD_Q: tl.constexpr):
     """This role's output rows of mini-batch ib (`_out_rows`) from the summed partials (tile 1) of exchange seq and
-    their Q rows: `q`, or with LOAD_Q loaded here, after the gather (the training forward, which branches around
-    the call: measured faster there). Sampling loads `q` before the wait and writes under the mask `write` instead
+    their Q rows: `q`, or with LOAD_Q loaded here, after the gather (the launches that branch around the call,
+    `BRANCHED_OUT`). Sampling at mini-batch 16 loads `q` before the wait and writes under the mask `write` instead
     of a branch, so no branch parts this tile's loads from the Z2 tile's and both share one round trip to L2."""
     MS: tl.constexpr = M // SPLIT
     xq, _r = ln_stats(gather(XB, stream, seq, 1, role * MS, MS, M, D, SPLIT), D, EPS)
