@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "window_merge", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "git_commit": git_commit(), "rows": rows}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         save_json(args.out, result)
     print(f"{'length':>6} {'tokens':>8} {'merge':24} {'forward ms':>11} {'fwd+bwd ms':>11} equal")
     for r in rows:
