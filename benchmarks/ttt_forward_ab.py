@@ -10,7 +10,9 @@ the sampling forward at mini-batch 16 without saves (2 roles at 4 warps: `triton
 step's 96 streams and one sample's 48, and the training forward at mini-batch 64 with checkpoints over 48 streams.
 Each round times every kernel once (CUDA events, the median of several runs, `ttt_kernel.bench`), the order reversed
 every other round; the table gives microseconds per mini-batch step (the serial unit of a chain), the medians over
-rounds, the ratio, and whether the present kernel's output (and checkpoints) equal the baseline's bit for bit.
+rounds, the ratio, whether the present kernel's output (and checkpoints) equal the baseline's bit for bit, and each
+output's relative error against the fp32 reference on the same inputs (`ttt_mlp_reference`), which shows what a
+change of the products' order costs where the two differ.
 On a CPU (TRITON_INTERPRET=1, a smoke run: `--length 64 --heads 2`) the times are wall-clock and mean nothing.
 """
 
@@ -54,6 +56,7 @@ def timed(fn, device: torch.device) -> float:
 
 
 def run_case(name: str, B: int, M: int, save: bool, kernels: dict, args, device) -> dict:
+    from tttvideo.ttt.reference import ttt_mlp_reference
     from tttvideo.ttt.testing import make_inputs
 
     L = args.length // M * M
@@ -62,6 +65,11 @@ def run_case(name: str, B: int, M: int, save: bool, kernels: dict, args, device)
     runs = {tag: (lambda mod=mod: mod.mlp_forward(*ins, M, 16, save, output=True)) for tag, mod in kernels.items()}
     base, present = runs["baseline"](), runs["present"]()
     equal = torch.equal(base[0], present[0]) and (not save or all(map(torch.equal, base[1], present[1])))
+    with torch.no_grad():  # where the two differ, which is nearer the fp32 reference
+        want = ttt_mlp_reference(*(t.float() for t in ins), mini_batch_size=M, checkpoint_group_size=16)
+    error = {tag: float((out[0].float() - want).norm() / want.norm()) for tag, out in (("baseline", base),
+                                                                                       ("present", present))}
+    del want
     times = {tag: [] for tag in runs}
     for r in range(args.rounds):
         for tag in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
@@ -69,7 +77,8 @@ def run_case(name: str, B: int, M: int, save: bool, kernels: dict, args, device)
     steps = L // M
     row = dict(case=name, streams=B * args.heads, mini_batch=M, save=save, tokens=L, equal=equal,
                **{f"{tag}_ms": [round(t, 4) for t in ts] for tag, ts in times.items()},
-               **{f"{tag}_us_step": 1e3 * statistics.median(ts) / steps for tag, ts in times.items()})
+               **{f"{tag}_us_step": 1e3 * statistics.median(ts) / steps for tag, ts in times.items()},
+               **{f"{tag}_error": e for tag, e in error.items()})
     for tag, mod in kernels.items():
         k = mod.LAUNCHED.get("fwd")
         if k is not None and hasattr(k, "n_regs"):
@@ -97,10 +106,11 @@ def main(argv=None) -> int:
         save_json(args.out, result)
     print(f"\n{name}, commit {result['git_commit'][:7]} against {result['baseline']}: us per mini-batch step, "
           f"median of {args.rounds} alternating rounds")
-    print(f"{'case':<30} {'baseline':>9} {'present':>9} {'ratio':>7}  bit-equal")
+    print(f"{'case':<30} {'baseline':>9} {'present':>9} {'ratio':>7}  bit-equal  error vs fp32 (base / present)")
     for r in rows:
         print(f"{r['case']:<30} {r['baseline_us_step']:>9.3f} {r['present_us_step']:>9.3f} "
-              f"{r['present_us_step'] / r['baseline_us_step']:>7.3f}  {r['equal']}")
+              f"{r['present_us_step'] / r['baseline_us_step']:>7.3f}  {str(r['equal']):<9}  "
+              f"{r['baseline_error']:.2e} / {r['present_error']:.2e}")
     return 0
 
 

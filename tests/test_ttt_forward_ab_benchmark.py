@@ -30,6 +30,7 @@ def test_forward_ab_smoke_in_interpreter(tmp_path):
                                                      "training forward, 48 streams"]
     assert all(r["equal"] for r in result["rows"])
     assert all(len(r["present_ms"]) == 2 and r["baseline_us_step"] > 0 for r in result["rows"])
+    assert all(r["present_error"] == r["baseline_error"] < 1e-4 for r in result["rows"])  # fp32 in the interpreter
     assert "bit-equal" in proc.stdout
 
 

@@ -44,6 +44,9 @@ M64_CASES = [
     ("mlp", 2, 1, 16, 64, 7, 2),  # four groups, the last of one mini-batch: every scratch set rotates
     ("mlp", 1, 2, 32, 64, 5, 2),  # three groups, the last partial; two heads
 ]
+# the forward without gradients (sampling): kind, B, H, D, mini-batch, mini-batches; at mini-batch 16 the kernel
+# takes its sampling form (no saves, the step in the dual form: triton_mlp._mlp_fwd_kernel's DUAL)
+SAMPLING_CASES = [("mlp", 2, 1, 16, 16, 5), ("mlp", 1, 2, 16, 16, 1), ("mlp", 1, 1, 32, 16, 3), ("mlp", 1, 1, 16, 64, 3)]
 # the 32-bit limit lowered to one sample's elements (B = 2, H = 2, L = 64, D = 16) or to one head's, and the schedule
 ONE_SAMPLE, ONE_HEAD = 2 * 64 * 16, 64 * 16
 SPLIT_CASES = [("mlp", ONE_SAMPLE, "concurrent"), ("mlp", ONE_HEAD, "concurrent"), ("mlp", ONE_SAMPLE, "serial"),
@@ -177,6 +180,16 @@ def _interpreter_main() -> None:
             errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
         results.append({"case": list(c), "errors": errors, "fault": fault,
                         "warps": {k: sorted(v) for k, v in warps.items()}})
+    for i, (kind, B, H, D, m, n) in enumerate(SAMPLING_CASES):
+        ins = [t.detach() for t in _inputs(kind, B, H, D, m, n, seed + 50 + i)]
+        try:
+            with torch.no_grad():
+                ref = ttt_mlp_reference(*ins, m, 0)
+                out = ops.ttt_mlp(*ins, mini_batch_size=m, checkpoint_group_size=0, backend="triton")
+            errors, fault = {"out": float((out - ref).norm() / ref.norm())}, None
+        except Exception as e:
+            errors, fault = {}, f"{type(e).__name__}: {e}"[:2000]
+        results.append({"case": [kind, B, H, D, m, n], "errors": errors, "fault": fault, "sampling": True})
     # a call past the kernels' 32-bit addressing runs as several calls (ops.by_head_groups): lower the limit so
     # that this two-sample, two-head case splits, by samples or by heads, or (TTT_KERNEL_GROUPS=serial) as before
     from tttvideo.ttt import triton_linear, triton_mlp
@@ -296,6 +309,17 @@ def test_mlp_minibatch_64_small_head_dim(interpreter_results, index):
     assert not too_many, f"case {case}: kernels launched with more than 4 warps at M=64, D={case[3]}: {too_many}"
 
 
+@pytest.mark.parametrize("index", range(len(SAMPLING_CASES)),
+                         ids=[f"B{c[1]}H{c[2]}D{c[3]}M{c[4]}n{c[5]}" for c in SAMPLING_CASES])
+def test_sampling_forward_matches_reference(interpreter_results, index):
+    # the forward without gradients: its own form of the step at mini-batch 16 (the dual form, no saves), the
+    # training form at 64; output NaN-poisoned, every access bounds-checked
+    seed, results = interpreter_results
+    res = next(r for r in results if r.get("sampling") and r["case"] == list(SAMPLING_CASES[index]))
+    assert res["fault"] is None, f"seed {seed}, case {res['case']}: {res['fault']}"
+    assert res["errors"]["out"] <= TOL, f"seed {seed}, case {res['case']}: relative error {res['errors']['out']}"
+
+
 @pytest.mark.parametrize("index", range(len(SPLIT_CASES)), ids=[f"{c[0]}-{c[2]}-{c[1]}" for c in SPLIT_CASES])
 def test_call_past_32_bit_addressing_runs_in_parts(interpreter_results, index):
     """A scan whose q/k/v pass the kernels' 2^31-element limit (B = 2 at 63 s) runs as one kernel call per part
@@ -305,7 +329,7 @@ def test_call_past_32_bit_addressing_runs_in_parts(interpreter_results, index):
     The output and every gradient are the reference's (relative error <= TOL)."""
     seed, results = interpreter_results
     kind, limit, schedule = SPLIT_CASES[index]
-    res = results[len(CASES) + len(M64_CASES) + index]
+    res = results[len(CASES) + len(M64_CASES) + len(SAMPLING_CASES) + index]
     assert res["fault"] is None, f"seed {seed}: {res['fault']}"
     bad = {k: v for k, v in res["errors"].items() if not v <= TOL}
     names = NAMES if kind == "mlp" else NAMES[:-2]
