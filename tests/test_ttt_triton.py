@@ -46,7 +46,8 @@ M64_CASES = [
 ]
 # the forward without gradients (sampling): kind, B, H, D, mini-batch, mini-batches; at mini-batch 16 the kernel
 # takes its sampling form (no saves, the step in the dual form: triton_mlp._mlp_fwd_kernel's DUAL)
-SAMPLING_CASES = [("mlp", 2, 1, 16, 16, 5), ("mlp", 1, 2, 16, 16, 1), ("mlp", 1, 1, 32, 16, 3), ("mlp", 1, 1, 16, 64, 3)]
+SAMPLING_CASES = [("mlp", 2, 1, 16, 16, 5), ("mlp", 1, 2, 16, 16, 1), ("mlp", 1, 1, 32, 16, 3),
+                  ("mlp", 1, 1, 16, 64, 3)]
 # the 32-bit limit lowered to one sample's elements (B = 2, H = 2, L = 64, D = 16) or to one head's, and the schedule
 ONE_SAMPLE, ONE_HEAD = 2 * 64 * 16, 64 * 16
 SPLIT_CASES = [("mlp", ONE_SAMPLE, "concurrent"), ("mlp", ONE_HEAD, "concurrent"), ("mlp", ONE_SAMPLE, "serial"),
