@@ -45,7 +45,7 @@ M64_CASES = [
     ("mlp", 1, 2, 32, 64, 5, 2),  # three groups, the last partial; two heads
 ]
 # the forward without gradients (sampling): kind, B, H, D, mini-batch, mini-batches; at mini-batch 16 the kernel
-# takes its sampling form (no saves, the step in the dual form: triton_mlp._mlp_fwd_kernel's DUAL)
+# takes its sampling form (no saves, the output write masked: triton_mlp._mlp_fwd_kernel's BRANCHED_OUT)
 SAMPLING_CASES = [("mlp", 2, 1, 16, 16, 5), ("mlp", 1, 2, 16, 16, 1), ("mlp", 1, 1, 32, 16, 3),
                   ("mlp", 1, 1, 16, 64, 3)]
 # the 32-bit limit lowered to one sample's elements (B = 2, H = 2, L = 64, D = 16) or to one head's, and the schedule
@@ -313,8 +313,8 @@ def test_mlp_minibatch_64_small_head_dim(interpreter_results, index):
 @pytest.mark.parametrize("index", range(len(SAMPLING_CASES)),
                          ids=[f"B{c[1]}H{c[2]}D{c[3]}M{c[4]}n{c[5]}" for c in SAMPLING_CASES])
 def test_sampling_forward_matches_reference(interpreter_results, index):
-    # the forward without gradients: its own form of the step at mini-batch 16 (the dual form, no saves), the
-    # training form at 64; output NaN-poisoned, every access bounds-checked
+    # the forward without gradients: its own form of the step at mini-batch 16 (no saves, the output write masked),
+    # the training form at 64; output NaN-poisoned, every access bounds-checked
     seed, results = interpreter_results
     res = next(r for r in results if r.get("sampling") and r["case"] == list(SAMPLING_CASES[index]))
     assert res["fault"] is None, f"seed {seed}, case {res['case']}: {res['fault']}"

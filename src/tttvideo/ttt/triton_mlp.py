@@ -71,13 +71,7 @@ def _activation(z1t, XS, GPS, GPPS, off, SAVE_ACT: tl.constexpr, DOT: tl.constex
 @triton.jit
 def _out_partial(q, w1t, b1, w2, b2, role, DOT: tl.constexpr):
     """This role's partial of the pre-LN output gelu(Q W1' + b1') W2' (+ b2' from role 0), at the current state."""
-    return _out_partial_from(dot(op(w1t, DOT), tl.trans(q), DOT) + b1[:, None], w2, b2, role, DOT)
-
-
-@triton.jit
-def _out_partial_from(zq1t, w2, b2, role, DOT: tl.constexpr):
-    """The same from (Q W1' + b1')^T."""
-    xq2t, _g = gelu_fwd(zq1t)
+    xq2t, _g = gelu_fwd(dot(op(w1t, DOT), tl.trans(q), DOT) + b1[:, None])
     zq2p = dot(tl.trans(op(xq2t, DOT)), op(w2, DOT), DOT)
     return tl.where(role == 0, zq2p + b2[None, :], zq2p)
 
@@ -103,22 +97,6 @@ def _write_out(OUT, Q, XB, stream, seq, role, tok, ib, q, write, nw, nb, M: tl.c
         tl.store(OUT + off, (tl.load(Q + off).to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty))
     else:
         tl.store(OUT + off, (q.to(tl.float32) + nw * xq + nb).to(OUT.dtype.element_ty), mask=(off >= 0) & write)
-
-
-@triton.jit
-def _next_z2(K, XS, GPS, GPPS, XB, k_next, off, w1t, b1, w2, stream, role, seq, i, zrows, NSLOT,
-             D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-             SAVE_ACT: tl.constexpr, PREFETCH: tl.constexpr):
-    """The partial Z2 of mini-batch i + 1 at the state after mini-batch i, staged on exchange `seq`; returns its K
-    and the activations the update of step i + 1 reads."""
-    if PREFETCH:
-        k = k_next
-    else:
-        k = tl.load(K + off + M * D)
-    z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
-    x2t, gpt = _activation(z1t, XS, GPS, GPPS, (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows, SAVE_ACT, DOT)
-    stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
-    return k, x2t, gpt
 
 
 @triton.jit
@@ -170,10 +148,6 @@ def _mlp_fwd_kernel(
     # the output write: masked (no branch) in the sampling forward at mini-batch 16, a step 6 % faster there; behind a
     # branch elsewhere, where the masked form spilled more and the training forward measured 2.6 % slower with it
     BRANCHED_OUT: tl.constexpr = SAVE or M != 16
-    JOINED_NEXT: tl.constexpr = not BRANCHED_OUT and PREFETCH and not SAVE_ACT
-    # the sampling step in the dual form: K_next W1' = K_next W1 - (K_next K^T) G1 (and so for Q), the products with
-    # the old state made while the exchange is in flight, so the update of W1 is off the chain after it
-    DUAL: tl.constexpr = JOINED_NEXT and OUTPUT
     for i0 in range(0, NMB, GROUP):  # the checkpoint store sits between groups, not inside the step loop
         for i in range(i0, tl.minimum(i0 + GROUP, NMB)):
             ib = I0 + i
@@ -189,14 +163,6 @@ def _mlp_fwd_kernel(
             eta = tl.load(ETA + stream * L + ib * M + rm).to(tl.float32)
             if PREFETCH:  # K of the next mini-batch is loaded one step ahead, off the chain
                 k_next = tl.load(K + off + M * D, mask=(tile >= 0) & (i + 1 < NMB), other=0.0)
-            else:
-                k_next = k  # unused: _next_z2 loads K itself
-            if DUAL:  # [EC, M] products with the present state and [M, M] overlaps of K, while the exchange runs
-                w1b = op(w1t, DOT)
-                p_next = dot(w1b, tl.trans(k_next), DOT)
-                p_q = dot(w1b, tl.trans(q), DOT)
-                a_next = op(dot(k, tl.trans(k_next), DOT), DOT)
-                a_q = op(dot(k, tl.trans(q), DOT), DOT)
             wait_all(SYNC, stream, role, seq, SPLIT)
             z2 = gather(XB, stream, seq, 0, 0, M, M, D, SPLIT) + b2[None, :]
             if OUTPUT:  # the output of mini-batch ib - 1
@@ -215,27 +181,21 @@ def _mlp_fwd_kernel(
                 tl.store(G2S + (stream * (NSLOT - 1) + i) * (M * D) + tile, g2, mask=(tile >= 0) & (role == 0))
             # the update of this role's rows (b2 is shared: every role computes the same)
             g1t = op(dot(op(w2, DOT), tl.trans(g2), DOT) * gpt.to(tl.float32), DOT)
-            if DUAL:
-                z1_next = dot_acc(-g1t, a_next, p_next, DOT)
-                zq1 = dot_acc(-g1t, a_q, p_q, DOT)
             w1t = dot_acc(-g1t, k, w1t, DOT)
             b1 = b1 - tl.sum(g1t.to(tl.float32), 1)
             w2 = dot_acc(-x2t, g2, w2, DOT)
             b2 = b2 - tl.sum(g2.to(tl.float32), 0)
             seq += 1
-            if DUAL:
-                k = k_next
-                x2t, gpt = _activation(z1_next + b1[:, None], XS, GPS, GPPS, 0, SAVE_ACT, DOT)
+            if i + 1 < NMB:  # the next mini-batch's partial Z2, at the new state
+                if PREFETCH:
+                    k = k_next
+                else:
+                    k = tl.load(K + off + M * D)
+                z1t = dot(op(w1t, DOT), tl.trans(k), DOT) + b1[:, None]
+                x2t, gpt = _activation(z1t, XS, GPS, GPPS, (stream * (NSLOT - 1) + i + 1) * (E * M) + zrows,
+                                       SAVE_ACT, DOT)
                 stage(XB, stream, role, seq, 0, dot(tl.trans(x2t), op(w2, DOT), DOT), M, D, SPLIT)
-                stage(XB, stream, role, seq, 1, _out_partial_from(zq1 + b1[:, None], w2, b2, role, DOT), M, D,
-                      SPLIT)
-            elif JOINED_NEXT:  # past the last mini-batch too, on K's zeros: no branch between the two partials
-                k, x2t, gpt = _next_z2(K, XS, GPS, GPPS, XB, k_next, off, w1t, b1, w2, stream, role, seq, i, zrows,
-                                       NSLOT, D, E, M, SPLIT, DOT, SAVE_ACT, PREFETCH)
-            elif i + 1 < NMB:
-                k, x2t, gpt = _next_z2(K, XS, GPS, GPPS, XB, k_next, off, w1t, b1, w2, stream, role, seq, i, zrows,
-                                       NSLOT, D, E, M, SPLIT, DOT, SAVE_ACT, PREFETCH)
-            if OUTPUT and not DUAL:  # this mini-batch's output partial, at the same new state: on the same exchange
+            if OUTPUT:  # this mini-batch's output partial, at the same new state: it rides on the same exchange
                 if not PREFETCH:
                     q = tl.load(Q + off)
                 stage(XB, stream, role, seq, 1, _out_partial(q, w1t, b1, w2, b2, role, DOT), M, D, SPLIT)
