@@ -321,11 +321,12 @@ class _Lanes:
         self.events = {}
         if self.cuda:
             if device not in self._streams:
-                self._streams[device] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=0))
-            self.serial, self.parallel = self._streams[device]
+                self._streams[device] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=0),
+                                         torch.cuda.Stream(device, priority=-1))
+            self.serial, self.parallel, self.recompute = self._streams[device]
             self.entry = torch.cuda.current_stream(device)
-            self.serial.wait_stream(self.entry)
-            self.parallel.wait_stream(self.entry)
+            for stream in (self.serial, self.parallel, self.recompute):
+                stream.wait_stream(self.entry)
 
     def run(self, lane, key, fn, after=()):
         missing = [a for a in after if a not in self.events]
@@ -336,7 +337,7 @@ class _Lanes:
             fn()
             self.events[key] = None
             return
-        stream = self.serial if lane == "serial" else self.parallel
+        stream = {"serial": self.serial, "parallel": self.parallel, "recompute": self.recompute}[lane]
         with torch.cuda.stream(stream):
             for a in after:
                 stream.wait_event(self.events[a])
@@ -346,8 +347,8 @@ class _Lanes:
 
     def join(self):
         if self.cuda:
-            self.entry.wait_stream(self.serial)
-            self.entry.wait_stream(self.parallel)
+            for stream in (self.serial, self.parallel, self.recompute):
+                self.entry.wait_stream(stream)
 
 
 def _backward_buffers(S, group, D, E, M, operand, device, sets):
@@ -408,7 +409,7 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     def recompute(g):  # reuses the set of group g + 3, last read by d K of g + 3
         i0, cnt = span(g)
         init = tuple(t[:, g] for t in views)
-        lanes.run("serial", ("rc", g), lambda: _launch_fwd(
+        lanes.run(tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "serial")), ("rc", g), lambda: _launch_fwd(
             q, k, v, eta, norm_w, norm_b, init, True, None, states[g % 3], group + 1, 1, acts[g % 3], i0, cnt, M,
             False, split, warps, "bwd_recompute", tune.get("prefetch", 1)), after=[("dk", g + 3)] if g + 3 < ng else [])
 
