@@ -307,10 +307,11 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
 
 
 class _Lanes:
-    """Two CUDA streams for the backward: the serial kernels (recompute, reverse) on a high-priority one and the
-    parallel kernels (output path, d K) on a low-priority one, where they fill the SMs the serial kernels leave
-    idle. `after` names the launches (keys) a launch must follow across lanes; each must have been issued already
-    (a key that was not is an error, not a dependency silently dropped: the caller names only launches that exist).
+    """CUDA streams for the backward: the serial reverse on a high-priority one, the group recompute on another
+    (high priority too: it runs one group ahead, beside the reverse), and the parallel kernels (output path, d K)
+    on a low-priority one, where they fill the SMs the serial kernels leave idle. `after` names the launches (keys)
+    a launch must follow across lanes; each must have been issued already (a key that was not is an error, not a
+    dependency silently dropped: the caller names only launches that exist).
     Without CUDA (the interpreter), or with `overlap` off (for measurements), everything runs inline on the current
     stream, in call order, and the keys are checked all the same."""
 
@@ -371,13 +372,15 @@ def _backward_buffers(S, group, D, E, M, operand, device, sets):
 def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkpoint_group_size, **tune):
     """Gradients of every input, groups in reverse. Per group g: recompute it from its checkpoint (states and
     activations), the output path of all its mini-batches in parallel, the serial reverse through its updates, then
-    d K of all its mini-batches in parallel. The serial kernels run one group ahead on one stream (recompute g - 1,
-    then reverse g) and the parallel ones on another, so the output path of g - 1 and d K of g overlap the reverse
-    of g; the group scratch rotates over three sets (recomputed states and activations) and two (the rest).
-    Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial kernels),
-    reverse_split, reverse_warps, out_warps (both parallel kernels; op_warps / dk_warps set one of them), overlap
-    (False: one stream), prefetch (the forward kernel's). The parallel kernels take 8 warps, 4 where
-    triton_common.warp_cap says 8 is miscompiled (the d K kernel read shared memory out of bounds at M = 64, D < 64).
+    d K of all its mini-batches in parallel. The recompute runs one group ahead on a stream of its own
+    (`recompute_lane`), the reverse on another, the parallel kernels on a third, so the recompute and the output
+    path of g - 1 and d K of g overlap the reverse of g; the group scratch rotates over three sets (recomputed
+    states and activations) and two (the rest). Slow-weight and norm gradients are summed over batch.
+    `tune`: split, num_warps (both serial kernels), reverse_split, reverse_warps, out_warps (both parallel kernels;
+    op_warps / dk_warps set one of them), overlap (False: one stream), prefetch (the forward kernel's),
+    recompute_lane ("serial": the recompute on the reverse's stream, in sequence with it, as TTT_RECOMPUTE_LANE=serial
+    sets; 1.5-2.4 % slower, docs/kernels.md). The parallel kernels take 8 warps, 4 where triton_common.warp_cap says
+    8 is miscompiled (the d K kernel read shared memory out of bounds at M = 64, D < 64).
     """
     from tttvideo.ttt import triton_mlp_bwd
 
@@ -402,6 +405,8 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     carried = tuple(torch.zeros(S, *t.shape[1:], device=dev, dtype=torch.float32) for t in states[0])
     views = tuple(t.view(S, ng + 1, *t.shape[1:]) for t in ck)
     lanes = _Lanes(dev, tune.get("overlap", True))
+    # the recompute of g - 1 needs no result of the reverse of g, so on a lane of its own it overlaps it
+    recompute_lane = tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "recompute"))
 
     def span(g):
         return g * group, min(group, n - g * group)
@@ -409,7 +414,7 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     def recompute(g):  # reuses the set of group g + 3, last read by d K of g + 3
         i0, cnt = span(g)
         init = tuple(t[:, g] for t in views)
-        lanes.run(tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "serial")), ("rc", g), lambda: _launch_fwd(
+        lanes.run(recompute_lane, ("rc", g), lambda: _launch_fwd(
             q, k, v, eta, norm_w, norm_b, init, True, None, states[g % 3], group + 1, 1, acts[g % 3], i0, cnt, M,
             False, split, warps, "bwd_recompute", tune.get("prefetch", 1)), after=[("dk", g + 3)] if g + 3 < ng else [])
 
