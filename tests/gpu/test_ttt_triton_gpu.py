@@ -116,9 +116,11 @@ if pytest is not None:
                 torch.cuda.synchronize()
                 assert torch.equal(parts, whole), schedule
 
-    def test_recompute_lane_changes_no_bit_of_the_gradients():
+    def test_recompute_lane_keeps_the_gradients():
         # the backward's recompute runs on a stream of its own (one group ahead of the reverse) by default: every
-        # gradient equals that of the recompute in sequence with the reverse on one stream, bit for bit, at full size
+        # gradient equals that of the recompute in sequence with the reverse on one stream, at full size, bit for
+        # bit but the LayerNorm weight's and bias's, which the kernels sum with fp32 atomics in whatever order their
+        # programs arrive (under either schedule)
         from tttvideo.ttt import triton_mlp
         from tttvideo.ttt.testing import make_inputs
 
@@ -129,8 +131,13 @@ if pytest is not None:
         grads = {lane: triton_mlp.mlp_backward(dout, *ins[:6], ck, m, group, recompute_lane=lane)
                  for lane in ("recompute", "serial")}
         torch.cuda.synchronize()
-        for i, (a, b) in enumerate(zip(grads["recompute"], grads["serial"])):
-            assert torch.equal(a, b), f"gradient {i} differs between the recompute lanes"
+        names = ["q", "k", "v", "eta", "norm_w", "norm_b", "W1", "b1", "W2", "b2"]
+        for name, a, b in zip(names, grads["recompute"], grads["serial"]):
+            if name in ("norm_w", "norm_b"):
+                err = float((a - b).norm() / b.norm())
+                assert err <= 1e-5, f"d {name}: relative difference {err} between the recompute lanes"
+            else:
+                assert torch.equal(a, b), f"d {name} differs between the recompute lanes"
 
 
 if __name__ == "__main__":
