@@ -117,7 +117,7 @@ if pytest is not None:
                 assert torch.equal(parts, whole), schedule
 
     def test_recompute_lane_keeps_the_gradients():
-        # the backward's recompute runs on a stream of its own (one group ahead of the reverse) by default: every
+        # the backward's recompute on a stream of its own (one group ahead of the reverse, recompute_lane): every
         # gradient equals that of the recompute in sequence with the reverse on one stream, at full size, bit for
         # bit but the LayerNorm weight's and bias's, which the kernels sum with fp32 atomics in whatever order their
         # programs arrive (under either schedule)

@@ -307,9 +307,9 @@ def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, c
 
 
 class _Lanes:
-    """CUDA streams for the backward: the serial reverse on a high-priority one, the group recompute on another
-    (high priority too: it runs one group ahead, beside the reverse), and the parallel kernels (output path, d K)
-    on a low-priority one, where they fill the SMs the serial kernels leave idle. `after` names the launches (keys)
+    """CUDA streams for the backward: the serial kernels (reverse, and the group recompute unless it takes a lane of
+    its own, high priority too) on a high-priority one, and the parallel kernels (output path, d K) on a
+    low-priority one, where they fill the SMs the serial kernels leave idle. `after` names the launches (keys)
     a launch must follow across lanes; each must have been issued already (a key that was not is an error, not a
     dependency silently dropped: the caller names only launches that exist).
     Without CUDA (the interpreter), or with `overlap` off (for measurements), everything runs inline on the current
@@ -372,14 +372,14 @@ def _backward_buffers(S, group, D, E, M, operand, device, sets):
 def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkpoint_group_size, **tune):
     """Gradients of every input, groups in reverse. Per group g: recompute it from its checkpoint (states and
     activations), the output path of all its mini-batches in parallel, the serial reverse through its updates, then
-    d K of all its mini-batches in parallel. The recompute runs one group ahead on a stream of its own
-    (`recompute_lane`), the reverse on another, the parallel kernels on a third, so the recompute and the output
-    path of g - 1 and d K of g overlap the reverse of g; the group scratch rotates over three sets (recomputed
-    states and activations) and two (the rest). Slow-weight and norm gradients are summed over batch.
-    `tune`: split, num_warps (both serial kernels), reverse_split, reverse_warps, out_warps (both parallel kernels;
-    op_warps / dk_warps set one of them), overlap (False: one stream), prefetch (the forward kernel's),
-    recompute_lane ("serial": the recompute on the reverse's stream, in sequence with it, as TTT_RECOMPUTE_LANE=serial
-    sets; 1.5-2.4 % slower, docs/kernels.md). The parallel kernels take 8 warps, 4 where triton_common.warp_cap says
+    d K of all its mini-batches in parallel. The serial kernels run one group ahead on one stream (recompute g - 1,
+    then reverse g) and the parallel ones on another, so the output path of g - 1 and d K of g overlap the reverse
+    of g; the group scratch rotates over three sets (recomputed states and activations) and two (the rest).
+    Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial kernels),
+    reverse_split, reverse_warps, out_warps (both parallel kernels; op_warps / dk_warps set one of them), overlap
+    (False: one stream), prefetch (the forward kernel's), recompute_lane ("recompute", or TTT_RECOMPUTE_LANE: the
+    recompute on a stream of its own, beside the reverse; measured 1.5-2.4 % faster, docs/kernels.md, and to be
+    the default once its GPU test has run). The parallel kernels take 8 warps, 4 where triton_common.warp_cap says
     8 is miscompiled (the d K kernel read shared memory out of bounds at M = 64, D < 64).
     """
     from tttvideo.ttt import triton_mlp_bwd
@@ -405,8 +405,10 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     carried = tuple(torch.zeros(S, *t.shape[1:], device=dev, dtype=torch.float32) for t in states[0])
     views = tuple(t.view(S, ng + 1, *t.shape[1:]) for t in ck)
     lanes = _Lanes(dev, tune.get("overlap", True))
-    # the recompute of g - 1 needs no result of the reverse of g, so on a lane of its own it overlaps it
-    recompute_lane = tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "recompute"))
+    # the recompute of g - 1 needs no result of the reverse of g, so on a lane of its own it can overlap it
+    recompute_lane = tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "serial"))
+    if recompute_lane not in ("serial", "recompute"):
+        raise ValueError(f"TTT_RECOMPUTE_LANE / recompute_lane = {recompute_lane!r}: 'serial' or 'recompute'")
 
     def span(g):
         return g * group, min(group, n - g * group)
