@@ -202,9 +202,8 @@ def _mlp_fwd_kernel(
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries only the output of the last mini-batch
-        out_off = _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT)
         if not BRANCHED_OUT:
-            q_out = tl.load(Q + out_off)
+            q_out = tl.load(Q + _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT))
         raise_flag(SYNC, stream, role, seq, SPLIT)
         wait_all(SYNC, stream, role, seq, SPLIT)
         if BRANCHED_OUT:
@@ -316,17 +315,19 @@ class _Lanes:
     stream, in call order, and the keys are checked all the same."""
 
     _streams: dict = {}
+    PRIORITY = {"serial": -1, "parallel": 0, "recompute": -1}
 
-    def __init__(self, device, overlap=True):
+    def __init__(self, device, overlap=True, lanes=("serial", "parallel")):
         self.cuda = device.type == "cuda" and overlap
         self.events = {}
         if self.cuda:
-            if device not in self._streams:
-                self._streams[device] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=0),
-                                         torch.cuda.Stream(device, priority=-1))
-            self.serial, self.parallel, self.recompute = self._streams[device]
+            # one stream per (device, lane) for the process; a launch joins only the lanes it uses
+            for lane in lanes:
+                if (device, lane) not in self._streams:
+                    self._streams[device, lane] = torch.cuda.Stream(device, priority=self.PRIORITY[lane])
+            self.streams = {lane: self._streams[device, lane] for lane in lanes}
             self.entry = torch.cuda.current_stream(device)
-            for stream in (self.serial, self.parallel, self.recompute):
+            for stream in self.streams.values():
                 stream.wait_stream(self.entry)
 
     def run(self, lane, key, fn, after=()):
@@ -338,7 +339,7 @@ class _Lanes:
             fn()
             self.events[key] = None
             return
-        stream = {"serial": self.serial, "parallel": self.parallel, "recompute": self.recompute}[lane]
+        stream = self.streams[lane]
         with torch.cuda.stream(stream):
             for a in after:
                 stream.wait_event(self.events[a])
@@ -348,7 +349,7 @@ class _Lanes:
 
     def join(self):
         if self.cuda:
-            for stream in (self.serial, self.parallel, self.recompute):
+            for stream in self.streams.values():
                 self.entry.wait_stream(stream)
 
 
@@ -404,11 +405,11 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
                                                    dict(states=min(3, ng), outs=min(2, ng)))
     carried = tuple(torch.zeros(S, *t.shape[1:], device=dev, dtype=torch.float32) for t in states[0])
     views = tuple(t.view(S, ng + 1, *t.shape[1:]) for t in ck)
-    lanes = _Lanes(dev, tune.get("overlap", True))
     # the recompute of g - 1 needs no result of the reverse of g, so on a lane of its own it can overlap it
     recompute_lane = tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "serial"))
     if recompute_lane not in ("serial", "recompute"):
         raise ValueError(f"TTT_RECOMPUTE_LANE / recompute_lane = {recompute_lane!r}: 'serial' or 'recompute'")
+    lanes = _Lanes(dev, tune.get("overlap", True), ("serial", "parallel", recompute_lane))
 
     def span(g):
         return g * group, min(group, n - g * group)
