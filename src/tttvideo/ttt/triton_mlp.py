@@ -378,9 +378,9 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     of g; the group scratch rotates over three sets (recomputed states and activations) and two (the rest).
     Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial kernels),
     reverse_split, reverse_warps, out_warps (both parallel kernels; op_warps / dk_warps set one of them), overlap
-    (False: one stream), prefetch (the forward kernel's), recompute_lane ("recompute", or TTT_RECOMPUTE_LANE: the
-    recompute on a stream of its own, beside the reverse; measured 1.5-2.4 % faster, docs/kernels.md, and to be
-    the default once its GPU test has run). The parallel kernels take 8 warps, 4 where triton_common.warp_cap says
+    (False: one stream), prefetch (the forward kernel's), recompute_lane (or TTT_RECOMPUTE_LANE): "recompute", the
+    default, runs the group recompute on a stream of its own beside the reverse (1.5-2.4 % faster, docs/kernels.md);
+    "serial" runs it on the reverse's stream. The parallel kernels take 8 warps, 4 where triton_common.warp_cap says
     8 is miscompiled (the d K kernel read shared memory out of bounds at M = 64, D < 64).
     """
     from tttvideo.ttt import triton_mlp_bwd
@@ -406,7 +406,7 @@ def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkp
     carried = tuple(torch.zeros(S, *t.shape[1:], device=dev, dtype=torch.float32) for t in states[0])
     views = tuple(t.view(S, ng + 1, *t.shape[1:]) for t in ck)
     # the recompute of g - 1 needs no result of the reverse of g, so on a lane of its own it can overlap it
-    recompute_lane = tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "serial"))
+    recompute_lane = tune.get("recompute_lane", os.environ.get("TTT_RECOMPUTE_LANE", "recompute"))
     if recompute_lane not in ("serial", "recompute"):
         raise ValueError(f"TTT_RECOMPUTE_LANE / recompute_lane = {recompute_lane!r}: 'serial' or 'recompute'")
     lanes = _Lanes(dev, tune.get("overlap", True), ("serial", "parallel", recompute_lane))
