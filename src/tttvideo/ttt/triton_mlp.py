@@ -56,10 +56,10 @@ def _activation(z1t, XS, GPS, GPPS, off, SAVE_ACT: tl.constexpr, DOT: tl.constex
     """X2^T = gelu(Z1^T) and gelu'(Z1^T) in the operand dtype. A recompute (SAVE_ACT) also stores them and gelu''
     for the backward, which then needs no GELU of its own."""
     if SAVE_ACT:
-        x2t, gpt, gppt = gelu_fwd2(z1t)
+        x2t, gpt, gppt = gelu_fwd2(z1t, DOT)
         tl.store(GPPS + off, op(gppt, DOT))
     else:
-        x2t, gpt = gelu_fwd(z1t)
+        x2t, gpt = gelu_fwd(z1t, DOT)
     x2t = op(x2t, DOT)
     gpt = op(gpt, DOT)
     if SAVE_ACT:
@@ -71,7 +71,7 @@ def _activation(z1t, XS, GPS, GPPS, off, SAVE_ACT: tl.constexpr, DOT: tl.constex
 @triton.jit
 def _out_partial(q, w1t, b1, w2, b2, role, DOT: tl.constexpr):
     """This role's partial of the pre-LN output gelu(Q W1' + b1') W2' (+ b2' from role 0), at the current state."""
-    xq2t, _g = gelu_fwd(dot(op(w1t, DOT), tl.trans(q), DOT) + b1[:, None])
+    xq2t, _g = gelu_fwd(dot(op(w1t, DOT), tl.trans(q), DOT) + b1[:, None], DOT)
     zq2p = dot(tl.trans(op(xq2t, DOT)), op(w2, DOT), DOT)
     return tl.where(role == 0, zq2p + b2[None, :], zq2p)
 

@@ -79,7 +79,7 @@ def _output_path_kernel(
     gqs = ()
     for c in tl.static_range(NC):
         xq2t, gpqt = gelu_fwd(dot(_ld(n1 + c * EC * D, EC, D), tl.trans(q), DOT)
-                              + tl.load(nb1 + c * EC + rc)[:, None])
+                              + tl.load(nb1 + c * EC + rc)[:, None], DOT)
         xq2t = op(xq2t, DOT)
         _st(XQ + g * (E * M) + c * EC * M, xq2t, EC, M)
         gqs = gqs + (gpqt,)
