@@ -3,10 +3,10 @@ special-function unit, `tanh_approx`) against the same functions in fp64 PyTorch
 derivative (autograd). The exact form (DOT_IEEE, the interpreter's) is checked the same way beside it, and on the
 CPU by every interpreter test of the kernels.
 
-Bounds: the fast form's error is that of tanh.approx.f32 (relative 2^-11 of tanh, PTX ISA), times z for the value
-and the slope; each bound is set beside the bf16 rounding of the same values (2^-9 relative), which the kernels
-apply next, over the z the scans meet (|z| <= 4: the hidden pre-activations of a unit-norm key through weights
-initialised at 0.02, and far beyond).
+Bounds, over z in [-4, 4] (the hidden pre-activations of a unit-norm key through weights initialised at 0.02 stay
+far inside): measured on an H100 (commit 5700979) the fast form is within 5.5e-6 (value), 1.6e-5 (slope) and 5.7e-5
+(second derivative) of fp64, the exact form within 4.9e-7, 1.5e-6 and 5.0e-6; the bounds below leave about 3x. The
+bf16 rounding the kernels apply next is 2e-3 to 8e-3 on the same values, and the fast form must stay under it.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ if pytest is not None:
 
     def test_fast_form_within_bf16_rounding():
         errs = gelu_errors(2)
+        assert errs["value"] <= 2e-5 and errs["slope"] <= 5e-5 and errs["second"] <= 2e-4, errs
         for name in ("value", "slope", "second"):
             assert errs[name] <= errs[name + "_bf16_rounding"], (name, errs)
 
