@@ -175,8 +175,10 @@ def _gelu_tanh_parts(z):
 @triton.jit
 def gelu_fwd(z, DOT: tl.constexpr = 0):
     """gelu_tanh(z) and its derivative. With DOT_BF16 operands (both are rounded to bf16 next, or feed products
-    of such) through `tanh_approx`: its error, about 5e-4 of the tanh, is below that rounding (2^-9), and the step
-    of the scan it sits on runs fewer instructions."""
+    of such) through `tanh_approx`, so the scan's step runs fewer instructions: measured on an H100 within 5.5e-6
+    (value) and 1.6e-5 (slope) of fp64 over [-4, 4], far below that rounding (2e-3 to 8e-3 there;
+    tests/gpu/test_gelu_fast_gpu.py, which checks it on the GPU at hand: PTX guarantees only a relative 2^-11 for
+    the tanh, not enough for that by itself)."""
     if DOT == 2:
         t, h, hsp = _gelu_tanh_parts(z)
         return z * h, h + z * (1.0 - t * t) * hsp

@@ -373,9 +373,10 @@ def _backward_buffers(S, group, D, E, M, operand, device, sets):
 def mlp_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, checkpoint_group_size, **tune):
     """Gradients of every input, groups in reverse. Per group g: recompute it from its checkpoint (states and
     activations), the output path of all its mini-batches in parallel, the serial reverse through its updates, then
-    d K of all its mini-batches in parallel. The serial kernels run one group ahead on one stream (recompute g - 1,
-    then reverse g) and the parallel ones on another, so the output path of g - 1 and d K of g overlap the reverse
-    of g; the group scratch rotates over three sets (recomputed states and activations) and two (the rest).
+    d K of all its mini-batches in parallel. The recompute runs one group ahead on a stream of its own (recompute
+    g - 1 beside reverse g; `recompute_lane`) and the parallel kernels on a third, so the recompute and output path
+    of g - 1 and d K of g overlap the reverse of g; the group scratch rotates over three sets (recomputed states and
+    activations) and two (the rest).
     Slow-weight and norm gradients are summed over batch. `tune`: split, num_warps (both serial kernels),
     reverse_split, reverse_warps, out_warps (both parallel kernels; op_warps / dk_warps set one of them), overlap
     (False: one stream), prefetch (the forward kernel's), recompute_lane (or TTT_RECOMPUTE_LANE): "recompute", the
