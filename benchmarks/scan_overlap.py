@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -35,8 +34,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ttt_kernel import git_commit, write_json  # noqa: E402 - this script's folder: ttt_kernel.py
+from tttvideo.memory.profile.profiler import git_commit
+from tttvideo.results import save_json
 
 D, M = 64, 16
 
@@ -166,7 +165,7 @@ def main(argv=None) -> int:
               "mini_batch": M, "tokens": args.tokens, "window": args.window, "rounds": args.rounds,
               "command": " ".join(sys.argv), "rows": rows}
     if args.out:
-        write_json(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out), result)
+        save_json(args.out, result)
     print(f"\n{result['device']}, commit {result['git_commit']}: scan (mini-batch {M}, {args.length} tokens) beside "
           f"background work, medians of {args.rounds}")
     print(f"{'streams':>7} {'background':<24} {'reps':>4} {'scan ms':>8} {'beside':>8} {'bg ms':>8} {'beside':>8} "
