@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -164,12 +165,16 @@ def time_sdpa(L=18048):
     return dict(kind="sdpa", L=L, fwd_ms=ms_f, fwdbwd_ms=ms_fb)
 
 
+# one machine instruction in cuobjdump -sass output: "/*0a40*/  FFMA R3, R4, R5, R6 ;"
+SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", re.MULTILINE)
+
 # the backward's scratch buffers held in the operand dtype (triton_mlp_bwd's docstring)
 OPERAND_BUFFERS = ("GK1", "DZ1", "XS", "GPS", "GPPS", "G2S", "DQ1", "XQ", "S1", "DQ2")
 
 
 def compile_only():
-    """Compile every kernel for sm_80, sm_89 and sm_90 (no GPU needed) and report ptxas's resource use."""
+    """Compile every kernel for sm_80, sm_89 and sm_90 (no GPU needed) and report ptxas's resource use and the
+    number of machine (SASS) instructions: the scan's step is a serial chain, so its instruction count matters."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -184,9 +189,13 @@ def compile_only():
     split = triton_mlp.split_for(256, 64, 64)  # TTT_MLP_SPLIT overrides it, as at run time
     warps = triton_mlp.warps_for(256, split)
     mlp = dict(D=64, E=256, M=64, DOT=DOT_BF16, EPS=LN_EPS)
+    # the sampling forward at mini-batch 16, in its GPU launch shape (a torch.device needs no GPU to exist)
+    sample_split, sample_warps = triton_mlp.forward_shape(256, 16, 64, torch.device("cuda"), False)
     kernels = [
         ("mlp_fwd", triton_mlp._mlp_fwd_kernel, warps,
          dict(mlp, SPLIT=split, SAVE=True, OUTPUT=True, SAVE_ACT=False, PREFETCH=1)),
+        ("mlp_fwd_sample", triton_mlp._mlp_fwd_kernel, sample_warps,
+         dict(mlp, M=16, SPLIT=sample_split, SAVE=False, OUTPUT=True, SAVE_ACT=False, PREFETCH=1)),
         ("mlp_bwd_recompute", triton_mlp._mlp_fwd_kernel, warps,
          dict(mlp, SPLIT=split, SAVE=True, OUTPUT=False, SAVE_ACT=True, PREFETCH=1)),
         ("mlp_bwd_output", triton_mlp_bwd._output_path_kernel, 8, dict(mlp, NC=triton_mlp_bwd.chunks_for(256, 8))),
@@ -224,12 +233,13 @@ def compile_only():
             with open(path, "wb") as f:
                 f.write(k.asm["cubin"])
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+            sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
             line = next((ln.strip() for ln in usage.splitlines() if "REG:" in ln), "")
             fields = dict(p.split(":") for p in line.split() if ":" in p)
             mma = "wgmma" if "wgmma" in k.asm["ptx"] else "mma.sync" if "mma.sync" in k.asm["ptx"] else "none"
             row = dict(sm=cc, kernel=name, warps=warps, regs=int(fields.get("REG", -1)),
                        stack_bytes=int(fields.get("STACK", -1)), shared_bytes=k.metadata.shared, mma=mma,
-                       compile_s=round(time.time() - t0, 1))
+                       sass_instructions=len(SASS_LINE.findall(sass)), compile_s=round(time.time() - t0, 1))
             print(row, flush=True)
             rows.append(row)
     return rows
