@@ -267,7 +267,7 @@ def main():
     H = args.heads
     import triton
 
-    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or git_commit(), heads=H,
+    meta = dict(torch=torch.__version__, triton=triton.__version__, git_commit=args.commit or git_commit(), heads=H,
                 split_override=os.environ.get("TTT_MLP_SPLIT"))
     if args.compile_only:
         res = dict(meta, mode="compile-only", rows=compile_only())
@@ -316,7 +316,7 @@ def write_json(out: str, name: str, res: dict) -> None:
 
 def _table(res):
     sdpa = next(r for r in res["rows"] if r["kind"] == "sdpa")
-    print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  commit {res['commit'][:10]}")
+    print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  commit {res['git_commit'][:10]}")
     print(f"SDPA flash attention, 18,048 tokens, 48 x 64: fwd {sdpa['fwd_ms']:.2f} ms, "
           f"fwd+bwd {sdpa['fwdbwd_ms']:.2f} ms")
     print(f"{'kind':7} {'L':>8} {'fwd ms':>9} {'TFLOP/s':>8} {'infer ms':>9} {'fwd+bwd ms':>11} {'model TF/s':>10} "
