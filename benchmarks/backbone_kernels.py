@@ -183,7 +183,7 @@ def forward_profiles(duration: int, overrides: list[str]) -> list[dict[str, Any]
     rows.append({"piece": "training step", "name": "ours, TTT off", "overrides": overrides,
                  "by_kind_ms": kernel_time_by_kind(our_step)})
     spec = model.spec
-    del model
+    model = None  # frees it (our_step's closure shares this name)
     torch.cuda.empty_cache()
     theirs = diffusers_yardstick.build(spec, torch.bfloat16, device, "qkvo").eval()
     kwargs = diffusers_yardstick.inputs(theirs, batch["latents"], batch["text"])
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += forward_profiles(args.duration, args.overrides)
     print_table(rows)
     if args.out:
-        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": args.commit,
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "git_commit": args.commit,
                   "python": platform.python_version(), "duration_s": args.duration, "tokens": tokens, "rows": rows}
         save_json(args.out, result)
     return 0

@@ -78,7 +78,7 @@ def main():
         from ttt_kernel import git_commit, write_json
     from tttvideo.ttt.testing import TOLERANCE
 
-    meta = dict(torch=torch.__version__, triton=triton.__version__, commit=args.commit or git_commit(),
+    meta = dict(torch=torch.__version__, triton=triton.__version__, git_commit=args.commit or git_commit(),
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)")
     rows = []
     for kind in args.kinds:
@@ -94,7 +94,7 @@ def main():
 
 
 def table(res):
-    print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  commit {res['commit'][:10]}")
+    print(f"\n{res['device']}  torch {res['torch']}  triton {res['triton']}  commit {res['git_commit'][:10]}")
     print("largest relative error over the output and every gradient, per draw; against the fp32 reference")
     print(f"{'kind':7} {'regime':14} {'draws':>5} {'kernel median':>13} {'kernel worst':>12} {'> tol':>5} "
           f"{'bf16-ref worst':>14} {'> tol':>5} {'W+2^-9 worst':>12} {'> tol':>5}")

@@ -120,7 +120,8 @@ def time_scan(kind, L, group=16, module=None, **tune):
     if "fwdbwd_ms" in row:
         row["fwdbwd_model_tflops"] = 3 * flop / row["fwdbwd_ms"] / 1e9
     row.update({k: str(v) for k, v in tune.items()})
-    del ins, x
+    del ins
+    x.clear()  # the closures above hold the list; emptying it frees the inputs
     torch.cuda.empty_cache()
     return row
 

@@ -332,7 +332,7 @@ def environment() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             commit = ""
     return dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                torch=torch.__version__, triton=triton.__version__, commit=commit or None,
+                torch=torch.__version__, triton=triton.__version__, git_commit=commit or None,
                 date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
 
 
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
         selected = [c for c in cases(tuple(args.kinds)) if all(s in c.id for s in args.filter)]
     env = environment()
     print(f"{len(selected)} cases on {env['device']} (torch {env['torch']}, triton {env['triton']}, "
-          f"commit {env['commit']})", flush=True)
+          f"commit {env['git_commit']})", flush=True)
     run = fuzz(selected, args.jobs, args.case_timeout, args.memcheck, args.seed, budget_s=args.budget)
     counts = tally(selected, run["results"])
     bad = {k: v for k, v in run["results"].items() if v["status"] != "pass"}
