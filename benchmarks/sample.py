@@ -30,9 +30,7 @@ import argparse
 import json
 import os
 import platform
-import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -66,13 +64,13 @@ class ModuleTimer:
         return time.perf_counter()
 
     def _hook(self, kind: str, module) -> None:
-        starts = defaultdict(list)  # per thread: the two passes at once run the same modules from two threads
+        starts = []
 
         def pre(mod, args):
-            starts[threading.get_ident()].append(self._stamp())
+            starts.append(self._stamp())
 
         def post(mod, args, out):
-            self.pending[kind].append((starts[threading.get_ident()].pop(), self._stamp()))
+            self.pending[kind].append((starts.pop(), self._stamp()))
 
         self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
@@ -126,24 +124,9 @@ def allocator_counts(device) -> dict[str, int]:
     return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
-def timed_steps(predict, x, device, repeats: int, timer: "ModuleTimer") -> tuple[list[float], list[dict]]:
-    """Wall-clock seconds and module times of `repeats` guided steps."""
-    totals, parts = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        predict(x, 999, 4.0)
-        sync(device)
-        totals.append(time.perf_counter() - t0)
-        parts.append(timer.collect())
-    return totals, parts
-
-
 @torch.no_grad()
-def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batched: bool | None,
-            concurrent: bool = False) -> dict:
-    """Time one guided step (mean of `repeats` after one warm-up), optionally over the first `blocks` blocks.
-    `concurrent` (with `batched` False): the two passes at once on two CUDA streams, whose blocks overlap, so the
-    blocks not run are extrapolated from the wall clock over `blocks` and over twice as many."""
+def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batched: bool | None) -> dict:
+    """Time one guided step (mean of `repeats` after one warm-up), optionally over the first `blocks` blocks."""
     x, text, uncond = step_inputs(model.spec, layout, device, dtype, seed=0)
     n_layers = len(model.blocks)
     saved_units = model.block_units
@@ -154,20 +137,21 @@ def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batc
     result = None
     try:
         for mode in modes:
-            predict = GuidedPrediction(model, layout, text, uncond, batched=mode, fall_back_on_oom=False,
-                                       concurrent=concurrent and not mode)
             try:
-                for _ in range(2 if predict.pair is not None else 1):  # warm-up: kernels, autotuning, allocator
-                    predict(x, 999, 4.0)  # (the concurrent pair's first call runs the passes in turn)
+                guided_step(model, layout, x, text, uncond, mode)  # warm-up: kernels, autotuning, allocator
                 sync(device)
                 timer.collect()
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 before = allocator_counts(device)
-                totals, parts = timed_steps(predict, x, device, repeats, timer)
-                cfg = "batch 2" if mode else "two passes at once" if predict.pair is not None else \
-                    "two passes of batch 1"
-                result = {"cfg": cfg, "measured_s": sum(totals) / repeats}
+                totals, parts = [], []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    guided_step(model, layout, x, text, uncond, mode)
+                    sync(device)
+                    totals.append(time.perf_counter() - t0)
+                    parts.append(timer.collect())
+                result = {"cfg": "batch 2" if mode else "two passes of batch 1", "measured_s": sum(totals) / repeats}
                 for key in ("attention", "ttt", "block"):
                     result[f"{key}_measured_s"] = sum(p[key] for p in parts) / repeats
                 if device.type == "cuda":
@@ -175,23 +159,11 @@ def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batc
                     result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
                     after = allocator_counts(device)
                     result["allocator_per_step"] = {k: (after[k] - before[k]) / repeats for k in after}
-                if predict.pair is not None and k < n_layers:
-                    k2 = min(2 * k, n_layers)
-                    model.block_units = [(i, i + 1, False) for i in range(k2)]
-                    predict(x, 999, 4.0)
-                    sync(device)
-                    timer.collect()
-                    more, _ = timed_steps(predict, x, device, repeats, timer)
-                    result["wall_per_block_s"] = (sum(more) / repeats - result["measured_s"]) / (k2 - k)
-                    result["measured_blocks_2"] = {"blocks": k2, "measured_s": sum(more) / repeats}
-                    model.block_units = [(i, i + 1, False) for i in range(k)]
                 break
             except torch.cuda.OutOfMemoryError:
                 result = {"cfg": "batch 2" if mode else "two passes of batch 1", "oom": True}
                 timer.collect()
                 torch.cuda.empty_cache()
-            finally:
-                predict.close()
         if result is None or result.get("oom"):
             return result or {"oom": True}
         # extrapolate to the full depth: the blocks not run cost what the timed ones did on average
@@ -199,15 +171,12 @@ def measure(model, layout, device, dtype, blocks: int | None, repeats: int, batc
         per_block = {key: result[f"{key}_measured_s"] / k for key in ("attention", "ttt", "block")}
         result["blocks_timed"] = k
         result["blocks_total"] = n_layers
-        # blocks not run cost the mean of the timed blocks (CUDA events around each block; with the passes at once,
-        # the wall clock's growth per block); embeddings, head and the guidance arithmetic were measured as they are
-        result["step_s"] = result["measured_s"] + missing * result.get("wall_per_block_s", per_block["block"])
+        # blocks not run cost the mean of the timed blocks (CUDA events around each block); embeddings, head and
+        # the guidance arithmetic were measured as they are
+        result["step_s"] = result["measured_s"] + missing * per_block["block"]
         result["attention_s"] = per_block["attention"] * n_layers
         result["ttt_s"] = per_block["ttt"] * n_layers
         result["rest_s"] = result["step_s"] - result["attention_s"] - result["ttt_s"]
-        if "wall_per_block_s" in result:
-            result["note"] = ("the passes at once: attention_s and ttt_s add both passes' module times, which overlap "
-                              "each other, so rest_s is not the time outside them")
         return result
     finally:
         timer.close()
@@ -288,8 +257,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=720)
     ap.add_argument("--text-tokens", type=int, default=0, help="0 = the original's per-duration length")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    ap.add_argument("--cfg", default="auto", choices=("auto", "batch2", "two-pass", "concurrent"),
-                    help="auto: batch 2, two passes where it does not fit; concurrent: two passes at once")
+    ap.add_argument("--cfg", default="auto", choices=("auto", "batch2", "two-pass"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (ttt.*, ...)")
     ap.add_argument("--out", default="benchmarks/results/sample.json")
@@ -319,17 +287,16 @@ class Report:
         save_json(self.path, self.data)
 
 
-def measure_duration(model, layout: VideoLayout, args, device, dtype, use_ttt: bool, batched: bool | None,
-                     concurrent: bool = False) -> dict:
+def measure_duration(model, layout: VideoLayout, args, device, dtype, use_ttt: bool, batched: bool | None) -> dict:
     """One (duration, TTT on/off) measurement; at --full-until also the extrapolation check."""
     full = layout.duration_s <= args.full_until
     blocks = None if full else args.timed_blocks
     saved = None if use_ttt else detach_ttt(model)
     try:
-        r = measure(model, layout, device, dtype, blocks, args.repeats, batched, concurrent)
+        r = measure(model, layout, device, dtype, blocks, args.repeats, batched)
         if full and layout.duration_s == args.full_until:
             # how far the k-block extrapolation used at longer durations is from the full measurement
-            part = measure(model, layout, device, dtype, args.timed_blocks, args.repeats, batched, concurrent)
+            part = measure(model, layout, device, dtype, args.timed_blocks, args.repeats, batched)
             if "step_s" in part and "step_s" in r:
                 r["extrapolation_check"] = {"blocks": args.timed_blocks, "estimated_step_s": part["step_s"],
                                             "error_pct": 100 * (part["step_s"] / r["step_s"] - 1)}
@@ -364,8 +331,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = benchmark_config(args)
-    batched = {"auto": None, "batch2": True, "two-pass": False, "concurrent": False}[args.cfg]
-    concurrent = args.cfg == "concurrent"
+    batched = {"auto": None, "batch2": True, "two-pass": False}[args.cfg]
     report = Report(Path(args.out), {
         "benchmark": "sample: one guided denoising step (cond + uncond) at batch 1", "env": environment(device),
         "preset": args.preset, "dtype": args.dtype,
@@ -394,7 +360,7 @@ def main(argv=None) -> int:
                 r = {"duration_s": layout.duration_s, "use_ttt": use_ttt, "tokens": layout.total_tokens,
                      "skipped": f"time budget of {args.budget_s:.0f} s spent"}
             else:
-                r = measure_duration(model, layout, args, device, dtype, use_ttt, batched, concurrent)
+                r = measure_duration(model, layout, args, device, dtype, use_ttt, batched)
                 print(json.dumps(r), flush=True)
             data["runs"].append(r)
             report.save()

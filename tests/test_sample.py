@@ -247,9 +247,6 @@ def test_t5_too_many_tokens_and_wrong_width(tmp_path, checkpoint, capsys):
         ([{"text": "word " * 30}], [], "has 30 tokens in its text"),
         (None, [], "does not exist"),
         ([RED], ["--checkpoint", "/"], "is neither a model file"),
-        ([RED], ["--set", "sample.cfg_concurrent=true"], "which sample.cfg_batched = true rule(s) out"),
-        ([RED], ["--set", "sample.cfg_concurrent=true", "--set", "sample.cfg_batched=false", "--set",
-                 "sample.offload_blocks=true"], "which sample.offload_blocks = true rule(s) out"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, checkpoint, capsys, scenes, extra, words):

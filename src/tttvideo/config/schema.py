@@ -300,10 +300,6 @@ class SampleConfig:
                                                           "last-step weights"})
     cfg_batched: bool = field(default=True, metadata={"help": "conditional and unconditional in one batch of 2 "
                                                               "(faster) instead of two passes (less memory)"})
-    cfg_concurrent: bool = field(default=False, metadata={"help": (
-        "with cfg_batched = false on CUDA: the two passes at once, each on a CUDA stream of its own, so that one "
-        "pass's TTT scans run beside the other's matrix work (the memory of batch 2; not with offload_blocks or "
-        "memory.chunked_inference, which run one pass at a time)")})
     device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
     dtype: SampleDtype = choice("auto", *get_args(SampleDtype), help=(
         "dtype the transformer samples in (no autocast): 'auto' is bf16 on a GPU where model.dtype is fp32 (a run's "

@@ -1,12 +1,10 @@
 """One classifier-free-guided prediction of the transformer, and the solver loop built on it.
 
 The guided prediction is v_u + s (v_c - v_u) on the model's output: CogVideoX's CFG on the v-prediction, and Wan's on
-the flow velocity. The solver is `sample.solver` on the backbone's schedule (`sample.solvers.make_solver`).
-Conditional and unconditional predictions go through ONE forward at batch 2 (`sample.cfg_batched`) or two forwards
-at batch 1 (half the activations), one after the other or, with `sample.cfg_concurrent` on CUDA, at once on two
-CUDA streams (`sample.concurrent`: one pass's TTT scans beside the other's matrix work, the memory of batch 2). When
-the batch-2 forward or the concurrent passes run out of GPU memory the prediction falls back to one pass at a time,
-says so once, and stays there for the rest of the video. At guidance 1 the unconditional pass is skipped. Under torchrun
+the flow velocity. The solver is `sample.solver` on the backbone's schedule (`sample.solvers.make_solver`). Conditional and unconditional
+predictions go through ONE forward at batch 2 (`sample.cfg_batched`, the fastest) or two forwards at batch 1 (half
+the activations). When the batch-2 forward runs out of GPU memory the prediction falls back to two passes, says so
+once, and stays there for the rest of the video. At guidance 1 the unconditional pass is skipped. Under torchrun
 the forward takes the rank's sequence-parallel group (`sp`), and with a `GuidanceSplit` each rank of a pair runs one
 of the two passes and the pair exchanges them (`tttvideo.sample.distributed`). `tttv sample`,
 `tttv profile --phase sample` and benchmarks/sample.py all run this step.
@@ -22,7 +20,6 @@ import torch
 from tttvideo.config.schema import SampleConfig
 from tttvideo.layout import VideoLayout
 from tttvideo.models.backbone import backbone_of
-from tttvideo.sample.concurrent import PassPair
 from tttvideo.sample.solvers import GuidanceSchedule, guide, make_solver
 
 if TYPE_CHECKING:
@@ -33,29 +30,22 @@ log = logging.getLogger(__name__)
 
 
 class GuidedPrediction:
-    """`step(x, t, scale)` -> the guided prediction (float32, v or flow velocity) of latents x [1, T, C, h, w] at
-    timestep t.
+    """`step(x, t, scale)` -> the guided prediction (float32, v or flow velocity) of latents x [1, T, C, h, w] at timestep t.
 
     cond / uncond: text features [1, segments, tokens, dim] on the model's device and dtype. With
-    `fall_back_on_oom=False` an out-of-memory error of the batch-2 or concurrent forwards propagates (benchmarks
-    record it).
+    `fall_back_on_oom=False` an out-of-memory error of the batch-2 forward propagates (benchmarks record it).
     `sp`: the sequence-parallel group every forward runs over; `split`: this rank runs only its half of the
-    guidance (one pass at batch 1, whatever `batched` says) and gets the other from its partner. `concurrent`: with
-    `batched` off, one process and CUDA, the two passes at once on two CUDA streams (`PassPair`)."""
+    guidance (one pass at batch 1, whatever `batched` says) and gets the other from its partner."""
 
     def __init__(self, model: torch.nn.Module, layout: VideoLayout, cond: torch.Tensor, uncond: torch.Tensor,
                  batched: bool = True, fall_back_on_oom: bool = True, sp: SequenceParallel | None = None,
-                 split: GuidanceSplit | None = None, concurrent: bool = False):
+                 split: GuidanceSplit | None = None):
         self.model, self.layout = model, layout
         self.cond, self.uncond = cond, uncond
         self.sp, self.split = sp, split
         self.batched = batched and split is None
         self.both = torch.cat([uncond, cond]) if self.batched else None
         self.fall_back_on_oom = fall_back_on_oom
-        device = next(model.parameters()).device
-        # two threads' collectives over one sequence-parallel group would interleave in no fixed order
-        self.pair = (PassPair(device) if concurrent and not self.batched and sp is None and split is None
-                     and device.type == "cuda" else None)
 
     def _predict(self, x: torch.Tensor, text: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
         if self.sp is None:  # the one-process call, unchanged (stand-in models in tests take no `sp`)
@@ -76,27 +66,8 @@ class GuidedPrediction:
                 if not self.fall_back_on_oom:
                     raise
                 self._fall_back(x.device)
-        if self.pair is not None:
-            try:
-                v_u, v_c = self.pair.run(lambda: self._predict(x, self.uncond, t),
-                                         lambda: self._predict(x, self.cond, t))
-                return guide(v_u, v_c, scale)
-            except torch.OutOfMemoryError:
-                if not self.fall_back_on_oom:
-                    raise
-                self.pair.close()
-                self.pair = None
-                torch.cuda.empty_cache()
-                log.warning("the two guidance passes at once ran out of memory; continuing with one pass at a time "
-                            "(set sample.cfg_concurrent = false to start that way)")
         v_u = self._predict(x, self.uncond, t)
         return guide(v_u, self._predict(x, self.cond, t), scale)
-
-    def close(self) -> None:
-        """Stop the concurrent passes' worker thread (a later call runs the passes one after the other)."""
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
 
     def _fall_back(self, device: torch.device) -> None:
         # batch 2 does not fit (CogVideoX-5B + TTT at 63 s on 80 GB): the same guidance in two passes, which halves
@@ -129,15 +100,12 @@ def denoise(model: torch.nn.Module, layout: VideoLayout, cond: torch.Tensor, unc
     dtype = next(model.parameters()).dtype
     predict = GuidedPrediction(model, layout, cond[None].to(device=device, dtype=dtype),
                                uncond[None].to(device=device, dtype=dtype), batched=sample_cfg.cfg_batched, sp=sp,
-                               split=split, concurrent=sample_cfg.cfg_concurrent)
+                               split=split)
     last = len(solver.timesteps) - 1
-    try:
-        for i, t in enumerate(solver.timesteps):
-            v = predict(x, t, scales[i])
-            noise = torch.randn(shape, generator=gen, dtype=torch.float32) if solver.stochastic and i < last else None
-            x = solver.step(i, x, v, noise)
-            if on_step is not None:
-                on_step(i, len(solver.timesteps))
-    finally:
-        predict.close()
+    for i, t in enumerate(solver.timesteps):
+        v = predict(x, t, scales[i])
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32) if solver.stochastic and i < last else None
+        x = solver.step(i, x, v, noise)
+        if on_step is not None:
+            on_step(i, len(solver.timesteps))
     return x.cpu()

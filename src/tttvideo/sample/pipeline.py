@@ -72,20 +72,6 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def check_concurrent_passes(cfg: Config) -> None:
-    """sample.cfg_concurrent runs the two guidance passes of batch 1 at once: with the settings that run one pass,
-    or one block, at a time it would do nothing or defeat them, so they are refused in one sentence."""
-    if not cfg.sample.cfg_concurrent:
-        return
-    clash = [k for k, on in (("sample.cfg_batched", cfg.sample.cfg_batched),
-                             ("sample.offload_blocks", cfg.sample.offload_blocks),
-                             ("memory.chunked_inference", cfg.memory.chunked_inference)) if on]
-    if clash:
-        raise UserError(f"sample.cfg_concurrent = true runs the two guidance passes of batch 1 at once, which "
-                        f"{' and '.join(clash)} = true rule(s) out; set sample.cfg_concurrent = false, or set "
-                        f"{' and '.join(clash)} = false")
-
-
 # ---------------------------------------------------------------------------------------------------------- phases
 def story_layouts(cfg: Config, stories: list[Story], duration: str | int | None = None) -> list[VideoLayout]:
     """Each story's layout, with the sampling TTT mini-batch: its duration is its scene count's (checked against
@@ -283,7 +269,6 @@ def _sample_share(cfg: Config, stories: list[Story], out: str | Path, checkpoint
     if not (cfg.sample.write_video or cfg.sample.save_latents):
         raise UserError("sample.write_video = false and sample.save_latents = false would keep nothing of the "
                         "sampled videos: set sample.save_latents = true (latents only) or sample.write_video = true")
-    check_concurrent_passes(cfg)
     paths = output_paths(stories, out)
     layouts = story_layouts(cfg, stories, duration)
     if model is None and checkpoint:

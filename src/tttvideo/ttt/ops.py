@@ -169,9 +169,7 @@ def _concurrent(run, parts: list, device: torch.device) -> list[torch.Tensor | N
     launches: each launch hands out its roles to running programs (triton_exchange), so at most one program per
     launch waits for a partner not yet started."""
     entry = torch.cuda.current_stream(device)
-    # side streams per calling stream: two passes of a guided step on two streams (sample.concurrent) must not
-    # queue their parts behind each other's
-    streams = _side_streams.setdefault((device, entry.cuda_stream), [])
+    streams = _side_streams.setdefault(device, [])
     while len(streams) < len(parts):
         streams.append(torch.cuda.Stream(device))
     outs = []

@@ -329,7 +329,6 @@ ADAMW_8BIT = MemoryTechnique(
 
 # ------------------------------------------------------------------------------------------- chunked inference
 _CHUNKED_KEYS = ("memory.chunked_inference", "memory.ttt_head_groups")
-_ONE_PASS_KEYS = ("sample.cfg_batched", "sample.cfg_concurrent")
 
 
 def _set_chunked(groups: int):
@@ -338,7 +337,6 @@ def _set_chunked(groups: int):
         if groups:
             cfg.memory.ttt_head_groups = groups
             cfg.sample.cfg_batched = False  # the chunked forward runs one pass at a time
-            cfg.sample.cfg_concurrent = False
 
     return apply
 
@@ -353,9 +351,9 @@ CHUNKED_INFERENCE = MemoryTechnique(
     # (the chunked forward runs in one process or with parallel.sp = 1: the planner proposes it on one GPU)
     options=lambda cfg, phase, gpus: (
         Option("plain", _set_chunked(0), ("memory.chunked_inference",)),
-        *((Option("chunked", _set_chunked(1), (*_CHUNKED_KEYS, *_ONE_PASS_KEYS)),
-           Option("chunked, 2 head groups", _set_chunked(2), (*_CHUNKED_KEYS, *_ONE_PASS_KEYS)),
-           Option("chunked, 4 head groups", _set_chunked(4), (*_CHUNKED_KEYS, *_ONE_PASS_KEYS)))
+        *((Option("chunked", _set_chunked(1), (*_CHUNKED_KEYS, "sample.cfg_batched")),
+           Option("chunked, 2 head groups", _set_chunked(2), (*_CHUNKED_KEYS, "sample.cfg_batched")),
+           Option("chunked, 4 head groups", _set_chunked(4), (*_CHUNKED_KEYS, "sample.cfg_batched")))
           if gpus == 1 else ()),
     ) if phase == "sample" else (),
     regime="activation",
@@ -373,31 +371,22 @@ CHUNKED_INFERENCE = MemoryTechnique(
 
 
 # ------------------------------------------------------------------------------------------- the guidance's passes
-def _guidance(label: str, batched: bool, concurrent: bool = False) -> Option:
-    """How the two passes of a guided step run: one batch of 2, one after the other, or at once (concurrent)."""
-    def apply(cfg: Config) -> None:
-        cfg.sample.cfg_batched, cfg.sample.cfg_concurrent = batched, concurrent
-
-    return Option(label, apply, _ONE_PASS_KEYS)
-
-
 GUIDANCE_PASSES = MemoryTechnique(
     name="guidance passes",
     phases=("sample",),
-    keys=(*_ONE_PASS_KEYS, "sample.split_guidance"),
+    keys=("sample.cfg_batched", "sample.split_guidance"),
     mechanism="tttvideo.sample.guidance (batched, in turn, or split over two rank groups under torchrun)",
-    is_on=lambda cfg: not (cfg.sample.cfg_batched or cfg.sample.cfg_concurrent) or cfg.sample.split_guidance,
+    is_on=lambda cfg: not cfg.sample.cfg_batched or cfg.sample.split_guidance,
     # one GPU: batched (the memory of batch 2) or two passes; several GPUs: split over two halves of them, each rank
     # running one pass (costed by the measured batched regime)
     options=lambda cfg, phase, gpus: (
-        _guidance("guidance batched", batched=True),
-        _guidance("two passes", batched=False),
+        _setting("guidance batched", "sample.cfg_batched", True),
+        _setting("two passes", "sample.cfg_batched", False),
         *((_setting("not split", "sample.split_guidance", False),
            _setting("guidance split", "sample.split_guidance", True)) if gpus > 1 else ()),
     ) if phase == "sample" else (),
     regime="activation",
-    # two passes at once (sample.cfg_concurrent) hold both passes' activations, as batch 2 does
-    regime_tag=lambda cfg: "plain-b2" if cfg.sample.cfg_batched or cfg.sample.cfg_concurrent else "plain-b1",
+    regime_tag=lambda cfg: "plain-b2" if cfg.sample.cfg_batched else "plain-b1",
     calibration=(
         # sampling is planned up to 63 s, so its curves run to 63 s (the plain forward's per-token cost measured
         # 205-210 KB at 3-18 s and 173 KB at 63 s: a line through 3 and 9 s alone overshoots 63 s by 18%)
