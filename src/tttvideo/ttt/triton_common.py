@@ -173,6 +173,12 @@ def _gelu_tanh_parts(z):
 
 
 @triton.jit
+def _gelu_tanh_value_slope(z, t, h, hsp):
+    """gelu_tanh(z) and its derivative from `_gelu_tanh_parts`."""
+    return z * h, h + z * (1.0 - t * t) * hsp
+
+
+@triton.jit
 def gelu_fwd(z, DOT: tl.constexpr = 0):
     """gelu_tanh(z) and its derivative. With DOT_BF16 operands (both are rounded to bf16 next, or feed products
     of such) through `tanh_approx`, so the scan's step runs fewer instructions: measured on an H100 within 5.5e-6
@@ -181,7 +187,7 @@ def gelu_fwd(z, DOT: tl.constexpr = 0):
     the tanh, not enough for that by itself)."""
     if DOT == 2:
         t, h, hsp = _gelu_tanh_parts(z)
-        return z * h, h + z * (1.0 - t * t) * hsp
+        return _gelu_tanh_value_slope(z, t, h, hsp)
     else:
         sig, sp = _gelu_parts(z)
         return _gelu_value_slope(z, sig, sp)
@@ -193,9 +199,9 @@ def gelu_fwd2(z, DOT: tl.constexpr = 0):
     `_gelu_parts` (or `_gelu_tanh_parts`)."""
     if DOT == 2:
         t, h, hsp = _gelu_tanh_parts(z)
-        sech2 = 1.0 - t * t
         sp = 2.0 * hsp
-        return z * h, h + z * sech2 * hsp, sech2 * (sp + 0.5 * z * (6.0 * _GELU_C * _GELU_A * z - 2.0 * t * sp * sp))
+        x, g1 = _gelu_tanh_value_slope(z, t, h, hsp)
+        return x, g1, (1.0 - t * t) * (sp + 0.5 * z * (6.0 * _GELU_C * _GELU_A * z - 2.0 * t * sp * sp))
     else:
         sig, sp = _gelu_parts(z)
         t = 2.0 * sig - 1.0  # tanh(s)

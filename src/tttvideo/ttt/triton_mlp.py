@@ -202,15 +202,14 @@ def _mlp_fwd_kernel(
         if SAVE:
             _store_rows(CW1, CB1, CW2, CB2, stream * NSLOT + i0 // GROUP + 1, w1t, b1, w2, b2, role, rows, rd, D, E)
     if OUTPUT:  # exchange seq carries only the output of the last mini-batch
-        if not BRANCHED_OUT:
+        if BRANCHED_OUT:
+            q_out = 0.0  # unused: the branched form loads its Q rows itself
+        else:
             q_out = tl.load(Q + _out_rows(tok, I0 + NMB - 1, role, M, D, SPLIT))
         raise_flag(SYNC, stream, role, seq, SPLIT)
         wait_all(SYNC, stream, role, seq, SPLIT)
-        if BRANCHED_OUT:
-            _write_out(OUT, Q, XB, stream, seq, role, tok, I0 + NMB - 1, 0.0, True, nw, nb, M, D, SPLIT, EPS, True)
-        else:
-            _write_out(OUT, Q, XB, stream, seq, role, tok, I0 + NMB - 1, q_out, True, nw, nb, M, D, SPLIT, EPS,
-                       False)
+        _write_out(OUT, Q, XB, stream, seq, role, tok, I0 + NMB - 1, q_out, True, nw, nb, M, D, SPLIT, EPS,
+                   BRANCHED_OUT)
 
 
 def split_for(E: int, M: int, D: int) -> int:
