@@ -52,7 +52,7 @@ WHOLE_BLOCK = "whole blocks: the parts' stream copies and time factor (with the 
 
 
 def step_rows() -> list[Row]:
-    from tttvideo.memory.techniques.registry import BLOCK  # whole blocks checkpointed, their four parts not
+    from tttvideo.memory.techniques.common import BLOCK  # whole blocks checkpointed, their four parts not
 
     rows = []
     offloaded = ["checkpointing.offload_activations=true"]

@@ -89,7 +89,7 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimiz
         return adamw8bit_class()(groups, betas=betas, eps=train.adam_eps,
                                  bf16_stochastic_round=train.bf16_stochastic_round)
     if train.bf16_stochastic_round:  # the trainer refuses this before building the model; here for direct callers
-        from tttvideo.memory.techniques.registry import STOCHASTIC_ROUND_NEEDS_8BIT
+        from tttvideo.memory.techniques.weights import STOCHASTIC_ROUND_NEEDS_8BIT
 
         raise ConfigError(STOCHASTIC_ROUND_NEEDS_8BIT)
     return torch.optim.AdamW(groups, betas=betas, eps=train.adam_eps)
