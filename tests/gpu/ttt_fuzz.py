@@ -324,13 +324,9 @@ def environment() -> dict:
     import torch
     import triton
 
-    commit = os.environ.get("TTT_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            commit = ""
+    from tttvideo.memory.profile.profiler import git_commit
+
+    commit = os.environ.get("TTT_COMMIT") or git_commit()  # git_commit: $GIT_COMMIT, else this checkout's HEAD
     return dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 torch=torch.__version__, triton=triton.__version__, git_commit=commit or None,
                 date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
