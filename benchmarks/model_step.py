@@ -413,7 +413,7 @@ def device_name(device: torch.device) -> str:
 
 def card_tag(device: torch.device) -> str:
     """The results file's card: the planner's cost-table name of the GPU ('h100'), or 'cpu'."""
-    from tttvideo.memory.plan.planner import gpu_kind
+    from tttvideo.memory.plan.costs import gpu_kind
 
     return gpu_kind(device_name(device)) if device.type == "cuda" else "cpu"
 

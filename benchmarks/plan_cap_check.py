@@ -96,7 +96,7 @@ def run_row(row: plan_accuracy_rows.Row, cap: float, work: Path, timeout: float)
 def default_out() -> Path:
     import torch
 
-    from tttvideo.memory.plan.planner import gpu_kind
+    from tttvideo.memory.plan.costs import gpu_kind
 
     kind = gpu_kind(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
     return ROOT / "benchmarks" / "results" / f"plan_cap_check_{kind}.json"

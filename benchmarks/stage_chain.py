@@ -248,8 +248,8 @@ def predicted(args: argparse.Namespace, duration: int) -> dict[str, Any]:
     the chain's batch (`train_command`: one micro-batch a rank, so every step holds an optimizer step). A GPU kind
     without measured costs is predicted from the H100's: its memory (the same kernels allocate the same bytes), not
     its step time."""
-    from tttvideo.memory.plan.costs import known_gpus, load_costs
-    from tttvideo.memory.plan.planner import Candidate, gpu_kind, predict
+    from tttvideo.memory.plan.costs import gpu_kind, known_gpus, load_costs
+    from tttvideo.memory.plan.planner import Candidate, predict
 
     kind = gpu_kind(gpu_name() or "H100")
     measured = kind in known_gpus()
@@ -444,7 +444,7 @@ def results_name(args: argparse.Namespace, device: str) -> str:
     """The default results file's name (no suffix): stage_chain[_capped|_from_base][_<backbone>_<card>][_<gpus>gpu]_
     <gpu>. A run under --cap-at-plan goes to a file of its own: its reserved peaks are held under the plan, not free;
     so does a free --from-base run, whose stages start from the base weights instead of the stage before."""
-    from tttvideo.memory.plan.planner import gpu_kind
+    from tttvideo.memory.plan.costs import gpu_kind
 
     gpu = "cpu" if device == cpu_label() else gpu_kind(device)
     name = f"stage_chain_{args.gpus}gpu_{gpu}" if args.gpus > 1 else f"stage_chain_{gpu}"

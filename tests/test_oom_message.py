@@ -175,7 +175,7 @@ def test_auto_fit_replans_an_out_of_memory_first_step_and_trains_on(tmp_path, mo
     failure showed, and trains to the end with a setup that needs less (its config saved with the run)."""
     from tttvideo.layout import VideoLayout
     from tttvideo.memory.plan import costs as costs_module
-    from tttvideo.memory.plan import planner
+    from tttvideo.memory.plan import auto_fit, planner
     from tttvideo.memory.plan.costs import CostTable, Curve, activation_key, time_key
     from tttvideo.memory.plan.count import count
 
@@ -191,7 +191,7 @@ def test_auto_fit_replans_an_out_of_memory_first_step_and_trains_on(tmp_path, mo
     tokens = VideoLayout.from_config(cfg.layout, cfg.ttt).total_tokens
     base = count(cfg, "train").total
     card = int(((base + 1.15e6 * tokens) * (1 + planner.FRAGMENTATION) + planner.CUDA_CONTEXT) / (1 - planner.MARGIN))
-    monkeypatch.setattr(planner, "this_gpu", lambda: ("NVIDIA H100 80GB HBM3", card))
+    monkeypatch.setattr(auto_fit, "this_gpu", lambda: ("NVIDIA H100 80GB HBM3", card))
     monkeypatch.setattr(costs_module, "load_costs", lambda kind, *a: table)
     monkeypatch.setattr(costs_module, "known_gpus", lambda *a: ["h100"])
     fail_at(monkeypatch, 0)  # the forward of step 1, block 0

@@ -84,19 +84,19 @@ def test_two_processes_share_the_host():
 def test_auto_fit_plans_for_this_hosts_memory_and_ranks_agree(monkeypatch):
     """--auto-fit checks the machine it runs on; torchrun's ranks each plan alone and must choose alike, so they
     plan with the available memory rounded down to 8 GiB."""
-    from tttvideo.memory.plan import planner
+    from tttvideo.memory.plan import auto_fit
     from tttvideo.models import activation_offload
 
-    monkeypatch.setattr(planner, "this_gpu", lambda: ("NVIDIA H100 80GB HBM3", int(79.6 * GIB)))
+    monkeypatch.setattr(auto_fit, "this_gpu", lambda: ("NVIDIA H100 80GB HBM3", int(79.6 * GIB)))
     monkeypatch.setattr(activation_offload, "available_host_bytes", lambda: 64 * GIB)
-    fit = planner.auto_fit_plan(load_config(STAGE5, []), "train", str(STAGE5))
+    fit = auto_fit.auto_fit_plan(load_config(STAGE5, []), "train", str(STAGE5))
     assert "offload" not in fit.chosen.candidate.label and fit.chosen.host_fits
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     chosen = []
     for available in (100.9, 97.1):  # two ranks reading a little apart
         monkeypatch.setattr(activation_offload, "available_host_bytes", lambda a=available: int(a * GIB))
-        chosen.append(planner.auto_fit_plan(load_config(ROOT / "configs/cogvideox-5b/stage5-63s-2gpu.toml", []),
+        chosen.append(auto_fit.auto_fit_plan(load_config(ROOT / "configs/cogvideox-5b/stage5-63s-2gpu.toml", []),
                                             "train", None))
     assert chosen[0].chosen.candidate.label == chosen[1].chosen.candidate.label
     assert all(any("of the 96 GiB available" in n for p in fit_.preds for n in p.notes) for fit_ in chosen)

@@ -127,7 +127,7 @@ def _checked_inputs(args: argparse.Namespace):
         check_mp4_writer()
     _check_one_process(cfg, cfg_path)
     if args.auto_fit:
-        from tttvideo.memory.plan.planner import auto_fit
+        from tttvideo.memory.plan.auto_fit import auto_fit
 
         cfg = auto_fit(cfg, "sample", cfg_path, args.duration or f"{stories[0].duration_s}s")
     return stories, cfg_path, cfg

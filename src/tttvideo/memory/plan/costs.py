@@ -209,3 +209,12 @@ def chunked_floor_streams(cfg: Config) -> int | None:
     item = torch_dtype(sampling_dtype(cfg.model.dtype, cfg.sample.dtype, cuda=True)).itemsize
     dim = spec.num_attention_heads * spec.attention_head_dim
     return FLOOR_STREAMS * layout_of(cfg).total_tokens * dim * item
+
+
+def gpu_kind(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100': the cost table a device's name points to."""
+    lowered = name.lower()
+    for kind in ("h200", "h100", "a100", "l40s", "l4", "4090", "3090"):
+        if kind in lowered:
+            return kind
+    return lowered.split()[-1] if lowered else ""
