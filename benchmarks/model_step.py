@@ -429,8 +429,8 @@ def print_table(result: dict[str, Any], cfg: Config) -> None:
           f"bf16={cfg.model.dtype == 'bf16'}, batch 1, {cfg.model.adapter}, block checkpoint group "
           f"{ck['block_group_size']}, scan group {ck['ttt_scan_checkpoint_group_size']}, "
           f"optimizer step {result['optimizer_step']}, {result['switches']}")
-    print(f"{'dur':>4} {'tokens':>7} {'step s':>8} {'alloc GiB':>9} {'resv GiB':>9} {'host GiB':>8} {'dense TF':>9} {'attn TF':>8} "
-          f"{'TTT TF':>8} {'TFLOP/s':>8} {'MFU':>6}  backend")
+    print(f"{'dur':>4} {'tokens':>7} {'step s':>8} {'alloc GiB':>9} {'resv GiB':>9} {'host GiB':>8} {'dense TF':>9} "
+          f"{'attn TF':>8} {'TTT TF':>8} {'TFLOP/s':>8} {'MFU':>6}  backend")
     for r in result["results"]:
         if "error" in r:
             print(f"{r['duration_s']:>3}s {r['tokens']:>7}  {r['error']}")

@@ -85,7 +85,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             del out
-        del x, ref
+        x = ref = None  # free before the next length (a rebinding: the closures above read x)
         torch.cuda.empty_cache()
 
     commit = git_commit()[:7]

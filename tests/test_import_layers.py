@@ -22,9 +22,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the process-group plumbing the model's layers are handed (the sequence shards, the device mesh, the group
     # start, the launcher and the liveness watch it sets up); the run-folder locks; weight initialisation; the
     # safetensors writer of model and state files; the writer of measurements' results files
-    ("base", ("errors", "locks", "outputs", "results", "device", "dtypes", "initializers", "config", "layout", "rope", "diffusion",
-              "parallel.sequence", "parallel.mesh", "parallel.group", "parallel.launch", "parallel.watchdog",
-              "tensorfile", "ffmpeg")),
+    ("base", ("errors", "locks", "outputs", "results", "device", "dtypes", "initializers", "config", "layout", "rope",
+              "diffusion", "parallel.sequence", "parallel.mesh", "parallel.group", "parallel.launch",
+              "parallel.watchdog", "tensorfile", "ffmpeg")),
     # the long-range layers: TTT and the baselines beside it, which share its gated bidirectional wrapper
     ("ttt", ("ttt", "sequence")),
     # FSDP sharding walks the model's blocks, and the parallel package's __init__ imports it

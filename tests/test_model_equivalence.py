@@ -107,7 +107,8 @@ def test_local_rope_matches_diffusers_pipeline(two_layer):
     torch.testing.assert_close(cos[TEXT:], d_cos, rtol=0, atol=1e-6)
     torch.testing.assert_close(sin[TEXT:], d_sin, rtol=0, atol=1e-6)
     # the text prefix of a window is not rotated
-    assert torch.equal(cos[:TEXT], torch.ones_like(cos[:TEXT])) and torch.equal(sin[:TEXT], torch.zeros_like(sin[:TEXT]))
+    assert torch.equal(cos[:TEXT], torch.ones_like(cos[:TEXT]))
+    assert torch.equal(sin[:TEXT], torch.zeros_like(sin[:TEXT]))
 
 
 def test_one_segment_equals_diffusers(two_layer):

@@ -4,7 +4,6 @@ offloaded inputs are counted, and every constant measured on CogVideoX-5B is sai
 
 from __future__ import annotations
 
-import pytest
 
 from tttvideo.cli import main
 from tttvideo.config.loader import load_config

@@ -29,9 +29,9 @@ from tests.cli_errors import one_error_line
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DEMO = str(Path(__file__).parents[1] / "configs" / "demo.toml")
-CHEAP = ["layout.duration=3s", "train.batch_size=1", "data.demo_videos=3", "data.demo_text_encoder=table", "train.steps=4",
-         "train.checkpoint_every=2", "train.keep_checkpoints=2", "train.log_every=1", "train.sample_at_end=false",
-         "train.tensorboard=false", "train.warmup_steps=1", "train.cpu_threads=1"]
+CHEAP = ["layout.duration=3s", "train.batch_size=1", "data.demo_videos=3", "data.demo_text_encoder=table",
+         "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=2", "train.log_every=1",
+         "train.sample_at_end=false", "train.tensorboard=false", "train.warmup_steps=1", "train.cpu_threads=1"]
 
 
 def train_argv(out: Path, *sets: str, flags: tuple[str, ...] = ()) -> list[str]:

@@ -56,7 +56,8 @@ def test_logit_normal_levels_are_its_quantiles():
     """A stratified u through `sigmas_from_uniform` is the logit-normal quantile, shifted: the median u = 0.5 is
     sigmoid(mean) shifted, and 20,000 draws match `sample_sigmas`' distribution (mean within 0.01)."""
     fm = WanFlowMatching(timestep_sampling="logit-normal", logit_mean=0.3, logit_std=0.8)
-    torch.testing.assert_close(fm.sigmas_from_uniform(torch.tensor([0.5])), fm.shifted(torch.sigmoid(torch.tensor([0.3]))))
+    torch.testing.assert_close(fm.sigmas_from_uniform(torch.tensor([0.5])),
+                               fm.shifted(torch.sigmoid(torch.tensor([0.3]))))
     grid = fm.sigmas_from_uniform((torch.arange(20_000) + 0.5) / 20_000)
     drawn = fm.sample_sigmas(20_000, torch.Generator().manual_seed(1))
     assert abs(grid.mean() - drawn.mean()) < 0.01

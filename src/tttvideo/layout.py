@@ -130,7 +130,8 @@ class VideoLayout:
             if value <= 0 or value % cell:
                 raise LayoutError(
                     f"resolution {height}x{width}: {name} {value} is not divisible by VAE compression x patch size "
-                    f"= {vae_spatial} x {patch_size} = {cell}; use a multiple of {cell} (e.g. {max(cell, value // cell * cell)})"
+                    f"= {vae_spatial} x {patch_size} = {cell}; use a multiple of {cell} "
+                    f"(e.g. {max(cell, value // cell * cell)})"
                 )
         if window_frames < 2:
             raise LayoutError(f"a segment window of {window_frames} latent frame(s): consecutive windows share one "

@@ -2,8 +2,8 @@
 TTT-MLP and TTT-Linear, times four lengths, B in (1, 2, 3) and H in (1, 5, 48): 1,944 cases, each against the fp32
 reference (output and every gradient, 2e-2 relative, NaN-poisoned outputs and scratch), in worker processes that are
 restarted after a crash (tests/gpu/ttt_fuzz.py has the cases, the comparison and the runner; its command line
-prints the same table). 8 minutes on an H100 with 10 workers (TTT_FUZZ_JOBS=10). TTT_FUZZ_FILTER="mlp-D32 M64" keeps the cases
-whose id contains every word; TTT_FUZZ_JOBS sets the workers.
+prints the same table). 7 minutes on an H100 with 12 workers (TTT_FUZZ_JOBS=12). TTT_FUZZ_FILTER="mlp-D32 M64" keeps
+the cases whose id contains every word; TTT_FUZZ_JOBS sets the workers.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The run folder holds one checkpoint, step 0, laid out as `tttv train` writes them (`tttvideo.runs`):
 model.safetensors in our names and shapes, the config (the detected preset and TTT kind, and
 `ttt.eta_layout = "reference"`, the learning-rate layout the weights were trained with), a state.safetensors that
-marks the checkpoint as imported (it has no optimizer to resume), and the manifest, written last. The folder is assembled
-under a temporary name beside RUN and renamed into place, so it appears whole or not at all.
+marks the checkpoint as imported (it has no optimizer to resume), and the manifest, written last. The folder is
+assembled under a temporary name beside RUN and renamed into place, so it appears whole or not at all.
 
 `tttv sample --checkpoint RUN` samples from it; `tttv train` continues from it with `train.init_from = RUN` (a new
 optimizer), best with RUN's config.toml as the config, so that the eta layout and sizes carry over.

@@ -158,7 +158,8 @@ def parse_layers(text: str, num_layers: int) -> range:
         stop = int(m.group(3)) if m.group(3) else None
         covered = range(num_layers)[start:stop]
     if len(covered) == 0:
-        raise ConfigError(f"checkpointing.layers: {text!r} covers none of the model's {num_layers} layers (0..{num_layers - 1})")
+        raise ConfigError(f"checkpointing.layers: {text!r} covers none of the model's {num_layers} layers "
+                          f"(0..{num_layers - 1})")
     return covered
 
 

@@ -12,8 +12,8 @@ neighbours (one host):
   story group samples every n-th story, and its first rank decodes and writes them.
 
 Every rank holds the whole model: no FSDP at inference, since the 5B transformer with TTT in bf16 (about 14.5 GB)
-fits each GPU and sharding it would all-gather every block at every step. Every rank of a group draws the same seeded noise and
-gets the same predictions, so all of them step the same latents.
+fits each GPU and sharding it would all-gather every block at every step. Every rank of a group draws the same
+seeded noise and gets the same predictions, so all of them step the same latents.
 """
 
 from __future__ import annotations

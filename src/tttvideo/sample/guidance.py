@@ -1,13 +1,14 @@
 """One classifier-free-guided prediction of the transformer, and the solver loop built on it.
 
 The guided prediction is v_u + s (v_c - v_u) on the model's output: CogVideoX's CFG on the v-prediction, and Wan's on
-the flow velocity. The solver is `sample.solver` on the backbone's schedule (`sample.solvers.make_solver`). Conditional and unconditional
-predictions go through ONE forward at batch 2 (`sample.cfg_batched`, the fastest) or two forwards at batch 1 (half
-the activations). When the batch-2 forward runs out of GPU memory the prediction falls back to two passes, says so
-once, and stays there for the rest of the video. At guidance 1 the unconditional pass is skipped. Under torchrun
-the forward takes the rank's sequence-parallel group (`sp`), and with a `GuidanceSplit` each rank of a pair runs one
-of the two passes and the pair exchanges them (`tttvideo.sample.distributed`). `tttv sample`,
-`tttv profile --phase sample` and benchmarks/sample.py all run this step.
+the flow velocity. The solver is `sample.solver` on the backbone's schedule (`sample.solvers.make_solver`).
+Conditional and unconditional predictions go through ONE forward at batch 2 (`sample.cfg_batched`, the fastest) or
+two forwards at batch 1 (half the activations). When the batch-2 forward runs out of GPU memory the prediction
+falls back to two passes, says so once, and stays there for the rest of the video. At guidance 1 the unconditional
+pass is skipped. Under torchrun the forward takes the rank's sequence-parallel group (`sp`), and with a
+`GuidanceSplit` each rank of a pair runs one of the two passes and the pair exchanges them
+(`tttvideo.sample.distributed`). `tttv sample`, `tttv profile --phase sample` and benchmarks/sample.py all run this
+step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class GuidedPrediction:
-    """`step(x, t, scale)` -> the guided prediction (float32, v or flow velocity) of latents x [1, T, C, h, w] at timestep t.
+    """`step(x, t, scale)` -> the guided prediction (float32, v or flow velocity) of latents x [1, T, C, h, w] at
+    timestep t.
 
     cond / uncond: text features [1, segments, tokens, dim] on the model's device and dtype. With
     `fall_back_on_oom=False` an out-of-memory error of the batch-2 forward propagates (benchmarks record it).

@@ -222,7 +222,8 @@ def _scan(
     return out.to(q.dtype)
 
 
-def _run_group(step, n_state: int, nw: torch.Tensor, nb: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _run_group(step, n_state: int, nw: torch.Tensor, nb: torch.Tensor,
+               *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Scan a run of mini-batches: tensors = (*state, qs, ks, vs, etas) with a leading mini-batch dim on the inputs,
     or (*state, qs, ks, vs, eta, rows) with the whole per-token eta [B, H, L] and the group's row indices
     [n, b, b]; returns (*final state, outputs stacked over mini-batches)."""
