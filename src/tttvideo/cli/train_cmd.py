@@ -146,7 +146,8 @@ def replan(fit, err, trainer):
     """--auto-fit after an out-of-memory error in the first step: one sentence on stderr naming the setup, the phase
     and the block, and the next setup, planned with the activations the failed one measured. The run goes on in the
     same folder (nothing was saved by the failed step; an earlier checkpoint is resumed from)."""
-    from tttvideo.memory.plan.auto_fit import GIB, replan_after_oom
+    from tttvideo.memory.plan.auto_fit import replan_after_oom
+    from tttvideo.memory.plan.planner import GIB
 
     failed = fit.chosen
     fit, scale = replan_after_oom(fit, err.needed or fit.gpu_mem)
