@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tttvideo.config.schema import Config
 from tttvideo.memory.techniques.technique import MemoryTechnique, Option, Phase, Saving
-
-if TYPE_CHECKING:
-    pass
 
 
 # ------------------------------------------------------------------------------------------- sequence parallelism
