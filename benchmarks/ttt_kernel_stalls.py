@@ -100,14 +100,19 @@ def ncu_path() -> str:
 
 
 def report_module(ncu: str):
-    """ncu's Python report interface, from the install's extras/python."""
+    """ncu's Python report interface (extras/python of the Nsight Compute install; `ncu` on PATH is often a
+    wrapper in CUDA's bin/), or None: then only the reports and their CSV pages are kept."""
     base = Path(os.path.realpath(ncu)).parent
-    for cand in (base / "extras" / "python", *base.parent.glob("*/extras/python")):
+    cands = [base / "extras" / "python", *base.parent.glob("nsight-compute*/extras/python"),
+             *Path("/opt/nvidia").glob("nsight-compute/*/extras/python"),
+             *Path("/usr/local").glob("cuda*/nsight-compute*/extras/python")]
+    for cand in cands:
         if (cand / "ncu_report.py").exists():
             sys.path.insert(0, str(cand))
             import ncu_report  # type: ignore[import-not-found]
             return ncu_report
-    raise SystemExit(f"ncu_report.py not found beside {ncu} (extras/python)")
+    print(f"ncu_report.py not found (looked in {', '.join(map(str, cands))}): keeping the reports only", flush=True)
+    return None
 
 
 def profile(ncu: str, label: str, work: str, kernel: str, skip: int, out: Path, log) -> Path:
@@ -246,7 +251,8 @@ def main() -> None:
             if args.only and not any(label.startswith(o) for o in args.only):
                 continue
             try:
-                row = read_report(ncu_report, profile(ncu, label, wl, kernel, skip, work, log))
+                path = profile(ncu, label, wl, kernel, skip, work, log)
+                row = read_report(ncu_report, path) if ncu_report else {"report": path.name}
             except Exception as e:  # noqa: BLE001 - one kernel's failure should not lose the others' tables
                 print(f"[{label}] failed: {e}", flush=True)
                 row = {"error": str(e)[-2000:]}
