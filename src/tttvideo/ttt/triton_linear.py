@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tttvideo.ttt.reference import scan_groups
+from tttvideo.ttt.triton_carveout import fit_carveout
 from tttvideo.ttt.triton_common import (
     DOT_TF32, LN_EPS, check_device, dot, dot_acc, dot_mode, interpreting, ln_bwd, ln_l2_bwd,
     ln_l2_fwd, ln_stats, new_output, output_for,
@@ -206,6 +207,7 @@ def linear_forward(q, k, v, eta, norm_w, norm_b, w, b, mini_batch_size, checkpoi
         D=D, M=mini_batch_size, DOT=tune.get("DOT", _dot(q)), EPS=LN_EPS, SAVE=save,
         num_warps=tune.get("num_warps", FWD_WARPS), num_stages=1,
     )
+    fit_carveout(LAUNCHED["fwd"])
     return out, (ck if save else None)
 
 
@@ -227,6 +229,7 @@ def linear_backward(dout, q, k, v, eta, norm_w, norm_b, ck, mini_batch_size, che
         D=D, M=mini_batch_size, DOT=tune.get("DOT", _dot(q)), EPS=LN_EPS,
         num_warps=tune.get("num_warps", BWD_WARPS), num_stages=1,
     )
+    fit_carveout(LAUNCHED["bwd"])
     per_head = lambda t: t.view(B, H, *t.shape[1:]).sum(0)  # noqa: E731 - slow weights are shared over batch
     return dq, dk, dv, deta, per_head(dnw), per_head(dnb), per_head(dw), per_head(db)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tttvideo.ttt.triton_carveout import fit_carveout
 from tttvideo.ttt.triton_common import (
     LN_EPS, dot, dot_acc, dot_mode, gelu_fwd, ln_bwd, ln_l2_bwd, ln_l2_fwd, ln_stats, op,
 )
@@ -248,6 +249,7 @@ def output_path(dout, q, norm_w, states, nslot, acts, outs, gslot, dq, dnw, dnb,
         D=D, E=E, M=M, NC=chunks_for(E, warps), DOT=dot_mode(q.dtype), EPS=LN_EPS,
         num_warps=warps, num_stages=1,
     )
+    fit_carveout(launched["bwd_output"])
 
 
 def reverse(q, k, v, eta, norm_w, norm_b, states, nslot, acts, outs, carried, dk_ops, dv, deta, dnw, dnb,
@@ -263,6 +265,7 @@ def reverse(q, k, v, eta, norm_w, norm_b, states, nslot, acts, outs, carried, dk
         D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(k.dtype), EPS=LN_EPS,
         num_warps=warps, num_stages=1,
     )
+    fit_carveout(launched["bwd_reverse"])
 
 
 def grad_k(states, nslot, acts, dk_ops, dv, dk, i0, cnt, M, warps, launched):
@@ -274,3 +277,4 @@ def grad_k(states, nslot, acts, dk_ops, dv, dk, i0, cnt, M, warps, launched):
         D=D, E=E, M=M, NC=chunks_for(E, warps), DOT=dot_mode(dk.dtype),
         num_warps=warps, num_stages=1,
     )
+    fit_carveout(launched["bwd_dk"])

@@ -1,0 +1,127 @@
+"""Same-run A/B of the SMs' L1 / shared-memory split for the TTT scan kernels (`tttvideo.ttt.triton_carveout`):
+the smallest shared-memory carveout that holds a kernel's resident programs ("fit", the default) against Triton's
+own setting ("triton": the largest carveout for kernels over 48 KB of shared memory), in alternating rounds.
+
+    PYTHONPATH=src python3 benchmarks/ttt_carveout_ab.py --out benchmarks/results/ttt_carveout_ab_h100.json
+
+Cases (heads of 64, bf16 inputs as the layer makes them, `tttvideo.ttt.testing.make_inputs`, 18,048 tokens):
+TTT-MLP forward + backward (mini-batch 64, checkpoint group 16: the training scan), its training forward alone, the
+sampling forward at mini-batch 16 over a guided step's 96 streams and one sample's 48, and TTT-Linear forward +
+backward (mini-batch 16). Both modes run the same compiled kernels, so their outputs and gradients must be equal bit
+for bit; the table says so per case. Times are medians over rounds of `ttt_kernel.bench` (CUDA events), the order
+reversed every other round. On a CPU (TRITON_INTERPRET=1, a smoke run: `--length 64 --heads 2`) there is no
+carveout to set and the times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ttt_kernel import bench  # noqa: E402 - this script's folder: ttt_kernel.py
+
+from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
+from tttvideo.results import save_json  # noqa: E402
+
+MODES = ("triton", "fit")
+# (name, kind, batch, mini-batch, what runs: "fwd+bwd", "train fwd" or "sample fwd")
+CASES = [("MLP forward + backward", "mlp", 1, 64, "fwd+bwd"),
+         ("MLP training forward", "mlp", 1, 64, "train fwd"),
+         ("MLP sampling forward", "mlp", 2, 16, "sample fwd"),
+         ("MLP sampling forward", "mlp", 1, 16, "sample fwd"),
+         ("Linear forward + backward", "linear", 1, 16, "fwd+bwd")]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--length", type=int, default=18048, help="tokens per stream (cut to each case's mini-batch)")
+    ap.add_argument("--heads", type=int, default=48, help="heads per sample (streams: batch x heads)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--out", default="")
+    return ap.parse_args(argv)
+
+
+def timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        return bench(fn, min_runs=5, budget_s=1.0)[0]
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def in_mode(mode: str, fn):
+    """fn() with TTT_L1_CARVEOUT=mode (read by every launch)."""
+    def run():
+        os.environ["TTT_L1_CARVEOUT"] = mode
+        return fn()
+    return run
+
+
+def scan(kind: str, M: int, what: str, ins: list[torch.Tensor], dout: torch.Tensor):
+    from tttvideo.ttt import triton_linear, triton_mlp
+
+    mod = triton_mlp if kind == "mlp" else triton_linear
+    fwd = mod.mlp_forward if kind == "mlp" else mod.linear_forward
+    bwd = mod.mlp_backward if kind == "mlp" else mod.linear_backward
+    if what == "sample fwd":
+        return lambda: fwd(*ins, M, 16, False)[0]
+
+    def fwd_bwd():
+        out, ck = fwd(*ins, M, 16, True)
+        return (out, *bwd(dout, *ins[:6], ck, M, 16)) if what == "fwd+bwd" else (out, *ck)
+    return fwd_bwd
+
+
+def run_case(name: str, kind: str, B: int, M: int, what: str, args, device) -> dict:
+    from tttvideo.ttt.testing import make_inputs
+
+    L = args.length // M * M
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's products take fp32
+    ins = [t.detach() for t in make_inputs(kind, B, args.heads, L, 64, M, dtype=dtype, seed=1, device=device)]
+    dout = torch.randn_like(ins[0])
+    fn = scan(kind, M, what, ins, dout)
+    runs = {mode: in_mode(mode, fn) for mode in MODES}
+    outs = {mode: run() for mode, run in runs.items()}
+    a, b = (outs[m] if isinstance(outs[m], tuple) else (outs[m],) for m in MODES)
+    equal = all(torch.equal(x, y) for x, y in zip(a, b))
+    del outs, a, b
+    times = {mode: [] for mode in MODES}
+    for r in range(args.rounds):
+        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+            times[mode].append(timed(runs[mode], device))
+    os.environ.pop("TTT_L1_CARVEOUT", None)
+    return dict(case=f"{name}, {B * args.heads} streams", kind=kind, streams=B * args.heads, mini_batch=M,
+                tokens=L, runs=what, equal=equal,
+                **{f"{m}_ms": [round(t, 4) for t in ts] for m, ts in times.items()},
+                **{f"{m}_median_ms": statistics.median(ts) for m, ts in times.items()})
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("ttt_carveout_ab.py times Triton kernels: on a CUDA GPU, or in the interpreter with "
+                         "TRITON_INTERPRET=1 (a smoke run: --length 64 --heads 2)")
+    rows = [run_case(*case, args, device) for case in CASES]
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    result = dict(benchmark="ttt_carveout_ab", device=name, torch=torch.__version__, git_commit=git_commit(),
+                  rounds=args.rounds, modes={"triton": "Triton's setting (largest carveout above 48 KB)",
+                                             "fit": "smallest carveout holding the resident programs"}, rows=rows)
+    if args.out:
+        save_json(args.out, result)
+    print(f"\n{name}, commit {result['git_commit'][:7]}: ms, median of {args.rounds} alternating rounds")
+    print(f"{'case':<40} {'triton':>9} {'fit':>9} {'fit/triton':>10}  bit-equal")
+    for r in rows:
+        print(f"{r['case']:<40} {r['triton_median_ms']:>9.3f} {r['fit_median_ms']:>9.3f} "
+              f"{r['fit_median_ms'] / r['triton_median_ms']:>10.3f}  {r['equal']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
