@@ -207,7 +207,6 @@ def linear_forward(q, k, v, eta, norm_w, norm_b, w, b, mini_batch_size, checkpoi
         D=D, M=mini_batch_size, DOT=tune.get("DOT", _dot(q)), EPS=LN_EPS, SAVE=save,
         num_warps=tune.get("num_warps", FWD_WARPS), num_stages=1,
     )
-    fit_carveout(LAUNCHED["fwd"])
     return out, (ck if save else None)
 
 

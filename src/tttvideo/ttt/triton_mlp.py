@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from tttvideo.ttt.reference import scan_groups
-from tttvideo.ttt.triton_carveout import fit_carveout
 from tttvideo.ttt.triton_common import (
     DOT_BF16, LN_EPS, check_device, dot, dot_acc, dot_mode, gelu_fwd, gelu_fwd2, interpreting,
     ln_l2_fwd, ln_stats, new_output, op, output_for, warp_cap,
@@ -276,7 +275,6 @@ def _launch_fwd(q, k, v, eta, norm_w, norm_b, init, init_transposed, out, slots,
         D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(q.dtype), EPS=LN_EPS, SAVE=save, OUTPUT=output,
         SAVE_ACT=acts is not None, PREFETCH=prefetch, num_warps=num_warps, num_stages=1,
     )
-    fit_carveout(LAUNCHED[key])
 
 
 def mlp_forward(q, k, v, eta, norm_w, norm_b, w1, b1, w2, b2, mini_batch_size, checkpoint_group_size, save,

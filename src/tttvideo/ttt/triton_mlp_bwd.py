@@ -249,7 +249,6 @@ def output_path(dout, q, norm_w, states, nslot, acts, outs, gslot, dq, dnw, dnb,
         D=D, E=E, M=M, NC=chunks_for(E, warps), DOT=dot_mode(q.dtype), EPS=LN_EPS,
         num_warps=warps, num_stages=1,
     )
-    fit_carveout(launched["bwd_output"])
 
 
 def reverse(q, k, v, eta, norm_w, norm_b, states, nslot, acts, outs, carried, dk_ops, dv, deta, dnw, dnb,
@@ -277,4 +276,3 @@ def grad_k(states, nslot, acts, dk_ops, dv, dk, i0, cnt, M, warps, launched):
         D=D, E=E, M=M, NC=chunks_for(E, warps), DOT=dot_mode(dk.dtype),
         num_warps=warps, num_stages=1,
     )
-    fit_carveout(launched["bwd_dk"])
