@@ -5,7 +5,7 @@ step's compute-bound work timed alone, and the two side by side on two CUDA stre
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/scan_overlap.py --length 64 --heads 2 --tokens 64 \
         --window 64 --rounds 1                                          # CPU smoke run (Triton's interpreter)
 
-(PYTHONPATH=src is not needed with the package installed.) Why: a 63-s guided step spends about 10.3 s in the
+(PYTHONPATH=src is not needed with the package installed.) Why: a 63-s guided step spends about 10.2 s in the
 scans, a serial chain of 21,948 mini-batch steps a direction that is bound by latency and leaves most of the card's
 tensor throughput unused, and about 32 s in attention and linear layers, which are bound by throughput. A scan emits
 its output in token order, and local attention and every linear layer work window by window or token by token, so
