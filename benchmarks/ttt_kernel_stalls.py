@@ -12,7 +12,8 @@ them), so the slowdown of kernels sharing SMs in the backward's three streams is
 
 Each report is read with ncu's Python report interface (`ncu_report`, from the ncu install's extras/python): the
 kernel's duration, issue-slot use and warp cycles per issued instruction, the sampled warp states summed over the
-kernel by reason, and the same samples by source line (Triton's line info maps SASS to the kernel's Python source).
+kernel by reason, and the same samples by source line (Triton's line info maps SASS to the kernel's Python source);
+ncu's exported source page adds each busy instruction's SASS and the samples by the waiting instruction's opcode.
 Writes ttt_kernel_stalls_<gpu>.json (device, torch, Triton, ncu, commit, the tables) to --out, the reports and
 ncu's CSV pages as ttt_kernel_stalls_reports.tar.gz, and prints the tables last. `--clock-control none`: the
 clocks are left as the machine runs them (METHOD.md of the lent machines).
@@ -21,6 +22,7 @@ clocks are left as the machine runs them (METHOD.md of the lent machines).
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import math
 import os
@@ -173,11 +175,9 @@ def read_report(ncu_report, path: Path) -> dict:
     total = sum(by_reason.values()) or 1.0
     row["samples"] = total
     row["by_reason_pct"] = {r: 100 * v / total for r, v in sorted(by_reason.items(), key=lambda kv: -kv[1]) if v}
-    sass = {}
-    try:
-        sass = action.sass_by_pc()
-    except Exception:  # noqa: BLE001
-        pass
+    page = source_page(path.with_name(f"{path.stem}.source.csv"))
+    sass = {pc: text for pc, (text, _) in page.items()}
+    row["by_opcode"] = by_opcode(page)
     lines: dict[tuple[str, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     top_pcs = []
     for pc, reasons in by_pc.items():
@@ -200,6 +200,46 @@ def read_report(ncu_report, path: Path) -> dict:
     return row
 
 
+def source_page(csv_path: Path) -> dict[int, tuple[str, dict[str, float]]]:
+    """ncu's source page as exported (`--page source --print-source sass --csv`): per instruction address, its SASS
+    text and its warp samples by stall reason ({} where the page is missing or not in that form)."""
+    if not csv_path.exists():
+        return {}
+    rows = list(csv.reader(csv_path.read_text().splitlines()))
+    head = next((i for i, r in enumerate(rows) if r[:2] == ["Address", "Source"]), None)
+    if head is None:
+        return {}
+    names = rows[head]
+    reasons = [(i, n[len("stall_"):]) for i, n in enumerate(names) if n.startswith("stall_") and "(" not in n]
+    page = {}
+    for r in rows[head + 1:]:
+        if len(r) < len(names) or not r[0].startswith("0x"):
+            continue
+        samples = {name: float(r[i]) for i, name in reasons if r[i] not in ("", "-") and float(r[i])}
+        page[int(r[0], 16)] = (r[1].strip(), samples)
+    return page
+
+
+def opcode(sass: str) -> str:
+    """The instruction's opcode without its predicate and modifiers: "@!P1 STS.128 [R0], R4" -> "STS"."""
+    words = [w for w in sass.split() if not w.startswith("@")]
+    return words[0].split(".")[0] if words else "?"
+
+
+def by_opcode(page: dict[int, tuple[str, dict[str, float]]], top: int = 15) -> list[dict]:
+    """Warp samples by the opcode of the waiting instruction, % of the kernel's samples, with the main reasons: a
+    shared-memory store waiting on the long scoreboard is a tile staged for a product waiting for its global load."""
+    total = sum(sum(r.values()) for _, r in page.values()) or 1.0
+    ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for text, reasons in page.values():
+        for r, v in reasons.items():
+            ops[opcode(text)][r] += v
+    ranked = sorted(ops.items(), key=lambda kv: -sum(kv[1].values()))[:top]
+    return [{"opcode": op, "pct": 100 * sum(rs.values()) / total,
+             "reasons_pct": {r: 100 * v / total for r, v in sorted(rs.items(), key=lambda kv: -kv[1])[:3]}}
+            for op, rs in ranked]
+
+
 def _source_line(file: str, line: int) -> str:
     for cand in (ROOT / "src" / "tttvideo" / "ttt" / file,):
         if cand.exists() and line > 0:
@@ -216,6 +256,10 @@ def print_tables(rows: list[dict]) -> None:
         nan = float("nan")
         print(f"| {r['label']} | {r.get('duration_us', nan):.0f} | {r.get('issue_active_pct', nan):.1f}"
               f" | {r.get('warp_cycles_per_issue', nan):.1f} | {top} |")
+    for r in rows:
+        if r.get("by_opcode"):
+            ops = ", ".join(f"{o['opcode']} {o['pct']:.0f}" for o in r["by_opcode"][:6])
+            print(f"\n{r['label']}: samples by the waiting instruction's opcode (%): {ops}")
     for r in rows:
         print(f"\n{r['label']}: source lines by share of stall samples")
         for ln in r.get("by_line", [])[:10]:
