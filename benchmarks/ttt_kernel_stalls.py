@@ -54,15 +54,14 @@ STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
 # scalar metrics read off each report (present in the sections above)
 SCALARS = {
     "duration_us": ("gpu__time_duration.sum", 1e-3),
-    "issue_active_pct": ("sm__inst_issued.avg.pct_of_peak_sustained_active", 1.0),
+    "issue_active_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", 1.0),
     "warp_cycles_per_issue": ("smsp__average_warp_latency_per_inst_issued.ratio", 1.0),
     "registers_per_thread": ("launch__registers_per_thread", 1.0),
     "grid_size": ("launch__grid_size", 1.0),
     "block_size": ("launch__block_size", 1.0),
     "sm_throughput_pct": ("sm__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
     "memory_throughput_pct": ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
-    "local_load_sectors": ("l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum", 1.0),
-    "local_store_sectors": ("l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum", 1.0),
+    "shared_memory_config_kb": ("launch__shared_mem_config_size", 1.0),
 }
 
 

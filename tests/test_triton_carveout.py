@@ -34,6 +34,9 @@ class _Driver:
 
     def cuFuncSetAttribute(self, fn, attribute, value):  # noqa: N802
         self.calls.append(("attribute", fn.value, attribute, value))
+        return self.status
+
+    status = 0
 
 
 def _kernel(handle, shared):
@@ -56,6 +59,20 @@ def test_modes_applied_once_per_kernel_and_again_on_change(monkeypatch):
     assert driver.calls[2:] == [("cache", 1234, 1), ("attribute", 1234, 9, -1)]
     tc.fit_carveout(_kernel(99, 40960))  # under 48 KB Triton sets no preference
     assert driver.calls[4:] == [("cache", 99, 0), ("attribute", 99, 9, -1)]
+
+
+def test_a_refused_hint_is_logged_once(monkeypatch, caplog):
+    driver = _Driver()
+    driver.status = 1  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(tc, "_libcuda", lambda: driver)
+    monkeypatch.setattr(tc, "_sm_limits", lambda device: H100_SM)
+    monkeypatch.setattr(tc, "_applied", {})
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
+    monkeypatch.delenv("TTT_L1_CARVEOUT", raising=False)
+    with caplog.at_level("WARNING", logger="tttvideo.ttt.triton_carveout"):
+        tc.fit_carveout(_kernel(7, 61440))
+        tc.fit_carveout(_kernel(7, 61440))
+    assert len([r for r in caplog.records if "refused" in r.message]) == 1
 
 
 def test_no_cuda_function_is_left_alone(monkeypatch):
