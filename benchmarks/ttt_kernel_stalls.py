@@ -61,7 +61,7 @@ SCALARS = {
     "block_size": ("launch__block_size", 1.0),
     "sm_throughput_pct": ("sm__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
     "memory_throughput_pct": ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
-    "shared_memory_config_kb": ("launch__shared_mem_config_size", 1.0),
+    "shared_memory_config_size": ("launch__shared_mem_config_size", 1.0),  # in the unit ncu_report gives
 }
 
 
