@@ -22,12 +22,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ttt_kernel import bench  # noqa: E402 - this script's folder: ttt_kernel.py
+from ttt_forward_ab import ab_device, add_ab_arguments, timed  # noqa: E402 - this script's folder
 
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 from tttvideo.results import save_json  # noqa: E402
@@ -43,19 +42,8 @@ CASES = [("MLP forward + backward", "mlp", 1, 64, "fwd+bwd"),
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--length", type=int, default=18048, help="tokens per stream (cut to each case's mini-batch)")
-    ap.add_argument("--heads", type=int, default=48, help="heads per sample (streams: batch x heads)")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--out", default="")
+    add_ab_arguments(ap)
     return ap.parse_args(argv)
-
-
-def timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        return bench(fn, min_runs=5, budget_s=1.0)[0]
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def in_mode(mode: str, fn):
@@ -100,7 +88,7 @@ def run_case(name: str, kind: str, B: int, M: int, what: str, args, device) -> d
     times = {mode: [] for mode in MODES}
     for r in range(args.rounds):
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            times[mode].append(timed(runs[mode], device))
+            times[mode].append(timed(runs[mode], device, min_runs=5))
     os.environ.pop("TTT_L1_CARVEOUT", None)
     return dict(case=f"{name}, {B * args.heads} streams", kind=kind, streams=B * args.heads, mini_batch=M,
                 tokens=L, runs=what, equal=equal, norm_grad_moved=norm_moved,
@@ -110,10 +98,7 @@ def run_case(name: str, kind: str, B: int, M: int, what: str, args, device) -> d
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("ttt_carveout_ab.py times Triton kernels: on a CUDA GPU, or in the interpreter with "
-                         "TRITON_INTERPRET=1 (a smoke run: --length 64 --heads 2)")
+    device = ab_device("ttt_carveout_ab.py")
     rows = [run_case(*case, args, device) for case in CASES]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     result = dict(benchmark="ttt_carveout_ab", device=name, torch=torch.__version__, git_commit=git_commit(),

@@ -39,17 +39,31 @@ CASES = [("sampling, 96 streams", 2, 16, False), ("sampling, 48 streams", 1, 16,
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, help="an earlier triton_mlp.py (git show REV:src/... > FILE)")
+    add_ab_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def add_ab_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of the kernel A/B benchmarks (this one and ttt_carveout_ab.py)."""
     ap.add_argument("--length", type=int, default=18048, help="tokens per stream (cut to each case's mini-batch)")
     ap.add_argument("--heads", type=int, default=48, help="heads per sample (streams: batch x heads)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", default="")
-    return ap.parse_args(argv)
 
 
-def timed(fn, device: torch.device) -> float:
+def ab_device(script: str) -> torch.device:
+    """CUDA, or the CPU inside Triton's interpreter (a smoke run); anything else is refused."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(f"{script} times Triton kernels: on a CUDA GPU, or in the interpreter with "
+                         "TRITON_INTERPRET=1 (a smoke run: --length 64 --heads 2)")
+    return device
+
+
+def timed(fn, device: torch.device, min_runs: int = 7) -> float:
     """ms of one measurement: `ttt_kernel.bench` on CUDA; one wall-clock call elsewhere (the interpreter)."""
     if device.type == "cuda":
-        return bench(fn, min_runs=7, budget_s=1.0)[0]
+        return bench(fn, min_runs=min_runs, budget_s=1.0)[0]
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
@@ -88,10 +102,7 @@ def run_case(name: str, B: int, M: int, save: bool, kernels: dict, args, device)
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("ttt_forward_ab.py times Triton kernels: on a CUDA GPU, or in the interpreter with "
-                         "TRITON_INTERPRET=1 (a smoke run: --length 64 --heads 2)")
+    device = ab_device("ttt_forward_ab.py")
     if not os.path.isfile(args.baseline):
         raise SystemExit(f"--baseline {args.baseline}: no such file; write one with "
                          f"git show REV:src/tttvideo/ttt/triton_mlp.py > FILE")
