@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,8 @@ from tttvideo.memory.guard.allocator import use_tttv_allocator
 # the allocator `tttv train` runs with, so the reserved peaks are the trainer's; set before CUDA starts
 use_tttv_allocator()
 
-import model_step  # this script's folder is on sys.path when it runs: the trainer's model and step, shared
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, run as a script or with -m
+import model_step  # noqa: E402 - the trainer's model and step, shared
 import torch
 
 from tttvideo.config.schema import CHECKPOINT_PARTS, Config

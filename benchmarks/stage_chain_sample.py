@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from launch_watch import Watched, failure, tttv
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, run as a script or with -m
+from launch_watch import Watched, failure, tttv  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

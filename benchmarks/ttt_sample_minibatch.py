@@ -19,10 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
-from ttt_kernel import bench, git_commit  # this script's folder: benchmarks/ttt_kernel.py
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, run as a script or with -m
+from ttt_kernel import bench, git_commit  # noqa: E402 - benchmarks/ttt_kernel.py
 
 from tttvideo.config.loader import load_config
 from tttvideo.layout import VideoLayout
