@@ -15,9 +15,13 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
     (the config key or flag the value came from)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"{field} is {name!r}, which is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{field} is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")
-    return torch.device(name)
+    return device
 
 
 def cap_process_memory(gib: float, device: torch.device | str) -> float | None:

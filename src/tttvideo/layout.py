@@ -125,9 +125,13 @@ class VideoLayout:
         """text_tokens=0 picks the original's per-duration length or the largest one <= 512 that
         makes the total a multiple of the mini-batch."""
         seconds = parse_duration(duration)
+        for name, value in (("patch size", patch_size), ("VAE compression", vae_spatial), ("height", height),
+                            ("width", width)):
+            if value <= 0:
+                raise LayoutError(f"{name} {value} must be positive")
         cell = vae_spatial * patch_size
         for name, value in (("height", height), ("width", width)):
-            if value <= 0 or value % cell:
+            if value % cell:
                 raise LayoutError(
                     f"resolution {height}x{width}: {name} {value} is not divisible by VAE compression x patch size "
                     f"= {vae_spatial} x {patch_size} = {cell}; use a multiple of {cell} "

@@ -85,3 +85,24 @@ def setup_logging(command: str) -> None:
             handler.command = command
             return
     logger.addHandler(CommandLogHandler(command))
+
+
+# how the VAE folder of each backbone's VAE kind (`BackboneSpec.vae`) is named in messages
+VAE_NAMES = {"cogvideox": "CogVideoX", "wan": "Wan2.1"}
+
+
+def check_component_folders(preset: str, vae: str, text_encoder: str, vae_field: str, text_field: str) -> None:
+    """A mistyped VAE or text encoder folder, said in one sentence before the model loads and any encoding or
+    denoising runs (their loaders would say so only once they are reached)."""
+    from pathlib import Path
+
+    from tttvideo.errors import UserError
+    from tttvideo.models.backbone import backbone_of
+    from tttvideo.sample.decode import vae_folder
+
+    kind = backbone_of(preset).vae
+    if vae and kind in VAE_NAMES:
+        vae_folder(vae, VAE_NAMES[kind])
+    if text_encoder and not Path(text_encoder).exists():
+        raise UserError(f"{text_field}: text encoder folder {text_encoder} does not exist; give the model's text "
+                        f"encoder folder or the pipeline folder above it")

@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
         host_mem = available_host_bytes()
     cfg = config_from_args(args)
+    out = check_plan_out(args.out, args.config) if args.out else None
     extra = {}
     if args.duration:
         cfg.layout.duration = args.duration
@@ -83,6 +84,12 @@ def run(args: argparse.Namespace) -> int:
 
         shown = chosen or preds[0]
         print(describe(planned_disk(shown.config, args.gpus), shown.config, shown.candidate.label))
+    if chosen is None and preds and all(p.fits is None for p in preds):
+        print(f"tttv plan: no candidate setup of model.preset {cfg.model.preset!r} has measured costs for a "
+              f"{args.phase} step on {args.gpu_kind} (every row: not measured), so nothing can be said to fit; "
+              f"measure this preset with benchmarks/plan_calibration.py, or plan a measured one",
+              file=sys.stderr)
+        return 1
     if chosen is None:
         host = f" and {host_mem / 2**30:.1f} GiB of host memory" if host_mem is not None else ""
 
@@ -92,14 +99,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"tttv plan: nothing measured fits {gpu_mem / 2**30:.1f} GiB per GPU{host} for this {args.phase} "
               f"setup; {what_fits_instead(cfg, args.phase, fit)}", file=sys.stderr)
         return 1
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         command = "tttv " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "tttv plan"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(plan_toml(chosen, args.config, out, command, extra))
         verb = "train" if args.phase == "train" else "sample"
         print(f"wrote {out}: tttv {verb} {out}")
     return 0
+
+
+PLAN_HEADER = "# written by: "  # the first line of every plan file (planner.plan_toml)
+
+
+def check_plan_out(path: str, config: str | None) -> Path:
+    """--out, checked before the planning: a .toml file in a writable folder, not the config it includes, and not
+    a file some other program wrote (only an earlier plan is replaced)."""
+    from tttvideo.outputs import check_writable_file
+
+    out = check_writable_file(path, "--out")
+    if out.suffix != ".toml":
+        raise UserError(f"--out {path}: a plan is a TOML config; name a .toml file")
+    if config and out.resolve() == Path(config).resolve():
+        raise UserError(f"--out {path} is CONFIG itself, which the plan includes; write the plan to another file")
+    if out.is_file() and not out.read_text(errors="replace").startswith(PLAN_HEADER):
+        raise UserError(f"--out {path} exists and is not a plan tttv plan wrote; remove it or name another file")
+    return out
 
 
 def what_fits_instead(cfg, phase: str, fit) -> str:

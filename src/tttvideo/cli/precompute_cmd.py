@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tttvideo.cli.common import add_config_arguments, config_from_args
+from tttvideo.cli.common import add_config_arguments, check_component_folders, config_from_args
 from tttvideo.errors import ConfigError
 
 FLAGS = {  # flag -> data.* key
@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{cfg.model.preset!r} is a {backbone.name!r} model (VAE {backbone.vae!r}, text encoder "
                           f"{backbone.text_encoder!r}); precompute with a cogvideox or wan preset")
     check_writable_dir(data.cache_dir, "--out (data.cache_dir)")
+    check_component_folders(cfg.model.preset, data.vae_path, data.text_encoder_path, "--vae (data.vae_path)",
+                            "--t5 (data.text_encoder_path)")
     opts = PrecomputeOptions(
         videos=Path(data.videos), captions=Path(data.captions), out=Path(data.cache_dir),
         vae_path=Path(data.vae_path), text_encoder_path=Path(data.text_encoder_path), layout=layout,

@@ -15,8 +15,8 @@ import json
 import logging
 from pathlib import Path
 
-from tttvideo.cli.common import SET_HELP
-from tttvideo.errors import UserError
+from tttvideo.cli.common import SET_HELP, check_component_folders
+from tttvideo.errors import ConfigError, UserError
 
 # flag -> config key it overrides
 FLAG_KEYS = {
@@ -42,14 +42,18 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--scenes", required=True, help="story file (.json / .jsonl) or a folder of them")
     p.add_argument("--out", required=True, help="output .mp4 (one story) or folder (several stories)")
     p.add_argument("--duration", default=None, help="video length, e.g. 63s; must match the scene count")
-    p.add_argument("--steps", type=int, help="denoising steps (default 50)")
-    p.add_argument("--cfg", type=float, help="guidance scale (end of the ramp; default 4)")
-    p.add_argument("--cfg-schedule", choices=("ramp", "constant"), help="guidance ramp 1 -> cfg (default) or constant")
+    p.add_argument("--steps", type=int, help="denoising steps (default: the config's sample.steps, 50 unless it sets them)")
+    p.add_argument("--cfg", type=float, help="guidance scale (end of the ramp; default: the config's sample.cfg)")
+    p.add_argument("--cfg-schedule", choices=("ramp", "constant"),
+                   help="guidance ramp 1 -> cfg or constant (default: the config's sample.cfg_schedule)")
     p.add_argument("--seed", type=int, help="noise seed (same seed, same video)")
     p.add_argument("--solver", choices=("ddim", "dpm++2m", "unipc", "euler"),
-                   help="sampler: ddim (default) or dpm++2m for CogVideoX, unipc or euler for Wan")
-    p.add_argument("--text-encoder", help="local T5 folder (default: the demo text encoder)")
-    p.add_argument("--vae", help="local CogVideoX VAE folder (default: identity decode of demo latents)")
+                   help="sampler: ddim or dpm++2m for CogVideoX, unipc or euler for Wan (default: the config's "
+                        "sample.solver)")
+    p.add_argument("--text-encoder", help="local text encoder folder of the model's backbone, T5 for CogVideoX, "
+                                          "umT5 for Wan (default: the demo text encoder)")
+    p.add_argument("--vae", help="local VAE folder of the model's backbone, CogVideoX or Wan2.1 (default: identity "
+                                 "decode of demo latents)")
     p.add_argument("--device", help="'auto', 'cpu', 'cuda', ...")
     p.add_argument("--offload-blocks", action="store_true", help="keep transformer blocks on the CPU, prefetched")
     p.add_argument("--text-encoder-on-cpu", action="store_true", help="run T5 on the CPU")
@@ -84,6 +88,18 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     if args.no_vae_tiling:
         out.append("sample.vae_tiling=false")
     return out
+
+
+def _named_by_flag(err: ConfigError, args: argparse.Namespace) -> ConfigError:
+    """A bad value the user gave as a flag (--steps 0) is named by that flag, not as the --set it becomes."""
+    from tttvideo.config.loader import OVERRIDE_SOURCE
+
+    text = str(err)
+    for flag, key in FLAG_KEYS.items():
+        prefix = f"{key} in {OVERRIDE_SOURCE}: "
+        if getattr(args, flag) is not None and text.startswith(prefix):
+            return ConfigError(f"--{flag.replace('_', '-')} ({key}): {text[len(prefix):]}")
+    return err
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +138,13 @@ def _checked_inputs(args: argparse.Namespace):
     for path in output_paths(stories, args.out):  # and an unwritable --out before hours of denoising
         check_writable_file(path, "--out")
     cfg_path = _config_file(args)
-    cfg = load_config(cfg_path, _overrides(args))
+    try:
+        cfg = load_config(cfg_path, _overrides(args))
+    except ConfigError as err:
+        raise _named_by_flag(err, args) from None
+    check_component_folders(cfg.model.preset, cfg.sample.vae_path or cfg.data.vae_path,
+                            cfg.sample.text_encoder_path or cfg.data.text_encoder_path,
+                            "--vae (sample.vae_path)", "--text-encoder (sample.text_encoder_path)")
     if cfg.sample.write_video:  # latents only (sample.write_video = false) write no mp4
         check_mp4_writer()
     _check_one_process(cfg, cfg_path)
@@ -136,7 +158,6 @@ def _checked_inputs(args: argparse.Namespace):
 def _check_one_process(cfg, cfg_path: str | None) -> None:
     """Without torchrun, parallel.sp > 1 is refused as `tttv train` refuses it: the sequence parallelism the config
     asks for needs that many processes (a config saved by a torchrun training run carries its parallel.sp)."""
-    from tttvideo.errors import ConfigError
     from tttvideo.parallel.launch import launch_world_size
 
     sp = cfg.parallel.sp

@@ -215,7 +215,8 @@ class TrainConfig:
     timestep_mean: float = bounded(0.0, help="logit-normal location: 0 centres the draws half-way, > 0 toward noise")
     timestep_std: float = bounded(1.0, 0.01, help="logit-normal scale: larger spreads the draws toward both ends")
     precision: Precision = choice("bf16", *get_args(Precision), help="autocast dtype; fp16 adds a gradient scaler")
-    device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
+    device: str = field(default="auto", metadata={"device": True,
+                                                  "help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
     cpu_threads: int = bounded(0, 0, help="PyTorch CPU threads; 0 = its default (one per core). 1 is faster on a "
                                           "busy machine, where spinning OpenMP threads stall each other")
     # checkpoints
@@ -279,7 +280,8 @@ class DataConfig:
     text_batch_size: int = bounded(8, 1, help="prompts per T5 call")
     cache_dtype: CacheDtype = choice("bf16", *get_args(CacheDtype), help="dtype of stored latents and text features")
     vae_tiling: bool = field(default=False, metadata={"help": "tiled VAE encoding (less memory, tiny seams)"})
-    device: str = field(default="auto", metadata={"help": "precompute device: 'auto', 'cpu', 'cuda', ..."})
+    device: str = field(default="auto", metadata={"device": True,
+                                                  "help": "precompute device: 'auto', 'cpu', 'cuda', ..."})
 
 
 @dataclass
@@ -300,7 +302,8 @@ class SampleConfig:
                                                           "last-step weights"})
     cfg_batched: bool = field(default=True, metadata={"help": "conditional and unconditional in one batch of 2 "
                                                               "(faster) instead of two passes (less memory)"})
-    device: str = field(default="auto", metadata={"help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
+    device: str = field(default="auto", metadata={"device": True,
+                                                  "help": "'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:1', ..."})
     dtype: SampleDtype = choice("auto", *get_args(SampleDtype), help=(
         "dtype the transformer samples in (no autocast): 'auto' is bf16 on a GPU where model.dtype is fp32 (a run's "
         "master weights; the trained weights are cast as they load) and model.dtype otherwise, CPU included"))

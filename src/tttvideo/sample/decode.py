@@ -70,8 +70,9 @@ class IdentityDecoder:
             yield chunk.clamp(-1, 1)
 
 
-def _vae_folder(path: str | Path, model: str = "CogVideoX") -> Path:
-    """A VAE folder itself (config.json) or a diffusers pipeline folder with a vae/ subfolder."""
+def vae_folder(path: str | Path, model: str = "CogVideoX") -> Path:
+    """A VAE folder itself (config.json) or a diffusers pipeline folder with a vae/ subfolder; a missing one is a
+    one-sentence error (the commands call this before any heavy work, the loader again)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"VAE folder {path} does not exist; give the {model} vae/ folder (config.json + weights)")
@@ -86,7 +87,7 @@ def _load_vae(cls, model: str, path: str | Path, device: torch.device | str, dty
     """diffusers VAE class `cls` from a folder, checked to be that class, in eval mode without gradients."""
     import json
 
-    folder = _vae_folder(path, model)
+    folder = vae_folder(path, model)
     try:
         kind = json.loads((folder / "config.json").read_text()).get("_class_name", "")
     except (OSError, ValueError) as err:

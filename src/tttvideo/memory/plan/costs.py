@@ -138,10 +138,17 @@ def load_costs(gpu: str, path: Path = COSTS_FILE) -> CostTable:
     except json.JSONDecodeError as err:
         raise UserError(f"costs file {path} is not valid JSON ({err}); write it with benchmarks/plan_calibration.py"
                         ) from None
+    if not isinstance(tables, dict):
+        raise UserError(f"costs file {path} is not a costs table (a JSON object of GPU kinds); write it with "
+                        f"benchmarks/plan_calibration.py")
     if gpu not in tables:
         raise UserError(f"no measured costs for GPU kind {gpu!r}; measured: {', '.join(sorted(tables)) or 'none'} "
                         f"(benchmarks/plan_calibration.py measures a new one); pick the nearest with --gpu-kind")
-    return CostTable.from_dict(tables[gpu])
+    try:
+        return CostTable.from_dict(tables[gpu])
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UserError(f"costs file {path}: the {gpu!r} table is not one benchmarks/plan_calibration.py writes "
+                        f"({type(err).__name__}: {err}); write it with that script") from None
 
 
 def save_costs(table: CostTable, path: Path = COSTS_FILE) -> None:
