@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--scenes", required=True, help="story file (.json / .jsonl) or a folder of them")
     p.add_argument("--out", required=True, help="output .mp4 (one story) or folder (several stories)")
     p.add_argument("--duration", default=None, help="video length, e.g. 63s; must match the scene count")
-    p.add_argument("--steps", type=int, help="denoising steps (default: the config's sample.steps, 50 unless it sets them)")
+    p.add_argument("--steps", type=int,
+                   help="denoising steps (default: the config's sample.steps, 50 unless it sets them)")
     p.add_argument("--cfg", type=float, help="guidance scale (end of the ramp; default: the config's sample.cfg)")
     p.add_argument("--cfg-schedule", choices=("ramp", "constant"),
                    help="guidance ramp 1 -> cfg or constant (default: the config's sample.cfg_schedule)")
