@@ -143,12 +143,20 @@ def test_changed_steps_past_the_old_schedules_end_says_the_rate_stays():
 
 
 # ------------------------------------------------------------------------------------------------ precompute
+def _vae_folder(root: Path) -> Path:
+    """A folder that passes precompute's up-front VAE check (config.json); these runs stop before loading it."""
+    folder = root / "vae"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
 def test_captions_that_are_not_utf8_are_one_sentence(capsys, tmp_path):
     captions = tmp_path / "captions.jsonl"
     captions.write_bytes(b'{"video": "a.mp4", "captions": ["a red circle"]}\n'
                          b'{"video": "b.mp4", "captions": ["caf\xe9 au lait"]}\n')
     one_error_line(capsys, ["precompute", "--videos", str(tmp_path), "--captions", str(captions), "--vae",
-                            str(tmp_path), "--t5", str(tmp_path), "--out", str(tmp_path / "cache")],
+                            str(_vae_folder(tmp_path)), "--t5", str(tmp_path), "--out", str(tmp_path / "cache")],
                    str(captions), "line 2", "not valid UTF-8", "0xe9")
 
 
@@ -201,8 +209,8 @@ def test_output_to_a_pipe_is_not_wrapped(capsys, tmp_path, monkeypatch):
     captions = tmp_path / "captions.jsonl"
     captions.write_text('{"video": "missing.mp4", "captions": ["a red circle"]}\n')
     out = tmp_path / ("a-folder-name-long-enough-that-the-printed-path-passes-eighty-columns" * 2)
-    assert main(["precompute", "--videos", str(tmp_path), "--captions", str(captions), "--vae", str(tmp_path),
-                 "--t5", str(tmp_path), "--out", str(out)]) == 1
+    assert main(["precompute", "--videos", str(tmp_path), "--captions", str(captions), "--vae",
+                 str(_vae_folder(tmp_path)), "--t5", str(tmp_path), "--out", str(out)]) == 1
     printed = capsys.readouterr().out
     assert any(str(out / "report.json") in line for line in printed.splitlines()), printed
     assert "COLUMNS" not in os.environ  # given back after the command
