@@ -96,3 +96,15 @@ def test_sample_checks_vae_and_text_encoder_folders_and_names_flags(capsys, tmp_
     one_error_line(capsys, [*args, "--steps", "0"], "--steps (sample.steps): 0 is out of range")
     one_error_line(capsys, [*args, "--device", "gpu"], "--device (sample.device)", "is not a device")
     one_error_line(capsys, [*args, "--set", "sample.steps=0"], "sample.steps in --set: 0 is out of range")
+
+
+def test_a_top_level_key_and_a_folder_as_config(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("steps = 3\n[train]\nlr = 1e-4\n")
+    with pytest.raises(ConfigError, match="key 'steps' in .*run.toml stands outside any section; put it under"):
+        load_config(config)
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "a.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"is not a file; configs in .*configs/: a.toml"):
+        load_config(folder)

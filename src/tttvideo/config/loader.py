@@ -108,6 +108,11 @@ def _read_chain(path: Path, stack: tuple[Path, ...], parent: str | None) -> list
 
 
 def _nearby_configs_hint(path: Path) -> str:
+    """The configs a mistyped CONFIG may have meant: those in the folder named (when a folder was given), else
+    beside it."""
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.toml"))
+        return f"; configs in {_label(path)}/: {', '.join(found)}" if found else ""
     folder = path.parent if str(path.parent) not in ("", ".") else Path("configs")
     found = sorted(p.name for p in folder.glob("*.toml")) if folder.is_dir() else []
     return f"; configs in {_label(folder)}/: {', '.join(found)}" if found else ""
@@ -150,7 +155,7 @@ def _apply_table(obj: Any, table: dict, prefix: str, source: str) -> None:
         if key not in fields and _legacy_key(obj, dotted, value, source):
             continue
         if key not in fields:
-            raise _unknown_key(type(obj), key, prefix, source)
+            raise _unknown_key(type(obj), key, prefix, source, is_table=isinstance(value, dict))
         tp = hints[key]
         if _is_dataclass_type(tp) and isinstance(value, dict):
             # A partial table overrides only the keys it names: that is what makes include/--set layering work.
@@ -175,9 +180,12 @@ def _build(cls: type, table: dict, key: str, source: str) -> Any:
     return cls(**kwargs)
 
 
-def _unknown_key(cls: type, key: str, prefix: str, source: str) -> ConfigError:
+def _unknown_key(cls: type, key: str, prefix: str, source: str, is_table: bool = True) -> ConfigError:
     valid = list(_settable_fields(cls))
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not prefix and not is_table:  # `foo = 1` above every [section]: a key, which belongs in one
+        return ConfigError(f"key '{key}' in {source} stands outside any section; put it under its [section] "
+                           f"({', '.join(valid)}), e.g. [train] for train.steps")
     if not prefix:
         hint = f" (did you mean [{close[0]}]?)" if close else ""
         return ConfigError(f"unknown section [{key}] in {source}{hint}; valid sections: {', '.join(valid)}")
