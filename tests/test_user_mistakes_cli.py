@@ -100,7 +100,7 @@ def test_sample_checks_vae_and_text_encoder_folders_and_names_flags(capsys, tmp_
 
 def test_a_top_level_key_and_a_folder_as_config(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text("steps = 3\n[train]\nlr = 1e-4\n")
+    config.write_text("steps = 3\n[train]\nseed = 1\n")
     with pytest.raises(ConfigError, match="key 'steps' in .*run.toml stands outside any section; put it under"):
         load_config(config)
     folder = tmp_path / "configs"
