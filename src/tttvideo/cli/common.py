@@ -102,7 +102,10 @@ def check_component_folders(preset: str, vae: str, text_encoder: str, vae_field:
 
     kind = backbone_of(preset).vae
     if vae and kind in VAE_NAMES:
-        vae_folder(vae, VAE_NAMES[kind])
+        try:
+            vae_folder(vae, VAE_NAMES[kind])
+        except UserError as err:
+            raise UserError(f"{vae_field}: {err}") from None
     if text_encoder and not Path(text_encoder).exists():
         raise UserError(f"{text_field}: text encoder folder {text_encoder} does not exist; give the model's text "
                         f"encoder folder or the pipeline folder above it")
