@@ -108,3 +108,15 @@ def test_a_top_level_key_and_a_folder_as_config(tmp_path):
     (folder / "a.toml").write_text("")
     with pytest.raises(ConfigError, match=r"is not a file; configs in .*configs/: a.toml"):
         load_config(folder)
+
+
+def test_a_run_folder_before_its_first_checkpoint(tmp_path):
+    from tttvideo.runs import resolve_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[train]\nsteps = 5\n")
+    with pytest.raises(UserError, match="run folder .* holds no checkpoint yet"):
+        resolve_checkpoint(run)
+    with pytest.raises(UserError, match="is neither a model file"):
+        resolve_checkpoint(tmp_path)

@@ -288,6 +288,9 @@ def resolve_checkpoint(path: str | Path, cfg: Config | None = None) -> Path:
                              f"; the config builds model.preset = {cfg.model.preset!r}: give the config the "
                              f"checkpoint was trained with (CONFIG, or config.toml beside it) or set model.preset")
         return found
+    if Path(path, "config.toml").is_file():  # a run folder tttv train made, before its first checkpoint
+        raise UserError(f"run folder {path} holds no checkpoint yet (train.checkpoint_every decides when the first is "
+                        f"written); wait for one, or give another checkpoint")
     raise UserError(f"checkpoint {path} is neither a model file, a checkpoint folder ({MODEL_FILE} inside) nor a "
                     f"training run folder with checkpoints/; point --checkpoint at what tttv train wrote")
 
