@@ -120,3 +120,8 @@ def test_a_run_folder_before_its_first_checkpoint(tmp_path):
         resolve_checkpoint(run)
     with pytest.raises(UserError, match="is neither a model file"):
         resolve_checkpoint(tmp_path)
+
+
+def test_an_unquoted_list_in_set_gets_the_quoted_form():
+    with pytest.raises(ConfigError, match=r"""--set 'checkpointing.keep=\["attention", "matmul"\]'"""):
+        load_config(None, ["checkpointing.keep=[attention, matmul]"])

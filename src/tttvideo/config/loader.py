@@ -281,7 +281,13 @@ def _choice_error(value: Any, choices: Iterable[Any], key: str, source: str) -> 
 def _type_error(tp: Any, value: Any, key: str, source: str, meta: Any) -> ConfigError:
     allowed = _allowed_text(meta)
     extra = f" ({allowed})" if allowed else ""
-    return ConfigError(f"{key} in {source}: expected {_type_name(tp)}{extra}, got {_describe(value)}")
+    hint = ""
+    if source == OVERRIDE_SOURCE and typing.get_origin(tp) is list and isinstance(value, str) and value.startswith("["):
+        # [attention] is no TOML list: its strings need quotes, and the shell must keep them
+        words = [w.strip().strip("\"'") for w in value.strip("[]").split(",") if w.strip()]
+        listed_words = ", ".join(f'"{w}"' for w in words)
+        hint = f"; write it as a TOML list, quoted for the shell: --set '{key}=[{listed_words}]'"
+    return ConfigError(f"{key} in {source}: expected {_type_name(tp)}{extra}, got {_describe(value)}{hint}")
 
 
 def _range_text(lo: Any, hi: Any) -> str:
