@@ -125,3 +125,15 @@ def test_a_run_folder_before_its_first_checkpoint(tmp_path):
 def test_an_unquoted_list_in_set_gets_the_quoted_form():
     with pytest.raises(ConfigError, match=r"""--set 'checkpointing.keep=\["attention", "matmul"\]'"""):
         load_config(None, ["checkpointing.keep=[attention, matmul]"])
+
+
+def test_a_mistyped_command_and_an_unknown_option(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["trian", "configs/demo.toml"])
+    assert exit_.value.code == 2
+    assert "unknown command 'trian' (did you mean 'train'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["layout", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage: tttv layout" in err
+    assert "tttv layout: error: unrecognized arguments: --bogus" in err

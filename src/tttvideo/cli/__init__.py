@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import faulthandler
 import importlib
 import logging
@@ -47,6 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, with a mistyped command named with its nearest ('trian' -> 'train') and an unknown option shown
+    with its own command's usage, not tttv's."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first is not None and first not in COMMANDS and not any(a in ("-h", "--help", "--version") for a in argv):
+        close = difflib.get_close_matches(first, COMMANDS, n=1)
+        parser.error(f"unknown command {first!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                     + f"; the commands: {', '.join(COMMANDS)}")
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 # rich's width when stdout is no terminal: wide enough that no line of ours is wrapped
 UNWRAPPED_COLUMNS = 10_000
 
@@ -59,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_noise()
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = _parse(parser, sys.argv[1:] if argv is None else argv)
         setup_logging(args.command)
         with _unwrapped_output():
             try:
