@@ -4,24 +4,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter_runs import run_in_interpreter
 
 
 def test_scan_overlap_smoke_in_interpreter(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "scan_overlap.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "benchmarks/scan_overlap.py", "--length", "64", "--heads", "2",
-                           "--tokens", "64", "--window", "64", "--rounds", "1", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_in_interpreter("scan_overlap.py", "--length", "64", "--heads", "2", "--tokens", "64", "--window", "64",
+                              "--rounds", "1", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["scan_streams"], r["background"]) for r in rows] == [
         (4, "linear 3072x3072"), (4, "attention, one window"), (2, "linear 3072x3072"), (2, "attention, one window")]

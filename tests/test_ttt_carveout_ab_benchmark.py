@@ -4,24 +4,17 @@ every case and give the same outputs (there is no carveout to set on a CPU; the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter_runs import run_in_interpreter
 
 
 def test_smoke_in_the_interpreter(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "ab.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", OUT="")
-    proc = subprocess.run([sys.executable, "benchmarks/ttt_carveout_ab.py", "--length", "64", "--heads", "2",
-                           "--rounds", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_in_interpreter("ttt_carveout_ab.py", "--length", "64", "--heads", "2", "--rounds", "1",
+                              "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["runs"] for r in rows] == ["fwd+bwd", "train fwd", "sample fwd", "sample fwd", "fwd+bwd"]
     assert all(r["equal"] and r["norm_grad_moved"] == 0.0 for r in rows)

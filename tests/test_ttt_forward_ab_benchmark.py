@@ -8,11 +8,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter_runs import ROOT, run_in_interpreter
 
 
 def test_forward_ab_smoke_in_interpreter(tmp_path):
@@ -20,11 +19,8 @@ def test_forward_ab_smoke_in_interpreter(tmp_path):
     baseline = tmp_path / "triton_mlp_copy.py"
     shutil.copy(ROOT / "src" / "tttvideo" / "ttt" / "triton_mlp.py", baseline)
     out = tmp_path / "ab.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", OUT="")
-    proc = subprocess.run([sys.executable, "benchmarks/ttt_forward_ab.py", "--baseline", str(baseline),
-                           "--length", "64", "--heads", "2", "--rounds", "2", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_in_interpreter("ttt_forward_ab.py", "--baseline", str(baseline), "--length", "64", "--heads", "2",
+                              "--rounds", "2", "--out", str(out))
     result = json.loads(out.read_text())
     assert [r["case"] for r in result["rows"]] == ["sampling, 96 streams", "sampling, 48 streams",
                                                      "training forward, 48 streams"]
