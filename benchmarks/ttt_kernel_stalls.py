@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import glob
 import math
 import os
@@ -239,12 +240,16 @@ def by_opcode(page: dict[int, tuple[str, dict[str, float]]], top: int = 15) -> l
             for op, rs in ranked]
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_source(file: str) -> tuple[str, ...]:
+    """The lines of a kernel file of tttvideo/ttt (none for a file elsewhere, such as Triton's own)."""
+    path = ROOT / "src" / "tttvideo" / "ttt" / file
+    return tuple(path.read_text().splitlines()) if path.is_file() else ()
+
+
 def _source_line(file: str, line: int) -> str:
-    for cand in (ROOT / "src" / "tttvideo" / "ttt" / file,):
-        if cand.exists() and line > 0:
-            text = cand.read_text().splitlines()
-            return text[line - 1].strip() if line <= len(text) else ""
-    return ""
+    text = _kernel_source(file)
+    return text[line - 1].strip() if 0 < line <= len(text) else ""
 
 
 def print_tables(rows: list[dict]) -> None:
