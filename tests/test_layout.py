@@ -159,6 +159,8 @@ def test_cli_layout_of_a_config_is_its_backbones(capsys):
     assert main(["layout", "configs/wan2.1-1.3b/stage2-9s-24gb.toml", "--windows"]) == 0
     out = capsys.readouterr().out
     assert "wan2.1-t2v-1.3b" in out and "cross-attended" in out and out.count("57,720") == 2  # video = total
+    # the title is one line, however narrow the table below it
+    assert "wan2.1-t2v-1.3b (configs/wan2.1-1.3b/stage2-9s-24gb.toml, train): 9 s at 480x832, 16 fps\n" in out
     assert "20,280" in out  # a window: 13 latent frames of 1,560 tokens
     assert main(["layout", "configs/cogvideox-5b/stage2-9s.toml", "--phase", "sample", "--duration", "63s",
                  "--set", "ttt.kind=mlp"]) == 0

@@ -74,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
     model, layouts = _layouts(args)
     console = Console()
     for lay in layouts:
-        table = Table(title=f"{model}: {lay.duration_s} s at {lay.height}x{lay.width}, {lay.fps} fps",
-                      show_header=False)
+        title = f"{model}: {lay.duration_s} s at {lay.height}x{lay.width}, {lay.fps} fps"
+        # a line of its own: as the table's title it wrapped mid-value wherever the table is narrower than it
+        console.print(title, style="bold", soft_wrap=True, highlight=False)
+        table = Table(show_header=False)
         table.add_column("quantity")
         table.add_column("value", justify="right")
         text = "text tokens per segment" + ("" if lay.text_in_stream else " (cross-attended, not in the stream)")
