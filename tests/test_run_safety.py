@@ -344,6 +344,40 @@ def test_restart_at_step_zero_starts_a_fresh_log(tmp_path):
     assert tensorboard_steps(tmp_path / "run/tensorboard") == [1, 2, 3, 4]
 
 
+def test_a_short_runs_loss_windows_do_not_overlap(tmp_path):
+    """The summary's first and last loss means cover log_every steps each, or half a run too short for that:
+    never the same steps twice."""
+    from tttvideo.train.trainer import Trainer
+
+    result = Trainer(_tiny(tmp_path, "train.steps=5", "train.log_every=20"), quiet=True).run()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 5 and result.loss_window == 2
+    assert result.first_loss == pytest.approx(sum(losses[:2]) / 2, rel=1e-6)
+    assert result.last_loss == pytest.approx(sum(losses[-2:]) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("earlier_run", [False, True])
+def test_resume_without_a_checkpoint_says_which_case(tmp_path, earlier_run):
+    """--resume with no checkpoint starts at step 0 either way (a preemptible job's first launch passes it too);
+    an empty folder is named as holding no run, since a mistyped train.output_dir looks the same."""
+    import contextlib
+
+    from rich.console import Console
+
+    from tttvideo.train import runfolder
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    if earlier_run:
+        (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    out = StringIO()
+    with contextlib.ExitStack() as stack:
+        assert runfolder.claim(folder, "resume", stack, Console(file=out, width=300)) == (folder, None)
+    said = out.getvalue()
+    assert ("holds no earlier run" in said) is not earlier_run
+    assert ("no checkpoint in" in said) is earlier_run and "step 0" in said
+
+
 def test_resume_drops_what_was_logged_after_the_checkpoint(tmp_path):
     """Steps 5 and 6 logged after checkpoint 4 (their checkpoint lost, as a kill leaves it) and a line cut off
     mid-write: after the resume, metrics.jsonl and TensorBoard hold steps 1..8 once each."""

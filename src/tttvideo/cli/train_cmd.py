@@ -123,9 +123,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     change = (1 - result.last_loss / result.first_loss) * 100 if result.first_loss else 0.0
     verdict = f"{change:.0f}% lower" if change > 0 else "did not fall"
-    window = len(trainer.first_losses)
-    console.print(f"loss: mean of the first {window} steps {result.first_loss:.4f} -> mean of the last {window} "
-                  f"steps {result.last_loss:.4f} ({verdict})")
+    window = result.loss_window
+    if result.steps_done < 2:
+        console.print(f"loss: {result.last_loss:.4f} (one step: nothing to compare)")
+    else:
+        console.print(f"loss: mean of the first {window} steps {result.first_loss:.4f} -> mean of the last {window} "
+                      f"steps {result.last_loss:.4f} ({verdict})")
     console.print(f"trained {result.steps_done} steps in {result.seconds:.0f} s; outputs in {result.output_dir}:")
     if result.checkpoints:
         console.print(f"  checkpoints   {result.checkpoints[-1].parent} (newest {result.checkpoints[-1].name})")

@@ -160,8 +160,14 @@ def claim(output_dir: Path, if_exists: str, stack: contextlib.ExitStack, console
     elif if_exists == "resume":
         resume_from = runs.newest_intact_checkpoint(
             output_dir, advice="start over with --overwrite or beside it with --new", warn_once=False)
-        if resume_from is None:
+        if resume_from is None and run_outputs(output_dir):
             console.print(f"--resume: no checkpoint in {runs.checkpoint_root(output_dir)}; starting at step 0")
+        elif resume_from is None:
+            # resuming into an empty folder is how a preemptible job's first launch looks, so no error; but a
+            # mistyped output_dir looks the same, so say which folder it is
+            console.print(f"--resume: {output_dir} holds no earlier run (no checkpoint, no logs); starting a new "
+                          f"run at step 0 (if you meant to continue a run, check train.output_dir)",
+                          style="yellow")
         return output_dir, resume_from
     return output_dir, None
 

@@ -89,6 +89,8 @@ class TrainResult:
     steps_done: int
     first_loss: float
     last_loss: float
+    # steps in each of the two means above: log_every, fewer on a run too short for two windows that do not overlap
+    loss_window: int = 0
     checkpoints: list[Path] = field(default_factory=list)
     nonfinite_skips: int = 0
     seconds: float = 0.0
@@ -476,8 +478,11 @@ class Trainer:
             result.video = self._sample_video(f"step-{self.step:06d}", None)
         result.steps_done = self.step
         result.nonfinite_skips = self.nonfinite_skips
-        result.first_loss = float(np.mean(self.first_losses)) if self.first_losses else math.nan
-        tail = log_window[-self.train.log_every:]
+        # the two windows must not share steps, or a short run compares a loss with itself
+        window = min(len(self.first_losses), len(log_window) or 1, self.train.log_every, max(1, self.step // 2))
+        result.loss_window = window
+        result.first_loss = float(np.mean(self.first_losses[:window])) if self.first_losses else math.nan
+        tail = log_window[-window:]
         result.last_loss = float(np.mean(tail)) if tail else last_loss
         result.seconds = time.perf_counter() - t_start
         return result
