@@ -207,3 +207,33 @@ def test_blockwise_build_keeps_shared_weights_shared(name):
     assert size(model) == size(whole)
     assert len(model.state_dict()) == len(whole.state_dict())
     assert all(p.std() > 0 for p in model.parameters() if p.dim() >= 2)  # filled, not left empty
+
+
+@pytest.mark.parametrize("tiny_run", [False, True])
+def test_a_full_size_pipeline_on_the_cpu_is_warned_before_it_builds(monkeypatch, caplog, tmp_path, tiny_run):
+    """A full-size pipeline profiled on the CPU runs for hours: a warning names the size and the quick way out
+    before anything is built; a tiny one runs without it."""
+    import tttvideo.memory.profile.drivers as drivers
+    from tttvideo.memory.studies.pipelines import profile_pipeline
+
+    monkeypatch.setattr(drivers, "run_profiled", lambda *a, **k: ({"status": "ok"}, 0))  # build nothing
+    pc = tiny("wan2.1-t2v-1.3b") if tiny_run else load_pipeline_profile(None, ["pipeline.name=wan2.1-t2v-1.3b"])
+    with caplog.at_level("WARNING", logger="tttvideo"):
+        assert profile_pipeline(pc, 1, tmp_path, device="cpu")[1] == 0
+    said = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert ("480x832, 81 frames on the CPU" in said and "pipeline.tiny=true" in said) is not tiny_run
+    assert bool(said) is not tiny_run
+
+
+def test_the_tiny_wan_transformer_takes_the_published_video_size():
+    """pipeline.tiny = true keeps the published 480 x 832 x 81 video unless told otherwise: the tiny transformer's
+    rotary table must cover its latent grid (52 patches across), or diffusers fails in the first forward."""
+    import torch
+
+    from tttvideo.memory.studies.pipelines import PIPELINES
+
+    dit = PIPELINES["wan2.1-t2v-1.3b"].build(True)["transformer"]()
+    latents = torch.zeros(1, 16, 1, 480 // 8, 832 // 8)  # one latent frame of the published size
+    with torch.no_grad():
+        out = dit(latents, timestep=torch.tensor([1]), encoder_hidden_states=torch.zeros(1, 4, 32)).sample
+    assert out.shape == latents.shape

@@ -17,6 +17,7 @@ moves show inside the phases that trigger them.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ def _wan(tiny: bool) -> dict[str, Callable[[], Any]]:
     vae: dict[str, Any] = {}
     if tiny:
         dit.update(num_attention_heads=2, attention_head_dim=8, text_dim=32, freq_dim=16, ffn_dim=32, num_layers=2,
-                   rope_max_seq_len=32)
+                   rope_max_seq_len=1024)  # the rope table covers the published sizes too
         t5.update(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
         vae = dict(base_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
     return {"text_encoder": lambda: UMT5EncoderModel(UMT5Config(**t5)),
@@ -446,6 +447,12 @@ def profile_pipeline(pc: PipelineProfile, steps: int, out_dir: str | Path, *, de
 
     check_pipeline_profile(pc)
     dev, rank = join_context_parallel(pc, resolve_device(device, "--device"))
+    if dev.type == "cpu" and not pc.tiny:
+        # a full-size pipeline does run on the CPU, but for hours: say so before the first model is built
+        logging.getLogger(__name__).warning(
+            f"profiling {pc.name} at {pc.height}x{pc.width}, {pc.frames} frames on the CPU: its full-size models "
+            f"take many minutes a denoising step here; for a quick rehearsal add --set pipeline.tiny=true and small "
+            f"pipeline.height / width / frames (64, 64, 9), for real figures run it on a GPU")
     meta = {"phase": f"pipeline {pc.name}", "steps": steps, **(meta or {}), "pipeline": asdict(pc)}
     if pc.context_parallel > 1:
         meta["context_parallel"] = f"Ulysses over {pc.context_parallel} GPUs; the figures are rank {rank}'s"
