@@ -93,8 +93,8 @@ def test_sample_checks_vae_and_text_encoder_folders_and_names_flags(capsys, tmp_
     one_error_line(capsys, [*args, "--vae", str(tmp_path / "nonexist")], "VAE folder", "does not exist")
     one_error_line(capsys, [*args, "--text-encoder", str(tmp_path / "nonexist")], "--text-encoder",
                    "text encoder folder", "does not exist")
-    one_error_line(capsys, [*args, "--steps", "0"], "--steps (sample.steps): 0 is out of range")
-    one_error_line(capsys, [*args, "--device", "gpu"], "--device (sample.device)", "is not a device")
+    one_error_line(capsys, [*args, "--steps", "0"], "sample.steps in --steps: 0 is out of range")
+    one_error_line(capsys, [*args, "--device", "gpu"], "sample.device in --device", "is not a device")
     one_error_line(capsys, [*args, "--set", "sample.steps=0"], "sample.steps in --set: 0 is out of range")
 
 

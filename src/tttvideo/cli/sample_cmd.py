@@ -14,9 +14,13 @@ import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tttvideo.cli.common import SET_HELP, check_component_folders
 from tttvideo.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from tttvideo.config.loader import Override
 
 # flag -> config key it overrides
 FLAG_KEYS = {
@@ -75,13 +79,15 @@ def _config_file(args: argparse.Namespace) -> str | None:
     return str(found) if found is not None else None
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    out = list(args.overrides or [])
+def _overrides(args: argparse.Namespace) -> list[Override]:
+    out: list[Override] = list(args.overrides or [])
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag)
         if value is not None:
-            # a JSON string is a valid TOML basic string: paths with quotes or backslashes survive
-            out.append(f"{key}={json.dumps(value) if isinstance(value, str) else value}")
+            # a JSON string is a valid TOML basic string: paths with quotes or backslashes survive; a bad value is
+            # named by the flag the user typed, not as the --set it becomes
+            text = f"{key}={json.dumps(value) if isinstance(value, str) else value}"
+            out.append((text, f"--{flag.replace('_', '-')}"))
     if args.offload_blocks:
         out.append("sample.offload_blocks=true")
     if args.text_encoder_on_cpu:
@@ -89,18 +95,6 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     if args.no_vae_tiling:
         out.append("sample.vae_tiling=false")
     return out
-
-
-def _named_by_flag(err: ConfigError, args: argparse.Namespace) -> ConfigError:
-    """A bad value the user gave as a flag (--steps 0) is named by that flag, not as the --set it becomes."""
-    from tttvideo.config.loader import OVERRIDE_SOURCE
-
-    text = str(err)
-    for flag, key in FLAG_KEYS.items():
-        prefix = f"{key} in {OVERRIDE_SOURCE}: "
-        if getattr(args, flag) is not None and text.startswith(prefix):
-            return ConfigError(f"--{flag.replace('_', '-')} ({key}): {text[len(prefix):]}")
-    return err
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,10 +133,7 @@ def _checked_inputs(args: argparse.Namespace):
     for path in output_paths(stories, args.out):  # and an unwritable --out before hours of denoising
         check_writable_file(path, "--out")
     cfg_path = _config_file(args)
-    try:
-        cfg = load_config(cfg_path, _overrides(args))
-    except ConfigError as err:
-        raise _named_by_flag(err, args) from None
+    cfg = load_config(cfg_path, _overrides(args))
     check_component_folders(cfg.model.preset, cfg.sample.vae_path or cfg.data.vae_path,
                             cfg.sample.text_encoder_path or cfg.data.text_encoder_path,
                             "--vae (sample.vae_path)", "--text-encoder (sample.text_encoder_path)")

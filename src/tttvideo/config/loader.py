@@ -45,8 +45,13 @@ _NONE = type(None)
 
 
 # ---------------------------------------------------------------------------------------------------------- loading
-def load_config(path: str | Path | None, overrides: Iterable[str] = (), *, schema: type = Config) -> Any:
-    """Defaults <- included files <- `path` <- `overrides` (each ``"section.key=value"``), validated.
+# an override: "section.key=value" (from --set), or (that text, the flag it came from) so a mistake in it is named
+# by the flag the user typed (`tttv sample --steps 0`: "sample.steps in --steps: ...")
+Override = Union[str, tuple[str, str]]
+
+
+def load_config(path: str | Path | None, overrides: Iterable[Override] = (), *, schema: type = Config) -> Any:
+    """Defaults <- included files <- `path` <- `overrides`, validated.
 
     `schema` is the root dataclass (tests use small ones); every field of it must be a section dataclass.
     """
@@ -54,16 +59,16 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), *, schem
     if path is not None:
         for source, table in _read_chain(Path(path), stack=(), parent=None):
             _apply_table(cfg, table, prefix="", source=source)
-    for text in overrides:
-        _apply_override(cfg, text)
+    for override in overrides:
+        _apply_override(cfg, override)
     return cfg
 
 
-def with_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
-    """A copy of `cfg` with `overrides` (each ``"section.key=value"``) applied and validated as `--set` is."""
+def with_overrides(cfg: Config, overrides: Iterable[Override]) -> Config:
+    """A copy of `cfg` with `overrides` applied and validated as `--set` is."""
     cfg = copy.deepcopy(cfg)
-    for text in overrides:
-        _apply_override(cfg, text)
+    for override in overrides:
+        _apply_override(cfg, override)
     return cfg
 
 
@@ -337,7 +342,8 @@ def _describe(value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------- overrides
-def _apply_override(cfg: Any, text: str) -> None:
+def _apply_override(cfg: Any, override: Override) -> None:
+    text, source = (override, OVERRIDE_SOURCE) if isinstance(override, str) else override
     key, sep, raw = text.partition("=")
     key, raw = key.strip(), raw.strip()
     parts = key.split(".")
@@ -348,7 +354,7 @@ def _apply_override(cfg: Any, text: str) -> None:
     value = _parse_literal(raw)
     if key == "train.overwrite":  # replaced by train.if_exists (`_legacy_key`)
         plain = value.lower() == "true" if isinstance(value, str) and value.lower() in ("true", "false") else value
-        _apply_table(cfg, {"train": {"overwrite": plain}}, prefix="", source=OVERRIDE_SOURCE)
+        _apply_table(cfg, {"train": {"overwrite": plain}}, prefix="", source=source)
         return
     target = _field_type(type(cfg), parts)
     plain = _strip_optional(target)
@@ -360,7 +366,7 @@ def _apply_override(cfg: Any, text: str) -> None:
         value = value.lower() == "true"  # Python spellings True/False are what people type
     for part in reversed(parts):
         value = {part: value}
-    _apply_table(cfg, value, prefix="", source=OVERRIDE_SOURCE)
+    _apply_table(cfg, value, prefix="", source=source)
 
 
 def _parse_literal(raw: str) -> Any:
