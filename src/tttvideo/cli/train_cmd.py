@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
     if result.steps_done < 2:
         console.print(f"loss: {result.last_loss:.4f} (one step: nothing to compare)")
     else:
-        console.print(f"loss: mean of the first {window} steps {result.first_loss:.4f} -> mean of the last {window} "
-                      f"steps {result.last_loss:.4f} ({verdict})")
+        first, last = (f"mean of the {end} {window} steps" if window > 1 else f"{end} step"
+                       for end in ("first", "last"))
+        console.print(f"loss: {first} {result.first_loss:.4f} -> {last} {result.last_loss:.4f} ({verdict})")
     console.print(f"trained {result.steps_done} steps in {result.seconds:.0f} s; outputs in {result.output_dir}:")
     if result.checkpoints:
         console.print(f"  checkpoints   {result.checkpoints[-1].parent} (newest {result.checkpoints[-1].name})")
