@@ -57,7 +57,8 @@ def test_plan_out_is_checked_before_planning(capsys, tmp_path, monkeypatch):
 
 
 def test_an_earlier_plan_may_be_replaced(tmp_path):
-    from tttvideo.cli.plan_cmd import PLAN_HEADER, check_plan_out
+    from tttvideo.cli.plan_cmd import check_plan_out
+    from tttvideo.memory.plan.planner import PLAN_HEADER
 
     earlier = tmp_path / "plan.toml"
     earlier.write_text(PLAN_HEADER + "tttv plan ...\n")

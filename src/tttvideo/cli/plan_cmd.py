@@ -108,12 +108,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-PLAN_HEADER = "# written by: "  # the first line of every plan file (planner.plan_toml)
-
-
 def check_plan_out(path: str, config: str | None) -> Path:
     """--out, checked before the planning: a .toml file in a writable folder, not the config it includes, and not
     a file some other program wrote (only an earlier plan is replaced)."""
+    from tttvideo.memory.plan.planner import PLAN_HEADER
     from tttvideo.outputs import check_writable_file
 
     out = check_writable_file(path, "--out")
@@ -121,9 +119,15 @@ def check_plan_out(path: str, config: str | None) -> Path:
         raise UserError(f"--out {path}: a plan is a TOML config; name a .toml file")
     if config and out.resolve() == Path(config).resolve():
         raise UserError(f"--out {path} is CONFIG itself, which the plan includes; write the plan to another file")
-    if out.is_file() and not out.read_text(errors="replace").startswith(PLAN_HEADER):
+    if out.is_file() and not _starts_with(out, PLAN_HEADER):
         raise UserError(f"--out {path} exists and is not a plan tttv plan wrote; remove it or name another file")
     return out
+
+
+def _starts_with(path: Path, header: str) -> bool:
+    """Whether the file begins with `header` (only that many bytes read: --out may name any file)."""
+    with open(path, "rb") as f:
+        return f.read(len(header.encode())) == header.encode()
 
 
 def what_fits_instead(cfg, phase: str, fit) -> str:

@@ -487,10 +487,14 @@ def _literal(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as a plan value")
 
 
+# the first line of every plan file: `tttv plan --out` replaces only a file that starts with it
+PLAN_HEADER = "# written by: "
+
+
 def plan_toml(pred: Prediction, config_path: str | Path | None, out_path: str | Path, command: str,
               extra: dict[str, Any] | None = None) -> str:
     """A config file that includes the user's config and sets the chosen switches."""
-    lines = [f"# written by: {command}",
+    lines = [f"{PLAN_HEADER}{command}",
              f"# predicted peak {pred.peak / GIB:.1f} GiB per GPU"
              + (f", {pred.step_s:.2f} s per step" if pred.step_s is not None else "")
              + f" ({pred.candidate.label})"]
