@@ -116,9 +116,9 @@ def _nearby_configs_hint(path: Path) -> str:
     """The configs a mistyped CONFIG may have meant: those in the folder named (when a folder was given), else
     beside it."""
     if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.toml"))
-        return f"; configs in {_label(path)}/: {', '.join(found)}" if found else ""
-    folder = path.parent if str(path.parent) not in ("", ".") else Path("configs")
+        folder = path
+    else:
+        folder = path.parent if str(path.parent) not in ("", ".") else Path("configs")
     found = sorted(p.name for p in folder.glob("*.toml")) if folder.is_dir() else []
     return f"; configs in {_label(folder)}/: {', '.join(found)}" if found else ""
 
