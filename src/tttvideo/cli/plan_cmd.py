@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
         shown = chosen or preds[0]
         print(describe(planned_disk(shown.config, args.gpus), shown.config, shown.candidate.label))
     if chosen is None and preds and all(p.fits is None for p in preds):
-        print(f"tttv plan: no candidate setup of model.preset {cfg.model.preset!r} has measured costs for a "
-              f"{args.phase} step on {args.gpu_kind} (every row: not measured), so nothing can be said to fit; "
-              f"measure this preset with benchmarks/plan_calibration.py, or plan a measured one",
+        print(f"tttv plan: no candidate setup of this config (model.preset {cfg.model.preset!r}) has measured costs "
+              f"for a {args.phase} step on {args.gpu_kind} (every row: not measured), so nothing can be said to fit; "
+              f"measure its setups with benchmarks/plan_calibration.py, or plan a config whose setups are measured",
               file=sys.stderr)
         return 1
     if chosen is None:
