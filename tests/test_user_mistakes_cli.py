@@ -15,7 +15,7 @@ from tttvideo.device import resolve_device
 from tttvideo.errors import ConfigError, UserError
 
 
-@pytest.mark.parametrize("name", ["gpu", "cpu:abc", "cuda:x", ""])
+@pytest.mark.parametrize("name", ["gpu", "cpu:abc", "cuda:x", "", "meta", "cuda:0 "])
 def test_a_device_that_is_no_device_is_refused_where_the_config_loads(name):
     with pytest.raises(ConfigError, match="train.device in --set: .* is not a device; use 'auto', 'cpu', 'cuda'"):
         load_config(None, [f'train.device="{name}"'])

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from tttvideo.config.loader import DEVICE_NAME
 from tttvideo.errors import UserError
 
 
@@ -15,10 +16,9 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
     (the config key or flag the value came from)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"{field} is {name!r}, which is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if not DEVICE_NAME.fullmatch(name):  # the names a config's device field takes, so flag and file agree
+        raise UserError(f"{field} is {name!r}, which is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{field} is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")
     return device
