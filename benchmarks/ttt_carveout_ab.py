@@ -13,8 +13,7 @@ atomics from two CUDA streams (their order, and so their rounding, changes from 
 whether the rest are equal and how far the norm gradients moved. Times are medians over rounds of `ttt_kernel.bench`
 (CUDA events), the order reversed every other round. The modes apply where `fit_carveout` is called (the TTT-MLP
 reverse and the TTT-Linear backward); the forward cases show that nothing else moved. On a CPU (TRITON_INTERPRET=1,
-a smoke run: `--length 64 --heads 2`) there is no carveout to set and the times mean nothing. The runner (`Switch`,
-`switch_main`) serves the other same-run kernel switches too (ttt_prefetch_ab.py).
+a smoke run: `--length 64 --heads 2`) there is no carveout to set and the times mean nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,42 +31,25 @@ from ttt_forward_ab import ab_device, add_ab_arguments, timed  # noqa: E402 - th
 from tttvideo.memory.profile.profiler import git_commit  # noqa: E402
 from tttvideo.results import save_json  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Switch:
-    """A kernel setting read from an environment variable at every launch, and the cases to A/B it on: `modes` is
-    (baseline, candidate), `about` says what each mode is (for the JSON), `values` the variable's value for a mode
-    where it is not the mode's name."""
-    benchmark: str
-    env: str
-    modes: tuple[str, str]
-    about: dict[str, str]
-    cases: list[tuple]
-    values: dict[str, str] = field(default_factory=dict)
-
-
+MODES = ("triton", "fit")
 # (name, kind, batch, mini-batch, what runs: "fwd+bwd", "train fwd" or "sample fwd")
-CARVEOUT = Switch(
-    "ttt_carveout_ab", "TTT_L1_CARVEOUT", ("triton", "fit"),
-    {"triton": "Triton's setting (largest carveout above 48 KB)",
-     "fit": "smallest carveout holding the resident programs"},
-    [("MLP forward + backward", "mlp", 1, 64, "fwd+bwd"),
-     ("MLP training forward", "mlp", 1, 64, "train fwd"),
-     ("MLP sampling forward", "mlp", 2, 16, "sample fwd"),
-     ("MLP sampling forward", "mlp", 1, 16, "sample fwd"),
-     ("Linear forward + backward", "linear", 1, 16, "fwd+bwd")])
+CASES = [("MLP forward + backward", "mlp", 1, 64, "fwd+bwd"),
+         ("MLP training forward", "mlp", 1, 64, "train fwd"),
+         ("MLP sampling forward", "mlp", 2, 16, "sample fwd"),
+         ("MLP sampling forward", "mlp", 1, 16, "sample fwd"),
+         ("Linear forward + backward", "linear", 1, 16, "fwd+bwd")]
 
 
-def parse_args(switch: Switch, doc: str, argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=f"{switch.benchmark}.py", description=doc.split("\n\n")[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_ab_arguments(ap)
     return ap.parse_args(argv)
 
 
-def in_mode(switch: Switch, mode: str, fn):
-    """fn() with the switch's environment variable set to `mode` (read by every launch)."""
+def in_mode(mode: str, fn):
+    """fn() with TTT_L1_CARVEOUT=mode (read by every launch)."""
     def run():
-        os.environ[switch.env] = switch.values.get(mode, mode)
+        os.environ["TTT_L1_CARVEOUT"] = mode
         return fn()
     return run
 
@@ -88,7 +69,7 @@ def scan(kind: str, M: int, what: str, ins: list[torch.Tensor], dout: torch.Tens
     return fwd_bwd
 
 
-def run_case(switch: Switch, name: str, kind: str, B: int, M: int, what: str, args, device) -> dict:
+def run_case(name: str, kind: str, B: int, M: int, what: str, args, device) -> dict:
     from tttvideo.ttt.testing import make_inputs
 
     L = args.length // M * M
@@ -96,45 +77,42 @@ def run_case(switch: Switch, name: str, kind: str, B: int, M: int, what: str, ar
     ins = [t.detach() for t in make_inputs(kind, B, args.heads, L, 64, M, dtype=dtype, seed=1, device=device)]
     dout = torch.randn_like(ins[0])
     fn = scan(kind, M, what, ins, dout)
-    modes = switch.modes
-    runs = {mode: in_mode(switch, mode, fn) for mode in modes}
+    runs = {mode: in_mode(mode, fn) for mode in MODES}
     outs = {mode: run() for mode, run in runs.items()}
-    a, b = (outs[m] if isinstance(outs[m], tuple) else (outs[m],) for m in modes)
+    a, b = (outs[m] if isinstance(outs[m], tuple) else (outs[m],) for m in MODES)
     # a backward returns out, dq, dk, dv, deta, d norm_w, d norm_b, ...: the norm gradients are summed by atomics
     norm = {5, 6} if what == "fwd+bwd" else set()
     equal = all(torch.equal(x, y) for i, (x, y) in enumerate(zip(a, b)) if i not in norm)
     norm_moved = max((float((a[i] - b[i]).norm() / b[i].norm().clamp_min(1e-30)) for i in norm), default=0.0)
     del outs, a, b
-    times = {mode: [] for mode in modes}
+    times = {mode: [] for mode in MODES}
     for r in range(args.rounds):
-        for mode in (modes if r % 2 == 0 else modes[::-1]):
+        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
             times[mode].append(timed(runs[mode], device, min_runs=5))
-    os.environ.pop(switch.env, None)
+    os.environ.pop("TTT_L1_CARVEOUT", None)
     return dict(case=f"{name}, {B * args.heads} streams", kind=kind, streams=B * args.heads, mini_batch=M,
                 tokens=L, runs=what, equal=equal, norm_grad_moved=norm_moved,
                 **{f"{m}_ms": [round(t, 4) for t in ts] for m, ts in times.items()},
                 **{f"{m}_median_ms": statistics.median(ts) for m, ts in times.items()})
 
 
-def switch_main(switch: Switch, doc: str, argv=None) -> int:
-    """Run every case of `switch` in both modes, print the table, write --out."""
-    args = parse_args(switch, doc, argv)
-    device = ab_device(f"{switch.benchmark}.py")
-    rows = [run_case(switch, *case, args, device) for case in switch.cases]
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = ab_device("ttt_carveout_ab.py")
+    rows = [run_case(*case, args, device) for case in CASES]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
-    result = dict(benchmark=switch.benchmark, device=name, torch=torch.__version__, git_commit=git_commit(),
-                  rounds=args.rounds, modes=switch.about, rows=rows)
+    result = dict(benchmark="ttt_carveout_ab", device=name, torch=torch.__version__, git_commit=git_commit(),
+                  rounds=args.rounds, modes={"triton": "Triton's setting (largest carveout above 48 KB)",
+                                             "fit": "smallest carveout holding the resident programs"}, rows=rows)
     if args.out:
         save_json(args.out, result)
-    base, new = switch.modes
     print(f"\n{name}, commit {result['git_commit'][:7]}: ms, median of {args.rounds} alternating rounds")
-    print(f"{'case':<40} {base:>9} {new:>9} {new + '/' + base:>12}  bit-equal  norm grads moved")
+    print(f"{'case':<40} {'triton':>9} {'fit':>9} {'fit/triton':>10}  bit-equal  norm grads moved")
     for r in rows:
-        print(f"{r['case']:<40} {r[base + '_median_ms']:>9.3f} {r[new + '_median_ms']:>9.3f} "
-              f"{r[new + '_median_ms'] / r[base + '_median_ms']:>12.3f}  {str(r['equal']):<9}  "
-              f"{r['norm_grad_moved']:.1e}")
+        print(f"{r['case']:<40} {r['triton_median_ms']:>9.3f} {r['fit_median_ms']:>9.3f} "
+              f"{r['fit_median_ms'] / r['triton_median_ms']:>10.3f}  {str(r['equal']):<9}  {r['norm_grad_moved']:.1e}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(switch_main(CARVEOUT, __doc__))
+    sys.exit(main())

@@ -116,48 +116,29 @@ if pytest is not None:
                 torch.cuda.synchronize()
                 assert torch.equal(parts, whole), schedule
 
-    def _full_size_backward_twice(seed, first, second):
-        """The TTT-MLP backward at full size on one forward's checkpoints, run under `first()` and then `second()`
-        (each sets up a schedule or kernel switch and returns the backward's keyword arguments)."""
+    def test_recompute_lane_keeps_the_gradients():
+        # the backward's recompute on a stream of its own (one group ahead of the reverse, recompute_lane): every
+        # gradient equals that of the recompute in sequence with the reverse on one stream, at full size, bit for
+        # bit but the LayerNorm weight's and bias's, which the kernels sum with fp32 atomics in whatever order their
+        # programs arrive (under either schedule)
         from tttvideo.ttt import triton_mlp
         from tttvideo.ttt.testing import make_inputs
 
         m, group = 64, 16
-        ins = [t.detach() for t in make_inputs("mlp", 1, 48, 18048, 64, m, seed=seed)]
+        ins = [t.detach() for t in make_inputs("mlp", 1, 48, 18048, 64, m, seed=3)]
         dout = torch.randn_like(ins[0])
         _, ck = triton_mlp.mlp_forward(*ins, m, group, True)
-        grads = [triton_mlp.mlp_backward(dout, *ins[:6], ck, m, group, **setup()) for setup in (first, second)]
+        grads = {lane: triton_mlp.mlp_backward(dout, *ins[:6], ck, m, group, recompute_lane=lane)
+                 for lane in ("recompute", "serial")}
         torch.cuda.synchronize()
-        return grads
-
-    def _assert_same_gradients(a_grads, b_grads, between):
-        # bit for bit but the LayerNorm weight's and bias's, which the kernels sum with fp32 atomics in whatever
-        # order their programs arrive
         names = ["q", "k", "v", "eta", "norm_w", "norm_b", "W1", "b1", "W2", "b2"]
-        for name, a, b in zip(names, a_grads, b_grads):
+        for name, a, b in zip(names, grads["recompute"], grads["serial"]):
             if name in ("norm_w", "norm_b"):
                 err = float((a - b).norm() / b.norm())
-                assert err <= 1e-5, f"d {name}: relative difference {err} between {between}"
+                assert err <= 1e-5, f"d {name}: relative difference {err} between the recompute lanes"
             else:
-                assert torch.equal(a, b), f"d {name} differs between {between}"
+                assert torch.equal(a, b), f"d {name} differs between the recompute lanes"
 
-    def test_recompute_lane_keeps_the_gradients():
-        # the backward's recompute on a stream of its own (one group ahead of the reverse, recompute_lane): every
-        # gradient equals that of the recompute in sequence with the reverse on one stream
-        grads = _full_size_backward_twice(3, lambda: dict(recompute_lane="recompute"),
-                                          lambda: dict(recompute_lane="serial"))
-        _assert_same_gradients(*grads, "the recompute lanes")
-
-    def test_l2_prefetch_keeps_the_gradients(monkeypatch):
-        # the reverse's L2 prefetch (TTT_L2_PREFETCH) loads nothing into registers: every gradient equals the
-        # unprefetched kernel's
-        def prefetch(value):
-            def setup():
-                monkeypatch.setenv("TTT_L2_PREFETCH", value)
-                return {}
-            return setup
-        _assert_same_gradients(*_full_size_backward_twice(4, prefetch("1"), prefetch("0")),
-                               "the reverse with and without the L2 prefetch")
 
 if __name__ == "__main__":
     for kind in ("mlp", "linear"):

@@ -164,28 +164,6 @@ def tanh_approx(x):
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
-def l2_prefetch_on() -> bool:
-    """Whether the TTT-MLP reverse asks L2 for its next step's tiles one step ahead (`prefetch_l2`): on by default
-    on a GPU; TTT_L2_PREFETCH=0 turns it off (the A/B: benchmarks/ttt_prefetch_ab.py). Never in the interpreter,
-    which runs no PTX."""
-    value = os.environ.get("TTT_L2_PREFETCH", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"TTT_L2_PREFETCH={value!r}: use 1 (prefetch, the default) or 0 (off)")
-    return value == "1" and not interpreting()
-
-
-@triton.jit
-def prefetch_l2(PTR, NELEM: tl.constexpr, ON: tl.constexpr):
-    """Ask L2 for the NELEM contiguous elements at PTR (PTX prefetch.global.L2, one per 128-byte line; NELEM a power
-    of two), so that a later load of them waits on L2 instead of DRAM. It loads nothing into registers and cannot
-    fault the kernel on its own. Nothing when ON is 0. GPU only (inline PTX), like `tanh_approx`."""
-    if ON:
-        LINE: tl.constexpr = 1024 // PTR.dtype.element_ty.primitive_bitwidth  # elements in a 128-byte line
-        LINES: tl.constexpr = NELEM // LINE if NELEM >= LINE else 1
-        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
-                                  [PTR + tl.arange(0, LINES) * LINE], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _gelu_tanh_parts(z):
     """tanh(s), gelu_tanh(z) = z h with h = (1 + tanh(s)) / 2, and half of ds/dz, from `tanh_approx`."""

@@ -35,8 +35,7 @@ import triton.language as tl
 
 from tttvideo.ttt.triton_carveout import fit_carveout
 from tttvideo.ttt.triton_common import (
-    LN_EPS, dot, dot_acc, dot_mode, gelu_fwd, l2_prefetch_on, ln_bwd, ln_l2_bwd, ln_l2_fwd, ln_stats, op,
-    prefetch_l2,
+    LN_EPS, dot, dot_acc, dot_mode, gelu_fwd, ln_bwd, ln_l2_bwd, ln_l2_fwd, ln_stats, op,
 )
 from tttvideo.ttt.triton_exchange import exchange_buffers, gather, raise_flag, stage, take_ticket, wait_all
 
@@ -120,39 +119,17 @@ def _add_output_grad(Q, DQ1, XQ, DQ2, OB1, OB2, g, off, rows, rd, zrows, tile, g
 
 
 @triton.jit
-def _prefetch_step(Q, K, V, SW2, XS, GPS, Z2S, G2S, DQ1, XQ, S1, DQ2, ps, g, off, role,
-                   D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, EC: tl.constexpr, ON: tl.constexpr):
-    """Ask L2 for every tile the reverse's step at state slot `ps` / mini-batch slot `g` reads (token tile at `off`):
-    its own operands and the output-path factors `_add_output_grad` adds for it, this role's hidden rows of the
-    hidden-major ones. Issued a step ahead, so those loads, which the step's serial chain waits on, find L2."""
-    prefetch_l2(K + off, M * D, ON)
-    prefetch_l2(V + off, M * D, ON)
-    prefetch_l2(Q + off, M * D, ON)
-    prefetch_l2(SW2 + ps * (E * D) + role * (EC * D), EC * D, ON)
-    prefetch_l2(XS + g * (E * M) + role * (EC * M), EC * M, ON)
-    prefetch_l2(GPS + g * (E * M) + role * (EC * M), EC * M, ON)
-    prefetch_l2(S1 + g * (E * M) + role * (EC * M), EC * M, ON)
-    prefetch_l2(DQ1 + g * (E * M) + role * (EC * M), EC * M, ON)
-    prefetch_l2(XQ + g * (E * M) + role * (EC * M), EC * M, ON)
-    prefetch_l2(Z2S + g * (M * D), M * D, ON)
-    prefetch_l2(G2S + g * (M * D), M * D, ON)
-    prefetch_l2(DQ2 + g * (M * D), M * D, ON)
-
-
-@triton.jit
 def _reverse_kernel(
     Q, K, V, ETA, NW, NB, SW2, NSLOT, XS, GPS, Z2S, G2S, DQ1, XQ, S1, DQ2, OB1, OB2, GSLOT,
     CW1, CB1, CW2, CB2, GK1, DZ1, DV, DETA, DNW, DNB, XB, SYNC,
     H, L, I0, CNT,
     D: tl.constexpr, E: tl.constexpr, M: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, EPS: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
 ):
     """The update path of the group's mini-batches in reverse, per (stream, role). C* holds the gradient w.r.t.
     the state after the group on entry and w.r.t. the state before it on exit (fp32, one slot per stream).
     d K is left to `_dk_kernel`, which runs in parallel over mini-batches: this kernel stores its operands, the
     state gradient dW1' (GK1) and dZ1 (DZ1). The output path's contribution for mini-batch j - 1 is added at the
-    end of step j, off the chain's critical products. With PREFETCH, step j first asks L2 for what step j - 1 and
-    that contribution read (`_prefetch_step`)."""
+    end of step j, off the chain's critical products."""
     stream, role = take_ticket(SYNC, SPLIT)
     EC: tl.constexpr = E // SPLIT
     h = stream % H
@@ -178,9 +155,6 @@ def _reverse_kernel(
         ib = I0 + j
         g = stream * GSLOT + j
         off = tok + ib * (M * D) + tile
-        if j > 0:
-            _prefetch_step(Q, K, V, SW2, XS, GPS, Z2S, G2S, DQ1, XQ, S1, DQ2, stream * NSLOT + j - 1, g - 1,
-                           tok + (ib - 1) * (M * D), role, D, E, M, EC, PREFETCH)
         k = tl.load(K + off)
         w2 = tl.load(SW2 + (stream * NSLOT + j) * (E * D) + wrows)  # the state before j
         x2t = tl.load(XS + g * (E * M) + zrows)
@@ -287,7 +261,7 @@ def reverse(q, k, v, eta, norm_w, norm_b, states, nslot, acts, outs, carried, dk
         q, k, v, eta, norm_w, norm_b, states[2], nslot, x2, gp, z2, g2, *outs, nslot - 1,
         *carried, *dk_ops, dv, deta, dnw, dnb, xb, sync,
         H, L, i0, cnt,
-        D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(k.dtype), EPS=LN_EPS, PREFETCH=int(l2_prefetch_on()),
+        D=D, E=E, M=M, SPLIT=split, DOT=dot_mode(k.dtype), EPS=LN_EPS,
         num_warps=warps, num_stages=1,
     )
     fit_carveout(launched["bwd_reverse"])
