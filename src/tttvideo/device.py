@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from tttvideo.config.loader import DEVICE_NAME
+from tttvideo.config.loader import DEVICE_ADVICE, DEVICE_NAME
 from tttvideo.errors import UserError
 
 
@@ -17,7 +17,7 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not DEVICE_NAME.fullmatch(name):  # the names a config's device field takes, so flag and file agree
-        raise UserError(f"{field} is {name!r}, which is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        raise UserError(f"{field} is {name!r}, which is not a device; {DEVICE_ADVICE}")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{field} is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")

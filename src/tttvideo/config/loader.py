@@ -260,12 +260,12 @@ def _convert(tp: Any, value: Any, key: str, source: str, meta: Any) -> Any:
 
 # what a device field may name: torch.device's forms for the hardware the project runs on, and 'auto'
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+DEVICE_ADVICE = "use 'auto', 'cpu', 'cuda' or 'cuda:N'"  # what a refused device name is told
 
 
 def _check_metadata(value: Any, key: str, source: str, meta: Any) -> None:
     if meta and meta.get("device") and not DEVICE_NAME.fullmatch(value):
-        raise ConfigError(f"{key} in {source}: {_toml_literal(value)} is not a device; use 'auto', 'cpu', 'cuda' or "
-                          f"'cuda:N'")
+        raise ConfigError(f"{key} in {source}: {_toml_literal(value)} is not a device; {DEVICE_ADVICE}")
     choices = meta.get("choices") if meta else None
     if choices and value not in choices:
         raise _choice_error(value, choices, key, source)
