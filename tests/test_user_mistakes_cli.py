@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.cli_errors import one_error_line
 from tests.test_sample import RED, checkpoint, story_file  # noqa: F401  (checkpoint is a fixture)
@@ -27,6 +28,14 @@ def test_device_names_that_are_devices_pass():
     cfg = load_config(None, ['train.device="cuda:1"', 'sample.device="cpu"', 'data.device="auto"'])
     assert (cfg.train.device, cfg.sample.device, cfg.data.device) == ("cuda:1", "cpu", "auto")
     assert resolve_device("cpu").type == "cpu"
+
+
+@pytest.mark.parametrize("name, missing", [("cuda:1", "no CUDA device"), ("mps", "no Apple GPU")])
+def test_an_accelerator_the_machine_lacks_is_one_sentence(monkeypatch, name, missing):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(UserError, match=f"--device is '{name}' but {missing}.*use 'cpu' or 'auto'"):
+        resolve_device(name, "--device")
 
 
 @pytest.mark.parametrize("argv, needle", [

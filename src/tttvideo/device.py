@@ -21,6 +21,8 @@ def resolve_device(name: str, field: str = "device") -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{field} is {name!r} but no CUDA device is visible; use 'cpu' or 'auto'")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"{field} is {name!r} but no Apple GPU (MPS) is available; use 'cpu' or 'auto'")
     return device
 
 

@@ -260,7 +260,7 @@ def _convert(tp: Any, value: Any, key: str, source: str, meta: Any) -> Any:
 
 # what a device field may name: torch.device's forms for the hardware the project runs on, and 'auto'
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-DEVICE_ADVICE = "use 'auto', 'cpu', 'cuda' or 'cuda:N'"  # what a refused device name is told
+DEVICE_ADVICE = "use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"  # what a refused device name is told
 
 
 def _check_metadata(value: Any, key: str, source: str, meta: Any) -> None:
