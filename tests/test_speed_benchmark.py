@@ -40,6 +40,9 @@ def test_every_part_on_cpu_then_one_part_again(tmp_path, capsys):
     assert rows["train_ratio_short"]["met"] == (figures["train_ratio_short"] <= 1.4)
     # the long step ran 1 of the tiny model's 2 blocks: extrapolated, and said so; the short one ran both
     assert rows["sample_long_ttt_step_s"]["extrapolated"] and not rows["sample_ratio_short"]["extrapolated"]
+    # a long video's 50 steps (sample.steps' default), each timed as the guided step: minutes, extrapolated with it
+    assert figures["sample_long_video_min"] == pytest.approx(50 * figures["sample_long_ttt_step_s"] / 60)
+    assert rows["sample_long_video_min"]["extrapolated"]
     long_on = result["parts"]["sample63"]["rows"]["ttt"]
     assert (long_on["blocks_timed"], long_on["blocks_total"]) == (1, 2)
     table = capsys.readouterr().out
