@@ -3,8 +3,9 @@
 The model is the trainer's: `build_model` of a Config (random initialisation built on the meta device and
 materialised directly on the device; the `qkvo` adapter; whole-block activation checkpointing plus the TTT scan
 checkpointing, which is what fits 80 GB), and the step is the trainer's `TrainStep` on random bf16 latents and text
-features of batch 1 with the diffusion objective: forward + backward by default, and the AdamW step as well with
---optimizer-step. The model computes in its own dtype (model.dtype, bf16), without autocast (train.precision fp32).
+features of one micro-batch (`train.batch_size` clips: 1, or N with --set train.batch_size=N, the FLOPs counting all
+N) with the diffusion objective: forward + backward by default, and the AdamW step as well with --optimizer-step.
+The model computes in its own dtype (model.dtype, bf16), without autocast (train.precision fp32).
 For 3 s (18,048 tokens) and 9 s (51,456 tokens) it prints the median step time, peak allocated / reserved memory
 and model FLOPs utilisation with the FLOP count split into dense matmuls (6 x per-token params x tokens), attention
 (the local windows) and the TTT scan; recomputation is not counted (model FLOPs, not hardware FLOPs).
@@ -192,11 +193,12 @@ def make_step(cfg: Config, model: CogVideoXTTT, device: torch.device, layout: Vi
 
 # ------------------------------------------------------------------------------------------------------ timing
 def random_batch(model: CogVideoXTTT, layout: VideoLayout, dtype: torch.dtype,
-                 device: torch.device) -> dict[str, torch.Tensor]:
+                 device: torch.device, samples: int = 1) -> dict[str, torch.Tensor]:
+    """A micro-batch of `samples` random clips (`train.batch_size` of them for a training step)."""
     g = torch.Generator(device=device).manual_seed(0)
-    latents = torch.randn(1, layout.latent_frames, model.spec.in_channels, layout.latent_height, layout.latent_width,
-                          generator=g, device=device, dtype=dtype)
-    text = torch.randn(1, layout.num_segments, layout.text_tokens, model.spec.text_embed_dim, generator=g,
+    latents = torch.randn(samples, layout.latent_frames, model.spec.in_channels, layout.latent_height,
+                          layout.latent_width, generator=g, device=device, dtype=dtype)
+    text = torch.randn(samples, layout.num_segments, layout.text_tokens, model.spec.text_embed_dim, generator=g,
                        device=device, dtype=dtype)
     return {"latents": latents, "text": text}
 
@@ -246,7 +248,8 @@ def time_forward(model: CogVideoXTTT, batch: dict[str, torch.Tensor], layout: Vi
 def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argparse.Namespace, device: torch.device,
              deadline: float, ranks: TrainRanks) -> dict[str, Any]:
     dtype = torch_dtype(cfg.model.dtype)
-    batch = random_batch(model, layout, dtype, device)  # the same on every rank: an sp group shares its sample
+    # the same on every rank: an sp group shares its samples
+    batch = random_batch(model, layout, dtype, device, cfg.train.batch_size)
     forward = time_forward(model, batch, layout, args, device, deadline, ranks) if args.forward else {}
     train_step = make_step(cfg, model, device, layout, ranks)
 
@@ -259,7 +262,7 @@ def run_case(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, args: argpar
     # freeing the last step's gradients is not timed
     warm, times = timed(step, lambda: train_step.optimizer.zero_grad(set_to_none=True), args, device, deadline, ranks)
     train_step.optimizer.zero_grad(set_to_none=True)
-    flops = model_flops(model, layout)
+    flops = {k: v * cfg.train.batch_size for k, v in model_flops(model, layout).items()}  # per micro-batch
     median = statistics.median(times)
     peak = PEAK_BF16.get(next((k for k in PEAK_BF16 if k in device_name(device)), ""), None)
     row = {
@@ -383,7 +386,8 @@ def run_yardstick(cfg: Config, model: CogVideoXTTT, layout: VideoLayout, row: di
     """diffusers' transformer of the same preset on the inputs our model got in `row`'s case, timed by the same
     loop, with the ratios diffusers time / ours; an OOM is the yardstick's error."""
     yardstick = yardstick_module()
-    batch = random_batch(model, layout, torch_dtype(cfg.model.dtype), device)  # seeded: the case's own inputs
+    # seeded: the case's own inputs
+    batch = random_batch(model, layout, torch_dtype(cfg.model.dtype), device, cfg.train.batch_size)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     error = None

@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/speed.py --quick --profile   # ~5-7 min of one H100 / H200: 63 s from 2 blocks
     PYTHONPATH=src python3 benchmarks/speed.py --parts sample63     # then the 63-s guided step over all 42 blocks
     PYTHONPATH=src python3 benchmarks/speed.py --parts train63      # and the 63-s training step: the full run
+    PYTHONPATH=src python3 benchmarks/speed.py --parts train2       # the short training step at micro-batch 2
     PYTHONPATH=src python3 benchmarks/speed.py --preset tiny --device cpu --height 32 --width 48 --text-tokens 8 \
         --long 6 --timed-blocks 1                                   # CPU smoke run (tests/test_speed_benchmark.py)
 
@@ -24,6 +25,8 @@
   offloaded to host memory (`checkpointing.offload_activations`); one unwarmed step each (minutes per step, the first
   compile and autotuning included). With TTT it peaks at 113 GiB allocated (H200): it needs a card of more than
   80 GB; docs/training.md's 63-s setup for one 80 GB card checkpoints every sub-module as well.
+- train2: the short training step at micro-batch 2 (`train.batch_size = 2`), TTT on and off, beside the targets
+  (which are at one clip): the time per clip, the TTT on / off ratio and the MFU when two clips share a step.
 The parts run by default: train, sample3, sample63, ttt63; --quick runs the long guided step over its first 2
 blocks (--timed-blocks 2) instead of all 42. --profile adds a torch.profiler
 breakdown (device time by kind of kernel: TTT scan, attention, matrix products, norms, copies, the rest; and the top
@@ -68,7 +71,7 @@ from tttvideo.models.backbone import get_preset  # noqa: E402
 from tttvideo.results import save_json, save_text  # noqa: E402
 from tttvideo.train.distributed import TrainRanks  # noqa: E402
 
-PARTS = ("train", "sample3", "sample63", "ttt63", "train63")
+PARTS = ("train", "sample3", "sample63", "ttt63", "train63", "train2")
 QUICK_PARTS = ("train", "sample3", "sample63", "ttt63")
 # figure -> (what it is, target, "<=" or ">=")
 TARGETS: dict[str, tuple[str, float, str]] = {
@@ -98,6 +101,10 @@ INFO = {
     "ttt63_block_one_ms": "the same, the whole batch as one launch (TTT_KERNEL_GROUPS=one) (ms)",
     "train_ttt_long_s": "training step, long, TTT on (s)",
     "train_off_long_s": "training step, long, TTT off (s)",
+    "train_ttt_short_b2_clip_s": "training step, short, micro-batch 2, TTT on, per clip (s)",
+    "train_off_short_b2_clip_s": "training step, short, micro-batch 2, TTT off, per clip (s)",
+    "train_ratio_short_b2": "training step TTT on / off, short, micro-batch 2",
+    "mfu_ttt_short_b2": "MFU of the training step with TTT, short, micro-batch 2",
 }
 
 
@@ -228,6 +235,21 @@ def train_part(args, device, result: dict) -> None:
     result["parts"]["train"] = {"rows": {"ttt": on, "off": off}, "figures": figures, "git_commit": result["git_commit"]}
     if profile:
         result.setdefault("profile", {})["train_short"] = profile
+
+
+def train_batch2_part(args, device, result: dict) -> None:
+    """The short training step at micro-batch 2 (`train.batch_size = 2`), TTT on and off: two clips double the
+    scan's streams, which at one clip leave most SMs idle, and the rest of the step's work doubles with them."""
+    extra = ["train.batch_size=2"]
+    on = train_case(args, device, args.short, True, extra)
+    off = train_case(args, device, args.short, False, extra)
+    figures = {"train_ttt_short_b2_clip_s": on["median_step_s"] / 2 if on.get("median_step_s") else None,
+               "train_off_short_b2_clip_s": off["median_step_s"] / 2 if off.get("median_step_s") else None,
+               "mfu_ttt_short_b2": on.get("mfu")}
+    if on.get("median_step_s") and off.get("median_step_s"):
+        figures["train_ratio_short_b2"] = on["median_step_s"] / off["median_step_s"]
+    result["parts"]["train2"] = {"rows": {"ttt": on, "off": off}, "figures": figures, "overrides": extra,
+                                 "git_commit": result["git_commit"]}
 
 
 def train_long_part(args, device, result: dict) -> None:
@@ -458,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = [("train", lambda: train_part(args, device, result)),
              ("sample", lambda: sample_part(args, device, result, sampled) if sampled else None),
              ("ttt63", lambda: ttt_long_part(args, device, result)),
-             ("train63", lambda: train_long_part(args, device, result))]
+             ("train63", lambda: train_long_part(args, device, result)),
+             ("train2", lambda: train_batch2_part(args, device, result))]
     for name, run in steps:
         if name in args.parts or (name == "sample" and sampled):
             t0 = time.perf_counter()

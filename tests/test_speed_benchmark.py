@@ -60,6 +60,16 @@ def test_every_part_on_cpu_then_one_part_again(tmp_path, capsys):
     assert again["parts"]["train"] == result["parts"]["train"]
     assert again["parts"]["ttt63"] != result["parts"]["ttt63"]  # timed anew
 
+    # micro-batch 2 beside the targets: two clips in each step, the figures per clip
+    assert speed.main([*SMOKE, "--parts", "train2", "--out", str(out)]) == 0
+    two = json.loads(out.read_text())
+    on, off = two["parts"]["train2"]["rows"]["ttt"], two["parts"]["train2"]["rows"]["off"]
+    assert on["latents_shape"][0] == off["latents_shape"][0] == 2
+    assert on["flops"]["total"] == pytest.approx(2 * train["ttt"]["flops"]["total"])
+    assert two["figures"]["train_ttt_short_b2_clip_s"] == pytest.approx(on["median_step_s"] / 2)
+    assert two["figures"]["train_ratio_short_b2"] == pytest.approx(on["median_step_s"] / off["median_step_s"])
+    assert two["parts"]["train"] == result["parts"]["train"]
+
 
 def test_targets_table_from_figures():
     speed = load_benchmark("speed")
