@@ -239,7 +239,7 @@ def train_part(args, device, result: dict) -> None:
 
 def train_batch2_part(args, device, result: dict) -> None:
     """The short training step at micro-batch 2 (`train.batch_size = 2`), TTT on and off: two clips double the
-    scan's streams, which at one clip leave most SMs idle, and the rest of the step's work doubles with them."""
+    scan's streams (96 at 48 heads) as well as the rest of the step's work; the figures are per clip."""
     extra = ["train.batch_size=2"]
     on = train_case(args, device, args.short, True, extra)
     off = train_case(args, device, args.short, False, extra)
