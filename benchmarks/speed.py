@@ -240,11 +240,12 @@ def train_part(args, device, result: dict) -> None:
 def train_batch2_part(args, device, result: dict) -> None:
     """The short training step at micro-batch 2 (`train.batch_size = 2`), TTT on and off: two clips double the
     scan's streams (96 at 48 heads) as well as the rest of the step's work; the figures are per clip."""
-    extra = ["train.batch_size=2"]
+    clips = 2
+    extra = [f"train.batch_size={clips}"]
     on = train_case(args, device, args.short, True, extra)
     off = train_case(args, device, args.short, False, extra)
-    figures = {"train_ttt_short_b2_clip_s": on["median_step_s"] / 2 if on.get("median_step_s") else None,
-               "train_off_short_b2_clip_s": off["median_step_s"] / 2 if off.get("median_step_s") else None,
+    figures = {"train_ttt_short_b2_clip_s": on["median_step_s"] / clips if on.get("median_step_s") else None,
+               "train_off_short_b2_clip_s": off["median_step_s"] / clips if off.get("median_step_s") else None,
                "mfu_ttt_short_b2": on.get("mfu")}
     if on.get("median_step_s") and off.get("median_step_s"):
         figures["train_ratio_short_b2"] = on["median_step_s"] / off["median_step_s"]
